@@ -1,0 +1,37 @@
+# The two set-up commands (see README): `make demo` and `make test`. Each creates .venv on a
+# fresh machine, installs torch 2.13.0 first (the CPU wheel; an unpinned torch would pull a
+# multi-GB CUDA build), then the project.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check
+DEMO_DIR ?= demo
+
+.PHONY: demo test bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.torch: | $(PY)
+	$(PIP) "torch==2.13.0"
+	touch $@
+
+$(VENV)/.installed-demo: pyproject.toml $(VENV)/.torch
+	$(PIP) -e ".[hf]"
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
+	$(PIP) -e ".[dev]"
+	touch $@
+
+demo: $(VENV)/.installed-demo
+	$(PY) -m precompute.demo --out $(DEMO_DIR)
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.installed-test
+	$(PY) benchmarks/featstore_bench.py
+
+clean:
+	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache

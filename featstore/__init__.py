@@ -1,0 +1,88 @@
+"""mmcache's feature store: ragged, sharded, checksummed features in Zarr v3 + Parquet.
+
+    import featstore
+    with featstore.create("./st", fields={"latent": "bfloat16", "text": "float16"}) as w:
+        w.add("sample-0", {"latent": latent, "text": text}, meta={"caption": "a cat"})
+    s = featstore.open("./st")
+    s.read("sample-0")          # {"latent": np.ndarray[bfloat16], "text": ...}, exact
+    s.index                     # pyarrow.Table, one row per sample
+
+This package imports neither torch nor dask: anything that reads numpy can use it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from featstore.errors import (
+    ConfigError,
+    CorruptionError,
+    DuplicateSampleError,
+    FeatstoreError,
+    FingerprintMismatchError,
+    FormatVersionError,
+    NotAStoreError,
+    ReadOnlyError,
+    SchemaError,
+)
+from featstore.format import FORMAT_VERSION, FieldSpec
+from featstore.reader import Store, create_store, open_store
+from featstore.writer import StoreWriter
+
+__all__ = [
+    "FORMAT_VERSION",
+    "ConfigError",
+    "CorruptionError",
+    "DuplicateSampleError",
+    "FeatstoreError",
+    "FieldSpec",
+    "FingerprintMismatchError",
+    "FormatVersionError",
+    "NotAStoreError",
+    "ReadOnlyError",
+    "SchemaError",
+    "Store",
+    "StoreWriter",
+    "append",
+    "create",
+    "open",
+]
+
+
+def create(
+    url: str | os.PathLike[str],
+    fields: dict[str, Any],
+    storage_options: dict[str, Any] | None = None,
+    *,
+    attrs: dict[str, Any] | None = None,
+    exist_ok: bool = False,
+    **writer_options: Any,
+) -> StoreWriter:
+    """Create a store at ``url`` and return a writer for it.
+
+    ``fields`` maps names to a dtype (``"bfloat16"``) or ``{"dtype", "ndim", "meta"}``; ``meta``
+    is free-form per-field metadata (encoder fingerprint, latent normalisation, ...).
+    """
+    store = create_store(url, fields, storage_options=storage_options, attrs=attrs, exist_ok=exist_ok)
+    return store.writer(**writer_options)
+
+
+def append(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, **writer_options: Any) -> StoreWriter:
+    """A writer that adds shards to an existing store."""
+    return open_store(url, storage_options, mode="a").writer(**writer_options)
+
+
+def open(  # noqa: A001 - mirrors zarr.open / fsspec.open
+    url: str | os.PathLike[str],
+    storage_options: dict[str, Any] | None = None,
+    *,
+    mode: str = "r",
+    verify_reads: bool = True,
+    strict: bool = True,
+) -> Store:
+    """Open a store; the committed shards at this moment form the snapshot every read uses.
+
+    ``verify_reads`` checks each sample's CRC-32C as it is read. ``strict=False`` opens a store
+    with damaged index parts, leaving those shards out (listed in ``Store.damaged``)."""
+    return open_store(url, storage_options, mode=mode, verify_reads=verify_reads, strict=strict)

@@ -1,0 +1,98 @@
+"""``mmcache info`` and ``mmcache verify``: the store commands, which need neither torch nor dask.
+``precompute.cli`` adds ``encode`` to this group; the ``mmcache`` script points there."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+import featstore
+from featstore.verify import store_info, verify_store
+
+
+def parse_storage_options(raw: str | None) -> dict[str, Any] | None:
+    if not raw:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise click.BadParameter(f"not valid JSON: {exc}", param_hint="--storage-options") from None
+    if not isinstance(value, dict):
+        raise click.BadParameter("must be a JSON object", param_hint="--storage-options")
+    return value
+
+
+storage_options_option = click.option(
+    "--storage-options", "storage_options", default=None, metavar="JSON",
+    help='fsspec options for the URL, e.g. \'{"anon": true}\'.',
+)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="mmcache")
+def cli() -> None:
+    """mmcache: encode media once into a feature store, then train on the cached features."""
+
+
+@cli.command()
+@click.argument("url")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@storage_options_option
+def info(url: str, as_json: bool, storage_options: str | None) -> None:
+    """Summarise the store at URL: samples, shards, fields, size, rejects."""
+    with _open(url, storage_options) as store:
+        summary = store_info(store)
+    if as_json:
+        click.echo(json.dumps(summary, indent=2, default=str))
+    else:
+        echo_info(summary)
+
+
+def echo_info(summary: dict[str, Any]) -> None:
+    """The human-readable form of ``store_info``."""
+    click.echo(f"store          {summary['url']}")
+    click.echo(f"format version {summary['format_version']}")
+    click.echo(f"samples        {summary['num_samples']:,} in {summary['num_shards']:,} shard(s), {_human(summary['bytes'])}")
+    for name, spec in summary["fields"].items():
+        extras = ", ".join(sorted(spec["meta"])) if spec["meta"] else ""
+        click.echo(f"field          {name}: {spec['dtype']}, {spec['ndim']}-D" + (f" [{extras}]" if extras else ""))
+    click.echo(f"rejected       {summary['num_rejected']:,}")
+    for reason, count in summary["rejects_by_reason"].items():
+        click.echo(f"  {count:6,}  {reason}")
+
+
+@cli.command()
+@click.argument("url")
+@storage_options_option
+@click.option("--quiet", "-q", is_flag=True, help="Print problems only.")
+def verify(url: str, storage_options: str | None, quiet: bool) -> None:
+    """Check every committed byte of the store at URL; exit 1 on any problem."""
+    with _open(url, storage_options, strict=False) as store:
+        report = verify_store(store)
+    for line in report.warnings:
+        click.echo(f"warning: {line}", err=True)
+    for line in report.problems:
+        click.echo(f"problem: {line}", err=True)
+    if not quiet or not report.ok:
+        status = "OK" if report.ok else f"FAILED ({len(report.problems)} problem(s))"
+        click.echo(f"{status}: {report.shards_checked} shard(s), {report.samples_checked} sample(s), {_human(report.bytes_checked)} checked")
+    sys.exit(0 if report.ok else 1)
+
+
+def _open(url: str, storage_options: str | None, strict: bool = True) -> featstore.Store:
+    try:
+        return featstore.open(url, parse_storage_options(storage_options), strict=strict)
+    except featstore.FeatstoreError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _human(nbytes: int) -> str:
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,38 @@
+"""User-facing errors. Each is a ``ValueError`` so callers can catch bad input in one place;
+messages name the object at fault and, where there is one, what to do about it."""
+
+
+class FeatstoreError(ValueError):
+    """Base of every error the feature store raises for bad input or a bad store."""
+
+
+class ConfigError(FeatstoreError):
+    """A config file or ``--set`` override is invalid (unknown key, wrong type, ...)."""
+
+
+class SchemaError(FeatstoreError):
+    """A sample does not match the store's schema (missing field, wrong dtype or ndim)."""
+
+
+class DuplicateSampleError(FeatstoreError):
+    """A sample id is already in the store or in the shard being written."""
+
+
+class NotAStoreError(FeatstoreError):
+    """The URL does not hold an mmcache feature store."""
+
+
+class FormatVersionError(FeatstoreError):
+    """The store was written by a newer format version than this mmcache can read."""
+
+
+class ReadOnlyError(FeatstoreError):
+    """A write was attempted through a store opened for reading."""
+
+
+class CorruptionError(FeatstoreError):
+    """Stored bytes do not match their checksum, or the index and the data disagree."""
+
+
+class FingerprintMismatchError(FeatstoreError):
+    """Features were made by a different encoder (or settings) than the caller expects."""

@@ -1,0 +1,293 @@
+"""The on-disk format, version 1 (docs/FORMAT.md is the prose version of this module).
+
+A store is a Zarr v3 hierarchy plus Parquet index parts::
+
+    zarr.json                         root group; attributes["mmcache"] is the store manifest
+    shards/<shard>/zarr.json          one group per committed shard
+    shards/<shard>/<field>/zarr.json  a 1-D array: every sample's elements of that field, flat
+    shards/<shard>/<field>/c/0        its single zarr shard object (sharding_indexed codec)
+    index/<shard>.parquet             one row per sample; written last, it *is* the commit
+    rejects/<shard>.parquet           inputs a producer rejected, with the reason
+
+Each field array uses the standard ``sharding_indexed`` codec with uncompressed inner chunks, so
+plain zarr can read it, while our reader computes byte ranges from the shard index and fetches a
+sample with one ranged read. bfloat16 (which zarr-python 3.1 cannot name) is stored as its raw
+uint16 bits, with ``attributes["mmcache"]["dtype"] == "bfloat16"`` saying how to view them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import google_crc32c
+import ml_dtypes
+import numpy as np
+
+from featstore.errors import FormatVersionError, NotAStoreError, SchemaError
+
+FORMAT_NAME = "mmcache-featstore"
+FORMAT_VERSION = 1
+
+MANIFEST_KEY = "zarr.json"
+INDEX_DIR = "index"
+REJECTS_DIR = "rejects"
+SHARDS_DIR = "shards"
+COMMIT_METADATA_KEY = b"mmcache.commit"
+
+# Inner chunks of about this many bytes: large enough that plain-zarr readers fetch few chunks,
+# small enough that they need not fetch a whole shard for one sample.
+INNER_CHUNK_BYTES = 4 << 20
+
+# Store dtype name -> (numpy dtype the caller sees, zarr data_type on disk).
+DTYPES: dict[str, tuple[np.dtype, str]] = {
+    "bfloat16": (np.dtype(ml_dtypes.bfloat16), "uint16"),
+    "float16": (np.dtype("float16"), "float16"),
+    "float32": (np.dtype("float32"), "float32"),
+    "float64": (np.dtype("float64"), "float64"),
+    "int8": (np.dtype("int8"), "int8"),
+    "int16": (np.dtype("int16"), "int16"),
+    "int32": (np.dtype("int32"), "int32"),
+    "int64": (np.dtype("int64"), "int64"),
+    "uint8": (np.dtype("uint8"), "uint8"),
+    "uint16": (np.dtype("uint16"), "uint16"),
+    "uint32": (np.dtype("uint32"), "uint32"),
+    "uint64": (np.dtype("uint64"), "uint64"),
+    "bool": (np.dtype("bool"), "bool"),
+}
+
+# Sample ids, shard names and field names end up in object keys and URLs: keep them boring.
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:=+-]{0,199}$")
+_SAFE_FIELD = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
+RESERVED_COLUMNS = frozenset({"id", "shard", "row"})
+
+
+def check_name(kind: str, name: Any) -> str:
+    if not isinstance(name, str) or not _SAFE_NAME.match(name) or ".." in name:
+        raise SchemaError(
+            f"{kind} {name!r} is not a safe name: use 1-200 characters from A-Z a-z 0-9 . _ : = + -, "
+            "starting with a letter or digit, without '..'"
+        )
+    return name
+
+
+def dtype_info(name: str) -> tuple[np.dtype, str]:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise SchemaError(f"unknown dtype {name!r}; supported: {', '.join(DTYPES)}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FieldSpec:
+    """One feature field: its dtype, its number of dimensions, and free-form metadata (encoder
+    fingerprint, latent normalisation, ...). ``ndim`` may be None until the first sample fixes it."""
+
+    name: str
+    dtype: str
+    ndim: int | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _SAFE_FIELD.match(self.name):
+            raise SchemaError(f"field name {self.name!r} must match {_SAFE_FIELD.pattern}")
+        dtype_info(self.dtype)
+        if self.ndim is not None and (not isinstance(self.ndim, int) or self.ndim < 0):
+            raise SchemaError(f"field {self.name!r}: ndim must be a non-negative integer")
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return dtype_info(self.dtype)[0]
+
+    @property
+    def zarr_dtype(self) -> str:
+        return dtype_info(self.dtype)[1]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "ndim": self.ndim, "meta": self.meta}
+
+    @classmethod
+    def from_value(cls, name: str, value: Any) -> FieldSpec:
+        """Accept ``"bfloat16"`` or ``{"dtype": "bfloat16", "ndim": 4, "meta": {...}}``."""
+        if isinstance(value, FieldSpec):
+            return value
+        if isinstance(value, str):
+            return cls(name=name, dtype=value)
+        if isinstance(value, dict):
+            unknown = set(value) - {"dtype", "ndim", "meta"}
+            if unknown or "dtype" not in value:
+                raise SchemaError(f"field {name!r}: expected keys dtype, ndim, meta; got {sorted(value)}")
+            return cls(name=name, dtype=value["dtype"], ndim=value.get("ndim"), meta=dict(value.get("meta") or {}))
+        raise SchemaError(f"field {name!r}: expected a dtype name or a mapping, got {value!r}")
+
+
+def make_manifest(fields: dict[str, FieldSpec], attrs: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "fields": {name: spec.to_dict() for name, spec in fields.items()},
+        "attrs": attrs,
+    }
+
+
+def index_part_key(shard: str, data: bytes) -> str:
+    """An index part's key carries the CRC-32C of its bytes: the commit object cannot hold its own
+    checksum, and this way a flipped byte anywhere in it (footer included) is caught at open."""
+    return f"{INDEX_DIR}/{shard}.{crc32c(data):08x}.parquet"
+
+
+def parse_index_part_name(name: str) -> tuple[str, int] | None:
+    """``<shard>.<crc32c hex>.parquet`` -> (shard, crc); None for anything else (temp files...)."""
+    match = _INDEX_PART.match(name)
+    return (match.group(1), int(match.group(2), 16)) if match else None
+
+
+_INDEX_PART = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._:=+-]*)\.([0-9a-f]{8})\.parquet$")
+
+
+def _canonical(doc: Any) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str).encode()
+
+
+def root_group_json(manifest: dict[str, Any]) -> bytes:
+    doc = {"mmcache": manifest, "mmcache_crc32c": crc32c(_canonical(manifest))}
+    return _dumps({"zarr_format": 3, "node_type": "group", "attributes": doc})
+
+
+def parse_root_group(raw: bytes, where: str) -> dict[str, Any]:
+    from featstore.errors import CorruptionError
+
+    try:
+        doc = json.loads(raw)
+        manifest = doc["attributes"]["mmcache"]
+        name, version = manifest["format"], manifest["format_version"]
+    except (ValueError, KeyError, TypeError):
+        raise NotAStoreError(f"{where} is not an mmcache feature store (its zarr.json has no mmcache manifest)") from None
+    if crc32c(_canonical(manifest)) != doc["attributes"].get("mmcache_crc32c"):
+        raise CorruptionError(f"{where}/zarr.json: the store manifest fails its checksum (edited or corrupted)")
+    if name != FORMAT_NAME:
+        raise NotAStoreError(f"{where}: unknown format {name!r}")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise FormatVersionError(
+            f"{where} has format version {version}, newer than this mmcache reads ({FORMAT_VERSION}); "
+            "upgrade mmcache to read it"
+        )
+    return manifest
+
+
+def group_json(attrs: dict[str, Any] | None = None) -> bytes:
+    return _dumps({"zarr_format": 3, "node_type": "group", "attributes": attrs or {}})
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """How a field's flat element run is cut into one zarr shard of ``num_chunks`` inner chunks."""
+
+    elements: int
+    chunk_elements: int
+    num_chunks: int
+
+    @classmethod
+    def for_elements(cls, elements: int, itemsize: int) -> ChunkLayout:
+        target = max(1, INNER_CHUNK_BYTES // itemsize)
+        num_chunks = max(1, -(-elements // target))
+        # Equal-sized chunks, so padding of the last one is under num_chunks elements.
+        chunk_elements = max(1, -(-elements // num_chunks))
+        return cls(elements, chunk_elements, num_chunks)
+
+    @property
+    def shard_elements(self) -> int:
+        return self.chunk_elements * self.num_chunks
+
+
+def array_json(spec: FieldSpec, layout: ChunkLayout) -> bytes:
+    itemsize = np.dtype(spec.zarr_dtype).itemsize
+    # zarr omits the endian setting for single-byte types; mirror it exactly.
+    bytes_codec: dict[str, Any] = {"name": "bytes"}
+    if itemsize > 1:
+        bytes_codec["configuration"] = {"endian": "little"}
+    doc = {
+        "shape": [layout.elements],
+        "data_type": spec.zarr_dtype,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [layout.shard_elements]}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": False if spec.zarr_dtype == "bool" else 0,
+        "codecs": [
+            {
+                "name": "sharding_indexed",
+                "configuration": {
+                    "chunk_shape": [layout.chunk_elements],
+                    "codecs": [bytes_codec],
+                    "index_codecs": [
+                        {"name": "bytes", "configuration": {"endian": "little"}},
+                        {"name": "crc32c"},
+                    ],
+                    "index_location": "end",
+                },
+            }
+        ],
+        "attributes": {"mmcache": {"dtype": spec.dtype}},
+        "zarr_format": 3,
+        "node_type": "array",
+        "storage_transformers": [],
+    }
+    return _dumps(doc)
+
+
+def shard_object_tail(layout: ChunkLayout, itemsize: int) -> tuple[int, bytes]:
+    """Padding length and encoded shard index that follow the raw elements in the shard object.
+
+    Inner chunks are stored uncompressed and back to back, so chunk ``j`` starts at byte
+    ``j * chunk_elements * itemsize``; the index is (offset, nbytes) uint64 pairs + crc32c.
+    """
+    chunk_bytes = layout.chunk_elements * itemsize
+    offsets = np.arange(layout.num_chunks, dtype="<u8") * chunk_bytes
+    index = np.stack([offsets, np.full_like(offsets, chunk_bytes)], axis=1).astype("<u8").tobytes()
+    padding = (layout.shard_elements - layout.elements) * itemsize
+    return padding, index + google_crc32c.value(index).to_bytes(4, "little")
+
+
+def index_nbytes(num_chunks: int) -> int:
+    return 16 * num_chunks + 4
+
+
+def parse_shard_index(tail: bytes, num_chunks: int, where: str) -> np.ndarray:
+    """Decode the shard index at the end of a shard object into an (num_chunks, 2) array."""
+    from featstore.errors import CorruptionError
+
+    if len(tail) != index_nbytes(num_chunks):
+        raise CorruptionError(f"{where}: shard index is truncated")
+    body, crc = tail[:-4], int.from_bytes(tail[-4:], "little")
+    if google_crc32c.value(body) != crc:
+        raise CorruptionError(f"{where}: shard index checksum mismatch")
+    return np.frombuffer(body, dtype="<u8").reshape(num_chunks, 2)
+
+
+def byte_ranges(chunks: np.ndarray, layout: ChunkLayout, start: int, count: int, itemsize: int) -> list[tuple[int, int]]:
+    """Byte ranges (start, end) in the shard object holding elements [start, start+count)."""
+    ranges: list[tuple[int, int]] = []
+    stop = start + count
+    per = layout.chunk_elements
+    for j in range(start // per, (stop - 1) // per + 1) if count else ():
+        base = int(chunks[j, 0])
+        lo = (max(start, j * per) - j * per) * itemsize
+        hi = (min(stop, (j + 1) * per) - j * per) * itemsize
+        if ranges and ranges[-1][1] == base + lo:  # contiguous with the previous chunk: merge
+            ranges[-1] = (ranges[-1][0], base + hi)
+        else:
+            ranges.append((base + lo, base + hi))
+    return ranges
+
+
+def crc32c(data: Any, crc: int = 0) -> int:
+    """CRC-32C of a buffer (continuing from ``crc``), hardware-accelerated where available."""
+    # google_crc32c accepts bytes or numpy arrays, not writable memoryviews.
+    if not isinstance(data, bytes):
+        data = np.frombuffer(data, dtype=np.uint8) if isinstance(data, (bytearray, memoryview)) else np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    return google_crc32c.extend(crc, data)
+
+
+def _dumps(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, indent=2, sort_keys=False).encode()

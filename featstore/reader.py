@@ -1,0 +1,350 @@
+"""Opening and reading a feature store.
+
+``Store`` takes one snapshot of the committed shards when it opens (the index parts listed then)
+and serves every read from it, so a reader of a store that is still growing sees one consistent
+set of shards. A sample read is, per field, one ranged read computed from the zarr shard index
+(``os.preadv`` locally, ``cat_ranges`` on fsspec), checked against the CRC-32C in the index.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import threading
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from featstore import format as fmt
+
+# Arrow's thread pools can abort the interpreter at exit (apache/arrow#34314); index parts are
+# small, so every Parquet read and write here is single-threaded.
+from featstore.errors import CorruptionError, FormatVersionError, NotAStoreError, ReadOnlyError, SchemaError
+from featstore.storage import Storage, open_storage
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    name: str
+    num_samples: int
+    num_rejected: int
+    layouts: dict[str, fmt.ChunkLayout]
+    objects: dict[str, dict[str, int]]
+    index_key: str
+    index_nbytes: int
+
+
+class Store:
+    """A feature store opened for reading (``mode="r"``) or for adding shards (``mode="a"``)."""
+
+    def __init__(self, storage: Storage, manifest: dict[str, Any], *, mode: str = "r", verify_reads: bool = True, strict: bool = True) -> None:
+        if mode not in ("r", "a"):
+            raise ValueError(f"mode must be 'r' or 'a', got {mode!r}")
+        self.storage = storage
+        self.url = storage.url
+        self.mode = mode
+        self.verify_reads = verify_reads
+        # strict: a damaged index part makes open fail (fail closed); otherwise it is left out
+        # and listed in ``damaged`` (what `mmcache verify` wants).
+        self.strict = strict
+        self.damaged: dict[str, str] = {}
+        self._manifest = manifest
+        self._lock = threading.Lock()
+        self._chunk_index: dict[tuple[str, str], np.ndarray] = {}
+        self._load_index()
+
+    # ---- schema -------------------------------------------------------------------------
+    @property
+    def format_version(self) -> int:
+        return int(self._manifest["format_version"])
+
+    @property
+    def fields(self) -> dict[str, fmt.FieldSpec]:
+        return {name: fmt.FieldSpec.from_value(name, value) for name, value in self._manifest["fields"].items()}
+
+    @property
+    def attrs(self) -> dict[str, Any]:
+        return dict(self._manifest.get("attrs") or {})
+
+    def field_ndim(self, name: str) -> int | None:
+        return self._manifest["fields"][name].get("ndim")
+
+    def fix_ndims(self, ndims: dict[str, int]) -> None:
+        """Record the ndim of fields declared without one, from the first committed sample."""
+        unset = {f: n for f, n in ndims.items() if self._manifest["fields"][f].get("ndim") is None}
+        if not unset:
+            return
+        current = fmt.parse_root_group(self.storage.read(fmt.MANIFEST_KEY), self.url)
+        for name, ndim in unset.items():
+            known = current["fields"][name].get("ndim")
+            if known is not None and known != ndim:
+                raise SchemaError(f"field {name!r}: {ndim} dimensions, but the store already holds {known}")
+            current["fields"][name]["ndim"] = ndim
+        self.storage.write_atomic(fmt.MANIFEST_KEY, fmt.root_group_json(current))
+        self._manifest = current
+
+    # ---- index --------------------------------------------------------------------------
+    def _load_index(self) -> None:
+        tables, shards = [], {}
+        for entry in self.storage.list_dir(fmt.INDEX_DIR):
+            parsed = fmt.parse_index_part_name(entry)
+            if parsed is None:
+                continue  # a temporary file of a commit in progress, or foreign
+            name, crc = parsed
+            key = f"{fmt.INDEX_DIR}/{entry}"
+            try:
+                if name in shards:
+                    raise CorruptionError(f"{self.url}: shard {name!r} has two index parts")
+                raw = self.storage.read(key)
+                if fmt.crc32c(raw) != crc:
+                    raise CorruptionError(f"{self.url}/{key}: index part of shard {name!r} fails its checksum")
+                table, info = _parse_index_part(raw, name, key, self.url)
+            except CorruptionError as exc:
+                if self.strict:
+                    raise CorruptionError(f"{exc}; run `mmcache verify {self.url}` for a full report") from None
+                self.damaged[name] = str(exc)
+                continue
+            tables.append(table.append_column("shard", pa.array([name] * table.num_rows, pa.string())))
+            shards[name] = info
+        self.shards: dict[str, ShardInfo] = shards
+        table = pa.concat_tables(tables, promote_options="permissive") if tables else pa.table({"id": pa.array([], pa.string()), "shard": pa.array([], pa.string())})
+        self.index: pa.Table = table
+        ids = table.column("id").to_pylist()
+        self._ids = ids
+        self._row_of: dict[str, int] = {}
+        duplicates = []
+        for row, sample_id in enumerate(ids):
+            if self._row_of.setdefault(sample_id, row) != row:
+                duplicates.append(sample_id)
+        if duplicates:
+            # Only concurrent writers given overlapping inputs can cause this; keep the first
+            # (shards are listed in name order, so the choice is deterministic) and say so.
+            warnings.warn(f"{self.url}: {len(duplicates)} sample id(s) appear in more than one shard, e.g. {duplicates[0]!r}; `mmcache verify` lists them", stacklevel=3)
+        self._shard_of = table.column("shard").to_pylist()
+        # Index parts are concatenated in shard order, so each shard's rows are one range.
+        starts = np.cumsum([0] + [info.num_samples for info in shards.values()])
+        self._shard_rows = {name: range(int(a), int(b)) for name, a, b in zip(shards, starts[:-1], starts[1:])}
+        self._written_ids: set[str] = set()
+        self._offsets = {f: _column_numpy(table, f"{f}.offset") for f in self.fields}
+        self._shapes = {f: [tuple(s) for s in table.column(f"{f}.shape").to_pylist()] if f"{f}.shape" in table.column_names else [] for f in self.fields}
+        self._crcs = {f: _column_numpy(table, f"{f}.crc32c") for f in self.fields}
+
+    def note_committed(self, shard: str, sample_ids: list[str]) -> None:
+        """Called by a writer of this store after a commit, so its duplicate checks see new ids.
+        The read snapshot itself does not change: reopen the store to read new shards."""
+        self._written_ids.update(sample_ids)
+
+    def is_known(self, sample_id: str) -> bool:
+        return sample_id in self._row_of or sample_id in self._written_ids
+
+    def sample_ids(self) -> list[str]:
+        """Committed sample ids of this snapshot, in shard order."""
+        return list(self._row_of)
+
+    def __len__(self) -> int:
+        return len(self._row_of)
+
+    def __contains__(self, sample_id: object) -> bool:
+        return sample_id in self._row_of
+
+    def has_shard(self, name: str) -> bool:
+        """True when shard ``name`` is committed (checked against storage, not the snapshot)."""
+        if name in self.shards:
+            return True
+        return any((parsed := fmt.parse_index_part_name(entry)) and parsed[0] == name for entry in self.storage.list_dir(fmt.INDEX_DIR))
+
+    @property
+    def rejects(self) -> pa.Table:
+        tables = [
+            pq.read_table(io.BytesIO(self.storage.read(f"{fmt.REJECTS_DIR}/{name}.parquet")), use_threads=False)
+            for name, info in self.shards.items()
+            if info.num_rejected
+        ]
+        if not tables:
+            return pa.table({"source": pa.array([], pa.string()), "reason": pa.array([], pa.string())})
+        return pa.concat_tables(tables, promote_options="permissive")
+
+    def num_rejected(self) -> int:
+        return sum(info.num_rejected for info in self.shards.values())
+
+    def nbytes(self) -> int:
+        return sum(o["nbytes"] for info in self.shards.values() for o in info.objects.values()) + sum(i.index_nbytes for i in self.shards.values())
+
+    # ---- reading ------------------------------------------------------------------------
+    def row(self, sample_id: str) -> int:
+        row = self._row_of.get(sample_id)
+        if row is None:
+            raise KeyError(f"sample {sample_id!r} is not in {self.url}")
+        return row
+
+    def shape(self, sample_id: str, field: str) -> tuple[int, ...]:
+        return self._shapes[field][self.row(sample_id)]
+
+    def read(self, sample_id: str, fields: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """One sample, exactly as written (dtype and shape)."""
+        return self.read_row(self.row(sample_id), fields)
+
+    def read_row(self, row: int, fields: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        shard = self._shard_of[row]
+        specs = self.fields
+        out = {}
+        for name in fields or specs:
+            spec = specs[name]
+            shape = self._shapes[name][row]
+            array = np.empty(shape, dtype=spec.numpy_dtype)
+            count = array.size
+            if count:
+                ranges = self._ranges(shard, spec, int(self._offsets[name][row]), count)
+                self.storage.read_ranges(_data_key(shard, name), ranges, array.reshape(-1).view(np.uint8))
+            if self.verify_reads and fmt.crc32c(array) != int(self._crcs[name][row]):
+                raise CorruptionError(f"{self.url}: sample {self._ids[row]!r} field {name!r} in shard {shard!r} fails its checksum")
+            out[name] = array
+        return out
+
+    def iter_shard(self, shard: str, fields: Sequence[str] | None = None) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
+        """Every sample of one shard, from one large read per field (the fast full-scan path)."""
+        specs = self.fields
+        info = self.shards[shard]
+        rows = self._shard_rows[shard]
+        buffers = {}
+        for name in fields or specs:
+            spec = specs[name]
+            itemsize = np.dtype(spec.zarr_dtype).itemsize
+            layout = info.layouts[name]
+            buf = np.empty(layout.elements * itemsize, dtype=np.uint8)
+            if buf.size:
+                self.storage.read_ranges(_data_key(shard, name), self._ranges(shard, spec, 0, layout.elements), buf)
+            buffers[name] = buf.view(spec.numpy_dtype)
+        for row in rows:
+            sample = {}
+            for name, flat in buffers.items():
+                shape = self._shapes[name][row]
+                start = int(self._offsets[name][row])
+                array = flat[start : start + int(np.prod(shape, dtype=np.int64))].reshape(shape)
+                if self.verify_reads and fmt.crc32c(array) != int(self._crcs[name][row]):
+                    raise CorruptionError(f"{self.url}: sample {self._ids[row]!r} field {name!r} in shard {shard!r} fails its checksum")
+                sample[name] = array
+            yield self._ids[row], sample
+
+    def scan(self, fields: Sequence[str] | None = None) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
+        for shard in self.shards:
+            yield from self.iter_shard(shard, fields)
+
+    def _ranges(self, shard: str, spec: fmt.FieldSpec, start: int, count: int) -> list[tuple[int, int]]:
+        layout = self.shards[shard].layouts[spec.name]
+        itemsize = np.dtype(spec.zarr_dtype).itemsize
+        if start + count > layout.elements:
+            raise CorruptionError(f"{self.url}: shard {shard!r} field {spec.name!r}: index points past the end of the data")
+        return fmt.byte_ranges(self._shard_chunks(shard, spec.name), layout, start, count, itemsize)
+
+    def _shard_chunks(self, shard: str, field: str) -> np.ndarray:
+        key = (shard, field)
+        chunks = self._chunk_index.get(key)
+        if chunks is None:
+            info = self.shards[shard]
+            layout = info.layouts[field]
+            data_key = _data_key(shard, field)
+            size = info.objects[data_key]["nbytes"]
+            tail_len = fmt.index_nbytes(layout.num_chunks)
+            tail = self.storage.read_range(data_key, size - tail_len, size)
+            chunks = fmt.parse_shard_index(tail, layout.num_chunks, f"{self.url}/{data_key}")
+            with self._lock:
+                self._chunk_index[key] = chunks
+        return chunks
+
+    # ---- writing ------------------------------------------------------------------------
+    def writer(self, **kwargs: Any):
+        """A ``StoreWriter`` adding shards to this store (needs ``mode="a"``)."""
+        if self.mode != "a":
+            raise ReadOnlyError(f"{self.url} is opened read-only; open it with mode='a' (or featstore.append) to add samples")
+        from featstore.writer import StoreWriter
+
+        return StoreWriter(self, **kwargs)
+
+    def close(self) -> None:
+        self.storage.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Store({self.url!r}, samples={len(self)}, shards={len(self.shards)}, fields={list(self.fields)})"
+
+
+def _data_key(shard: str, field: str) -> str:
+    return f"{fmt.SHARDS_DIR}/{shard}/{field}/c/0"
+
+
+def _column_numpy(table: pa.Table, name: str) -> np.ndarray:
+    if name not in table.column_names:
+        return np.zeros(0, dtype=np.int64)
+    return table.column(name).to_numpy()
+
+
+def _parse_index_part(raw: bytes, name: str, key: str, url: str) -> tuple[pa.Table, ShardInfo]:
+    where = f"{url}/{key}"
+    try:
+        table = pq.read_table(io.BytesIO(raw), use_threads=False)
+        info = json.loads((table.schema.metadata or {})[fmt.COMMIT_METADATA_KEY])
+    except (pa.ArrowException, KeyError, OSError, ValueError) as exc:
+        raise CorruptionError(f"{where} is not a valid index part ({exc})") from None
+    if info.get("format_version", 0) > fmt.FORMAT_VERSION:
+        raise FormatVersionError(f"{where} was written by a newer format version ({info['format_version']})")
+    if table.num_rows != info["num_samples"]:
+        raise CorruptionError(f"{where}: {table.num_rows} rows but the commit record says {info['num_samples']}")
+    layouts = {f: fmt.ChunkLayout(v["elements"], v["chunk_elements"], v["num_chunks"]) for f, v in info["fields"].items()}
+    return table, ShardInfo(name, info["num_samples"], info["num_rejected"], layouts, info["objects"], key, len(raw))
+
+
+def open_store(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *, mode: str = "r", verify_reads: bool = True, strict: bool = True) -> Store:
+    storage = open_storage(url, storage_options)
+    try:
+        raw = storage.read(fmt.MANIFEST_KEY)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        storage.close()
+        raise NotAStoreError(f"{storage.url} is not an mmcache feature store (no {fmt.MANIFEST_KEY}); create one with `mmcache encode` or featstore.create()") from None
+    return Store(storage, fmt.parse_root_group(raw, storage.url), mode=mode, verify_reads=verify_reads, strict=strict)
+
+
+def create_store(
+    url: str | os.PathLike[str],
+    fields: dict[str, Any],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    attrs: dict[str, Any] | None = None,
+    exist_ok: bool = False,
+) -> Store:
+    """Create a store (or, with ``exist_ok``, open an existing one with the same fields)."""
+    if not fields:
+        raise SchemaError("a store needs at least one field")
+    specs = {name: fmt.FieldSpec.from_value(name, value) for name, value in fields.items()}
+    storage = open_storage(url, storage_options)
+    if storage.exists(fmt.MANIFEST_KEY):
+        store = Store(storage, fmt.parse_root_group(storage.read(fmt.MANIFEST_KEY), storage.url), mode="a")
+        if not exist_ok:
+            raise SchemaError(f"{storage.url} already holds a feature store; open it with featstore.append() to add to it")
+        _check_same_fields(store, specs)
+        return store
+    if not storage.is_empty():
+        raise NotAStoreError(f"{storage.url} exists and is not empty, and is not a feature store; choose a new location")
+    manifest = fmt.make_manifest(specs, dict(attrs or {}))
+    # The shards group first, the root group (which makes it a store) last.
+    storage.write_atomic(f"{fmt.SHARDS_DIR}/zarr.json", fmt.group_json())
+    storage.write_atomic(fmt.MANIFEST_KEY, fmt.root_group_json(manifest))
+    return Store(storage, manifest, mode="a")
+
+
+def _check_same_fields(store: Store, specs: dict[str, fmt.FieldSpec]) -> None:
+    have = {n: s.dtype for n, s in store.fields.items()}
+    want = {n: s.dtype for n, s in specs.items()}
+    if have != want:
+        raise SchemaError(f"{store.url} holds fields {have}, not {want}")

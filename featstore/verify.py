@@ -1,0 +1,145 @@
+"""Integrity checks behind ``mmcache verify`` and the summary behind ``mmcache info``.
+
+``verify`` re-reads every byte a commit record lists: object sizes and whole-object CRC-32C
+(any flipped, missing or truncated byte), zarr metadata against the commit record, each shard
+index, and each sample's CRC-32C and extent (index/data disagreement). Problems name the shard,
+object or sample at fault.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from featstore import format as fmt
+from featstore.reader import Store, _data_key
+
+
+@dataclass
+class VerifyReport:
+    problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    shards_checked: int = 0
+    samples_checked: int = 0
+    bytes_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def store_info(store: Store) -> dict[str, Any]:
+    reasons = Counter(store.rejects.column("reason").to_pylist()) if store.num_rejected() else Counter()
+    return {
+        "url": store.url,
+        "format_version": store.format_version,
+        "num_samples": len(store),
+        "num_shards": len(store.shards),
+        "fields": {name: spec.to_dict() for name, spec in store.fields.items()},
+        "bytes": store.nbytes(),
+        "num_rejected": store.num_rejected(),
+        "rejects_by_reason": dict(reasons.most_common()),
+        "attrs": store.attrs,
+    }
+
+
+def verify_store(store: Store, progress: Callable[[str], None] | None = None) -> VerifyReport:
+    report = VerifyReport()
+    # The index parts' own checksums were checked when the store was opened (strict=False).
+    for name, reason in store.damaged.items():
+        report.problems.append(f"shard {name!r}: {reason}")
+    duplicated = [i for i, n in Counter(store.index.column("id").to_pylist()).items() if n > 1]
+    for sample_id in duplicated:
+        report.problems.append(f"sample {sample_id!r} is committed in more than one shard")
+    for name, info in store.shards.items():
+        if progress:
+            progress(name)
+        _verify_shard(store, name, info, report)
+        report.shards_checked += 1
+    # The manifest's own checksum covers its content; the bytes around it must be exactly what
+    # mmcache writes, or other zarr readers may read something else.
+    root = store.storage.read(fmt.MANIFEST_KEY)
+    if root != fmt.root_group_json(fmt.parse_root_group(root, store.url)):
+        report.problems.append(f"{fmt.MANIFEST_KEY}: root group metadata was altered outside mmcache")
+    try:
+        if store.storage.read(f"{fmt.SHARDS_DIR}/zarr.json") != fmt.group_json():
+            report.problems.append(f"{fmt.SHARDS_DIR}/zarr.json is not the group metadata mmcache writes (corrupted?)")
+    except FileNotFoundError:
+        report.problems.append(f"{fmt.SHARDS_DIR}/zarr.json is missing")
+    committed = set(store.shards)
+    for leftover in store.storage.list_dir(fmt.SHARDS_DIR):
+        if leftover not in committed and leftover != "zarr.json":
+            report.warnings.append(f"shard {leftover!r} has data but no index part (a writer stopped before committing it); it is ignored")
+    return report
+
+
+def _verify_shard(store: Store, name: str, info: Any, report: VerifyReport) -> None:
+    blobs: dict[str, bytes] = {}
+    for key, expected in info.objects.items():
+        try:
+            blob = store.storage.read(key)
+        except FileNotFoundError:
+            report.problems.append(f"shard {name!r}: object {key} is missing")
+            continue
+        report.bytes_checked += len(blob)
+        if len(blob) != expected["nbytes"]:
+            report.problems.append(f"shard {name!r}: object {key} has {len(blob)} bytes, expected {expected['nbytes']} (truncated or overwritten)")
+        elif fmt.crc32c(blob) != expected["crc32c"]:
+            report.problems.append(f"shard {name!r}: object {key} fails its checksum (corrupted bytes)")
+        else:
+            blobs[key] = blob
+    rows = store._shard_rows[name]
+    report.samples_checked += info.num_samples
+    for fname, spec in store.fields.items():
+        if not info.num_samples:
+            break
+        layout = info.layouts.get(fname)
+        data_key = _data_key(name, fname)
+        meta_key = f"{fmt.SHARDS_DIR}/{name}/{fname}/zarr.json"
+        if layout is None:
+            report.problems.append(f"shard {name!r}: no layout recorded for field {fname!r}")
+            continue
+        if meta_key in blobs:
+            _check_array_metadata(blobs[meta_key], spec, layout, f"shard {name!r} field {fname!r}", report)
+        if data_key not in blobs:
+            continue  # already reported above
+        blob = blobs[data_key]
+        itemsize = np.dtype(spec.zarr_dtype).itemsize
+        try:
+            chunks = fmt.parse_shard_index(blob[-fmt.index_nbytes(layout.num_chunks) :], layout.num_chunks, data_key)
+        except ValueError as exc:
+            report.problems.append(f"shard {name!r}: {exc}")
+            continue
+        buffer = np.frombuffer(blob, dtype=np.uint8)
+        for row in rows:
+            sample_id = store._ids[row]
+            shape = store._shapes[fname][row]
+            count = int(np.prod(shape, dtype=np.int64))
+            start = int(store._offsets[fname][row])
+            if len(shape) != (spec.ndim if spec.ndim is not None else len(shape)):
+                report.problems.append(f"sample {sample_id!r} field {fname!r}: shape {shape} does not have {spec.ndim} dimensions")
+            if start < 0 or start + count > layout.elements:
+                report.problems.append(f"sample {sample_id!r} field {fname!r}: index points outside the data of shard {name!r}")
+                continue
+            parts = [buffer[a:b] for a, b in fmt.byte_ranges(chunks, layout, start, count, itemsize)]
+            crc = 0
+            for part in parts:
+                crc = fmt.crc32c(part, crc)
+            if crc != int(store._crcs[fname][row]):
+                report.problems.append(f"sample {sample_id!r} field {fname!r} in shard {name!r} fails its checksum")
+
+
+def _check_array_metadata(raw: bytes, spec: fmt.FieldSpec, layout: fmt.ChunkLayout, where: str, report: VerifyReport) -> None:
+    try:
+        doc = json.loads(raw)
+        shape, dtype = doc["shape"], doc["data_type"]
+    except (ValueError, KeyError, TypeError):
+        report.problems.append(f"{where}: zarr.json is not valid zarr array metadata")
+        return
+    if shape != [layout.elements] or dtype != spec.zarr_dtype:
+        report.problems.append(f"{where}: zarr metadata says shape {shape} {dtype}, commit record says [{layout.elements}] {spec.zarr_dtype}")

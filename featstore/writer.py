@@ -1,0 +1,233 @@
+"""Writing a feature store: samples are buffered into a shard, and each shard is committed
+atomically — data objects first, the Parquet index part last. A reader lists index parts only,
+so a writer killed at any moment leaves every committed shard intact and its own shard invisible.
+Several writers may add disjoint shards to one store at the same time.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from featstore import format as fmt
+from featstore.errors import DuplicateSampleError, SchemaError
+from featstore.storage import Storage
+
+if TYPE_CHECKING:
+    from featstore.reader import Store
+
+DEFAULT_SHARD_BYTES = 256 << 20
+
+
+@dataclass
+class _Pending:
+    sample_id: str
+    arrays: dict[str, np.ndarray]
+    meta: dict[str, Any]
+
+
+class StoreWriter:
+    """Adds samples to a store. Use as a context manager, or call ``close()`` to commit.
+
+    Shards are committed automatically once they hold ``shard_bytes`` of data, named
+    ``<prefix>-<n>``; a producer that needs deterministic shard names (so a re-run can skip
+    what is done) calls ``commit(name)`` itself.
+    """
+
+    def __init__(self, store: Store, *, shard_bytes: int = DEFAULT_SHARD_BYTES, shard_prefix: str | None = None) -> None:
+        self._store = store
+        self._storage: Storage = store.storage
+        self.shard_bytes = shard_bytes
+        self.shard_prefix = fmt.check_name("shard prefix", shard_prefix or uuid.uuid4().hex[:12])
+        self._seq = 0
+        self._pending: list[_Pending] = []
+        self._pending_ids: set[str] = set()
+        self._pending_bytes = 0
+        self._rejects: list[dict[str, Any]] = []
+        self._closed = False
+        self.committed: list[str] = []
+
+    @property
+    def store(self) -> Store:
+        return self._store
+
+    # ---- adding -------------------------------------------------------------------------
+    def add(self, sample_id: str, arrays: dict[str, Any], meta: dict[str, Any] | None = None) -> None:
+        self._check_open()
+        fmt.check_name("sample id", sample_id)
+        if sample_id in self._pending_ids or self._store.is_known(sample_id):
+            raise DuplicateSampleError(f"sample id {sample_id!r} is already in the store or in this shard")
+        fields = self._store.fields
+        missing = sorted(set(fields) - set(arrays))
+        extra = sorted(set(arrays) - set(fields))
+        if missing or extra:
+            raise SchemaError(
+                f"sample {sample_id!r}: "
+                + "; ".join(filter(None, [missing and f"missing field(s) {missing}", extra and f"unknown field(s) {extra}"]))
+                + f" (store fields: {sorted(fields)})"
+            )
+        checked = {name: self._check_array(sample_id, fields[name], value) for name, value in arrays.items()}
+        meta = dict(meta or {})
+        for key in meta:
+            if key in fmt.RESERVED_COLUMNS or not isinstance(key, str) or "." in key:
+                raise SchemaError(f"sample {sample_id!r}: meta key {key!r} is reserved or contains '.'")
+        self._pending.append(_Pending(sample_id, checked, meta))
+        self._pending_ids.add(sample_id)
+        self._pending_bytes += sum(a.nbytes for a in checked.values())
+        if self._pending_bytes >= self.shard_bytes:
+            self.commit()
+
+    def reject(self, source: str, reason: str, **meta: Any) -> None:
+        """Record an input that could not be turned into a sample; committed with the next shard."""
+        self._check_open()
+        self._rejects.append({"source": str(source), "reason": str(reason), **meta})
+
+    def _check_array(self, sample_id: str, spec: fmt.FieldSpec, value: Any) -> np.ndarray:
+        array = np.asarray(value)
+        if array.dtype != spec.numpy_dtype:
+            raise SchemaError(
+                f"sample {sample_id!r} field {spec.name!r}: dtype {array.dtype} but the store holds "
+                f"{spec.dtype}; convert it first (the store never casts silently)"
+            )
+        ndim = self._store.field_ndim(spec.name)
+        if ndim is not None and array.ndim != ndim:
+            raise SchemaError(
+                f"sample {sample_id!r} field {spec.name!r}: {array.ndim} dimensions {array.shape}, expected {ndim}"
+            )
+        return np.ascontiguousarray(array)
+
+    # ---- committing ---------------------------------------------------------------------
+    def commit(self, name: str | None = None) -> str | None:
+        """Write the pending samples (and rejects) as one shard. Returns its name, or None when
+        there was nothing to commit and no name was asked for."""
+        self._check_open()
+        if not self._pending and not self._rejects and name is None:
+            return None
+        if name is None:
+            name = f"{self.shard_prefix}-{self._seq:06d}"
+            self._seq += 1
+        fmt.check_name("shard name", name)
+        if self._store.has_shard(name):
+            raise DuplicateSampleError(f"shard {name!r} is already committed in {self._store.url}")
+        self._store.fix_ndims({f: a.ndim for f, a in self._pending[0].arrays.items()} if self._pending else {})
+        base = f"{fmt.SHARDS_DIR}/{name}"
+        objects: dict[str, dict[str, int]] = {}
+        field_layouts: dict[str, dict[str, int]] = {}
+        columns: dict[str, Any] = {"id": [p.sample_id for p in self._pending]}
+
+        if self._pending:
+            self._put_small(objects, f"{base}/zarr.json", fmt.group_json())
+        for fname, spec in self._store.fields.items():
+            if not self._pending:
+                break
+            arrays = [p.arrays[fname] for p in self._pending]
+            layout, crc = self._write_field(base, spec, arrays, objects)
+            field_layouts[fname] = {"elements": layout.elements, "chunk_elements": layout.chunk_elements, "num_chunks": layout.num_chunks}
+            counts = np.array([a.size for a in arrays], dtype=np.int64)
+            columns[f"{fname}.offset"] = pa.array(np.concatenate([[0], np.cumsum(counts)[:-1]]), pa.int64())
+            columns[f"{fname}.shape"] = pa.array([list(a.shape) for a in arrays], pa.list_(pa.int64()))
+            columns[f"{fname}.crc32c"] = pa.array(crc, pa.uint32())
+
+        if self._rejects:
+            table = pa.Table.from_pylist(self._rejects)
+            self._put_small(objects, f"{fmt.REJECTS_DIR}/{name}.parquet", _parquet_bytes(table))
+
+
+        meta_keys = sorted({k for p in self._pending for k in p.meta})
+        for key in meta_keys:
+            columns[key] = _meta_column(key, [p.meta.get(key) for p in self._pending])
+        commit_info = {
+            "format_version": fmt.FORMAT_VERSION,
+            "shard": name,
+            "num_samples": len(self._pending),
+            "num_rejected": len(self._rejects),
+            "fields": field_layouts,
+            "objects": objects,
+        }
+        table = _table(columns, self._store.fields if self._pending else {})
+        table = table.replace_schema_metadata({fmt.COMMIT_METADATA_KEY: json.dumps(commit_info).encode()})
+        part = _parquet_bytes(table)
+        # The commit point: until this object exists the shard is invisible to every reader.
+        self._storage.write_atomic(fmt.index_part_key(name, part), part)
+        self._store.note_committed(name, [p.sample_id for p in self._pending])
+        self.committed.append(name)
+        self._pending, self._pending_ids, self._pending_bytes, self._rejects = [], set(), 0, []
+        return name
+
+    def _write_field(self, base: str, spec: fmt.FieldSpec, arrays: list[np.ndarray], objects: dict) -> tuple[fmt.ChunkLayout, list[int]]:
+        storage_dtype = np.dtype(spec.zarr_dtype)
+        views = [a.reshape(-1).view(storage_dtype) for a in arrays]
+        layout = fmt.ChunkLayout.for_elements(sum(v.size for v in views), storage_dtype.itemsize)
+        self._put_small(objects, f"{base}/{spec.name}/zarr.json", fmt.array_json(spec, layout))
+        padding, tail = fmt.shard_object_tail(layout, storage_dtype.itemsize)
+        crcs = [fmt.crc32c(v) for v in views]
+        parts = [v for v in views if v.size] + [bytes(padding), tail]
+        key = f"{base}/{spec.name}/c/0"
+        self._storage.write_parts(key, parts)
+        objects[key] = {"nbytes": sum(memoryview(p).nbytes for p in parts), "crc32c": _crc_of_parts(parts)}
+        return layout, crcs
+
+    def _put_small(self, objects: dict, key: str, data: bytes) -> None:
+        self._storage.write_atomic(key, data)
+        objects[key] = {"nbytes": len(data), "crc32c": fmt.crc32c(data)}
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def close(self) -> None:
+        if not self._closed:
+            if self._pending or self._rejects:
+                self.commit()
+            self._closed = True
+
+    def abort(self) -> None:
+        """Drop what is pending; committed shards stay."""
+        self._pending, self._pending_ids, self._pending_bytes, self._rejects = [], set(), 0, []
+        self._closed = True
+
+    def __enter__(self) -> StoreWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        # On an exception, commit nothing half-made: what was committed before stays.
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SchemaError("this writer is closed")
+
+
+def _crc_of_parts(parts: list[Any]) -> int:
+    crc = 0
+    for part in parts:
+        crc = fmt.crc32c(part, crc)
+    return crc
+
+
+def _meta_column(key: str, values: list[Any]) -> pa.Array:
+    try:
+        return pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise SchemaError(f"meta key {key!r}: values of mixed types cannot form a column ({exc})") from None
+
+
+def _table(columns: dict[str, Any], fields: dict[str, fmt.FieldSpec]) -> pa.Table:
+    if "id" in columns and not isinstance(columns["id"], pa.Array):
+        columns["id"] = pa.array(columns["id"], pa.string())
+    if not fields and not columns["id"]:
+        return pa.table({"id": pa.array([], pa.string())})
+    return pa.table(columns)
+
+
+def _parquet_bytes(table: pa.Table) -> bytes:
+    sink = io.BytesIO()
+    pq.write_table(table, sink)
+    return sink.getvalue()

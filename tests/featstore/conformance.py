@@ -1,0 +1,267 @@
+"""The store conformance suite, in the style of zarr-python's StoreTests: one class of tests that
+every storage backend must pass. A backend's test module subclasses ``StoreConformance`` and
+provides the ``url`` fixture (a fresh, empty location) and ``shared_across_processes``."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+
+import ml_dtypes
+import fsspec
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import zarr
+
+import featstore
+from featstore import format as fmt
+
+ALL_DTYPES = list(fmt.DTYPES)
+
+
+def random_array(rng: np.random.Generator, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    np_dtype = fmt.DTYPES[dtype][0]
+    if dtype == "bool":
+        return rng.integers(0, 2, size=shape).astype(bool)
+    if np_dtype.kind in "iu":
+        info = np.iinfo(np_dtype)
+        return rng.integers(info.min, info.max, size=shape, dtype=np_dtype, endpoint=True)
+    values = rng.standard_normal(shape, dtype=np.float32) * 100
+    return values.astype(np_dtype)
+
+
+def ragged_samples(n: int, seed: int = 0) -> list[tuple[str, dict[str, np.ndarray], dict]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        t, h, w, length = (int(v) for v in rng.integers(1, 7, size=4))
+        out.append((
+            f"s-{i:04d}",
+            {
+                "latent": random_array(rng, "bfloat16", (4, t, h, w)),
+                "text": random_array(rng, "float16", (length * 3, 8)),
+            },
+            {"caption": f"caption {i}", "frames": t},
+        ))
+    return out
+
+
+FIELDS = {"latent": {"dtype": "bfloat16", "ndim": 4}, "text": {"dtype": "float16", "ndim": 2}}
+
+
+def assert_same(a: np.ndarray, b: np.ndarray) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    # Compare bits, so NaNs and signed zeros count as equal only when identical.
+    assert a.tobytes() == b.tobytes()
+
+
+def _write_then_die(url: str, die_at_commit: bool) -> None:
+    """Child process: commit one shard, then start another and get SIGKILLed mid-commit."""
+    writer = featstore.append(url, shard_prefix="doomed")
+    for sample_id, arrays, meta in ragged_samples(6, seed=7)[:3]:
+        writer.add(f"k-{sample_id}", arrays, meta)
+    writer.commit()
+    for sample_id, arrays, meta in ragged_samples(6, seed=7)[3:]:
+        writer.add(f"k-{sample_id}", arrays, meta)
+    storage = writer.store.storage
+    real_write = storage.write_atomic
+
+    def write_and_die(key, data):
+        if key.startswith(fmt.INDEX_DIR) or not die_at_commit:
+            os.kill(os.getpid(), signal.SIGKILL)  # after the data objects, before the index part
+        real_write(key, data)
+
+    storage.write_atomic = write_and_die
+    writer.commit()
+
+
+def _concurrent_writer(url: str, prefix: str, start: int) -> None:
+    writer = featstore.append(url, shard_prefix=prefix, shard_bytes=2000)
+    for sample_id, arrays, meta in ragged_samples(40, seed=start):
+        writer.add(f"{prefix}-{sample_id}", arrays, meta)
+    writer.close()
+
+
+class StoreConformance:
+    shared_across_processes = True
+
+    @pytest.fixture
+    def url(self) -> str:
+        raise NotImplementedError
+
+    # ---- round trips ---------------------------------------------------------------------
+    @pytest.mark.parametrize("dtype", ALL_DTYPES)
+    def test_round_trip_every_dtype(self, url: str, dtype: str) -> None:
+        rng = np.random.default_rng(1)
+        shapes = [(3, 5), (1, 7), (0, 4), (9, 1)]
+        arrays = [random_array(rng, dtype, s) for s in shapes]
+        with featstore.create(url, fields={"x": dtype}) as writer:
+            for i, array in enumerate(arrays):
+                writer.add(f"a{i}", {"x": array})
+        store = featstore.open(url)
+        for i, array in enumerate(arrays):
+            assert_same(store.read(f"a{i}")["x"], array)
+        assert store.fields["x"].dtype == dtype and store.fields["x"].ndim == 2
+
+    def test_ragged_shapes_many_shards(self, url: str) -> None:
+        samples = ragged_samples(60)
+        with featstore.create(url, fields=FIELDS, shard_bytes=1500) as writer:
+            for sample_id, arrays, meta in samples:
+                writer.add(sample_id, arrays, meta)
+        store = featstore.open(url)
+        assert len(store.shards) > 5
+        assert sorted(store.sample_ids()) == [s[0] for s in samples]
+        for sample_id, arrays, meta in samples[::-1]:  # random-ish order
+            got = store.read(sample_id)
+            for name in arrays:
+                assert_same(got[name], arrays[name])
+        scanned = dict(store.scan())
+        assert set(scanned) == {s[0] for s in samples}
+        for sample_id, arrays, _ in samples:
+            assert_same(scanned[sample_id]["text"], arrays["text"])
+        rows = store.index.to_pylist()
+        by_id = {r["id"]: r for r in rows}
+        assert by_id["s-0003"]["caption"] == "caption 3" and by_id["s-0003"]["frames"] == samples[3][2]["frames"]
+        assert by_id["s-0003"]["latent.shape"] == list(samples[3][1]["latent"].shape)
+
+    def test_empty_store(self, url: str) -> None:
+        featstore.create(url, fields=FIELDS).close()
+        store = featstore.open(url)
+        assert len(store) == 0 and store.sample_ids() == [] and store.index.num_rows == 0
+        assert list(store.scan()) == []
+        from featstore.verify import store_info, verify_store
+
+        assert store_info(store)["num_samples"] == 0
+        assert verify_store(store).ok
+
+    def test_one_sample_store(self, url: str) -> None:
+        (sample_id, arrays, meta), = ragged_samples(1)
+        with featstore.create(url, fields=FIELDS) as writer:
+            writer.add(sample_id, arrays, meta)
+        store = featstore.open(url)
+        assert store.sample_ids() == [sample_id] and len(store.shards) == 1
+        assert_same(store.read(sample_id)["latent"], arrays["latent"])
+
+    def test_rejects_are_committed_with_their_shard(self, url: str) -> None:
+        with featstore.create(url, fields=FIELDS) as writer:
+            writer.reject("media/broken.png", "truncated image")
+            writer.commit("only-rejects")
+            writer.reject("media/missing.mp4", "missing file")
+        store = featstore.open(url)
+        assert len(store) == 0 and store.num_rejected() == 2
+        assert sorted(store.rejects.column("reason").to_pylist()) == ["missing file", "truncated image"]
+
+    # ---- openness ------------------------------------------------------------------------
+    def test_readable_with_plain_zarr_and_pyarrow(self, url: str) -> None:
+        samples = ragged_samples(5)
+        with featstore.create(url, fields=FIELDS) as writer:
+            for sample_id, arrays, meta in samples:
+                writer.add(sample_id, arrays, meta)
+        # The recipe docs/FORMAT.md gives, with no mmcache code: the index from Parquet files,
+        # the bytes from zarr.
+        fs, root = fsspec.core.url_to_fs(url)
+        parts = sorted(fs.glob(f"{root}/index/*.parquet"))
+        rows = {}
+        for part in parts:
+            shard = part.rsplit("/", 1)[-1].rsplit(".", 2)[0]  # <shard>.<crc32c>.parquet
+            with fs.open(part, "rb") as fh:
+                for row in pq.read_table(fh, use_threads=False).to_pylist():
+                    rows[row["id"]] = {**row, "shard": shard}
+        zstore = zarr.storage.LocalStore(root) if fs.protocol in ("file", ("file", "local")) else zarr.storage.FsspecStore.from_url(url, read_only=True)
+        for sample_id, arrays, _ in samples:
+            row = rows[sample_id]
+            for name, expected in arrays.items():
+                array = zarr.open_array(zstore, path=f"shards/{row['shard']}/{name}", mode="r")
+                flat = array[row[f"{name}.offset"] : row[f"{name}.offset"] + expected.size]
+                if array.attrs["mmcache"]["dtype"] == "bfloat16":
+                    flat = flat.view(ml_dtypes.bfloat16)
+                assert_same(flat.reshape(row[f"{name}.shape"]), expected)
+
+    # ---- commits, crashes, concurrency --------------------------------------------------
+    def test_writer_killed_before_commit(self, url: str) -> None:
+        samples = ragged_samples(4)
+        with featstore.create(url, fields=FIELDS) as writer:
+            for sample_id, arrays, meta in samples:
+                writer.add(sample_id, arrays, meta)
+        if self.shared_across_processes:
+            proc = mp.get_context("spawn").Process(target=_write_then_die, args=(url, True))
+            proc.start()
+            proc.join(60)
+            assert proc.exitcode == -signal.SIGKILL
+        else:  # an in-process store cannot outlive a killed process: die by exception instead
+            writer = featstore.append(url)
+            writer.add("k-0", samples[0][1])
+            writer.store.storage.write_atomic = _raise_on_index(writer.store.storage.write_atomic)
+            with pytest.raises(RuntimeError):
+                writer.commit()
+        store = featstore.open(url)
+        ids = store.sample_ids()
+        assert set(s[0] for s in samples) <= set(ids)
+        # The killed writer's first shard was committed; its second is invisible.
+        assert len(ids) == len(samples) + (3 if self.shared_across_processes else 0)
+        for sample_id, arrays, _ in samples:
+            assert_same(store.read(sample_id)["text"], arrays["text"])
+        from featstore.verify import verify_store
+
+        report = verify_store(store)
+        assert report.ok, report.problems
+        assert any("no index part" in w for w in report.warnings)
+
+    def test_concurrent_writers(self, url: str) -> None:
+        featstore.create(url, fields=FIELDS).close()
+        if self.shared_across_processes:
+            ctx = mp.get_context("spawn")
+            procs = [ctx.Process(target=_concurrent_writer, args=(url, f"w{i}", i)) for i in range(2)]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(120)
+                assert p.exitcode == 0
+        else:
+            import threading
+
+            threads = [threading.Thread(target=_concurrent_writer, args=(url, f"w{i}", i)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        store = featstore.open(url)
+        assert len(store) == 80 and len(store.shards) > 4
+        for i in range(2):
+            for sample_id, arrays, _ in ragged_samples(40, seed=i)[::7]:
+                assert_same(store.read(f"w{i}-{sample_id}")["latent"], arrays["latent"])
+
+    def test_reopen_sees_new_shards_snapshot_does_not(self, url: str) -> None:
+        samples = ragged_samples(6)
+        with featstore.create(url, fields=FIELDS) as writer:
+            for sample_id, arrays, meta in samples[:3]:
+                writer.add(sample_id, arrays, meta)
+        before = featstore.open(url)
+        with featstore.append(url) as writer:
+            for sample_id, arrays, meta in samples[3:]:
+                writer.add(sample_id, arrays, meta)
+        assert len(before) == 3  # the snapshot taken at open does not move
+        after = featstore.open(url)
+        assert len(after) == 6
+        assert_same(after.read(samples[5][0])["latent"], samples[5][1]["latent"])
+
+    def test_deterministic_shard_names_skip_on_rerun(self, url: str) -> None:
+        samples = ragged_samples(4)
+        writer = featstore.create(url, fields=FIELDS)
+        for sample_id, arrays, meta in samples:
+            writer.add(sample_id, arrays, meta)
+        writer.commit("task-0001")
+        writer.close()
+        store = featstore.open(url, mode="a")
+        assert store.has_shard("task-0001") and not store.has_shard("task-0002")
+
+
+def _raise_on_index(real_write):
+    def write(key, data):
+        if key.startswith(fmt.INDEX_DIR):
+            raise RuntimeError("simulated crash before the commit point")
+        real_write(key, data)
+
+    return write
