@@ -4,7 +4,44 @@ Heavy imports (torch, dask, encoders) happen inside the commands that need them,
 
 from __future__ import annotations
 
-from featstore.cli import cli
+import click
+
+from featstore.cli import cli, parse_storage_options, storage_options_option
+from featstore.errors import FeatstoreError
+
+
+@cli.command()
+@click.option("--config", "config_name", required=True, help="YAML file or preset name (configs/encode/NAME.yaml), e.g. tiny, taef2.")
+@click.option("--input", "input_url", required=True, help="Manifest (.jsonl/.csv/.parquet with path, caption[, id]) or a folder of media + .txt captions.")
+@click.option("--output", "output_url", required=True, help="Store URL: a path, file://, s3://, memory://.")
+@click.option("--workers", type=int, default=None, help="Local Dask workers (default: one per device, or per CPU core up to 4).")
+@click.option("--scheduler", default=None, help="Address of an existing Dask scheduler (instead of a local cluster).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "npu"]), default=None, help="Overrides the config's device.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value, e.g. --set vae.path=DIR (repeatable).")
+@storage_options_option
+@click.option("--input-storage-options", default=None, metavar="JSON", help="fsspec options for the input URLs.")
+@click.option("--progress/--no-progress", default=None, help="Progress line (default: when stderr is a terminal).")
+def encode(config_name, input_url, output_url, workers, scheduler, device, overrides, storage_options, input_storage_options, progress) -> None:
+    """Run frozen encoders over INPUT once and write their features to the store at OUTPUT."""
+    if workers is not None and scheduler:
+        raise click.UsageError("--workers and --scheduler exclude each other")
+    from featstore.config import load_config
+    from precompute.config import EncodeConfig
+    from precompute.pipeline import run_encode
+
+    try:
+        config = load_config(EncodeConfig, config_name, "encode", overrides)
+        if device:
+            config.device = device
+        summary = run_encode(
+            config, input_url, output_url, workers=workers, scheduler=scheduler,
+            storage_options=parse_storage_options(storage_options),
+            input_storage_options=parse_storage_options(input_storage_options),
+            progress=progress, log=lambda line: click.echo(line, err=True),
+        )
+    except FeatstoreError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(summary.line())
 
 
 def main() -> None:

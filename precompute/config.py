@@ -1,0 +1,64 @@
+"""The typed config of ``mmcache encode`` (a preset under ``configs/encode/`` + ``--set``)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from featstore.errors import ConfigError
+from precompute.media import FrameSampling, ResizeConfig
+
+# `path: tiny` in a preset means "the tiny random-weight model of this encoder", built once into
+# this cache (see precompute.encoders.tiny) and then loaded through from_pretrained like any other.
+TINY_PATH = "tiny"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("MMCACHE_CACHE", Path.home() / ".cache" / "mmcache"))
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    allow_empty_caption: bool = False
+    allow_outside_root: bool = False  # absolute paths, URLs and '..' in a manifest
+    retry_rejects: bool = False       # a re-run normally skips inputs already rejected
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    samples_per_task: int = 32   # one Dask task = one shard; sized so a lost task costs little
+    batch_size: int = 8          # encoder batch (per shape bucket)
+    decode_threads: int = 2      # CPU threads decoding ahead of the encoder in each worker
+    threads_per_worker: int = 0  # torch intra-op threads per worker; 0 = cores / workers
+
+    def __post_init__(self) -> None:
+        for name in ("samples_per_task", "batch_size", "decode_threads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"run.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True)
+class EncodeConfig:
+    # Each encoder section is {encoder: <registry name>, ...that encoder's own options}; the
+    # options are checked by the encoder's typed config when it is built.
+    vae: dict[str, Any] | None = None
+    text: dict[str, Any] | None = None
+    vit: dict[str, Any] | None = None
+    resize: ResizeConfig = field(default_factory=ResizeConfig)
+    frames: FrameSampling = field(default_factory=FrameSampling)
+    data: DataConfig = field(default_factory=DataConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+
+    def __post_init__(self) -> None:
+        if not any((self.vae, self.text, self.vit)):
+            raise ConfigError("the encode config names no encoder: set vae, text and/or vit")
+        for section in ("vae", "text", "vit"):
+            value = getattr(self, section)
+            if value is not None and "encoder" not in value:
+                raise ConfigError(f"{section}: say which encoder, e.g. {section}.encoder=taef2")
+
+    def encoder_sections(self) -> dict[str, dict[str, Any]]:
+        return {name: value for name in ("vae", "vit", "text") if (value := getattr(self, name))}

@@ -1,0 +1,49 @@
+"""Which accelerator a worker uses. NPU only when ``torch_npu`` imports *and* reports a device
+(merely having it installed without Ascend's CANN breaks ``import torch`` unless
+``TORCH_DEVICE_BACKEND_AUTOLOAD=0``, see BRIEF §6), else CUDA, else CPU."""
+
+from __future__ import annotations
+
+import importlib
+
+from featstore.errors import ConfigError
+
+
+def npu_count() -> int:
+    try:
+        importlib.import_module("torch_npu")
+        import torch
+
+        return int(torch.npu.device_count()) if hasattr(torch, "npu") and torch.npu.is_available() else 0
+    except Exception:  # noqa: BLE001 - any failure to import or query means "no usable NPU"
+        return 0
+
+
+def cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_device(requested: str) -> tuple[str, int]:
+    """``auto|cpu|cuda|npu`` -> (device type, number of devices; 0 for cpu)."""
+    if requested not in ("auto", "cpu", "cuda", "npu"):
+        raise ConfigError(f"--device must be auto, cpu, cuda or npu, got {requested!r}")
+    if requested in ("auto", "npu"):
+        count = npu_count()
+        if count:
+            return "npu", count
+        if requested == "npu":
+            raise ConfigError("--device npu: torch_npu is not importable or reports no NPU (install mmcache[npu] and Ascend CANN)")
+    if requested in ("auto", "cuda"):
+        count = cuda_count()
+        if count:
+            return "cuda", count
+        if requested == "cuda":
+            raise ConfigError("--device cuda: torch reports no CUDA device")
+    return "cpu", 0
+
+
+def worker_device(device_type: str, count: int, worker_index: int) -> str:
+    """One worker per device: worker i is pinned to device i (mod count)."""
+    return "cpu" if device_type == "cpu" else f"{device_type}:{worker_index % max(count, 1)}"

@@ -1,0 +1,37 @@
+"""Frozen encoders for ``mmcache encode``, looked up by name from a registry.
+
+Importing this package registers every built-in encoder; heavy libraries (transformers,
+diffusers) are imported only when an encoder is loaded, so listing encoders stays cheap.
+"""
+
+from precompute.encoders.base import (
+    ENCODERS,
+    Encoder,
+    EncoderConfigError,
+    EncoderInputError,
+    EncoderOutputError,
+    FieldSpec,
+    UnknownEncoderError,
+    build_encoder,
+    encoder_class,
+    register,
+)
+
+# Imported for their @register side effect.
+from precompute.encoders import taef2 as _taef2  # noqa: E402,F401
+from precompute.encoders import text as _text  # noqa: E402,F401
+from precompute.encoders import vae as _vae  # noqa: E402,F401
+from precompute.encoders import vision as _vision  # noqa: E402,F401
+
+__all__ = [
+    "ENCODERS",
+    "Encoder",
+    "EncoderConfigError",
+    "EncoderInputError",
+    "EncoderOutputError",
+    "FieldSpec",
+    "UnknownEncoderError",
+    "build_encoder",
+    "encoder_class",
+    "register",
+]

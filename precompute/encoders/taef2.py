@@ -1,0 +1,167 @@
+"""TAESD-F2: the tiny (1.3 M-parameter) autoencoder distilled from the FLUX.2 VAE.
+
+The published checkpoints are state dicts of plain ``nn.Sequential`` stacks, so the layer order
+below is fixed by the keys (``N.conv.0.weight`` is layer N's first conv): change an index and
+``load_state_dict(strict=True)`` fails rather than loading something subtly different.
+Images go in as RGB in [0, 1]; latents have 32 channels at 1/8 resolution. Videos are encoded
+frame by frame.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from precompute.encoders.base import EncoderConfigError, FieldSpec, register, sha256_json, sha256_state_dict
+from precompute.encoders.visual import VisualEncoder
+from precompute.media import SizeRule
+
+LATENT_CHANNELS = 32
+WIDTH = 64  # feature channels of every hidden layer
+POOL_WIDTH = 256  # the "pool" branch widens 4x before projecting back
+ENCODER_FILE = "taef2_encoder.pth"
+DECODER_FILE = "taef2_decoder.pth"
+
+
+def _conv(n_in: int, n_out: int, **kwargs: Any) -> nn.Conv2d:
+    return nn.Conv2d(n_in, n_out, 3, padding=1, **kwargs)
+
+
+class SoftClamp(nn.Module):
+    """3·tanh(x/3): keeps decoder inputs in about [-3, 3] without a hard edge."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x / 3) * 3
+
+
+class Block(nn.Module):
+    """Residual block: relu(conv(x) + x), with an optional widening 1x1 "pool" branch added first."""
+
+    def __init__(self, channels: int = WIDTH, *, pool: bool = False):
+        super().__init__()
+        self.conv = nn.Sequential(_conv(channels, channels), nn.ReLU(), _conv(channels, channels), nn.ReLU(), _conv(channels, channels))
+        self.pool = (
+            nn.Sequential(
+                nn.Conv2d(channels, POOL_WIDTH, 1, bias=False),
+                nn.GroupNorm(4, POOL_WIDTH),
+                nn.ReLU(),
+                nn.Conv2d(POOL_WIDTH, channels, 1, bias=False),
+            )
+            if pool
+            else None
+        )
+        self.fuse = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pool is not None:
+            x = x + self.pool(x)
+        return self.fuse(self.conv(x) + x)
+
+
+def build_taef2_encoder() -> nn.Sequential:
+    """RGB [0,1] N x 3 x H x W -> latents N x 32 x H/8 x W/8."""
+    down = lambda: _conv(WIDTH, WIDTH, stride=2, bias=False)  # noqa: E731
+    return nn.Sequential(
+        _conv(3, WIDTH), Block(),  # 0, 1
+        down(), Block(), Block(), Block(),  # 2-5
+        down(), Block(), Block(), Block(),  # 6-9
+        down(), Block(pool=True), Block(pool=True), Block(pool=True),  # 10-13
+        _conv(WIDTH, LATENT_CHANNELS),  # 14
+    )
+
+
+def build_taef2_decoder() -> nn.Sequential:
+    """Latents N x 32 x h x w -> RGB N x 3 x 8h x 8w, roughly in [0, 1]."""
+    up = lambda: nn.Upsample(scale_factor=2, mode="nearest")  # noqa: E731
+    up_conv = lambda: _conv(WIDTH, WIDTH, bias=False)  # noqa: E731
+    return nn.Sequential(
+        SoftClamp(), _conv(LATENT_CHANNELS, WIDTH), nn.ReLU(),  # 0-2
+        Block(pool=True), Block(pool=True), Block(pool=True),  # 3-5
+        up(), up_conv(), Block(), Block(), Block(),  # 6-10
+        up(), up_conv(), Block(), Block(), Block(),  # 11-15
+        up(), up_conv(), Block(),  # 16-18
+        _conv(WIDTH, 3),  # 19
+    )
+
+
+def load_taef2_weights(module: nn.Module, file: Path) -> str:
+    """Load a TAESD-F2 state dict strictly into ``module``; return its sha256 (as stored, fp16)."""
+    if not file.is_file():
+        raise EncoderConfigError(f"TAESD-F2 weights not found: {file} (set path to the folder holding {file.name})")
+    state = torch.load(file, map_location="cpu", weights_only=True)  # never unpickle code
+    digest = sha256_state_dict(state)
+    module.load_state_dict(state, strict=True)
+    return digest
+
+
+def load_taef2_decoder(folder: str | Path, device: str | torch.device = "cpu") -> nn.Sequential:
+    """The decoder, for reconstruction checks (float32, eval mode)."""
+    decoder = build_taef2_decoder()
+    load_taef2_weights(decoder, Path(folder) / DECODER_FILE)
+    return decoder.to(device).eval().requires_grad_(False)
+
+
+@dataclass(kw_only=True)
+class TAEF2Config:
+    path: str  # folder with taef2_encoder.pth (and optionally taef2_decoder.pth)
+    modality: Literal["image", "video"] = "image"
+    dtype: Literal["bfloat16", "float16"] = "bfloat16"
+    # The checkpoint is fp16, but CPUs run fp32 convs much faster and more accurately.
+    compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    field: str = "latent"
+    micro_batch: int = 16
+
+
+@register("taef2")
+class TAEF2Encoder(VisualEncoder):
+    Config = TAEF2Config
+    per_frame = True
+
+    def __init__(self, config: TAEF2Config):
+        super().__init__(config)
+        self.model: nn.Sequential | None = None
+        self._decoder: nn.Sequential | None = None
+
+    def fields(self) -> dict[str, FieldSpec]:
+        ndim = 3 if self.modality == "image" else 4  # C x h x w, or C x T x h x w
+        return {self.field_name: FieldSpec(name=self.field_name, dtype=self.config.dtype, ndim=ndim, modality=self.modality)}
+
+    def size_rule(self) -> SizeRule:
+        return SizeRule(spatial_multiple=8, temporal="any")
+
+    def field_metadata(self) -> dict[str, dict[str, Any]]:
+        # TAESD latents live in the FLUX.2 VAE's raw latent space: no scale or shift applied.
+        return {self.field_name: {"scaling_factor": 1.0, "shift_factor": 0.0, "latent_channels": LATENT_CHANNELS, "spatial_compression": 8, "temporal_compression": 1}}
+
+    def model_identity(self) -> dict[str, Any]:
+        return {"model_class": "TAESD-F2", "config_sha256": sha256_json({"latent_channels": LATENT_CHANNELS, "width": WIDTH, "pool_width": POOL_WIDTH})}
+
+    def _load(self, device: torch.device) -> str:
+        model = build_taef2_encoder()
+        digest = load_taef2_weights(model, Path(self.config.path) / ENCODER_FILE)
+        self.model = model.to(device=device, dtype=self.compute_dtype).eval().requires_grad_(False)
+        return digest
+
+    def encode_images(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.model is not None
+        return self.model(x)
+
+    def decode(self, latents: np.ndarray | torch.Tensor) -> np.ndarray:
+        """One sample's latents -> float32 RGB in [0, 1], channels last: C x h x w -> H x W x 3,
+        C x T x h x w -> T x H x W x 3. Loads the decoder from the same folder on first use."""
+        self.require_loaded()
+        if self._decoder is None:
+            self._decoder = load_taef2_decoder(self.config.path, self.device).to(self.compute_dtype)
+        z = latents if isinstance(latents, torch.Tensor) else torch.from_numpy(np.asarray(latents, dtype=np.float32))
+        if z.ndim not in (3, 4) or z.shape[0] != LATENT_CHANNELS:
+            raise ValueError(f"expected {LATENT_CHANNELS} x h x w or {LATENT_CHANNELS} x T x h x w latents, got {tuple(z.shape)}")
+        frames = z[None] if z.ndim == 3 else z.transpose(0, 1)  # decoded frame by frame
+        with torch.inference_mode():
+            rgb = self._decoder(frames.to(self.device, self.compute_dtype)).clamp(0, 1)
+        out = rgb.permute(0, 2, 3, 1).float().cpu().numpy()
+        return out[0] if z.ndim == 3 else out

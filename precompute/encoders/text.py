@@ -1,0 +1,177 @@
+"""T5-family text encoders (T5 v1.1, UMT5 as in Wan, mT5 as in Open-Sora-Plan).
+
+The stored embedding is *unpadded*: L x D for the L real tokens of the caption (EOS included),
+never max_length x D. Padded fp32 embeddings are what made other caches ~10x too big; a trainer
+pads per batch, to the batch's own longest caption, when it streams them back.
+Because T5 uses relative position biases and an attention mask, a caption's embedding does not
+depend on what it was batched with, which is what makes encoding each distinct caption once
+(and copying the result to its duplicates) exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from precompute.encoders.base import (
+    Encoder,
+    EncoderConfigError,
+    EncoderInputError,
+    FieldSpec,
+    architecture_config,
+    check_finite,
+    register,
+    sha256_json,
+    sha256_state_dict,
+    to_numpy,
+    torch_dtype,
+)
+
+
+@dataclass(kw_only=True)
+class T5EncoderConfig:
+    path: str  # a transformers model folder with the tokenizer files beside the weights
+    max_length: int = 512  # tokens, EOS included; longer captions are truncated
+    dtype: Literal["bfloat16", "float16"] = "bfloat16"
+    # T5 activations overflow fp16 inside the network, so compute defaults to fp32.
+    compute_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    field: str = "text_emb"
+    micro_batch: int = 32  # distinct captions per forward pass
+
+    def __post_init__(self) -> None:
+        if self.max_length < 1:
+            raise EncoderConfigError(f"max_length must be >= 1, got {self.max_length}")
+
+
+class T5FamilyEncoder(Encoder):
+    """Base for the three registered variants; they differ only in model class and model_type."""
+
+    Config = T5EncoderConfig
+    model_class_name: str = ""
+    model_type: str = ""
+
+    def __init__(self, config: T5EncoderConfig):
+        super().__init__(config)
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self._tokenizer_sha256: str | None = None
+        self._raw_config: dict[str, Any] | None = None
+        # Fast tokenizers are not thread-safe when padding/truncating ("Already borrowed"), and a
+        # Dask worker may run several encode tasks at once.
+        self._tokenizer_lock = threading.Lock()
+
+    @property
+    def modality(self) -> str:
+        return "text"
+
+    def fields(self) -> dict[str, FieldSpec]:
+        name = self.config.field
+        return {name: FieldSpec(name=name, dtype=self.config.dtype, ndim=2, modality="text")}
+
+    def field_metadata(self) -> dict[str, dict[str, Any]]:
+        hidden = self._read_config().get("d_model")
+        return {self.config.field: {"hidden_size": hidden, "max_length": self.config.max_length, "padding": "none"}}
+
+    def model_identity(self) -> dict[str, Any]:
+        return {
+            "model_class": self.model_class_name,
+            # config.json as shipped, not the library's normalised view (see vae.py).
+            "config_sha256": sha256_json(architecture_config(self._read_config())),
+            "tokenizer_sha256": self._tokenizer_sha256,
+        }
+
+    def preprocessing(self) -> dict[str, Any]:
+        return {"max_length": self.config.max_length, "truncation": True, "unpadded": True}
+
+    def _read_config(self) -> dict[str, Any]:
+        if self._raw_config is not None:
+            return self._raw_config
+        file = Path(self.config.path) / "config.json"
+        if not file.is_file():
+            raise EncoderConfigError(f"{self.registry_name}: no config.json in {self.config.path}; path must be a transformers model folder")
+        raw = json.loads(file.read_text())
+        if raw.get("model_type") != self.model_type:
+            raise EncoderConfigError(
+                f"{self.config.path} holds a {raw.get('model_type')!r} model; encoder {self.registry_name!r} "
+                f"expects {self.model_type!r} (use the encoder named after the model type)"
+            )
+        self._raw_config = raw
+        return raw
+
+    def _load(self, device: torch.device) -> str:
+        import transformers  # heavy: only where a text model is really loaded
+
+        self._read_config()
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.config.path, local_files_only=True)
+        if self.tokenizer.pad_token_id is None:
+            raise EncoderConfigError(f"the tokenizer in {self.config.path} has no pad token")
+        # Its full serialisation (vocab, normaliser, post-processor) is what decides the token ids.
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise EncoderConfigError(f"{self.config.path}: need a fast (tokenizers) tokenizer, found {type(self.tokenizer).__name__}")
+        self._tokenizer_sha256 = hashlib.sha256(backend.to_str().encode()).hexdigest()
+        cls = getattr(transformers, self.model_class_name)
+        model = cls.from_pretrained(self.config.path, local_files_only=True)
+        digest = sha256_state_dict(model.state_dict())  # as loaded, before the compute-dtype cast
+        self.model = model.to(device=device, dtype=self.compute_dtype).eval().requires_grad_(False)
+        return digest
+
+    def encode(self, batch: Sequence[str]) -> list[dict[str, np.ndarray]]:
+        self.require_loaded()
+        for i, caption in enumerate(batch):
+            if not isinstance(caption, str):
+                raise EncoderInputError(f"batch item {i}: expected a caption string, got {type(caption).__name__}")
+        # Distinct captions, longest first so each micro-batch pads to similar lengths.
+        distinct = sorted(dict.fromkeys(batch), key=len, reverse=True)
+        by_caption: dict[str, np.ndarray] = {}
+        with torch.inference_mode():
+            for start in range(0, len(distinct), self.config.micro_batch):
+                chunk = distinct[start : start + self.config.micro_batch]
+                by_caption.update(zip(chunk, self._encode_distinct(chunk)))
+        # Duplicates share one read-only array: equal captions have equal features.
+        return [{self.config.field: by_caption[caption]} for caption in batch]
+
+    def _encode_distinct(self, captions: list[str]) -> list[np.ndarray]:
+        with self._tokenizer_lock:
+            tokens = self.tokenizer(
+                captions, padding="longest", truncation=True, max_length=self.config.max_length, return_tensors="pt"
+            )
+        mask = tokens["attention_mask"]
+        hidden = self.model(input_ids=tokens["input_ids"].to(self.device), attention_mask=mask.to(self.device)).last_hidden_state
+        # One transfer per micro-batch; checked after the cast, where an fp16 overflow becomes inf.
+        stored = hidden.to(torch_dtype(self.config.dtype)).cpu()
+        out = []
+        for i, caption in enumerate(captions):
+            # Select by mask, not by a [:L] slice, so the padding side cannot matter.
+            real = stored[i][mask[i].bool()]
+            check_finite(real, f"text embedding of caption {caption[:40]!r}")
+            array = to_numpy(real, self.config.dtype)
+            array.flags.writeable = False
+            out.append(array)
+        return out
+
+
+@register("t5")
+class T5TextEncoder(T5FamilyEncoder):
+    model_class_name = "T5EncoderModel"
+    model_type = "t5"
+
+
+@register("umt5")
+class UMT5TextEncoder(T5FamilyEncoder):
+    model_class_name = "UMT5EncoderModel"
+    model_type = "umt5"
+
+
+@register("mt5")
+class MT5TextEncoder(T5FamilyEncoder):
+    model_class_name = "MT5EncoderModel"
+    model_type = "mt5"

@@ -1,0 +1,332 @@
+"""Decode images and videos, bucket them to encoder-friendly sizes, and record what was done.
+
+Every function here takes the *bytes* of a source file (the caller reads them through fsspec)
+plus its URI, and returns a ``PreparedMedia``: uint8 RGB pixels and a provenance dict. The
+contract the feature store relies on: the pixels are exactly the source (after EXIF orientation)
+cropped to ``(crop_left, crop_top, crop_width, crop_height)`` and resized to ``width x height``
+with the configured Pillow filter. Anything that cannot be decoded raises ``MediaError`` with a
+short reason that goes into the rejects table; nothing is skipped silently.
+
+No torch here: preprocessing runs on CPU threads next to the encoders and must stay cheap to
+import. Encoders convert the uint8 pixels to their own value range.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from featstore.errors import ConfigError
+
+# Landscape and portrait variants of the usual photo/video aspect ratios (width / height).
+DEFAULT_ASPECT_RATIOS = (1.0, 5 / 4, 4 / 5, 4 / 3, 3 / 4, 3 / 2, 2 / 3, 16 / 9, 9 / 16, 2.0, 0.5, 21 / 9, 9 / 21)
+
+_RESAMPLE = {"bicubic": Image.Resampling.BICUBIC, "lanczos": Image.Resampling.LANCZOS}
+_ALPHA_MODES = {"RGBA", "LA", "PA", "RGBa", "La"}
+_SIXTEEN_BIT_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N"}
+# Leading bytes of container formats we recognise, so a file that *is* a video but fails to
+# open is reported as truncated/corrupt rather than as "not a media file".
+# What Pillow's format plugins raise on damaged data (struct.error from short binary headers).
+_PILLOW_DECODE_ERRORS = (OSError, SyntaxError, EOFError, ValueError, struct.error)
+_IMAGE_MAGIC = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"BM", b"II*\x00", b"MM\x00*")
+_VIDEO_MAGIC = (b"\x1a\x45\xdf\xa3", b"RIFF", b"OggS", b"FLV", b"\x00\x00\x01\xba")
+
+
+class MediaError(ValueError):
+    """A source file cannot be turned into encoder input; ``reason`` is short, for a rejects table."""
+
+    def __init__(self, reason: str, uri: str = ""):
+        super().__init__(f"{uri}: {reason}" if uri else reason)
+        self.reason = reason
+        self.uri = uri
+
+
+@dataclass(frozen=True, kw_only=True)
+class SizeRule:
+    """What an encoder accepts: sizes a multiple of ``spatial_multiple`` (or exactly ``fixed_size``
+    as (width, height)), and a frame count that is anything or 4k+1 (causal video VAEs)."""
+
+    spatial_multiple: int = 1
+    temporal: Literal["any", "4k+1"] = "any"
+    fixed_size: tuple[int, int] | None = None
+
+
+@dataclass(kw_only=True)
+class ResizeConfig:
+    """Aspect-ratio bucketing at a pixel budget. An empty ``aspect_ratios`` keeps the source aspect
+    (rounded to the spatial multiple) instead of snapping to a bucket."""
+
+    target_area: int = 256 * 256
+    aspect_ratios: list[float] = field(default_factory=lambda: list(DEFAULT_ASPECT_RATIOS))
+    resample: Literal["bicubic", "lanczos"] = "bicubic"
+    alpha: Literal["white", "drop"] = "white"  # composite transparent pixels on white, or ignore alpha
+
+    def __post_init__(self) -> None:
+        if self.target_area <= 0:
+            raise ConfigError(f"resize.target_area must be positive, got {self.target_area}")
+        if any(r <= 0 for r in self.aspect_ratios):
+            raise ConfigError(f"resize.aspect_ratios must be positive, got {self.aspect_ratios}")
+
+
+@dataclass(kw_only=True)
+class FrameSampling:
+    """Which frames of a video to keep. ``stride`` and ``target_fps`` are alternatives (step through
+    the video every ``stride`` frames, or at ``source_fps / target_fps``); ``num_frames`` caps how
+    many are taken from the start (all reachable frames when None). ``force_4k_plus_1`` trims the
+    count to 4k+1; encoders whose temporal rule is 4k+1 force it anyway."""
+
+    num_frames: int | None = None
+    stride: int | None = None
+    target_fps: float | None = None
+    force_4k_plus_1: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stride is not None and self.target_fps is not None:
+            raise ConfigError("frames: set stride or target_fps, not both")
+        if self.stride is not None and self.stride < 1:
+            raise ConfigError(f"frames.stride must be >= 1, got {self.stride}")
+        if self.target_fps is not None and self.target_fps <= 0:
+            raise ConfigError(f"frames.target_fps must be positive, got {self.target_fps}")
+        if self.num_frames is not None and self.num_frames < 1:
+            raise ConfigError(f"frames.num_frames must be >= 1, got {self.num_frames}")
+        if self.force_4k_plus_1 and self.num_frames is not None and self.num_frames % 4 != 1:
+            raise ConfigError(f"frames.num_frames={self.num_frames} is not 4k+1 (1, 5, 9, 13, ...)")
+
+
+@dataclass(kw_only=True)
+class PreparedMedia:
+    """Encoder input: ``pixels`` is uint8 RGB, H x W x 3 for images or T x H x W x 3 for videos."""
+
+    pixels: np.ndarray
+    provenance: dict[str, Any]
+    modality: Literal["image", "video"]
+
+
+# ----------------------------------------------------------------------------- sizes and boxes
+
+
+def bucket_sizes(target_area: int, multiple: int, aspect_ratios: list[float] | tuple[float, ...]) -> list[tuple[int, int]]:
+    """(width, height) per aspect ratio, each side a multiple of ``multiple``, area ~ target_area."""
+    sizes = {_size_for_aspect(target_area, multiple, ratio) for ratio in aspect_ratios}
+    return sorted(sizes)
+
+
+def choose_size(orig_width: int, orig_height: int, *, resize: ResizeConfig, rule: SizeRule) -> tuple[int, int]:
+    """The (width, height) a source of this size is resized to: the bucket nearest its aspect."""
+    if rule.fixed_size is not None:
+        return rule.fixed_size
+    source_aspect = orig_width / orig_height
+    if not resize.aspect_ratios:
+        return _size_for_aspect(resize.target_area, rule.spatial_multiple, source_aspect)
+    candidates = bucket_sizes(resize.target_area, rule.spatial_multiple, resize.aspect_ratios)
+    # Distance in log-aspect so 2:1 and 1:2 are equally far from 1:1; ties go to the smaller size.
+    return min(candidates, key=lambda wh: (abs(math.log(wh[0] / wh[1]) - math.log(source_aspect)), wh))
+
+
+def center_crop_box(orig_width: int, orig_height: int, width: int, height: int) -> tuple[int, int, int, int]:
+    """(left, top, crop_width, crop_height): the largest centred box with the target's aspect."""
+    target_aspect = width / height
+    if orig_width / orig_height > target_aspect:  # source is wider: keep full height
+        crop_height = orig_height
+        crop_width = min(orig_width, max(1, round(orig_height * target_aspect)))
+    else:
+        crop_width = orig_width
+        crop_height = min(orig_height, max(1, round(orig_width / target_aspect)))
+    return (orig_width - crop_width) // 2, (orig_height - crop_height) // 2, crop_width, crop_height
+
+
+def crop_and_resize(image: Image.Image, box: tuple[int, int, int, int], size: tuple[int, int], resample: str) -> Image.Image:
+    """Crop first, then resize: Pillow's ``resize(box=...)`` may sample pixels outside the box,
+    which would break the "source cropped to box then resized" contract."""
+    left, top, crop_width, crop_height = box
+    cropped = image.crop((left, top, left + crop_width, top + crop_height))
+    if cropped.size == size:
+        return cropped
+    return cropped.resize(size, resample=_RESAMPLE[resample])
+
+
+def _size_for_aspect(target_area: int, multiple: int, aspect: float) -> tuple[int, int]:
+    width = max(multiple, round(math.sqrt(target_area * aspect) / multiple) * multiple)
+    height = max(multiple, round(math.sqrt(target_area / aspect) / multiple) * multiple)
+    return width, height
+
+
+def _provenance(uri: str, data: bytes, orig: tuple[int, int], box: tuple[int, int, int, int], size: tuple[int, int]) -> dict[str, Any]:
+    return {
+        "source_uri": uri,
+        "content_hash": hashlib.sha256(data).hexdigest(),
+        "orig_width": orig[0],
+        "orig_height": orig[1],
+        "crop_left": box[0],
+        "crop_top": box[1],
+        "crop_width": box[2],
+        "crop_height": box[3],
+        "width": size[0],
+        "height": size[1],
+    }
+
+
+# ----------------------------------------------------------------------------- images
+
+
+def decode_image(data: bytes, uri: str = "", *, alpha: Literal["white", "drop"] = "white") -> Image.Image:
+    """Bytes -> upright RGB Pillow image (first frame of an animation)."""
+    if not data:
+        raise MediaError("empty file", uri)
+    try:
+        image = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        if data.startswith(_IMAGE_MAGIC) or (data[:4] == b"RIFF" and data[8:12] == b"WEBP"):
+            raise MediaError("truncated or corrupt image (header unreadable)", uri) from None
+        raise MediaError("not an image file", uri) from None
+    except Image.DecompressionBombError as exc:
+        raise MediaError(f"image too large ({exc})", uri) from None
+    except _PILLOW_DECODE_ERRORS as exc:  # a recognised format whose header is cut or damaged
+        raise MediaError(f"truncated or corrupt image ({exc})", uri) from None
+    try:
+        image.seek(0)  # animated GIF/WebP/APNG: image encoders take the first frame
+        image.load()  # Image.open only parses the header; truncation shows up here
+    except Image.DecompressionBombError as exc:
+        raise MediaError(f"image too large ({exc})", uri) from None
+    except _PILLOW_DECODE_ERRORS as exc:
+        raise MediaError(f"truncated or corrupt image ({exc})", uri) from None
+    image = ImageOps.exif_transpose(image)  # orientation as displayed, before any crop box
+    return to_rgb(image, alpha=alpha)
+
+
+def to_rgb(image: Image.Image, *, alpha: Literal["white", "drop"] = "white") -> Image.Image:
+    """Any Pillow mode -> 8-bit RGB, with explicit rules where Pillow's default would be wrong."""
+    if image.mode in _SIXTEEN_BIT_MODES:
+        # Pillow's convert("L") clips 16-bit values at 255 instead of scaling them; scale 0..65535.
+        values = np.asarray(image, dtype=np.float64)
+        image = Image.fromarray(np.clip(np.rint(values / 257.0), 0, 255).astype(np.uint8), mode="L")
+    if image.mode == "P":
+        image = image.convert("RGBA" if "transparency" in image.info else "RGB")
+    elif image.mode in ("L", "RGB") and "transparency" in image.info:
+        image = image.convert("RGBA")  # a tRNS colour key is alpha in disguise
+    if image.mode in _ALPHA_MODES:
+        rgba = image.convert("RGBA")
+        if alpha == "drop":
+            return rgba.convert("RGB")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    # CMYK, YCbCr, LAB, HSV, 1, L, F: Pillow's own conversions are right for these.
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def prepare_image(data: bytes, uri: str, *, resize: ResizeConfig, rule: SizeRule) -> PreparedMedia:
+    """Decode, bucket, centre-crop and resize one image; pixels are H x W x 3 uint8."""
+    image = decode_image(data, uri, alpha=resize.alpha)
+    orig = image.size
+    size = choose_size(*orig, resize=resize, rule=rule)
+    box = center_crop_box(*orig, *size)
+    pixels = np.asarray(crop_and_resize(image, box, size, resize.resample), dtype=np.uint8)
+    assert pixels.shape == (size[1], size[0], 3), pixels.shape
+    return PreparedMedia(pixels=pixels, provenance=_provenance(uri, data, orig, box, size), modality="image")
+
+
+# ----------------------------------------------------------------------------- videos
+
+
+def select_frames(total_frames: int, source_fps: float, sampling: FrameSampling, *, require_4k_plus_1: bool = False, uri: str = "") -> tuple[list[int], float]:
+    """Indices (in decode order) of the frames to keep, and the fps of the kept sequence."""
+    step = 1.0
+    if sampling.stride is not None:
+        step = float(sampling.stride)
+    elif sampling.target_fps is not None:
+        # Never invent frames: a source slower than the target keeps every frame, and the
+        # recorded fps says so.
+        step = max(1.0, source_fps / sampling.target_fps)
+    reachable = 0 if total_frames <= 0 else math.floor((total_frames - 1) / step + 1e-9) + 1
+    four_k_plus_1 = require_4k_plus_1 or sampling.force_4k_plus_1
+    wanted = sampling.num_frames
+    if wanted is not None and four_k_plus_1 and wanted % 4 != 1:
+        raise ConfigError(f"frames.num_frames={wanted} is not 4k+1, which this encoder requires")
+    if wanted is None:
+        wanted = (reachable - 1) // 4 * 4 + 1 if four_k_plus_1 else reachable
+    if wanted < 1 or reachable < wanted:
+        raise MediaError(f"too few frames: need {max(wanted, 1)} at step {step:g}, video has {total_frames}", uri)
+    indices = [math.floor(i * step + 1e-6) for i in range(wanted)]
+    return indices, source_fps / step
+
+
+def prepare_video(data: bytes, uri: str, *, resize: ResizeConfig, sampling: FrameSampling, rule: SizeRule) -> PreparedMedia:
+    """Decode the chosen frames of a video, all cropped with one box; pixels are T x H x W x 3."""
+    import av  # PyAV pulls in FFmpeg; import it only where videos are actually read
+
+    if not data:
+        raise MediaError("empty file", uri)
+    total, fps, orig = _probe_video(av, data, uri)
+    indices, kept_fps = select_frames(total, fps, sampling, require_4k_plus_1=rule.temporal == "4k+1", uri=uri)
+    size = choose_size(*orig, resize=resize, rule=rule)
+    box = center_crop_box(*orig, *size)
+    wanted = set(indices)
+    frames: list[np.ndarray] = []
+    decoded = 0
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            stream = container.streams.video[0]
+            stream.thread_type = "AUTO"
+            for frame in container.decode(stream):
+                if decoded in wanted:
+                    image = frame.to_image()  # RGB24 via swscale
+                    if image.size != orig:
+                        raise MediaError(f"frame size changes mid-stream ({orig} -> {image.size})", uri)
+                    frames.append(np.asarray(crop_and_resize(image, box, size, resize.resample), dtype=np.uint8))
+                decoded += 1
+                if decoded > indices[-1]:
+                    break  # the rest is not needed
+    except av.FFmpegError as exc:
+        raise MediaError(f"truncated or corrupt video ({_short(exc)})", uri) from None
+    if len(frames) < len(indices):
+        raise MediaError(f"truncated video: decoded {decoded} frames, needed frame {indices[-1]}", uri)
+    provenance = _provenance(uri, data, orig, box, size)
+    provenance["frame_indices"] = indices
+    provenance["fps"] = float(kept_fps)
+    return PreparedMedia(pixels=np.stack(frames), provenance=provenance, modality="video")
+
+
+def prepare(data: bytes, uri: str, *, modality: Literal["image", "video"], resize: ResizeConfig, rule: SizeRule, sampling: FrameSampling | None = None) -> PreparedMedia:
+    """Dispatch on modality (the pipeline knows it from the encoder it feeds)."""
+    if modality == "image":
+        return prepare_image(data, uri, resize=resize, rule=rule)
+    return prepare_video(data, uri, resize=resize, sampling=sampling or FrameSampling(), rule=rule)
+
+
+def _probe_video(av: Any, data: bytes, uri: str) -> tuple[int, float, tuple[int, int]]:
+    """(frame count, fps, (width, height)) from the container, checked against its packets."""
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams.video:
+                raise MediaError("no video stream", uri)
+            stream = container.streams.video[0]
+            if stream.codec_context is None or not stream.codec_context.width:
+                raise MediaError(f"unreadable video codec ({stream.codec_context and stream.codec_context.name})", uri)
+            rate = stream.average_rate or stream.guessed_rate
+            if not rate:
+                raise MediaError("video has no frame rate", uri)
+            size = (stream.codec_context.width, stream.codec_context.height)
+            declared = stream.frames
+            # Demuxing without decoding is cheap and tells how many frames the bytes really hold.
+            packets = sum(1 for packet in container.demux(stream) if packet.size)
+    except av.error.DecoderNotFoundError as exc:
+        raise MediaError(f"unreadable video codec ({_short(exc)})", uri) from None
+    except av.FFmpegError as exc:
+        if data[4:8] == b"ftyp" or data.startswith(_VIDEO_MAGIC):
+            raise MediaError(f"truncated or corrupt video ({_short(exc)})", uri) from None
+        raise MediaError("not a media file", uri) from None
+    if declared and packets < declared:
+        raise MediaError(f"truncated video: container lists {declared} frames, file holds {packets}", uri)
+    return packets, float(rate), size
+
+
+def _short(exc: Exception) -> str:
+    text = getattr(exc, "strerror", None) or str(exc)
+    return text if len(text) <= 120 else text[:117] + "..."

@@ -1,0 +1,273 @@
+"""The client side of ``mmcache encode``: plan the job, run it on a Dask cluster, report.
+
+1. Read the input manifest (bad rows become rejects at once).
+2. Ask one worker to load the encoders and describe them (fields, fingerprints), so the client
+   never loads a model; create the store, or check that an existing one was made by the same
+   encoders (fail closed).
+3. Skip every row already committed (or already rejected), group the rest into tasks of
+   ``run.samples_per_task`` rows, each named by a hash of its rows and the encoders' digests,
+   and map them over the workers. Each task commits one shard.
+A job killed at any moment loses nothing committed; running it again does only what is left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import featstore
+from featstore.errors import FingerprintMismatchError
+from precompute.config import TINY_PATH, EncodeConfig, default_cache_dir
+from precompute.devices import resolve_device, worker_device
+from precompute.inputs import InputRow, Reject, read_inputs
+from precompute.tasks import EncoderSpec, TaskSpec, describe_encoders, encode_task
+
+
+_QUIET_OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "DIFFUSERS_VERBOSITY": "error",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+@dataclass(kw_only=True)
+class EncodeSummary:
+    store_url: str
+    tasks: int
+    tasks_skipped: int
+    samples_written: int
+    samples_skipped: int
+    rejected: int
+    seconds: float
+    startup_seconds: float
+
+    def line(self) -> str:
+        rate = self.samples_written / self.seconds if self.seconds > 0 else 0.0
+        return (
+            f"encoded {self.samples_written} sample(s) in {self.tasks - self.tasks_skipped} task(s) "
+            f"({rate:.1f} samples/s; start-up {self.startup_seconds:.1f}s), {self.rejected} rejected, "
+            f"{self.samples_skipped} already in the store -> {self.store_url}"
+        )
+
+
+def encoder_specs(config: EncodeConfig, cache_dir: Path | None = None) -> list[EncoderSpec]:
+    """Config sections -> specs with concrete model folders (``path: tiny`` built on demand)."""
+    from precompute.encoders import encoder_class
+
+    specs = []
+    for section, raw in config.encoder_sections().items():
+        options = dict(raw)
+        name = options.pop("encoder")
+        cls = encoder_class(name)
+        if options.get("path") == TINY_PATH:
+            from precompute.encoders.tiny import ensure_tiny_models
+
+            options["path"] = str(ensure_tiny_models((cache_dir or default_cache_dir()) / "tiny", [name])[name])
+        elif "path" in options:
+            options["path"] = str(Path(options["path"]).expanduser().resolve())
+        field_names = {f.name for f in dataclasses.fields(cls.Config)}
+        if section == "vae" and "modality" in field_names:
+            # One latent field holds images and videos alike: an image is a one-frame video.
+            options["modality"] = "video"
+        specs.append(EncoderSpec(section=section, name=name, options=options))
+    return specs
+
+
+def plan_tasks(rows: list[InputRow], specs_digest: str, per_task: int) -> list[TaskSpec]:
+    tasks = []
+    for start in range(0, len(rows), per_task):
+        chunk = rows[start : start + per_task]
+        body = json.dumps([specs_digest, [(r.sample_id, r.uri, r.caption) for r in chunk]])
+        tasks.append(TaskSpec(shard=f"t-{hashlib.sha256(body.encode()).hexdigest()[:24]}", rows=chunk))
+    return tasks
+
+
+def run_encode(
+    config: EncodeConfig,
+    input_url: str,
+    output_url: str,
+    *,
+    workers: int | None = None,
+    scheduler: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    input_storage_options: dict[str, Any] | None = None,
+    progress: bool | None = None,
+    log=print,
+) -> EncodeSummary:
+    from distributed import Client, LocalCluster
+
+    # Workers inherit the environment: models load from local folders only, without progress
+    # bars or hub look-ups cluttering the job's output.
+    for key, value in _QUIET_OFFLINE_ENV.items():
+        os.environ.setdefault(key, value)
+    t0 = time.perf_counter()
+    rows, plan_rejects = read_inputs(
+        input_url,
+        storage_options=input_storage_options,
+        allow_empty_caption=config.data.allow_empty_caption,
+        allow_outside_root=config.data.allow_outside_root,
+    )
+    specs = encoder_specs(config)
+    device_type, device_count = resolve_device(config.device)
+    cores = os.cpu_count() or 1
+    if workers is None:
+        workers = device_count if device_type != "cpu" else max(1, min(cores, 4))
+    threads = config.run.threads_per_worker or max(1, cores // workers)
+    in_process = output_url.startswith("memory://")  # memory:// lives in this process only
+
+    if scheduler:
+        client = Client(scheduler)
+        cluster = None
+    else:
+        cluster = LocalCluster(
+            n_workers=workers, threads_per_worker=1, processes=not in_process,
+            dashboard_address=":0" if _has_bokeh() else None, silence_logs=40,
+        )
+        client = Client(cluster)
+    try:
+        if client.dashboard_link and _has_bokeh():
+            log(f"dask dashboard: {client.dashboard_link}")
+        if cluster is not None:
+            client.wait_for_workers(workers, timeout=120)
+        addresses = sorted(client.scheduler_info()["workers"])
+        devices = {addr: worker_device(device_type, device_count, i) for i, addr in enumerate(addresses)}
+        first = addresses[0]
+        described = client.submit(describe_encoders, specs, devices[first], threads, workers=[first], pure=False).result()
+        fields = described["fields"]
+        store = _open_or_create(output_url, fields, storage_options)
+        startup = time.perf_counter() - t0
+        log(f"encoders ready on {len(devices)} worker(s) ({device_type}) in {startup:.1f}s")
+
+        rejected_before = _rejected_sources(store) if not config.data.retry_rejects else set()
+        todo = [r for r in rows if r.sample_id not in store and r.source not in rejected_before]
+        skipped = len(rows) - len(todo)
+        new_plan_rejects = [r for r in plan_rejects if r.source not in rejected_before]
+        if new_plan_rejects:
+            _commit_plan_rejects(store, new_plan_rejects)
+        digest = hashlib.sha256(json.dumps({k: v["meta"]["fingerprint"]["digest"] for k, v in fields.items()}, sort_keys=True).encode()).hexdigest()
+        tasks = plan_tasks(todo, digest, config.run.samples_per_task)
+        settings = {
+            "resize": dataclasses.asdict(config.resize),
+            "frames": dataclasses.asdict(config.frames),
+            "batch_size": config.run.batch_size,
+            "decode_threads": config.run.decode_threads,
+            "input_storage_options": input_storage_options,
+        }
+        summary = _run_tasks(client, tasks, devices, output_url, storage_options, specs, threads, settings, progress, log)
+        summary.update(samples_skipped=skipped, startup_seconds=startup)
+        summary["rejected"] += len(new_plan_rejects)
+        return EncodeSummary(store_url=store.url, seconds=time.perf_counter() - t0 - startup, **summary)
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+
+def _run_tasks(client, tasks, devices, output_url, storage_options, specs, threads, settings, progress, log) -> dict[str, int]:
+    from distributed import as_completed
+
+    total = sum(len(t.rows) for t in tasks)
+    meter = ProgressMeter(total, enabled=sys.stderr.isatty() if progress is None else progress)
+    futures = []
+    addresses = sorted(devices)
+    for i, task in enumerate(tasks):
+        # Each worker encodes on its own device; a task may still run elsewhere if its worker
+        # dies (retries), so the device is chosen by the worker at run time.
+        futures.append(client.submit(
+            _run_on_worker, task, output_url, storage_options, specs, devices, threads, settings,
+            key=f"encode-{task.shard}", retries=3, pure=False, workers=[addresses[i % len(addresses)]], allow_other_workers=True,
+        ))
+    counts = {"tasks": len(tasks), "tasks_skipped": 0, "samples_written": 0, "rejected": 0}
+    for future in as_completed(futures):
+        result = future.result()
+        counts["tasks_skipped"] += result["skipped"]
+        counts["samples_written"] += result["samples"]
+        counts["rejected"] += result["rejected"]
+        meter.update(result["samples"] + result["rejected"], result["rejected"])
+    meter.close()
+    return counts
+
+
+def _run_on_worker(task, output_url, storage_options, specs, devices, threads, settings):
+    from distributed import get_worker
+
+    device = devices.get(get_worker().address, next(iter(devices.values())))
+    return encode_task(task, store_url=output_url, storage_options=storage_options, specs=specs, device=device, threads=threads, settings=settings)
+
+
+def _open_or_create(url: str, fields: dict[str, Any], storage_options: dict[str, Any] | None) -> featstore.Store:
+    try:
+        store = featstore.open(url, storage_options, mode="a")
+    except featstore.NotAStoreError:
+        from featstore.reader import create_store
+
+        return create_store(url, fields, storage_options=storage_options)
+    for name, spec in fields.items():
+        have = store.fields.get(name)
+        if have is None:
+            raise FingerprintMismatchError(f"{store.url} has no field {name!r} (it holds {sorted(store.fields)}); encode into a new store")
+        want_digest = spec["meta"]["fingerprint"]["digest"]
+        have_digest = have.meta.get("fingerprint", {}).get("digest")
+        if have_digest != want_digest or have.dtype != spec["dtype"]:
+            raise FingerprintMismatchError(
+                f"{store.url}: field {name!r} was made by a different encoder or settings "
+                f"(store fingerprint {have_digest}, this config {want_digest}); write to a new --output, "
+                f"or give the new features their own field name (e.g. --set {spec['meta']['section']}.field={name}_v2) in a new store"
+            )
+    return store
+
+
+def _rejected_sources(store: featstore.Store) -> set[str]:
+    return set(store.rejects.column("source").to_pylist()) if store.num_rejected() else set()
+
+
+def _commit_plan_rejects(store: featstore.Store, rejects: list[Reject]) -> None:
+    body = json.dumps([(r.source, r.reason) for r in rejects])
+    name = f"r-{hashlib.sha256(body.encode()).hexdigest()[:24]}"
+    if store.has_shard(name):
+        return
+    writer = store.writer()
+    for r in rejects:
+        writer.reject(r.source, r.reason, id=r.sample_id)
+    writer.commit(name)
+
+
+def _has_bokeh() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("bokeh") is not None
+
+
+class ProgressMeter:
+    """One status line on stderr (samples/s, ETA, rejects) when it is a terminal; quiet otherwise."""
+
+    def __init__(self, total: int, *, enabled: bool) -> None:
+        self.total, self.enabled = total, enabled
+        self.done = self.rejected = 0
+        self.start = time.perf_counter()
+
+    def update(self, done: int, rejected: int) -> None:
+        self.done += done
+        self.rejected += rejected
+        if not self.enabled:
+            return
+        elapsed = time.perf_counter() - self.start
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+        eta_text = f"{eta:5.0f}s" if eta != float("inf") else "    ?"
+        sys.stderr.write(f"\r{self.done}/{self.total} samples  {rate:6.1f}/s  ETA {eta_text}  rejected {self.rejected}   ")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")

@@ -1,0 +1,248 @@
+"""What runs on a Dask worker: load the encoders once, then turn one task's rows into one shard.
+
+A task is a fixed list of input rows with a deterministic shard name (a hash of the rows and the
+encoders' fingerprints). It reads and decodes its media on a few CPU threads while the encoder
+works through batches on the worker's device, writes the shard's data, and commits it; rows that
+fail become rejects in the same commit. Nothing but a small summary travels back to the client.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import fsspec
+import numpy as np
+
+import featstore
+from precompute.inputs import InputRow
+
+# Per worker process: section key -> loaded encoder. Loading a model is seconds to minutes; a
+# worker does it once for the whole job, not once per task.
+_ENCODERS: dict[str, Any] = {}
+_LOAD_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True, kw_only=True)
+class EncoderSpec:
+    section: str         # "vae" | "vit" | "text"
+    name: str            # registry name
+    options: dict[str, Any]
+
+    @property
+    def key(self) -> str:
+        import json
+
+        return json.dumps([self.section, self.name, self.options], sort_keys=True)
+
+
+@dataclass(kw_only=True)
+class TaskSpec:
+    shard: str
+    rows: list[InputRow]
+
+
+@dataclass(kw_only=True)
+class TaskResult:
+    shard: str
+    samples: int = 0
+    rejected: int = 0
+    skipped: bool = False
+    seconds: float = 0.0
+    reasons: dict[str, int] = field(default_factory=dict)
+
+
+def loaded_encoders(specs: list[EncoderSpec], device: str, threads: int) -> dict[str, Any]:
+    from precompute.encoders import build_encoder
+
+    with _LOAD_LOCK:
+        if threads and not _ENCODERS:
+            import torch
+
+            torch.set_num_threads(threads)
+        for spec in specs:
+            if spec.key not in _ENCODERS:
+                encoder = build_encoder(spec.name, spec.options)
+                encoder.load(device)
+                _ENCODERS[spec.key] = encoder
+        return {spec.section: _ENCODERS[spec.key] for spec in specs}
+
+
+def describe_encoders(specs: list[EncoderSpec], device: str, threads: int) -> dict[str, Any]:
+    """Fields, fingerprints and field metadata of the configured encoders (run on a worker, so
+    the client never loads a model)."""
+    encoders = loaded_encoders(specs, device, threads)
+    fields: dict[str, Any] = {}
+    for section, encoder in encoders.items():
+        metadata = encoder.field_metadata()
+        for name, spec in encoder.fields().items():
+            ndim = spec.ndim + 1 if section == "vae" and spec.ndim == 3 else spec.ndim
+            fields[name] = {
+                "dtype": spec.dtype,
+                "ndim": ndim,
+                "meta": {"section": section, "modality": spec.modality, "fingerprint": encoder.fingerprint(), **metadata.get(name, {})},
+            }
+    return {"fields": fields, "pid": os.getpid()}
+
+
+def encode_task(
+    task: TaskSpec,
+    *,
+    store_url: str,
+    storage_options: dict[str, Any] | None,
+    specs: list[EncoderSpec],
+    device: str,
+    threads: int,
+    settings: dict[str, Any],
+) -> dict[str, Any]:
+    """Encode one task into one committed shard; idempotent (a committed shard is skipped)."""
+    from precompute.media import FrameSampling, MediaError, ResizeConfig
+
+    start = time.perf_counter()
+    result = TaskResult(shard=task.shard)
+    store = featstore.open(store_url, storage_options, mode="a")
+    if store.has_shard(task.shard):
+        result.skipped = True
+        return asdict(result)
+    encoders = loaded_encoders(specs, device, threads)
+    resize = ResizeConfig(**settings["resize"])
+    frames = FrameSampling(**settings["frames"])
+    writer = store.writer(shard_prefix=task.shard[:60])
+
+    def reject(row: InputRow, reason: str) -> None:
+        writer.reject(row.source, reason, id=row.sample_id)
+        result.rejected += 1
+        result.reasons[reason.split(":")[0]] = result.reasons.get(reason.split(":")[0], 0) + 1
+
+    visual = encoders.get("vae") or encoders.get("vit")
+    rule = visual.size_rule() if visual is not None else None
+
+    def prepare(row: InputRow):
+        data = _read_bytes(row.uri, settings.get("input_storage_options"))
+        if visual is None:
+            return None
+        from precompute.media import prepare as prepare_media
+
+        return prepare_media(data, row.uri, modality=row.modality, resize=resize, rule=rule, sampling=frames)
+
+    done: list[tuple[InputRow, dict[str, np.ndarray], dict[str, Any]]] = []
+    with ThreadPoolExecutor(settings["decode_threads"], thread_name_prefix="decode") as pool:
+        # Decoding runs ahead on CPU threads (Pillow and PyAV release the GIL) while the encoder
+        # works on the batches already formed.
+        futures = [(row, pool.submit(prepare, row)) for row in task.rows]
+        for batch in _bucketed(futures, settings["batch_size"], reject, MediaError):
+            _encode_batch(batch, encoders, reject, done)
+    _encode_text(done, encoders.get("text"), settings["batch_size"], reject)
+    for row, arrays, meta in done:
+        if arrays is not None:
+            writer.add(row.sample_id, arrays, meta)
+    writer.commit(task.shard)
+    result.samples = sum(1 for _, arrays, _ in done if arrays is not None)
+    result.seconds = time.perf_counter() - start
+    store.close()
+    return asdict(result)
+
+
+def _read_bytes(uri: str, storage_options: dict[str, Any] | None) -> bytes:
+    from precompute.media import MediaError
+
+    try:
+        with fsspec.open(uri, "rb", **(storage_options or {})) as fh:
+            data = fh.read()
+    except FileNotFoundError:
+        raise MediaError("missing file", uri) from None
+    except IsADirectoryError:
+        raise MediaError("is a directory, not a file", uri) from None
+    if not data:
+        raise MediaError("zero-byte file", uri)
+    return data
+
+
+def _bucketed(futures, batch_size: int, reject, media_error) -> Iterator[list[tuple[InputRow, Any]]]:
+    """Prepared inputs grouped by shape (the encoder stacks a batch), in batches of batch_size."""
+    buckets: dict[tuple, list[tuple[InputRow, Any]]] = {}
+    for row, future in futures:
+        try:
+            prepared = future.result()
+        except media_error as exc:
+            reject(row, exc.reason)
+            continue
+        key = (row.modality, prepared.pixels.shape) if prepared is not None else ("text",)
+        bucket = buckets.setdefault(key, [])
+        bucket.append((row, prepared))
+        if len(bucket) >= batch_size:
+            yield buckets.pop(key)
+    yield from (b for b in buckets.values() if b)
+
+
+def _encode_batch(batch, encoders: dict[str, Any], reject, done: list) -> None:
+    from precompute.encoders import EncoderInputError, EncoderOutputError
+
+    outputs: list[dict[str, np.ndarray]] = [{} for _ in batch]
+    for section in ("vae", "vit"):
+        encoder = encoders.get(section)
+        if encoder is None:
+            continue
+        items = []
+        for row, prepared in batch:
+            pixels = prepared.pixels
+            if section == "vae" and row.modality == "image":
+                pixels = pixels[None]  # an image is a one-frame video: latents are C x 1 x h x w
+            elif section == "vit" and row.modality == "video":
+                pixels = pixels[0]  # a ViT sees the first frame
+            items.append(pixels)
+        try:
+            encoded = encoder.encode(items)
+        except (EncoderInputError, EncoderOutputError):
+            # One bad item poisons the stacked batch: retry one by one to find it.
+            encoded = []
+            for (row, _), item in zip(batch, items, strict=True):
+                try:
+                    encoded.extend(encoder.encode([item]))
+                except (EncoderInputError, EncoderOutputError) as exc:
+                    reject(row, f"encoder rejected input: {exc}")
+                    encoded.append(None)
+        for out, features in zip(outputs, encoded, strict=True):
+            if features is None:
+                out.clear()
+                out["__rejected__"] = True
+            elif "__rejected__" not in out:
+                out.update(features)
+    for (row, prepared), out in zip(batch, outputs, strict=True):
+        if "__rejected__" in out:
+            continue
+        meta = {"caption": row.caption, "modality": row.modality, **(prepared.provenance if prepared is not None else {"source_uri": row.uri})}
+        done.append((row, out, meta))
+
+
+def _encode_text(done: list, encoder: Any, batch_size: int, reject) -> None:
+    if encoder is None or not done:
+        return
+    from precompute.encoders import EncoderOutputError
+
+    captions = [row.caption for row, _, _ in done]
+    # Identical captions are encoded once for the whole task, not once per batch.
+    distinct = list(dict.fromkeys(captions))
+    embeddings: dict[str, dict[str, np.ndarray] | None] = {}
+    for start in range(0, len(distinct), batch_size * 4):
+        chunk = distinct[start : start + batch_size * 4]
+        try:
+            embeddings.update(zip(chunk, encoder.encode(chunk), strict=True))
+        except EncoderOutputError:
+            for caption in chunk:
+                try:
+                    embeddings[caption] = encoder.encode([caption])[0]
+                except EncoderOutputError:
+                    embeddings[caption] = None
+    for index, (row, arrays, meta) in enumerate(done):
+        text = embeddings[row.caption]
+        if text is None:
+            reject(row, "text encoder produced NaN/inf for the caption")
+            done[index] = (row, None, meta)
+        else:
+            arrays.update(text)
