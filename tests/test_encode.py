@@ -1,0 +1,259 @@
+"""`mmcache encode` on a real Dask LocalCluster (2 worker processes) with real media and real
+(tiny, locally built) encoders: rejects, exactly-once under kills, growth, fingerprints."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import featstore
+from featstore.config import load_config
+from precompute.config import EncodeConfig
+from precompute.demo_data import make_dataset, write_video
+from precompute.pipeline import run_encode
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+TAEF2 = SHARED / "weights" / "taef2"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from distributed import Client, LocalCluster
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, Client(cluster) as client:
+        yield cluster.scheduler_address, client
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    return make_dataset(root, num_images=10, num_videos=3)
+
+
+def tiny_config(*overrides: str) -> EncodeConfig:
+    return load_config(EncodeConfig, "tiny", "encode", ["run.samples_per_task=4", *overrides])
+
+
+def encode(config, manifest, out, cluster, **kw):
+    return run_encode(config, str(manifest), str(out), scheduler=cluster[0], progress=False, log=lambda *_: None, **kw)
+
+
+def manifest_rows(manifest: Path) -> list[dict]:
+    return [json.loads(line) for line in manifest.read_text().splitlines()]
+
+
+def write_manifest(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_encode_images_and_videos(dataset, tmp_path, cluster):
+    out = tmp_path / "store"
+    summary = encode(tiny_config(), dataset, out, cluster)
+    assert summary.samples_written == 13 and summary.rejected == 0
+    store = featstore.open(str(out))
+    assert len(store) == 13 and sorted(store.fields) == ["latent", "text_emb"]
+    rows = {r["id"]: r for r in store.index.to_pylist()}
+    image, video = rows["media:image_000.png"], rows["media:video_000.mp4"]
+    for row in (image, video):
+        for key in ("source_uri", "content_hash", "orig_width", "orig_height", "crop_left", "crop_top", "crop_width", "crop_height", "width", "height"):
+            assert row[key] is not None, key
+    assert image["latent.shape"][1] == 1 and image["frame_indices"] is None
+    assert video["frame_indices"] == [0, 2, 4, 6, 8] and video["latent.shape"][1] == 5 and video["fps"] == pytest.approx(6.0)
+    assert image["latent.shape"][2:] == [image["height"] // 8, image["width"] // 8]
+    # Unpadded text: lengths differ with the caption.
+    lengths = {r["text_emb.shape"][0] for r in rows.values()}
+    assert len(lengths) > 1
+    meta = store.fields["latent"].meta
+    assert meta["fingerprint"]["encoder"] == "autoencoder_kl" and len(meta["fingerprint"]["weights_sha256"]) == 64
+    assert "scaling_factor" in meta
+    sample = store.read("media:video_000.mp4")
+    assert sample["latent"].dtype.name == "bfloat16" and np.isfinite(sample["latent"].astype(np.float32)).all()
+
+
+def test_bad_inputs_become_rejects(dataset, tmp_path, cluster):
+    root = tmp_path / "bad"
+    shutil.copytree(dataset.parent / "media", root / "media")
+    good_png = (root / "media" / "image_000.png").read_bytes()
+    good_mp4 = (root / "media" / "video_000.mp4").read_bytes()
+    (root / "zero.png").write_bytes(b"")
+    (root / "truncated.png").write_bytes(good_png[: len(good_png) // 2])
+    (root / "truncated.mp4").write_bytes(good_mp4[: len(good_mp4) // 3])
+    (root / "notmedia.jpg").write_text("this is a text file, not an image")
+    from PIL import Image
+
+    write_video(root / "short.mp4", [Image.new("RGB", (64, 64), "red")] * 3)
+    (tmp_path / "outside.png").write_bytes(good_png)
+    rows = [
+        {"path": "media/image_000.png", "caption": "fine"},
+        {"path": "missing.png", "caption": "x"},
+        {"path": "zero.png", "caption": "x"},
+        {"path": "truncated.png", "caption": "x"},
+        {"path": "truncated.mp4", "caption": "x"},
+        {"path": "notmedia.jpg", "caption": "x"},
+        {"path": "short.mp4", "caption": "x"},
+        {"path": "media/image_001.png", "caption": "   "},
+        {"path": "media/image_002.png", "caption": "dup", "id": "same"},
+        {"path": "media/image_003.png", "caption": "dup", "id": "same"},
+        {"path": "../outside.png", "caption": "escape"},
+        {"path": str(tmp_path / "outside.png"), "caption": "absolute"},
+        {"path": "notes.doc", "caption": "unsupported"},
+    ]
+    manifest = write_manifest(root / "manifest.jsonl", rows)
+    out = tmp_path / "store"
+    summary = encode(tiny_config(), manifest, out, cluster)
+    assert summary.samples_written == 2  # image_000 and the first "same"
+    store = featstore.open(str(out))
+    reasons = {r["source"]: r["reason"] for r in store.rejects.to_pylist()}
+    expected = {
+        "missing.png": "missing file",
+        "zero.png": "zero-byte file",
+        "truncated.png": "truncated",
+        "truncated.mp4": "video",
+        "notmedia.jpg": "not an image file",
+        "short.mp4": "too few frames",
+        "media/image_001.png": "empty caption",
+        "media/image_003.png": "duplicate id",
+        "../outside.png": "escapes",
+        str(tmp_path / "outside.png"): "escapes",
+        "notes.doc": "unsupported file type",
+    }
+    assert set(reasons) == set(expected), reasons
+    for source, fragment in expected.items():
+        assert fragment in reasons[source], (source, reasons[source])
+    assert sorted(store.sample_ids()) == ["media:image_000.png", "same"]
+    # A re-run does not duplicate rejects or samples.
+    again = encode(tiny_config(), manifest, out, cluster)
+    assert again.samples_written == 0 and again.rejected == 0
+    assert featstore.open(str(out)).num_rejected() == len(expected)
+    # Empty captions are allowed when the config says so.
+    allowed = encode(tiny_config("data.allow_empty_caption=true"), write_manifest(root / "m2.jsonl", rows[7:8]), tmp_path / "store2", cluster)
+    assert allowed.samples_written == 1
+
+
+def test_grown_manifest_encodes_only_new_rows(dataset, tmp_path, cluster):
+    rows = manifest_rows(dataset)
+    first = write_manifest(dataset.parent / "first.jsonl", rows[:7])
+    out = tmp_path / "store"
+    assert encode(tiny_config(), first, out, cluster).samples_written == 7
+    before = {r["id"]: r["shard"] for r in featstore.open(str(out)).index.to_pylist()}
+    summary = encode(tiny_config(), dataset, out, cluster)
+    assert summary.samples_written == len(rows) - 7 and summary.samples_skipped == 7
+    store = featstore.open(str(out))
+    ids = store.index.column("id").to_pylist()
+    assert len(ids) == len(set(ids)) == len(rows)
+    assert all(dict(zip(ids, store.index.column("shard").to_pylist()))[i] == s for i, s in before.items())
+
+
+def test_folder_input_with_txt_captions(dataset, tmp_path, cluster):
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for i in range(3):
+        shutil.copy(dataset.parent / "media" / f"image_00{i}.png", folder / f"pic{i}.png")
+        (folder / f"pic{i}.txt").write_text(f"caption number {i}")
+    store_url = tmp_path / "store"
+    assert encode(tiny_config(), folder, store_url, cluster).samples_written == 3
+    store = featstore.open(str(store_url))
+    assert sorted(store.index.column("caption").to_pylist()) == [f"caption number {i}" for i in range(3)]
+
+
+def test_fingerprint_mismatch_is_refused(dataset, tmp_path, cluster):
+    out = tmp_path / "store"
+    encode(tiny_config(), write_manifest(dataset.parent / "two.jsonl", manifest_rows(dataset)[:2]), out, cluster)
+    with pytest.raises(featstore.FingerprintMismatchError, match="text_emb.*different encoder"):
+        encode(tiny_config("text.max_length=16"), dataset, out, cluster)
+    assert len(featstore.open(str(out))) == 2
+
+
+def _committed_shards(store: Path) -> int:
+    return len(list((store / "index").glob("*.parquet"))) if (store / "index").exists() else 0
+
+
+def _run_cli(manifest: Path, out: Path, *extra: str) -> subprocess.Popen:
+    cmd = [str(Path(sys.executable).parent / "mmcache"), "encode", "--config", "tiny", "--input", str(manifest),
+           "--output", str(out), "--workers", "2", "--set", "run.samples_per_task=2", *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def test_kill_minus_9_then_rerun_gives_each_input_once(dataset, tmp_path):
+    out = tmp_path / "store"
+    proc = _run_cli(dataset, out)
+    deadline = time.time() + 240
+    while _committed_shards(out) < 2 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the job finished before it could be killed; make it bigger"
+    os.killpg(proc.pid, signal.SIGKILL)  # the client, its scheduler and its workers, at once
+    proc.wait(30)
+    partial = len(featstore.open(str(out)))
+    assert 0 < partial < 13
+    rerun = _run_cli(dataset, out)
+    output, _ = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, output
+    ids = featstore.open(str(out)).index.column("id").to_pylist()
+    assert len(ids) == 13 and len(set(ids)) == 13
+    assert subprocess.run([str(Path(sys.executable).parent / "mmcache"), "verify", str(out)], capture_output=True).returncode == 0
+
+
+def test_killed_worker_is_survived(dataset, tmp_path):
+    from distributed import Client, LocalCluster
+
+    out = tmp_path / "store"
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as local, Client(local) as client:
+        pids = client.run(os.getpid)
+        errors: list[BaseException] = []
+
+        def job():
+            try:
+                encode(tiny_config("run.samples_per_task=1"), dataset, out, (local.scheduler_address,))
+            except BaseException as exc:  # reported below: the test fails with it
+                errors.append(exc)
+
+        thread = threading.Thread(target=job)
+        thread.start()
+        deadline = time.time() + 240
+        while _committed_shards(out) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        os.kill(next(iter(pids.values())), signal.SIGKILL)
+        thread.join(300)
+        assert not thread.is_alive() and not errors, errors
+    ids = Counter(featstore.open(str(out)).index.column("id").to_pylist())
+    assert len(ids) == 13 and set(ids.values()) == {1}
+
+
+@pytest.mark.skipif(not (TAEF2 / "taef2_encoder.pth").is_file(), reason=f"TAESD-F2 weights not found at {TAEF2} (../shared is test data, absent here)")
+def test_taef2_encode_decode_reconstructs_real_photos(tmp_path, cluster):
+    import torch
+    from PIL import Image
+
+    from precompute.encoders.taef2 import load_taef2_decoder
+
+    names = ["astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg"]
+    manifest = write_manifest(tmp_path / "m.jsonl", [{"path": str(SHARED / "media" / "images" / n), "caption": n} for n in names])
+    out = tmp_path / "store"
+    config = load_config(EncodeConfig, "taef2", "encode", [f"vae.path={TAEF2}", "data.allow_outside_root=true"])
+    assert encode(config, manifest, out, cluster).samples_written == len(names)
+    store = featstore.open(str(out))
+    decoder = load_taef2_decoder(TAEF2)
+    for row in store.index.to_pylist():
+        latent = store.read(row["id"])["latent"]  # 32 x 1 x h x w, bf16
+        with torch.no_grad():
+            x = torch.from_numpy(latent.astype(np.float32))[:, 0][None]
+            decoded = decoder(x).clamp(0, 1)[0].permute(1, 2, 0).numpy()
+        source = Image.open(row["source_uri"]).convert("RGB")
+        box = (row["crop_left"], row["crop_top"], row["crop_left"] + row["crop_width"], row["crop_top"] + row["crop_height"])
+        reference = np.asarray(source.crop(box).resize((row["width"], row["height"]), Image.BICUBIC), dtype=np.float32) / 255
+        mse = float(np.mean((decoded - reference) ** 2))
+        psnr = 10 * np.log10(1.0 / mse)
+        assert psnr >= 27.0, (row["id"], psnr)
