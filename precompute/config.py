@@ -51,6 +51,9 @@ class EncodeConfig:
     data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    # Pixel sizes are multiples of this and of the encoder's own multiple, so latents fit the
+    # trainer's patch: 16 = an 8x VAE times a 2x2 DiT patch.
+    size_multiple: int = 16
 
     def __post_init__(self) -> None:
         if not any((self.vae, self.text, self.vit)):

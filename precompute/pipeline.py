@@ -144,7 +144,16 @@ def run_encode(
         first = addresses[0]
         described = client.submit(describe_encoders, specs, devices[first], threads, workers=[first], pure=False).result()
         fields = described["fields"]
-        store = _open_or_create(output_url, fields, storage_options)
+        settings = {
+            "resize": dataclasses.asdict(config.resize),
+            "frames": dataclasses.asdict(config.frames),
+            "size_multiple": config.size_multiple,
+            "batch_size": config.run.batch_size,
+            "decode_threads": config.run.decode_threads,
+            "input_storage_options": input_storage_options,
+        }
+        transform = {k: settings[k] for k in ("resize", "frames", "size_multiple")}
+        store = _open_or_create(output_url, fields, storage_options, transform)
         startup = time.perf_counter() - t0
         log(f"encoders ready on {len(devices)} worker(s) ({device_type}) in {startup:.1f}s")
 
@@ -156,13 +165,6 @@ def run_encode(
             _commit_plan_rejects(store, new_plan_rejects)
         digest = hashlib.sha256(json.dumps({k: v["meta"]["fingerprint"]["digest"] for k, v in fields.items()}, sort_keys=True).encode()).hexdigest()
         tasks = plan_tasks(todo, digest, config.run.samples_per_task)
-        settings = {
-            "resize": dataclasses.asdict(config.resize),
-            "frames": dataclasses.asdict(config.frames),
-            "batch_size": config.run.batch_size,
-            "decode_threads": config.run.decode_threads,
-            "input_storage_options": input_storage_options,
-        }
         summary = _run_tasks(client, tasks, devices, output_url, storage_options, specs, threads, settings, progress, log)
         summary.update(samples_skipped=skipped, startup_seconds=startup)
         summary["rejected"] += len(new_plan_rejects)
@@ -205,13 +207,18 @@ def _run_on_worker(task, output_url, storage_options, specs, devices, threads, s
     return encode_task(task, store_url=output_url, storage_options=storage_options, specs=specs, device=device, threads=threads, settings=settings)
 
 
-def _open_or_create(url: str, fields: dict[str, Any], storage_options: dict[str, Any] | None) -> featstore.Store:
+def _open_or_create(url: str, fields: dict[str, Any], storage_options: dict[str, Any] | None, transform: dict[str, Any]) -> featstore.Store:
     try:
         store = featstore.open(url, storage_options, mode="a")
     except featstore.NotAStoreError:
         from featstore.reader import create_store
 
-        return create_store(url, fields, storage_options=storage_options)
+        return create_store(url, fields, storage_options=storage_options, attrs={"transform": transform})
+    if store.attrs.get("transform") != json.loads(json.dumps(transform)):
+        raise FingerprintMismatchError(
+            f"{store.url} was encoded with other preprocessing (resize/frames/size_multiple: {store.attrs.get('transform')}); "
+            "encode into a new --output, or use the same settings"
+        )
     for name, spec in fields.items():
         have = store.fields.get(name)
         if have is None:

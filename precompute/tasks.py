@@ -121,6 +121,11 @@ def encode_task(
 
     visual = encoders.get("vae") or encoders.get("vit")
     rule = visual.size_rule() if visual is not None else None
+    if rule is not None and rule.fixed_size is None:
+        import dataclasses
+        import math
+
+        rule = dataclasses.replace(rule, spatial_multiple=math.lcm(rule.spatial_multiple, settings["size_multiple"]))
 
     def prepare(row: InputRow):
         data = _read_bytes(row.uri, settings.get("input_storage_options"))

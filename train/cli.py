@@ -1,14 +1,52 @@
-"""The ``mmtrain`` command."""
+"""The ``mmtrain`` command. ``mmtrain fit`` runs alone or under ``torchrun --nproc-per-node K``."""
 
 from __future__ import annotations
 
+import json
+
 import click
+
+from featstore.cli import parse_storage_options, storage_options_option
+from featstore.errors import FeatstoreError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="mmcache")
 def cli() -> None:
     """mmtrain: train models on features cached by `mmcache encode`."""
+
+
+@cli.command()
+@click.option("--config", "config_name", required=True, help="YAML file or preset name (configs/train/NAME.yaml), e.g. tiny-dit.")
+@click.option("--features", required=True, help="Feature store URL (a path, s3://, memory://...).")
+@click.option("--out", "run_dir", default=None, help="Run folder: metrics.jsonl, run.json, checkpoints/, model.safetensors.")
+@click.option("--steps", type=int, default=None, help="Stop after this step (the LR schedule still comes from the config).")
+@click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in --out (any world size).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value (repeatable).")
+@click.option("--dry-run", is_flag=True, help="Print the resolved config, mesh and parameter count; do not train.")
+@storage_options_option
+def fit(config_name, features, run_dir, steps, resume, overrides, dry_run, storage_options) -> None:
+    """Train on the features at --features."""
+    from featstore.config import load_config
+    from train.config import TrainConfig
+
+    try:
+        config = load_config(TrainConfig, config_name, "train", overrides)
+        options = parse_storage_options(storage_options)
+        if dry_run:
+            from train.trainer import dry_run as describe
+
+            click.echo(json.dumps(describe(config, features, options), indent=2, default=str))
+            return
+        if not run_dir:
+            raise click.UsageError("--out RUN_DIR is required to train")
+        from train.trainer import fit as run_fit
+
+        result = run_fit(config, features, run_dir, steps=steps, resume=resume, storage_options=options, log=click.echo)
+    except FeatstoreError as exc:
+        raise click.ClickException(str(exc)) from None
+    if result["rank"] == 0 and result["losses"]:
+        click.echo(f"trained steps {result['start'] + 1}-{result['stop']}: loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}; run in {result['run_dir']}")
 
 
 def main() -> None:

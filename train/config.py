@@ -1,0 +1,64 @@
+"""The typed config of ``mmtrain fit`` (a preset under ``configs/train/`` + ``--set``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from featstore.errors import ConfigError
+from train.balance import BalanceConfig
+from train.parallel.dims import ParallelConfig
+
+
+@dataclass(kw_only=True)
+class ModelSection:
+    name: str = "dit"                       # a registered model family
+    preset: str | None = "tiny"             # a named size of that family
+    args: dict[str, Any] = field(default_factory=dict)  # fields that override the preset
+
+
+@dataclass(kw_only=True)
+class DataSection:
+    latent_field: str = "latent"
+    text_field: str = "text_emb"
+    global_batch: int = 8                   # samples per optimizer step, over all ranks
+    prefetch: int = 2                       # steps read ahead in a background thread
+    # field -> fingerprint digest the run requires; empty: take the store's (and record it).
+    expect_fingerprints: dict[str, str] = field(default_factory=dict)
+    allow_fingerprint_mismatch: bool = False
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1 or self.prefetch < 0:
+            raise ConfigError("data.global_batch must be >= 1 and data.prefetch >= 0")
+
+
+@dataclass(kw_only=True)
+class OptimSection:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 10
+    schedule: Literal["constant", "cosine"] = "cosine"
+    total_steps: int = 100                  # the LR schedule's length (--steps may stop earlier)
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0                  # 0 disables
+
+
+@dataclass(kw_only=True)
+class CheckpointSection:
+    every: int = 50                         # steps; 0 = only at the end
+    keep: int = 2                           # newest checkpoints kept
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    objective: dict[str, Any] = field(default_factory=dict)
+    data: DataSection = field(default_factory=DataSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    zero: Literal[2, 3] = 3                 # FSDP2: 3 reshards parameters after forward, 2 keeps them
+    seed: int = 0
+    log_every: int = 10

@@ -1,0 +1,40 @@
+"""Model families for ``mmtrain``, looked up by name through a registry.
+
+    from train.models import build_model, get_model_family
+    model = build_model("dit", "tiny", in_channels=16, text_dim=512)   # sizes from the store schema
+    family = get_model_family("dit")
+    terms = family.training_loss(model, batch, generator, family.resolve_objective(cfg.objective))
+
+See ``registry.py`` for the contract a family fulfils. Importing this package registers every
+built-in family (importing ``dit`` runs its ``@register_model``).
+"""
+
+from train.models.registry import (
+    InputShapeError,
+    ModelConfigError,
+    ModelFamily,
+    build_model,
+    count_parameters,
+    get_model_family,
+    model_names,
+    register_model,
+)
+from train.objective import LossTerms
+from train.models import dit  # noqa: E402,F401  (registers "dit")
+from train.models.dit import DiT, DiTConfig, LatentTextBatch, pad_text
+
+__all__ = [
+    "DiT",
+    "DiTConfig",
+    "InputShapeError",
+    "LatentTextBatch",
+    "LossTerms",
+    "ModelConfigError",
+    "ModelFamily",
+    "build_model",
+    "count_parameters",
+    "get_model_family",
+    "model_names",
+    "pad_text",
+    "register_model",
+]

@@ -1,0 +1,366 @@
+"""A video/image diffusion transformer (DiT) over cached VAE latents, conditioned on cached text.
+
+Plain ``nn.Module``, no distributed code (parallelism is applied from outside, see
+``train.parallel``). The forward pass:
+
+    latents [B, C, T, H, W]  --3-D patchify (pt, ph, pw) + Linear-->  tokens [B, N, dim]
+    timesteps [B]            --sinusoid + MLP-->                      conditioning [B, dim]
+    text [B, L, Dtext] + mask --zero padding, MLP-->                  context [B, L, dim]
+    depth × block: adaLN-Zero self-attention (3-D RoPE) -> cross-attention (masked) -> adaLN-Zero MLP
+    final adaLN + Linear -> unpatchify -> velocity [B, C, T, H, W]
+
+Design notes (the why):
+- Positions are 3-D rotary embeddings over (t, h, w) patch coordinates, so one model runs at any
+  resolution and frame count, images being T = 1, with no learned position table to interpolate.
+- adaLN-Zero: the per-block shift/scale/gate projection and the cross-attention output are
+  zero-initialised, so each block starts as the identity and the final projection starts at zero;
+  deep stacks then train stably from step 0 (Peebles & Xie, DiT).
+- ``adaln_single`` (PixArt-α): one shared timestep->modulation MLP plus a small learned offset per
+  block instead of a ``dim × 6·dim`` projection in every block. At Open-Sora-Plan width that saves
+  ~1 B parameters; the ``osp`` preset uses it, ``tiny`` uses the classic per-block form.
+- Text arrives unpadded from the store and is padded per micro-batch with a mask. Padded positions
+  are zeroed before anything reads them and masked out of attention, so their values (even NaN)
+  can never reach the output.
+- Self-attention calls ``self.attn_fn`` (default SDPA on [B, H, S, D]); ``set_attention_fn`` swaps
+  in sequence-parallel attention. ``sequence_sharding`` (None by default) is the matching hook
+  that splits tokens and rotary tables across sequence-parallel ranks after patch embedding and
+  gathers the per-token outputs before unpatchify.
+- The model casts its inputs to its own weight dtype, so under FSDP mixed precision the timesteps
+  and rotary tables stay float32 (``apply_fsdp`` turns off FSDP's input casting).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from train.models.layers import (
+    AttentionFn,
+    CrossAttention,
+    Mlp,
+    SelfAttention,
+    TimestepEmbedder,
+    default_rope_split,
+    modulate,
+    rope_tables,
+)
+from train.models.registry import InputShapeError, ModelConfigError, register_model
+from train.objective import FlowMatchingConfig, flow_matching_loss
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DiTConfig:
+    dim: int = 64
+    depth: int = 2
+    heads: int = 4
+    mlp_ratio: float = 4.0
+    patch_t: int = 1  # latent frames per patch; 1 lets images (T = 1) and odd frame counts through
+    patch_h: int = 2
+    patch_w: int = 2
+    qk_norm: bool = True
+    adaln_single: bool = False  # shared modulation MLP + per-block offsets (see module docstring)
+    rope_split: tuple[int, int, int] | None = None  # head-dim share of (t, h, w); None = 1/4, 3/8, 3/8
+    rope_theta: float = 10_000.0
+    timestep_freq_dim: int = 256
+    timestep_scale: float = 1000.0  # t in [0, 1] is embedded as t * scale, the DDPM-era range
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "depth", "heads", "patch_t", "patch_h", "patch_w", "timestep_freq_dim"):
+            if getattr(self, name) < 1:
+                raise ModelConfigError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dim % self.heads:
+            raise ModelConfigError(f"model.dim ({self.dim}) must be divisible by model.heads ({self.heads})")
+        if self.head_dim % 2:
+            raise ModelConfigError(f"head dim dim/heads = {self.head_dim} must be even for rotary embeddings")
+        if self.rope_split is not None:
+            split = tuple(self.rope_split)
+            if len(split) != 3 or sum(split) != self.head_dim or any(p < 0 or p % 2 for p in split):
+                raise ModelConfigError(
+                    f"model.rope_split {list(split)} must be three even, non-negative sizes summing to "
+                    f"the head dim {self.head_dim}"
+                )
+        if self.mlp_ratio <= 0:
+            raise ModelConfigError(f"model.mlp_ratio must be > 0, got {self.mlp_ratio}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+    @property
+    def patch(self) -> tuple[int, int, int]:
+        return self.patch_t, self.patch_h, self.patch_w
+
+    @property
+    def rope_parts(self) -> tuple[int, int, int]:
+        return tuple(self.rope_split) if self.rope_split is not None else default_rope_split(self.head_dim)
+
+    def token_grid(self, latent_shape: Sequence[int]) -> tuple[int, int, int]:
+        """(T', H', W') patch grid of one latent of shape (C, T, H, W)."""
+        if len(latent_shape) != 4:
+            raise InputShapeError(f"a latent must be (C, T, H, W) (T = 1 for images), got shape {tuple(latent_shape)}")
+        _, *thw = latent_shape
+        if any(size % p for size, p in zip(thw, self.patch)):
+            raise InputShapeError(
+                f"latent T×H×W {tuple(thw)} is not divisible by the patch {self.patch}; choose "
+                f"resolutions/frame counts that fit the patch, or patch_t = 1 for images and odd frame counts"
+            )
+        return tuple(size // p for size, p in zip(thw, self.patch))
+
+    def num_tokens(self, latent_shape: Sequence[int]) -> int:
+        return math.prod(self.token_grid(latent_shape))
+
+
+# Open-Sora-Plan v1.3-scale: 24 heads of 96 = width 2304, 32 blocks, mT5-XXL text (4096 wide),
+# WF-VAE latents (8 channels). About 2.8 B parameters with adaln_single (3.8 B without):
+# meta-device only on CPU (``mmtrain fit --dry-run`` counts it).
+DIT_PRESETS: dict[str, DiTConfig] = {
+    "tiny": DiTConfig(dim=64, depth=2, heads=4, mlp_ratio=4.0, patch_t=1, patch_h=2, patch_w=2),
+    "osp": DiTConfig(dim=2304, depth=32, heads=24, mlp_ratio=4.0, patch_t=1, patch_h=2, patch_w=2, adaln_single=True),
+}
+
+
+class SequenceSharding(Protocol):
+    """Splits the token sequence across sequence-parallel ranks; implemented in train.parallel."""
+
+    def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor: ...
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor: ...
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, config: DiTConfig) -> None:
+        super().__init__()
+        dim, eps = config.dim, config.norm_eps
+        self.norm_self = nn.LayerNorm(dim, eps=eps, elementwise_affine=False)
+        self.self_attn = SelfAttention(dim, config.heads, qk_norm=config.qk_norm, eps=eps)
+        self.norm_cross = nn.LayerNorm(dim, eps=eps)
+        self.cross_attn = CrossAttention(dim, config.heads, qk_norm=config.qk_norm, eps=eps)
+        self.norm_mlp = nn.LayerNorm(dim, eps=eps, elementwise_affine=False)
+        self.mlp = Mlp(dim, int(dim * config.mlp_ratio))
+        if config.adaln_single:
+            # conditioning arrives as [B, 6, dim]; each block only learns an offset to it
+            self.modulation_offset = nn.Parameter(torch.zeros(6, dim))
+        else:
+            self.modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cond: torch.Tensor,
+        text: torch.Tensor,
+        text_mask: torch.Tensor,
+        rope_cos: torch.Tensor,
+        rope_sin: torch.Tensor,
+    ) -> torch.Tensor:
+        if hasattr(self, "modulation_offset"):
+            mod = cond + self.modulation_offset
+        else:
+            mod = self.modulation(cond).view(cond.shape[0], 6, -1)
+        shift_sa, scale_sa, gate_sa, shift_mlp, scale_mlp, gate_mlp = mod.unbind(dim=1)
+        x = x + gate_sa[:, None] * self.self_attn(modulate(self.norm_self(x), shift_sa, scale_sa), rope_cos, rope_sin)
+        x = x + self.cross_attn(self.norm_cross(x), text, text_mask)
+        return x + gate_mlp[:, None] * self.mlp(modulate(self.norm_mlp(x), shift_mlp, scale_mlp))
+
+
+class FinalLayer(nn.Module):
+    def __init__(self, dim: int, out_dim: int, eps: float) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim, eps=eps, elementwise_affine=False)
+        self.modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 2 * dim))
+        self.linear = nn.Linear(dim, out_dim)
+
+    def forward(self, x: torch.Tensor, t_emb: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.modulation(t_emb).chunk(2, dim=-1)
+        return self.linear(modulate(self.norm(x), shift, scale))
+
+
+def _tokens_per_sample(config: DiTConfig, sample_shape: tuple[int, ...]) -> int:
+    return config.num_tokens(sample_shape)
+
+
+@register_model(
+    "dit",
+    config_cls=DiTConfig,
+    objective_cls=FlowMatchingConfig,
+    training_loss=flow_matching_loss,
+    tokens_per_sample=_tokens_per_sample,
+    presets=DIT_PRESETS,
+)
+class DiT(nn.Module):
+    def __init__(self, config: DiTConfig, *, in_channels: int, text_dim: int) -> None:
+        super().__init__()
+        if in_channels < 1 or text_dim < 1:
+            raise ModelConfigError(f"in_channels and text_dim must be >= 1, got {in_channels} and {text_dim}")
+        self.config, self.in_channels, self.text_dim = config, in_channels, text_dim
+        dim, patch_volume = config.dim, math.prod(config.patch)
+        self.patch_embed = nn.Linear(in_channels * patch_volume, dim)
+        self.time_embed = TimestepEmbedder(dim, config.timestep_freq_dim, config.timestep_scale)
+        self.text_embed = Mlp(text_dim, dim, dim)
+        self.shared_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim)) if config.adaln_single else None
+        self.blocks = nn.ModuleList(DiTBlock(config) for _ in range(config.depth))
+        self.final = FinalLayer(dim, in_channels * patch_volume, config.norm_eps)
+        self.sequence_sharding: SequenceSharding | None = None
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter; also the way to fill a model built on the meta device
+        after ``to_empty``. Zero-init where adaLN-Zero wants identity blocks and a zero output."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                module.reset_parameters()
+        for linear in self.time_embed.mlp[0], self.time_embed.mlp[2]:
+            nn.init.normal_(linear.weight, std=0.02)
+        zeroed = [self.final.modulation[1], self.final.linear]
+        if self.shared_modulation is not None:
+            zeroed.append(self.shared_modulation[1])
+        for block in self.blocks:
+            zeroed.append(block.cross_attn.proj)
+            if hasattr(block, "modulation_offset"):
+                nn.init.zeros_(block.modulation_offset)
+            else:
+                zeroed.append(block.modulation[1])
+        for linear in zeroed:
+            nn.init.zeros_(linear.weight)
+            nn.init.zeros_(linear.bias)
+
+    def set_attention_fn(self, attn_fn: AttentionFn) -> None:
+        """Route every block's self-attention through ``attn_fn(q, k, v)`` on [B, H, S, D]."""
+        for block in self.blocks:
+            block.self_attn.attn_fn = attn_fn
+
+    def num_tokens(self, latent_shape: Sequence[int]) -> int:
+        return self.config.num_tokens(latent_shape)
+
+    def patchify(self, latents: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """[B, C, T, H, W] -> ([B, T'·H'·W', C·pt·ph·pw] in (t, h, w) row-major order, grid)."""
+        batch, channels = latents.shape[:2]
+        grid = self.config.token_grid(latents.shape[1:])
+        (gt, gh, gw), (pt, ph, pw) = grid, self.config.patch
+        x = latents.reshape(batch, channels, gt, pt, gh, ph, gw, pw)
+        x = x.permute(0, 2, 4, 6, 1, 3, 5, 7)
+        return x.reshape(batch, gt * gh * gw, channels * pt * ph * pw), grid
+
+    def unpatchify(self, tokens: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        (gt, gh, gw), (pt, ph, pw) = grid, self.config.patch
+        x = tokens.reshape(tokens.shape[0], gt, gh, gw, self.in_channels, pt, ph, pw)
+        x = x.permute(0, 4, 1, 5, 2, 6, 3, 7)
+        return x.reshape(tokens.shape[0], self.in_channels, gt * pt, gh * ph, gw * pw)
+
+    def forward(
+        self, latents: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor, text_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Predict the flow velocity for ``latents`` [B, C, T, H, W] at ``timesteps`` [B] in [0, 1],
+        given padded ``text`` [B, L, text_dim] and ``text_mask`` [B, L] (True = real token)."""
+        self._check_inputs(latents, timesteps, text, text_mask)
+        dtype = self.patch_embed.weight.dtype
+        tokens, grid = self.patchify(latents)
+        x = self.patch_embed(tokens.to(dtype))
+        t_emb = self.time_embed(timesteps)
+        cond = t_emb if self.shared_modulation is None else self.shared_modulation(t_emb).view(-1, 6, self.config.dim)
+        text_mask = text_mask.bool()
+        context = self.text_embed(text.to(dtype).masked_fill(~text_mask[..., None], 0))
+        rope_cos, rope_sin = rope_tables(grid, self.config.rope_parts, self.config.rope_theta, latents.device)
+        if self.sequence_sharding is not None:
+            x = self.sequence_sharding.shard(x, 1)
+            rope_cos, rope_sin = self.sequence_sharding.shard(rope_cos, 0), self.sequence_sharding.shard(rope_sin, 0)
+        for block in self.blocks:
+            x = block(x, cond, context, text_mask, rope_cos, rope_sin)
+        x = self.final(x, t_emb)
+        if self.sequence_sharding is not None:
+            x = self.sequence_sharding.gather(x, 1)
+        return self.unpatchify(x, grid)
+
+    def _check_inputs(self, latents, timesteps, text, text_mask) -> None:
+        if latents.dim() != 5 or latents.shape[1] != self.in_channels:
+            raise InputShapeError(
+                f"latents must be [B, {self.in_channels}, T, H, W], got {tuple(latents.shape)}"
+            )
+        batch = latents.shape[0]
+        if timesteps.shape != (batch,):
+            raise InputShapeError(f"timesteps must be [{batch}], got {tuple(timesteps.shape)}")
+        if text.dim() != 3 or text.shape[0] != batch or text.shape[2] != self.text_dim:
+            raise InputShapeError(f"text must be [{batch}, L, {self.text_dim}], got {tuple(text.shape)}")
+        if text_mask.shape != text.shape[:2]:
+            raise InputShapeError(f"text_mask must be {tuple(text.shape[:2])}, got {tuple(text_mask.shape)}")
+
+
+# ---- batches: what the data loader hands the DiT --------------------------------------------
+
+
+def as_tensor(array: Any) -> torch.Tensor:
+    """A torch tensor sharing memory with ``array``; numpy bfloat16 (ml_dtypes, what the store
+    returns) has no torch equivalent in ``from_numpy``, so it goes through its 16-bit pattern."""
+    if isinstance(array, torch.Tensor):
+        return array
+    array = np.asarray(array)
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def pad_text(
+    texts: Sequence[Any], *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Variable-length text embeddings (each [L_i, D]) -> (padded [B, max L, D], mask [B, max L]).
+
+    Padding is zeros and the mask is True on real tokens. At least one position is kept even when
+    every caption is empty, so attention shapes stay valid.
+    """
+    tensors = [as_tensor(t) for t in texts]
+    if not tensors:
+        raise InputShapeError("pad_text needs at least one text embedding")
+    if any(t.dim() != 2 or t.shape[1] != tensors[0].shape[1] for t in tensors):
+        raise InputShapeError(f"text embeddings must all be [L, D] with one D, got {[tuple(t.shape) for t in tensors]}")
+    dtype = dtype or tensors[0].dtype
+    longest = max(1, max(t.shape[0] for t in tensors))
+    padded = torch.zeros(len(tensors), longest, tensors[0].shape[1], dtype=dtype, device=device)
+    mask = torch.zeros(len(tensors), longest, dtype=torch.bool, device=device)
+    for row, t in enumerate(tensors):
+        padded[row, : t.shape[0]] = t.to(device=device, dtype=dtype)
+        mask[row, : t.shape[0]] = True
+    return padded, mask
+
+
+@dataclasses.dataclass(kw_only=True)
+class LatentTextBatch:
+    """A shape-homogeneous micro-batch for the DiT (the trainer's ``batch`` for ``training_loss``)."""
+
+    latents: torch.Tensor  # [B, C, T, H, W]
+    text: torch.Tensor  # [B, L, D], zero-padded
+    text_mask: torch.Tensor  # [B, L] bool
+
+    @classmethod
+    def from_samples(
+        cls,
+        latents: Sequence[Any],
+        texts: Sequence[Any],
+        *,
+        device: torch.device | str | None = None,
+        text_dtype: torch.dtype | None = None,
+    ) -> LatentTextBatch:
+        """Stack same-shape latents ([C, T, H, W] each; never padded) and pad the texts."""
+        stacked = [as_tensor(x) for x in latents]
+        if len(stacked) != len(texts):
+            raise InputShapeError(f"{len(stacked)} latents but {len(texts)} texts")
+        if len({tuple(x.shape) for x in stacked}) != 1:
+            raise InputShapeError(
+                f"a micro-batch needs latents of one shape, got {sorted({tuple(x.shape) for x in stacked})}; "
+                "group samples with train.balance.plan_micro_batches"
+            )
+        text, mask = pad_text(texts, dtype=text_dtype, device=device)
+        return cls(latents=torch.stack(stacked).to(device), text=text, text_mask=mask)
+
+    def to(self, device: torch.device | str) -> LatentTextBatch:
+        return LatentTextBatch(
+            latents=self.latents.to(device), text=self.text.to(device), text_mask=self.text_mask.to(device)
+        )

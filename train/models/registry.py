@@ -1,0 +1,158 @@
+"""The model registry: the one place the trainer learns what a model family is.
+
+A *family* (``"dit"``, later an LLM over cached ViT features) is registered once with everything
+the trainer needs to use it without knowing which family it is:
+
+- ``config_cls``   the typed ``kw_only`` dataclass of its architecture (filled from YAML);
+- ``objective_cls`` the typed dataclass of its loss settings (e.g. flow-matching timesteps);
+- the builder      ``builder(config, **input_sizes) -> nn.Module``. Input sizes (latent channels,
+                   text width, ViT width, ...) come from the feature store's schema at run time, so
+                   they are keyword arguments, never config; their names are the builder's
+                   keyword-only parameters and are listed in ``ModelFamily.input_sizes``;
+- ``training_loss(model, batch, generator, objective) -> LossTerms``  one micro-batch's loss;
+- ``tokens_per_sample(config, sample_shape) -> int``  the model's sequence length for a sample,
+                   which is what the batch balancer's cost model needs;
+- ``presets``      named configs (``tiny``, ``osp``, ...).
+
+The loss contract (why ``LossTerms`` is a *sum* plus a *count*): a global batch is split unevenly
+across data-parallel ranks and micro-batches (that is the point of token balancing), so a per-rank
+mean would weight samples wrongly. Each micro-batch returns the *sum* of its per-element losses and
+how many elements that sum covers; the trainer divides every sum by the *global* count of the step
+(known on every rank from the batch plan, or all-reduced) before ``backward``, and ``apply_fsdp``
+sums (not averages) gradients across ranks. The result is exactly the gradient of the full-batch
+mean, whatever the split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from featstore.config import from_dict
+from featstore.errors import ConfigError
+from train.objective import LossTerms
+
+
+class ModelConfigError(ConfigError):
+    """A model name, preset or model config is invalid."""
+
+
+class InputShapeError(ValueError):
+    """A batch handed to a model does not fit it (wrong rank, sizes not divisible by the patch)."""
+
+
+TrainingLoss = Callable[[nn.Module, Any, torch.Generator, Any], LossTerms]
+TokensPerSample = Callable[[Any, tuple[int, ...]], int]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelFamily:
+    name: str
+    builder: Callable[..., nn.Module]
+    config_cls: type
+    objective_cls: type
+    training_loss: TrainingLoss
+    tokens_per_sample: TokensPerSample
+    presets: Mapping[str, Any]
+    input_sizes: tuple[str, ...]
+
+    def resolve_config(self, config: Any) -> Any:
+        """A preset name, a plain mapping (from YAML), an instance, or None (the defaults)."""
+        if config is None:
+            return self.config_cls()
+        if isinstance(config, self.config_cls):
+            return config
+        if isinstance(config, str):
+            if config not in self.presets:
+                raise ModelConfigError(
+                    f"model {self.name!r} has no preset {config!r}; presets: {', '.join(sorted(self.presets))}"
+                )
+            return self.presets[config]
+        if isinstance(config, Mapping):
+            return from_dict(self.config_cls, dict(config), where="model")
+        raise ModelConfigError(
+            f"model {self.name!r}: config must be a preset name, a mapping or a "
+            f"{self.config_cls.__name__}, got {type(config).__name__}"
+        )
+
+    def resolve_objective(self, objective: Any) -> Any:
+        if objective is None:
+            return self.objective_cls()
+        if isinstance(objective, self.objective_cls):
+            return objective
+        if isinstance(objective, Mapping):
+            return from_dict(self.objective_cls, dict(objective), where="objective")
+        raise ModelConfigError(
+            f"model {self.name!r}: objective must be a mapping or a {self.objective_cls.__name__}"
+        )
+
+
+_FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register_model(
+    name: str,
+    *,
+    config_cls: type,
+    objective_cls: type,
+    training_loss: TrainingLoss,
+    tokens_per_sample: TokensPerSample,
+    presets: Mapping[str, Any] | None = None,
+) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
+    """Class/function decorator: ``@register_model("dit", config_cls=..., ...)`` on the builder."""
+
+    def decorate(builder: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+        assert name not in _FAMILIES, f"model family {name!r} registered twice"
+        params = inspect.signature(builder).parameters.values()
+        sizes = tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
+        _FAMILIES[name] = ModelFamily(
+            name=name,
+            builder=builder,
+            config_cls=config_cls,
+            objective_cls=objective_cls,
+            training_loss=training_loss,
+            tokens_per_sample=tokens_per_sample,
+            presets=dict(presets or {}),
+            input_sizes=sizes,
+        )
+        return builder
+
+    return decorate
+
+
+def model_names() -> list[str]:
+    return sorted(_FAMILIES)
+
+
+def get_model_family(name: str) -> ModelFamily:
+    try:
+        return _FAMILIES[name]
+    except KeyError:
+        raise ModelConfigError(f"unknown model {name!r}; known models: {', '.join(model_names())}") from None
+
+
+def build_model(name: str, config: Any = None, **input_sizes: int) -> nn.Module:
+    """Build family ``name`` with ``config`` and the schema's input sizes (e.g. ``in_channels=``,
+    ``text_dim=`` for the DiT). Parameters land on the current default device, so wrap the call in
+    ``with torch.device("meta"):`` to size a model without allocating it."""
+    family = get_model_family(name)
+    missing = sorted(set(family.input_sizes) - set(input_sizes))
+    unknown = sorted(set(input_sizes) - set(family.input_sizes))
+    if missing or unknown:
+        raise ModelConfigError(
+            f"model {name!r} takes input sizes {', '.join(family.input_sizes)}; "
+            f"missing: {', '.join(missing) or '-'}, unknown: {', '.join(unknown) or '-'}"
+        )
+    return family.builder(family.resolve_config(config), **input_sizes)
+
+
+def count_parameters(name: str, config: Any = None, **input_sizes: int) -> int:
+    """Parameter count of a model built on the meta device: no memory, works for any size."""
+    with torch.device("meta"):
+        model = build_model(name, config, **input_sizes)
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,107 @@
+"""Training objectives and the loss contract every model family follows.
+
+``LossTerms`` is what one micro-batch's ``training_loss`` returns: a *sum* of per-element losses and
+the element count it covers. The trainer divides each sum by the step's *global* count before
+``backward`` (gradients are summed across ranks by ``apply_fsdp``), which makes the update equal to
+the full-batch mean however the batch was split across ranks and micro-batches.
+
+Flow matching (rectified flow) for the DiT: a clean latent ``x0`` and Gaussian noise ``eps`` are
+joined by the straight path ``x_t = (1 - t) * x0 + t * eps``; the model predicts the constant
+velocity ``v = eps - x0`` of that path from ``(x_t, t, text)``, trained with MSE. Timesteps come
+from a logit-normal distribution (``t = sigmoid(mean + std * z)``, z ~ N(0, 1)), which spends more
+samples at mid-range t where the prediction is hardest (Stable Diffusion 3). Everything random is
+drawn from the caller's ``torch.Generator`` in a fixed order (timesteps, then noise), so a step is
+reproducible from the generator's seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from featstore.errors import ConfigError
+
+
+class ObjectiveConfigError(ConfigError):
+    """An objective config value is out of range."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossTerms:
+    """One micro-batch's contribution to the step loss (see the module docstring)."""
+
+    loss_sum: torch.Tensor  # scalar: sum of per-element losses of this micro-batch
+    count: int  # number of elements ``loss_sum`` sums over: the mean's denominator
+    num_tokens: int  # model tokens processed, for throughput logs and cost calibration
+
+    def mean(self) -> torch.Tensor:
+        """This micro-batch's own mean (for logging; train on ``loss_sum / global_count``)."""
+        return self.loss_sum / max(self.count, 1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FlowMatchingConfig:
+    logit_mean: float = 0.0  # location of the logit-normal timestep distribution
+    logit_std: float = 1.0  # its scale; larger spreads t towards 0 and 1
+
+    def __post_init__(self) -> None:
+        if not self.logit_std > 0:
+            raise ObjectiveConfigError(f"objective.logit_std must be > 0, got {self.logit_std}")
+
+
+class LatentTextInputs(Protocol):
+    """What the flow-matching loss reads from a batch (``train.models.dit.LatentTextBatch``)."""
+
+    latents: torch.Tensor  # [B, C, T, H, W], the clean latents x0
+    text: torch.Tensor  # [B, L, D] padded text embeddings
+    text_mask: torch.Tensor  # [B, L] bool, True = real token
+
+
+def sample_timesteps(n: int, config: FlowMatchingConfig, generator: torch.Generator) -> torch.Tensor:
+    """``n`` logit-normal timesteps in (0, 1), float32, on the generator's device."""
+    z = torch.randn(n, generator=generator, device=generator.device, dtype=torch.float32)
+    return torch.sigmoid(config.logit_mean + config.logit_std * z)
+
+
+def draw_timesteps_and_noise(
+    x0: torch.Tensor, config: FlowMatchingConfig, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t [B], noise like x0) in float32 on x0's device; drawn on the generator's device first so
+    the values depend only on the generator, not on where the model runs."""
+    t = sample_timesteps(x0.shape[0], config, generator)
+    noise = torch.randn(x0.shape, generator=generator, device=generator.device, dtype=torch.float32)
+    return t.to(x0.device), noise.to(x0.device)
+
+
+def interpolate(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The point at time t on the straight path from data (t=0) to noise (t=1)."""
+    t = t.view(-1, *([1] * (x0.dim() - 1)))
+    return (1 - t) * x0 + t * noise
+
+
+def velocity_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    return noise - x0
+
+
+def flow_matching_terms(
+    model: nn.Module, batch: LatentTextInputs, t: torch.Tensor, noise: torch.Tensor
+) -> LossTerms:
+    """Loss terms for given timesteps and noise (tests and evaluation fix them; training draws them)."""
+    # At least float32 (latents are stored bf16), float64 when the caller works in float64.
+    dtype = torch.promote_types(batch.latents.dtype, torch.float32)
+    x0, noise = batch.latents.to(dtype), noise.to(dtype)
+    prediction = model(interpolate(x0, noise, t.to(dtype)), t, batch.text, batch.text_mask)
+    squared_error = (prediction.to(dtype) - velocity_target(x0, noise)).square()
+    num_tokens = model.num_tokens(tuple(x0.shape[1:])) * x0.shape[0] if hasattr(model, "num_tokens") else 0
+    return LossTerms(loss_sum=squared_error.sum(), count=squared_error.numel(), num_tokens=num_tokens)
+
+
+def flow_matching_loss(
+    model: nn.Module, batch: LatentTextInputs, generator: torch.Generator, config: Any
+) -> LossTerms:
+    """The DiT family's ``training_loss``: draw t and noise from ``generator``, then MSE on v."""
+    t, noise = draw_timesteps_and_noise(batch.latents, config, generator)
+    return flow_matching_terms(model, batch, t, noise)

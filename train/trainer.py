@@ -1,0 +1,233 @@
+"""``mmtrain fit``: train a registered model on cached features.
+
+One code path for 1 process and for ``torchrun --nproc-per-node K``: the process group always
+exists (a 1-rank gloo group when not launched by torchrun), the model is sharded with FSDP2 over
+the mesh's FSDP dims, and each rank trains on its part of a balanced global batch. Losses are
+sums over elements, gradients are summed across ranks, and both are divided by the global element
+count of the step, so the update equals the full-batch gradient at any world size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import resource
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import featstore
+from featstore.config import to_dict
+from train.checkpoint import export_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint
+from train.config import TrainConfig
+from train.data import FeatureStream, check_fingerprints, to_batch
+from train.models import count_parameters, get_model_family
+from train.parallel.dims import ParallelDims, device_and_backend
+from train.parallel.fsdp import apply_fsdp, local_state_bytes
+
+
+def init_distributed() -> tuple[torch.device, str]:
+    device, backend = device_and_backend()
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # not under torchrun: a group of one
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        dist.init_process_group(backend)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device, backend
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def resolve_model(config: TrainConfig):
+    family = get_model_family(config.model.name)
+    model_config = family.resolve_config(config.model.preset)
+    if config.model.args:
+        model_config = family.resolve_config({**dataclasses.asdict(model_config), **config.model.args})
+    return family, model_config
+
+
+def input_sizes(store: featstore.Store, config: TrainConfig) -> dict[str, int]:
+    latent = store.fields[config.data.latent_field]
+    text = store.fields[config.data.text_field]
+    # Sizes come from the schema, so one preset trains on stores of any encoder.
+    channels = latent.meta.get("latent_channels") or store.shape(store.sample_ids()[0], latent.name)[0]
+    text_dim = text.meta.get("hidden_size") or store.shape(store.sample_ids()[0], text.name)[1]
+    return {"in_channels": int(channels), "text_dim": int(text_dim)}
+
+
+def lr_lambda(config: TrainConfig):
+    o = config.optim
+
+    def factor(step: int) -> float:
+        if step < o.warmup_steps:
+            return (step + 1) / max(1, o.warmup_steps)
+        if o.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - o.warmup_steps) / max(1, o.total_steps - o.warmup_steps))
+        return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def dry_run(config: TrainConfig, features: str, storage_options: dict | None) -> dict[str, Any]:
+    store = featstore.open(features, storage_options)
+    family, model_config = resolve_model(config)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dims = ParallelDims.from_config(config.parallel, world)
+    sizes = input_sizes(store, config)
+    return {
+        "config": to_dict(config),
+        "mesh": dict(zip(("dp_replicate", "dp_shard", "ring", "ulysses"), dims.shape)),
+        "world_size": world,
+        "input_sizes": sizes,
+        "parameters": count_parameters(family.name, model_config, **sizes),
+        "store": {"url": store.url, "samples": len(store)},
+    }
+
+
+def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None = None, resume: bool = False,
+        storage_options: dict | None = None, log=print) -> dict[str, Any]:
+    device, backend = init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run = Path(run_dir)
+    if rank == 0:
+        run.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    torch.manual_seed(config.seed)
+
+    store = featstore.open(features, storage_options)
+    fields = [config.data.latent_field, config.data.text_field]
+    expected = dict(config.data.expect_fingerprints)
+    previous = run / "run.json"
+    if resume and previous.exists():
+        # A resumed run must see the features it started with.
+        expected = {**{k: v.get("digest") for k, v in json.loads(previous.read_text())["fingerprints"].items()}, **expected}
+    fingerprints = check_fingerprints(store, fields, expected, config.data.allow_fingerprint_mismatch)
+
+    dims = ParallelDims.from_config(config.parallel, world)
+    meshes = dims.build_meshes(device.type)
+    family, model_config = resolve_model(config)
+    sizes = input_sizes(store, config)
+    model = family.builder(model_config, **sizes).to(device)
+    dims.check_heads(getattr(model_config, "heads", 1))
+    num_params = sum(p.numel() for p in model.parameters())
+    apply_fsdp(model, meshes.fsdp, zero=config.zero)
+    objective = family.resolve_objective(config.objective or None)
+    o = config.optim
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
+
+    start = 0
+    if resume:
+        found = latest_checkpoint(run)
+        if found is None:
+            log(f"--resume: no checkpoint in {run / 'checkpoints'}; starting at step 0")
+        else:
+            progress = load_checkpoint(found[1], model, optimizer)
+            start = progress["step"]
+            scheduler.last_epoch = progress["scheduler_epoch"]
+            for group, lr in zip(optimizer.param_groups, scheduler.get_lr()):  # noqa: B905
+                group["lr"] = lr
+            log(f"resumed from {found[1]} at step {start} (world size {world})")
+    stop = steps if steps is not None else o.total_steps
+    dim = getattr(model_config, "dim", 64)
+    stream = FeatureStream(
+        store, latent_field=fields[0], text_field=fields[1], global_batch=config.data.global_batch, seed=config.seed,
+        dp_size=dims.dp_size, dp_rank=meshes.dp_rank, balance=config.balance, cost=config.balance.cost_model(dim),
+        tokens_per_sample=lambda shape: family.tokens_per_sample(model_config, shape),
+    )
+    dtype = torch.float32
+    metrics_file = open(run / "metrics.jsonl", "a") if rank == 0 else None  # noqa: SIM115
+    losses = []
+    try:
+        for data in stream.steps(start, stop, config.data.prefetch):
+            t0 = time.perf_counter()
+            loss_sum = torch.zeros((), dtype=torch.float64)
+            for micro_batch, samples in data.micro_batches:
+                batch = to_batch(samples, fields[0], fields[1], device, dtype)
+                # Noise and timesteps depend on the step and the samples, not on the rank.
+                generator = torch.Generator().manual_seed(hash_seed(config.seed, data.step, [data.global_indices[i] for i in micro_batch.indices]))
+                terms = family.training_loss(model, batch, generator, objective)
+                (terms.loss_sum * micro_batch.loss_scale).backward()
+                loss_sum += terms.loss_sum.detach().double() * micro_batch.loss_scale
+            dist.all_reduce(loss_sum)
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(data.global_count)
+            if o.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+            lr = optimizer.param_groups[0]["lr"]
+            optimizer.step()
+            step = data.step + 1
+            if step == start + 1:  # after the first step: optimizer state and gradients exist
+                _write_run_json(run, config, dims, fingerprints, num_params, model, optimizer, store, sizes, rank)
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            loss = float(loss_sum) / data.global_count
+            losses.append(loss)
+            record = {
+                "step": step, "loss": loss, "lr": lr, "samples": data.samples, "tokens": data.tokens,
+                "step_time_s": time.perf_counter() - t0 + data.wait_s, "data_wait_s": data.wait_s,
+                "peak_mem_bytes": _peak_memory(device), "imbalance": data.imbalance,
+            }
+            if metrics_file:
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
+                if step % config.log_every == 0 or step == stop:
+                    log(f"step {step:5d}  loss {loss:.4f}  lr {lr:.2e}  {record['step_time_s'] * 1000:6.0f} ms  wait {data.wait_s * 1000:4.0f} ms  imbalance {data.imbalance:.2f}")
+            if config.checkpoint.every and step % config.checkpoint.every == 0 and step != stop:
+                save_checkpoint(run, step, model, optimizer, scheduler, config.checkpoint.keep)
+        if stop > start:
+            save_checkpoint(run, stop, model, optimizer, scheduler, config.checkpoint.keep)
+            export_safetensors(model, run / "model.safetensors")
+    finally:
+        if metrics_file:
+            metrics_file.close()
+    return {"run_dir": str(run), "start": start, "stop": stop, "losses": losses, "rank": rank}
+
+
+def hash_seed(seed: int, step: int, indices: list[int]) -> int:
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(json.dumps([seed, step, sorted(indices)]).encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def _write_run_json(run: Path, config, dims, fingerprints, num_params, model, optimizer, store, sizes, rank) -> None:
+    held = local_state_bytes(model, optimizer)
+    grads = sum((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).numel() * p.element_size() for p in model.parameters() if p.grad is not None)
+    mine = torch.tensor([held["params"], grads, held["optimizer"]], dtype=torch.int64)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    if rank != 0:
+        return
+    doc = {
+        "config": to_dict(config),
+        "mesh": dict(zip(("dp_replicate", "dp_shard", "ring", "ulysses"), dims.shape)),
+        "world_size": dims.world_size,
+        "store": {"url": store.url, "samples": len(store), "shards": sorted(store.shards)},
+        "fingerprints": fingerprints,
+        "latent_normalisation": {k: v for k, v in store.fields[config.data.latent_field].meta.items() if k in ("scaling_factor", "shift_factor", "latents_mean", "latents_std")},
+        "input_sizes": sizes,
+        "parameters": num_params,
+        "ranks": [{"rank": r, "param_bytes": int(t[0]), "grad_bytes": int(t[1]), "optim_bytes": int(t[2])} for r, t in enumerate(everyone)],
+    }
+    tmp = run / "run.json.tmp"
+    tmp.write_text(json.dumps(doc, indent=2, default=str))
+    tmp.replace(run / "run.json")
