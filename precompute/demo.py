@@ -1,28 +1,51 @@
 """``make demo``: the main job end to end on a built-in default.
 
-For now it writes a store of generated features (shaped like real VAE latents and unpadded text
-embeddings) and prints ``mmcache info`` of it; the encode and train stages extend it.
+1. generate a small image + video dataset with captions (``demo/data``),
+2. ``mmcache encode`` it with the tiny encoders (``demo/store``) and print ``mmcache info``,
+3. ``mmtrain fit`` the tiny DiT on the cached features for a few dozen steps (``demo/run``),
+and print where everything is. Each stage runs as the real command would, in its own process.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 from pathlib import Path
-
-from featstore.cli import echo_info
-from featstore.demo import write_demo_store
-from featstore.verify import store_info
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", default="demo", help="folder for the demo's store and runs")
+    parser.add_argument("--out", default="demo", help="folder for the demo's data, store and run")
+    parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
     out = Path(args.out).resolve()
-    store_url = str(out / "store")
-    store = write_demo_store(store_url)
-    echo_info(store_info(store))
-    print(f"\nstore written to {store.url}\nnext: mmcache verify {store.url}")
+    bindir = Path(sys.executable).parent
+
+    from precompute.demo_data import make_dataset
+
+    manifest = out / "data" / "manifest.jsonl"
+    if not manifest.exists():
+        make_dataset(out / "data")
+    print(f"[1/3] dataset: {manifest}")
+    store, run = out / "store", out / "run"
+    print("[2/3] mmcache encode (tiny encoders, local Dask cluster)")
+    _run([bindir / "mmcache", "encode", "--config", "tiny", "--input", manifest, "--output", store])
+    _run([bindir / "mmcache", "info", store])
+    print(f"[3/3] mmtrain fit (tiny DiT, {args.steps} steps on CPU)")
+    _run([bindir / "mmtrain", "fit", "--config", "tiny-dit", "--features", store, "--out", run,
+          "--steps", str(args.steps), "--resume"])
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    first, last = records[0], records[-1]
+    print(f"\nloss went from {first['loss']:.4f} (step {first['step']}) to {last['loss']:.4f} (step {last['step']})")
+    print(f"features: {store}\nrun:      {run}  (metrics.jsonl, run.json, checkpoints/, model.safetensors)")
+
+
+def _run(cmd: list) -> None:
+    result = subprocess.run([str(c) for c in cmd])
+    if result.returncode != 0:
+        sys.exit(f"demo step failed: {' '.join(map(str, cmd))}")
 
 
 if __name__ == "__main__":
