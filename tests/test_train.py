@@ -116,3 +116,22 @@ def test_bad_configs_give_clear_errors(store, tmp_path):
     dry = fit(store, tmp_path / "run", "--dry-run")
     described = json.loads(dry.stdout)
     assert described["parameters"] > 0 and described["mesh"]["dp_shard"] == 1
+
+
+@pytest.mark.parametrize("ulysses, ring", [(2, 2), (4, 1), (1, 4)])
+def test_sequence_parallel_fit_matches_one_process(store, tmp_path, ulysses, ring):
+    """USP over 4 ranks (Ulysses x Ring, sequences padded to U*R) trains exactly like 1 process."""
+    common = ["--steps", "3", "--set", "balance.max_samples=1", "--set", "optim.grad_clip=0"]
+    fit(store, tmp_path / "one", *common)
+    fit(store, tmp_path / "usp", *common, "--set", f"parallel.ulysses={ulysses}", "--set", f"parallel.ring={ring}", nproc=4)
+    one, usp = losses(tmp_path / "one"), losses(tmp_path / "usp")
+    for step in (1, 2, 3):
+        assert usp[step] == pytest.approx(one[step], rel=1e-5)
+    assert json.loads((tmp_path / "usp" / "run.json").read_text())["mesh"] == {"dp_replicate": 1, "dp_shard": 1, "ring": ring, "ulysses": ulysses}
+
+
+def test_bad_sequence_parallel_mesh(store, tmp_path):
+    result = fit(store, tmp_path / "run", "--steps", "1", "--set", "parallel.ulysses=3", "--set", "parallel.dp_shard=1", check=False)
+    assert result.returncode != 0 and "world size" in result.stderr
+    result = fit(store, tmp_path / "run", "--steps", "1", "--set", "parallel.ulysses=2", "--set", "model.args.heads=3", "--set", "model.args.dim=48", nproc=2, check=False)
+    assert result.returncode != 0 and "must divide the model's attention heads" in result.stderr

@@ -30,6 +30,7 @@ from train.data import FeatureStream, check_fingerprints, to_batch
 from train.models import count_parameters, get_model_family
 from train.parallel.dims import ParallelDims, device_and_backend
 from train.parallel.fsdp import apply_fsdp, local_state_bytes
+from train.parallel.sequence_parallel import apply_sequence_parallel
 
 
 def init_distributed() -> tuple[torch.device, str]:
@@ -122,6 +123,7 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
     model = family.builder(model_config, **sizes).to(device)
     dims.check_heads(getattr(model_config, "heads", 1))
     num_params = sum(p.numel() for p in model.parameters())
+    apply_sequence_parallel(model, meshes)
     apply_fsdp(model, meshes.fsdp, zero=config.zero)
     objective = family.resolve_objective(config.objective or None)
     o = config.optim
@@ -161,7 +163,8 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
                 terms = family.training_loss(model, batch, generator, objective)
                 (terms.loss_sum * micro_batch.loss_scale).backward()
                 loss_sum += terms.loss_sum.detach().double() * micro_batch.loss_scale
-            dist.all_reduce(loss_sum)
+            # Sequence-parallel ranks of one data-parallel rank hold the same loss: sum over dp.
+            dist.all_reduce(loss_sum, group=meshes.dp.get_group())
             for p in model.parameters():
                 if p.grad is not None:
                     p.grad.div_(data.global_count)
