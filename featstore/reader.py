@@ -43,7 +43,7 @@ class ShardInfo:
 class Store:
     """A feature store opened for reading (``mode="r"``) or for adding shards (``mode="a"``)."""
 
-    def __init__(self, storage: Storage, manifest: dict[str, Any], *, mode: str = "r", verify_reads: bool = True, strict: bool = True) -> None:
+    def __init__(self, storage: Storage, manifest: dict[str, Any], *, mode: str = "r", verify_reads: bool = True, strict: bool = True, load_index: bool = True) -> None:
         if mode not in ("r", "a"):
             raise ValueError(f"mode must be 'r' or 'a', got {mode!r}")
         self.storage = storage
@@ -57,7 +57,9 @@ class Store:
         self._manifest = manifest
         self._lock = threading.Lock()
         self._chunk_index: dict[tuple[str, str], np.ndarray] = {}
-        self._load_index()
+        # load_index=False: a writer that only adds shards (an encode task) need not read every
+        # index part of a large store first; its snapshot is then empty.
+        self._load_index(list_parts=load_index)
 
     # ---- schema -------------------------------------------------------------------------
     @property
@@ -90,9 +92,9 @@ class Store:
         self._manifest = current
 
     # ---- index --------------------------------------------------------------------------
-    def _load_index(self) -> None:
+    def _load_index(self, list_parts: bool = True) -> None:
         tables, shards = [], {}
-        for entry in self.storage.list_dir(fmt.INDEX_DIR):
+        for entry in self.storage.list_dir(fmt.INDEX_DIR) if list_parts else ():
             parsed = fmt.parse_index_part_name(entry)
             if parsed is None:
                 continue  # a temporary file of a commit in progress, or foreign
@@ -305,14 +307,14 @@ def _parse_index_part(raw: bytes, name: str, key: str, url: str) -> tuple[pa.Tab
     return table, ShardInfo(name, info["num_samples"], info["num_rejected"], layouts, info["objects"], key, len(raw))
 
 
-def open_store(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *, mode: str = "r", verify_reads: bool = True, strict: bool = True) -> Store:
+def open_store(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *, mode: str = "r", verify_reads: bool = True, strict: bool = True, load_index: bool = True) -> Store:
     storage = open_storage(url, storage_options)
     try:
         raw = storage.read(fmt.MANIFEST_KEY)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         storage.close()
         raise NotAStoreError(f"{storage.url} is not an mmcache feature store (no {fmt.MANIFEST_KEY}); create one with `mmcache encode` or featstore.create()") from None
-    return Store(storage, fmt.parse_root_group(raw, storage.url), mode=mode, verify_reads=verify_reads, strict=strict)
+    return Store(storage, fmt.parse_root_group(raw, storage.url), mode=mode, verify_reads=verify_reads, strict=strict, load_index=load_index)
 
 
 def create_store(

@@ -111,11 +111,12 @@ class StoreWriter:
         if not self._pending and not self._rejects and name is None:
             return None
         if name is None:
-            name = f"{self.shard_prefix}-{self._seq:06d}"
+            name = f"{self.shard_prefix}-{self._seq:06d}"  # unique to this writer: no check needed
             self._seq += 1
-        fmt.check_name("shard name", name)
-        if self._store.has_shard(name):
-            raise DuplicateSampleError(f"shard {name!r} is already committed in {self._store.url}")
+        else:
+            fmt.check_name("shard name", name)
+            if self._store.has_shard(name):
+                raise DuplicateSampleError(f"shard {name!r} is already committed in {self._store.url}")
         self._store.fix_ndims({f: a.ndim for f, a in self._pending[0].arrays.items()} if self._pending else {})
         base = f"{fmt.SHARDS_DIR}/{name}"
         objects: dict[str, dict[str, int]] = {}

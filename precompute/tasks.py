@@ -19,7 +19,7 @@ from typing import Any
 import fsspec
 import numpy as np
 
-import featstore
+from featstore.reader import open_store
 from precompute.inputs import InputRow
 
 # Per worker process: section key -> loaded encoder. Loading a model is seconds to minutes; a
@@ -105,7 +105,8 @@ def encode_task(
 
     start = time.perf_counter()
     result = TaskResult(shard=task.shard)
-    store = featstore.open(store_url, storage_options, mode="a")
+    # The client planned disjoint tasks from the index; a task only adds one shard.
+    store = open_store(store_url, storage_options, mode="a", load_index=False)
     if store.has_shard(task.shard):
         result.skipped = True
         return asdict(result)
