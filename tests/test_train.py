@@ -97,8 +97,13 @@ def test_resume_continues_the_same_run(store, tmp_path):
     full, split = losses(tmp_path / "full"), losses(tmp_path / "split")
     for step in range(6, 11):
         assert split[step] == pytest.approx(full[step], rel=1e-5)
+    # A save that crashed half-way leaves a .partial folder: it is never taken for a checkpoint.
+    partial = tmp_path / "split" / "checkpoints" / "step-00000011.partial"
+    partial.mkdir()
+    (partial / ".metadata").write_bytes(b"garbage from a crashed save")
     # ...and at a different world size: it loads the 1-rank checkpoint on 2 ranks.
-    fit(store, tmp_path / "split", "--steps", "12", "--resume", *common, nproc=2)
+    resumed = fit(store, tmp_path / "split", "--steps", "12", "--resume", *common, nproc=2)
+    assert "step-00000010 at step 10 (world size 2)" in resumed.stdout
     assert max(losses(tmp_path / "split")) == 12
 
 

@@ -151,6 +151,7 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
     )
     dtype = torch.float32
     metrics_file = open(run / "metrics.jsonl", "a") if rank == 0 else None  # noqa: SIM115
+    board = _tensorboard(run) if rank == 0 else None
     losses = []
     try:
         for data in stream.steps(start, stop, config.data.prefetch):
@@ -187,6 +188,9 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
             if metrics_file:
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
+                if board is not None:
+                    for key in ("loss", "lr", "step_time_s", "data_wait_s", "imbalance"):
+                        board.add_scalar(key, record[key], step)
                 if step % config.log_every == 0 or step == stop:
                     log(f"step {step:5d}  loss {loss:.4f}  lr {lr:.2e}  {record['step_time_s'] * 1000:6.0f} ms  wait {data.wait_s * 1000:4.0f} ms  imbalance {data.imbalance:.2f}")
             if config.checkpoint.every and step % config.checkpoint.every == 0 and step != stop:
@@ -197,7 +201,20 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
     finally:
         if metrics_file:
             metrics_file.close()
+        if board is not None:
+            board.close()
     return {"run_dir": str(run), "start": start, "stop": stop, "losses": losses, "rank": rank}
+
+
+def _tensorboard(run: Path):
+    """A TensorBoard writer in RUN_DIR/tensorboard when the tensorboard package is installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is None:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(str(run / "tensorboard"))
 
 
 def hash_seed(seed: int, step: int, indices: list[int]) -> int:
