@@ -92,6 +92,8 @@ def test_bad_inputs_become_rejects(dataset, tmp_path, cluster):
     (root / "truncated.png").write_bytes(good_png[: len(good_png) // 2])
     (root / "truncated.mp4").write_bytes(good_mp4[: len(good_mp4) // 3])
     (root / "notmedia.jpg").write_text("this is a text file, not an image")
+    # An mp4 whose video stream names a codec no decoder knows (the H.264 sample entry renamed).
+    (root / "badcodec.mp4").write_bytes(good_mp4.replace(b"avc1", b"zzz1"))
     from PIL import Image
 
     write_video(root / "short.mp4", [Image.new("RGB", (64, 64), "red")] * 3)
@@ -103,6 +105,7 @@ def test_bad_inputs_become_rejects(dataset, tmp_path, cluster):
         {"path": "truncated.png", "caption": "x"},
         {"path": "truncated.mp4", "caption": "x"},
         {"path": "notmedia.jpg", "caption": "x"},
+        {"path": "badcodec.mp4", "caption": "x"},
         {"path": "short.mp4", "caption": "x"},
         {"path": "media/image_001.png", "caption": "   "},
         {"path": "media/image_002.png", "caption": "dup", "id": "same"},
@@ -123,6 +126,7 @@ def test_bad_inputs_become_rejects(dataset, tmp_path, cluster):
         "truncated.png": "truncated",
         "truncated.mp4": "video",
         "notmedia.jpg": "not an image file",
+        "badcodec.mp4": "unreadable video codec",
         "short.mp4": "too few frames",
         "media/image_001.png": "empty caption",
         "media/image_003.png": "duplicate id",
@@ -139,7 +143,7 @@ def test_bad_inputs_become_rejects(dataset, tmp_path, cluster):
     assert again.samples_written == 0 and again.rejected == 0
     assert featstore.open(str(out)).num_rejected() == len(expected)
     # Empty captions are allowed when the config says so.
-    allowed = encode(tiny_config("data.allow_empty_caption=true"), write_manifest(root / "m2.jsonl", rows[7:8]), tmp_path / "store2", cluster)
+    allowed = encode(tiny_config("data.allow_empty_caption=true"), write_manifest(root / "m2.jsonl", [r for r in rows if r["path"] == "media/image_001.png"]), tmp_path / "store2", cluster)
     assert allowed.samples_written == 1
 
 
