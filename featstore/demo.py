@@ -17,7 +17,7 @@ def write_demo_store(url: str, num_samples: int = 64, seed: int = 0) -> featstor
     with featstore.create(url, fields=fields, exist_ok=True, shard_bytes=1 << 20) as writer:
         for i in range(num_samples):
             sample_id = f"demo-{i:05d}"
-            if writer._store.is_known(sample_id):
+            if writer.store.is_known(sample_id):
                 continue
             frames, height, width = int(rng.integers(1, 6)), int(rng.integers(8, 17)), int(rng.integers(8, 17))
             tokens = int(rng.integers(4, 40))
