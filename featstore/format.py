@@ -289,5 +289,47 @@ def crc32c(data: Any, crc: int = 0) -> int:
     return google_crc32c.extend(crc, data)
 
 
+# CRC-32C (reflected polynomial 0x82F63B78) of a concatenation from the CRCs of its parts, as
+# zlib's crc32_combine does for CRC-32: appending n zero bytes to a CRC register is a linear map
+# over GF(2), and the maps for n = 2^k bytes are precomputed once. A writer thus checksums each
+# sample once and derives the whole object's CRC without a second pass over the bytes.
+def _gf2_times(matrix: list[int], vector: int) -> int:
+    out, row = 0, 0
+    while vector:
+        if vector & 1:
+            out ^= matrix[row]
+        vector >>= 1
+        row += 1
+    return out
+
+
+def _gf2_square(matrix: list[int]) -> list[int]:
+    return [_gf2_times(matrix, column) for column in matrix]
+
+
+def _zero_byte_operators(count: int = 48) -> list[list[int]]:
+    one_bit = [0x82F63B78] + [1 << n for n in range(31)]
+    op = _gf2_square(_gf2_square(_gf2_square(one_bit)))  # 8 zero bits: one byte
+    ops = []
+    for _ in range(count):
+        ops.append(op)
+        op = _gf2_square(op)
+    return ops
+
+
+_ZERO_BYTES = _zero_byte_operators()
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32C of A+B from crc(A), crc(B) and len(B)."""
+    bit = 0
+    while len2:
+        if len2 & 1:
+            crc1 = _gf2_times(_ZERO_BYTES[bit], crc1)
+        len2 >>= 1
+        bit += 1
+    return crc1 ^ crc2
+
+
 def _dumps(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc, indent=2, sort_keys=False).encode()

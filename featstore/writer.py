@@ -172,7 +172,7 @@ class StoreWriter:
         parts = [v for v in views if v.size] + [bytes(padding), tail]
         key = f"{base}/{spec.name}/c/0"
         self._storage.write_parts(key, parts)
-        objects[key] = {"nbytes": sum(memoryview(p).nbytes for p in parts), "crc32c": _crc_of_parts(parts)}
+        objects[key] = {"nbytes": sum(memoryview(p).nbytes for p in parts), "crc32c": _object_crc(views, crcs, [bytes(padding), tail])}
         return layout, crcs
 
     def _put_small(self, objects: dict, key: str, data: bytes) -> None:
@@ -206,9 +206,16 @@ class StoreWriter:
             raise SchemaError("this writer is closed")
 
 
-def _crc_of_parts(parts: list[Any]) -> int:
+# Below this size re-reading a sample is cheaper than a CRC combine (~30 us, ~6 GB/s).
+_COMBINE_ABOVE = 256 << 10
+
+
+def _object_crc(views: list[np.ndarray], crcs: list[int], tail: list[bytes]) -> int:
+    """The whole object's CRC-32C, reusing the per-sample CRCs instead of a second pass."""
     crc = 0
-    for part in parts:
+    for view, sample_crc in zip(views, crcs, strict=True):
+        crc = fmt.crc32c_combine(crc, sample_crc, view.nbytes) if view.nbytes > _COMBINE_ABOVE else fmt.crc32c(view, crc)
+    for part in tail:
         crc = fmt.crc32c(part, crc)
     return crc
 
