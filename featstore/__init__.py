@@ -25,7 +25,10 @@ from featstore.errors import (
     NotAStoreError,
     ReadOnlyError,
     SchemaError,
+    SnapshotError,
+    StorageError,
 )
+from featstore.copy import copy_store
 from featstore.format import FORMAT_VERSION, FieldSpec
 from featstore.reader import Store, create_store, open_store
 from featstore.writer import StoreWriter
@@ -42,9 +45,12 @@ __all__ = [
     "NotAStoreError",
     "ReadOnlyError",
     "SchemaError",
+    "SnapshotError",
+    "StorageError",
     "Store",
     "StoreWriter",
     "append",
+    "copy_store",
     "create",
     "open",
 ]
@@ -80,9 +86,16 @@ def open(  # noqa: A001 - mirrors zarr.open / fsspec.open
     mode: str = "r",
     verify_reads: bool = True,
     strict: bool = True,
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_bytes: int | None = None,
+    shards: list[str] | None = None,
 ) -> Store:
     """Open a store; the committed shards at this moment form the snapshot every read uses.
 
     ``verify_reads`` checks each sample's CRC-32C as it is read. ``strict=False`` opens a store
-    with damaged index parts, leaving those shards out (listed in ``Store.damaged``)."""
-    return open_store(url, storage_options, mode=mode, verify_reads=verify_reads, strict=strict)
+    with damaged index parts, leaving those shards out (listed in ``Store.damaged``).
+    ``cache_dir`` keeps a local, verified read-through copy of a remote store's objects there,
+    bounded by ``cache_bytes`` (default: most of that disk's free space); several processes may
+    share it. ``shards`` opens exactly that snapshot (e.g. the one a run started with)."""
+    return open_store(url, storage_options, mode=mode, verify_reads=verify_reads, strict=strict,
+                      cache_dir=cache_dir, cache_bytes=cache_bytes, shards=shards)

@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 import featstore
+from featstore.secrets import redact
 from featstore.verify import store_info, verify_store
 
 
@@ -22,12 +23,16 @@ def parse_storage_options(raw: str | None) -> dict[str, Any] | None:
         raise click.BadParameter(f"not valid JSON: {exc}", param_hint="--storage-options") from None
     if not isinstance(value, dict):
         raise click.BadParameter("must be a JSON object", param_hint="--storage-options")
+    from featstore import secrets
+
+    secrets.register(value)  # so no message can show them
     return value
 
 
 storage_options_option = click.option(
     "--storage-options", "storage_options", default=None, metavar="JSON",
-    help='fsspec options for the URL, e.g. \'{"anon": true}\'.',
+    help='fsspec options for the URL, e.g. \'{"anon": true}\'. The standard AWS variables '
+    "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_PROFILE) work without it.",
 )
 
 
@@ -44,7 +49,7 @@ def cli() -> None:
 def info(url: str, as_json: bool, storage_options: str | None) -> None:
     """Summarise the store at URL: samples, shards, fields, size, rejects."""
     with _open(url, storage_options) as store:
-        summary = store_info(store)
+        summary = _guarded(store_info, store)
     if as_json:
         click.echo(json.dumps(summary, indent=2, default=str))
     else:
@@ -71,7 +76,7 @@ def echo_info(summary: dict[str, Any]) -> None:
 def verify(url: str, storage_options: str | None, quiet: bool) -> None:
     """Check every committed byte of the store at URL; exit 1 on any problem."""
     with _open(url, storage_options, strict=False) as store:
-        report = verify_store(store)
+        report = _guarded(verify_store, store)
     for line in report.warnings:
         click.echo(f"warning: {line}", err=True)
     for line in report.problems:
@@ -82,11 +87,57 @@ def verify(url: str, storage_options: str | None, quiet: bool) -> None:
     sys.exit(0 if report.ok else 1)
 
 
+@cli.command()
+@click.argument("src")
+@click.argument("dst")
+@storage_options_option
+@click.option("--src-storage-options", default=None, metavar="JSON", help="fsspec options for SRC only (default: --storage-options).")
+@click.option("--dst-storage-options", default=None, metavar="JSON", help="fsspec options for DST only (default: --storage-options).")
+@click.option("--workers", type=int, default=8, show_default=True, help="Objects copied in parallel.")
+@click.option("--verify/--no-verify", "check", default=False, help="Afterwards, re-read every byte of DST as `mmcache verify` does.")
+@click.option("--progress/--no-progress", default=None, help="Progress line (default: when stderr is a terminal).")
+def copy(src, dst, storage_options, src_storage_options, dst_storage_options, workers, check, progress) -> None:
+    """Copy the store at SRC to DST (any two URLs). Parallel, checked against the store's
+    checksums, committed shard by shard (a reader of DST never sees half a shard); run it again
+    after an interruption and it copies only what is missing."""
+    both = parse_storage_options(storage_options)
+    src_options = parse_storage_options(src_storage_options) or both
+    dst_options = parse_storage_options(dst_storage_options) or both
+    show = sys.stderr.isatty() if progress is None else progress
+
+    def report(done: int, total: int, nbytes: int) -> None:
+        if show:
+            click.echo(f"\r{done}/{total} shards, {_human(nbytes)}   ", err=True, nl=False)
+
+    try:
+        summary = featstore.copy_store(src, dst, src_options, dst_options, workers=workers, progress=report)
+        if show:
+            click.echo("", err=True)
+        click.echo(summary.line())
+        if check:
+            with featstore.open(dst, dst_options, strict=False) as store:
+                result = verify_store(store)
+            for line in result.problems:
+                click.echo(f"problem: {line}", err=True)
+            if not result.ok:
+                raise click.ClickException(f"{dst}: verify FAILED ({len(result.problems)} problem(s))")
+            click.echo(f"verified: {result.shards_checked} shard(s), {result.samples_checked} sample(s), {_human(result.bytes_checked)}")
+    except featstore.FeatstoreError as exc:
+        raise click.ClickException(redact(exc)) from None
+
+
+def _guarded(fn, *args):
+    try:
+        return fn(*args)
+    except featstore.FeatstoreError as exc:
+        raise click.ClickException(redact(exc)) from None
+
+
 def _open(url: str, storage_options: str | None, strict: bool = True) -> featstore.Store:
     try:
         return featstore.open(url, parse_storage_options(storage_options), strict=strict)
     except featstore.FeatstoreError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise click.ClickException(redact(exc)) from None
 
 
 def _human(nbytes: int) -> str:

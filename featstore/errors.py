@@ -36,3 +36,13 @@ class CorruptionError(FeatstoreError):
 
 class FingerprintMismatchError(FeatstoreError):
     """Features were made by a different encoder (or settings) than the caller expects."""
+
+
+class StorageError(FeatstoreError):
+    """Reading or writing an object failed for a reason other than bad data: a transient fault
+    (HTTP 5xx, throttling, reset, timeout) that outlasted the retries, or a permission problem.
+    The message names the object; credentials and signed URLs are redacted from it."""
+
+
+class SnapshotError(FeatstoreError):
+    """A requested snapshot of committed shards cannot be opened (a listed shard is gone)."""

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +27,7 @@ from featstore import format as fmt
 
 # Arrow's thread pools can abort the interpreter at exit (apache/arrow#34314); index parts are
 # small, so every Parquet read and write here is single-threaded.
-from featstore.errors import CorruptionError, FormatVersionError, NotAStoreError, ReadOnlyError, SchemaError
+from featstore.errors import CorruptionError, FormatVersionError, NotAStoreError, ReadOnlyError, SchemaError, SnapshotError
 from featstore.storage import Storage, open_storage
 
 
@@ -43,7 +45,7 @@ class ShardInfo:
 class Store:
     """A feature store opened for reading (``mode="r"``) or for adding shards (``mode="a"``)."""
 
-    def __init__(self, storage: Storage, manifest: dict[str, Any], *, mode: str = "r", verify_reads: bool = True, strict: bool = True, load_index: bool = True) -> None:
+    def __init__(self, storage: Storage, manifest: dict[str, Any], *, mode: str = "r", verify_reads: bool = True, strict: bool = True, load_index: bool = True, shards: Sequence[str] | None = None) -> None:
         if mode not in ("r", "a"):
             raise ValueError(f"mode must be 'r' or 'a', got {mode!r}")
         self.storage = storage
@@ -59,7 +61,9 @@ class Store:
         self._chunk_index: dict[tuple[str, str], np.ndarray] = {}
         # load_index=False: a writer that only adds shards (an encode task) need not read every
         # index part of a large store first; its snapshot is then empty.
-        self._load_index(list_parts=load_index)
+        # shards: open exactly this snapshot (say, the one a run started with) rather than
+        # whatever is committed now; a listed shard that is gone is an error.
+        self._load_index(list_parts=load_index, only=shards)
 
     # ---- schema -------------------------------------------------------------------------
     @property
@@ -68,7 +72,12 @@ class Store:
 
     @property
     def fields(self) -> dict[str, fmt.FieldSpec]:
-        return {name: fmt.FieldSpec.from_value(name, value) for name, value in self._manifest["fields"].items()}
+        # Cached: every add() and read asks for it. fix_ndims replaces the manifest and the cache.
+        cached = self.__dict__.get("_fields")
+        if cached is None or cached[0] is not self._manifest:
+            cached = (self._manifest, {name: fmt.FieldSpec.from_value(name, value) for name, value in self._manifest["fields"].items()})
+            self._fields = cached
+        return cached[1]
 
     @property
     def attrs(self) -> dict[str, Any]:
@@ -92,18 +101,22 @@ class Store:
         self._manifest = current
 
     # ---- index --------------------------------------------------------------------------
-    def _load_index(self, list_parts: bool = True) -> None:
+    def _load_index(self, list_parts: bool = True, only: Sequence[str] | None = None) -> None:
         tables, shards = [], {}
+        wanted = None if only is None else set(only)
+        parts = []
         for entry in self.storage.list_dir(fmt.INDEX_DIR) if list_parts else ():
             parsed = fmt.parse_index_part_name(entry)
             if parsed is None:
                 continue  # a temporary file of a commit in progress, or foreign
-            name, crc = parsed
+            if wanted is not None and parsed[0] not in wanted:
+                continue  # committed after the snapshot was taken
+            parts.append((entry, *parsed))
+        for (entry, name, crc), raw in zip(parts, self._read_parts([f"{fmt.INDEX_DIR}/{p[0]}" for p in parts]), strict=True):
             key = f"{fmt.INDEX_DIR}/{entry}"
             try:
                 if name in shards:
                     raise CorruptionError(f"{self.url}: shard {name!r} has two index parts")
-                raw = self.storage.read(key)
                 if fmt.crc32c(raw) != crc:
                     raise CorruptionError(f"{self.url}/{key}: index part of shard {name!r} fails its checksum")
                 table, info = _parse_index_part(raw, name, key, self.url)
@@ -114,7 +127,14 @@ class Store:
                 continue
             tables.append(table.append_column("shard", pa.array([name] * table.num_rows, pa.string())))
             shards[name] = info
+        if wanted is not None and (gone := sorted(wanted - set(shards) - set(self.damaged))):
+            raise SnapshotError(
+                f"{self.url}: {len(gone)} shard(s) of the requested snapshot are not committed there, e.g. {gone[0]!r}; "
+                "the store was changed or is a different one"
+            )
         self.shards: dict[str, ShardInfo] = shards
+        # Committed objects never change: a caching layer may key its entries on their checksums.
+        self.storage.known_objects({key: obj for info in shards.values() for key, obj in info.objects.items()})
         table = pa.concat_tables(tables, promote_options="permissive") if tables else pa.table({"id": pa.array([], pa.string()), "shard": pa.array([], pa.string())})
         self.index: pa.Table = table
         ids = table.column("id").to_pylist()
@@ -136,6 +156,16 @@ class Store:
         self._offsets = {f: _column_numpy(table, f"{f}.offset") for f in self.fields}
         self._shapes = {f: [tuple(s) for s in table.column(f"{f}.shape").to_pylist()] if f"{f}.shape" in table.column_names else [] for f in self.fields}
         self._crcs = {f: _column_numpy(table, f"{f}.crc32c") for f in self.fields}
+
+    def _read_parts(self, keys: list[str]) -> Iterator[bytes]:
+        """Index parts in order; from an object store many at once (one request each)."""
+        if not self.storage.is_remote or len(keys) < 2:
+            return (self.storage.read(key) for key in keys)
+        pool = ThreadPoolExecutor(16, thread_name_prefix="featstore-index")
+        try:
+            return iter(list(pool.map(self.storage.read, keys)))
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def note_committed(self, shard: str, sample_ids: list[str]) -> None:
         """Called by a writer of this store after a commit, so its duplicate checks see new ids.
@@ -209,6 +239,35 @@ class Store:
             out[name] = array
         return out
 
+    def read_rows(self, rows: Sequence[int], fields: Sequence[str] | None = None) -> list[dict[str, np.ndarray]]:
+        """Many samples in one batched read: on an object store every byte range of every sample
+        is requested concurrently, instead of one request after another. (On local disk it is
+        ``read_row`` per sample: there a call costs microseconds and nothing is gained.)"""
+        if not self.storage.is_remote:
+            return [self.read_row(row, fields) for row in rows]
+        specs = self.fields
+        names = list(fields or specs)
+        self._load_chunk_indexes({(self._shard_of[row], name) for row in rows for name in names})
+        requests, samples = [], []
+        for row in rows:
+            shard = self._shard_of[row]
+            sample = {}
+            for name in names:
+                spec = specs[name]
+                array = np.empty(self._shapes[name][row], dtype=spec.numpy_dtype)
+                if array.size:
+                    ranges = self._ranges(shard, spec, int(self._offsets[name][row]), array.size)
+                    requests.append((_data_key(shard, name), ranges, array.reshape(-1).view(np.uint8)))
+                sample[name] = array
+            samples.append(sample)
+        self.storage.read_into(requests)
+        if self.verify_reads:
+            for row, sample in zip(rows, samples, strict=True):
+                for name, array in sample.items():
+                    if fmt.crc32c(array) != int(self._crcs[name][row]):
+                        raise CorruptionError(f"{self.url}: sample {self._ids[row]!r} field {name!r} in shard {self._shard_of[row]!r} fails its checksum")
+        return samples
+
     def iter_shard(self, shard: str, fields: Sequence[str] | None = None) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
         """Every sample of one shard, from one large read per field (the fast full-scan path)."""
         specs = self.fields
@@ -223,20 +282,41 @@ class Store:
             if buf.size:
                 self.storage.read_ranges(_data_key(shard, name), self._ranges(shard, spec, 0, layout.elements), buf)
             buffers[name] = buf.view(spec.numpy_dtype)
-        for row in rows:
+        # Per-field columns of this shard as plain lists: the loop below runs once per sample.
+        columns = {
+            name: (flat, self._shapes[name][rows.start : rows.stop], self._offsets[name][rows.start : rows.stop].tolist(), self._crcs[name][rows.start : rows.stop].tolist())
+            for name, flat in buffers.items()
+        }
+        for i, row in enumerate(rows):
             sample = {}
-            for name, flat in buffers.items():
-                shape = self._shapes[name][row]
-                start = int(self._offsets[name][row])
-                array = flat[start : start + int(np.prod(shape, dtype=np.int64))].reshape(shape)
-                if self.verify_reads and fmt.crc32c(array) != int(self._crcs[name][row]):
+            for name, (flat, shapes, offsets, crcs) in columns.items():
+                shape, start = shapes[i], offsets[i]
+                array = flat[start : start + math.prod(shape)].reshape(shape)
+                if self.verify_reads and fmt.crc32c(array) != crcs[i]:
                     raise CorruptionError(f"{self.url}: sample {self._ids[row]!r} field {name!r} in shard {shard!r} fails its checksum")
                 sample[name] = array
             yield self._ids[row], sample
 
-    def scan(self, fields: Sequence[str] | None = None) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
-        for shard in self.shards:
-            yield from self.iter_shard(shard, fields)
+    def scan(self, fields: Sequence[str] | None = None, readahead: int = 1) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
+        """Every sample, shard by shard. ``readahead`` shards are read (and checked) on a
+        background thread while the caller works on the current one; memory is bounded by
+        ``readahead + 1`` shards. 0 reads in the caller's thread."""
+        names = list(self.shards)
+        if readahead <= 0 or len(names) < 2:
+            for shard in names:
+                yield from self.iter_shard(shard, fields)
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="featstore-readahead") as pool:
+            ahead = [pool.submit(lambda s=s: list(self.iter_shard(s, fields))) for s in names[: readahead + 1]]
+            try:
+                for i in range(len(names)):
+                    samples = ahead.pop(0).result()
+                    if i + readahead + 1 < len(names):
+                        ahead.append(pool.submit(lambda s=names[i + readahead + 1]: list(self.iter_shard(s, fields))))
+                    yield from samples
+            finally:
+                for future in ahead:
+                    future.cancel()
 
     def _ranges(self, shard: str, spec: fmt.FieldSpec, start: int, count: int) -> list[tuple[int, int]]:
         layout = self.shards[shard].layouts[spec.name]
@@ -244,6 +324,26 @@ class Store:
         if start + count > layout.elements:
             raise CorruptionError(f"{self.url}: shard {shard!r} field {spec.name!r}: index points past the end of the data")
         return fmt.byte_ranges(self._shard_chunks(shard, spec.name), layout, start, count, itemsize)
+
+    def _load_chunk_indexes(self, pairs: set[tuple[str, str]]) -> None:
+        """Fetch the shard indexes of many (shard, field) pairs in one batched read."""
+        missing = sorted(p for p in pairs if p not in self._chunk_index)
+        if len(missing) < 2:
+            for shard, field in missing:
+                self._shard_chunks(shard, field)
+            return
+        requests = []
+        for shard, field in missing:
+            info = self.shards[shard]
+            data_key = _data_key(shard, field)
+            size = info.objects[data_key]["nbytes"]
+            tail = np.empty(fmt.index_nbytes(info.layouts[field].num_chunks), dtype=np.uint8)
+            requests.append((data_key, [(size - tail.size, size)], tail))
+        self.storage.read_into(requests)
+        for (shard, field), (data_key, _, tail) in zip(missing, requests, strict=True):
+            chunks = fmt.parse_shard_index(tail.tobytes(), self.shards[shard].layouts[field].num_chunks, f"{self.url}/{data_key}")
+            with self._lock:
+                self._chunk_index[(shard, field)] = chunks
 
     def _shard_chunks(self, shard: str, field: str) -> np.ndarray:
         key = (shard, field)
@@ -307,14 +407,19 @@ def _parse_index_part(raw: bytes, name: str, key: str, url: str) -> tuple[pa.Tab
     return table, ShardInfo(name, info["num_samples"], info["num_rejected"], layouts, info["objects"], key, len(raw))
 
 
-def open_store(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *, mode: str = "r", verify_reads: bool = True, strict: bool = True, load_index: bool = True) -> Store:
+def open_store(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *, mode: str = "r", verify_reads: bool = True, strict: bool = True, load_index: bool = True,
+               cache_dir: str | os.PathLike[str] | None = None, cache_bytes: int | None = None, shards: Sequence[str] | None = None) -> Store:
     storage = open_storage(url, storage_options)
+    if cache_dir is not None and storage.is_remote:
+        from featstore.cache import CachingStorage
+
+        storage = CachingStorage(storage, cache_dir, cache_bytes)
     try:
         raw = storage.read(fmt.MANIFEST_KEY)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         storage.close()
         raise NotAStoreError(f"{storage.url} is not an mmcache feature store (no {fmt.MANIFEST_KEY}); create one with `mmcache encode` or featstore.create()") from None
-    return Store(storage, fmt.parse_root_group(raw, storage.url), mode=mode, verify_reads=verify_reads, strict=strict, load_index=load_index)
+    return Store(storage, fmt.parse_root_group(raw, storage.url), mode=mode, verify_reads=verify_reads, strict=strict, load_index=load_index, shards=shards)
 
 
 def create_store(

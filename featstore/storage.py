@@ -4,7 +4,11 @@ Two implementations of one interface, chosen from the URL. Local paths go straig
 (``os.preadv`` into caller-owned buffers, write-to-temp + ``os.replace`` for atomic commits),
 because per-call overhead, not bandwidth, decides small reads. Everything else (``memory://``,
 ``s3://``, ...) goes through fsspec, whose single-object PUTs are atomic and whose
-``cat_ranges`` batches many ranged reads into few requests.
+``cat_ranges`` batches many ranged reads into few concurrent requests.
+
+Remote operations are retried (``featstore.retry``): a transient fault (HTTP 5xx, throttling,
+connection reset or refused, timeout, a body cut short) is tried again with backoff, and one that
+persists fails with a ``StorageError`` naming the object. Messages never carry credentials.
 """
 
 from __future__ import annotations
@@ -13,14 +17,22 @@ import os
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import fsspec
 import numpy as np
 
+from featstore import secrets
 from featstore.errors import CorruptionError
+from featstore.retry import RetryPolicy, describe, is_transient, with_retries
+
+__all__ = ["FsspecStorage", "LocalStorage", "RetryPolicy", "Storage", "open_storage", "with_retries"]
+T = TypeVar("T")
+
+# (key, byte ranges, flat uint8 buffer the ranges fill, back to back)
+ReadRequest = tuple[str, Sequence[tuple[int, int]], np.ndarray]
 
 
 class Storage:
@@ -34,6 +46,11 @@ class Storage:
     def read_ranges(self, key: str, ranges: Sequence[tuple[int, int]], out: np.ndarray) -> None:
         """Fill ``out`` (a flat uint8 buffer) with the concatenation of the byte ranges."""
         raise NotImplementedError
+
+    def read_into(self, requests: Sequence[ReadRequest]) -> None:
+        """Many ``read_ranges`` at once; remote backends issue them concurrently."""
+        for key, ranges, out in requests:
+            self.read_ranges(key, ranges, out)
 
     def read_many(self, requests: Sequence[tuple[str, int, int]]) -> list[bytes]:
         return [self.read_range(key, start, end) for key, start, end in requests]
@@ -63,6 +80,14 @@ class Storage:
 
     def is_empty(self) -> bool:
         return not self.list_dir("")
+
+    def known_objects(self, objects: dict[str, dict[str, int]]) -> None:
+        """Told by a reader which immutable objects it may read, with their ``nbytes`` and
+        ``crc32c`` from the commit records (a caching layer keys its entries on them)."""
+
+    @property
+    def is_remote(self) -> bool:
+        return False
 
     def close(self) -> None:
         pass
@@ -162,61 +187,132 @@ class LocalStorage(Storage):
 
 
 class FsspecStorage(Storage):
+    retry = RetryPolicy()
+
     def __init__(self, url: str, storage_options: dict[str, Any]) -> None:
-        self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
+        secrets.register(storage_options)
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
+        except (ImportError, ValueError) as exc:
+            from featstore.errors import ConfigError
+
+            raise ConfigError(f"cannot open {secrets.redact_url(url)}: {describe(exc)}") from None
         self.root = root.rstrip("/")
         protocol = self.fs.protocol[0] if isinstance(self.fs.protocol, tuple) else self.fs.protocol
-        self.url = f"{protocol}://{self.root.removeprefix('/')}" if protocol != "memory" else f"memory://{self.root}"
+        self.url = secrets.redact_url(f"{protocol}://{self.root.removeprefix('/')}" if protocol != "memory" else f"memory://{self.root}")
+
+    @property
+    def is_remote(self) -> bool:
+        return True
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}" if key else self.root
 
+    def _where(self, key: str) -> str:
+        return f"{self.url}/{key}" if key else self.url
+
+    def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        return with_retries(fn, self._where(key), op, self.retry)
+
     def read(self, key: str) -> bytes:
-        return self.fs.cat_file(self._path(key))
+        return self._call("read", key, lambda: self.fs.cat_file(self._path(key)))
 
     def read_ranges(self, key: str, ranges: Sequence[tuple[int, int]], out: np.ndarray) -> None:
-        path = self._path(key)
-        blobs = self.fs.cat_ranges([path] * len(ranges), [r[0] for r in ranges], [r[1] for r in ranges])
-        view = memoryview(out).cast("B")
-        pos = 0
-        for (start, end), blob in zip(ranges, blobs, strict=True):
-            if isinstance(blob, BaseException):
-                raise blob
-            if len(blob) != end - start:
-                raise CorruptionError(f"{self.url}/{key}: expected {end - start} bytes at offset {start}, got {len(blob)} (truncated)")
-            view[pos : pos + len(blob)] = blob
-            pos += len(blob)
+        self.read_into([(key, ranges, out)])
+
+    def read_into(self, requests: Sequence[ReadRequest]) -> None:
+        # One flat list of ranges, fetched concurrently by cat_ranges; under faults only the
+        # ranges that failed are fetched again.
+        pieces = []  # (key, start, end, out view)
+        for key, ranges, out in requests:
+            view = memoryview(out).cast("B")
+            pos = 0
+            for start, end in ranges:
+                pieces.append((key, start, end, view[pos : pos + end - start]))
+                pos += end - start
+        pending = [p for p in pieces if p[2] > p[1]]
+        if not pending:
+            return
+
+        def attempt() -> None:
+            nonlocal pending
+            blobs = self.fs.cat_ranges([self._path(p[0]) for p in pending], [p[1] for p in pending], [p[2] for p in pending], on_error="return")
+            failed, first = [], None
+            for piece, blob in zip(pending, blobs, strict=True):
+                key, start, end, view = piece
+                if isinstance(blob, BaseException):
+                    failed.append(piece)
+                    if first is None or (is_transient(first[1]) and not is_transient(blob)):
+                        first = (key, blob)  # a permanent failure decides: no retry
+                    continue
+                if len(blob) != end - start:
+                    raise CorruptionError(f"{self._where(key)}: expected {end - start} bytes at offset {start}, got {len(blob)} (truncated)")
+                view[:] = blob
+            pending = failed
+            if first is not None:
+                where[0] = first[0]
+                raise first[1]
+
+        where = [pending[0][0]]
+        with_retries(attempt, lambda: self._where(where[0]), "read", self.retry)
 
     def read_many(self, requests: Sequence[tuple[str, int, int]]) -> list[bytes]:
-        blobs = self.fs.cat_ranges([self._path(k) for k, _, _ in requests], [s for _, s, _ in requests], [e for _, _, e in requests])
-        for (key, start, end), blob in zip(requests, blobs, strict=True):
-            if isinstance(blob, BaseException):
-                raise blob
-            if len(blob) != end - start:
-                raise CorruptionError(f"{self.url}/{key}: expected {end - start} bytes at offset {start}, got {len(blob)} (truncated)")
-        return blobs
+        outs = [np.empty(end - start, dtype=np.uint8) for _, start, end in requests]
+        self.read_into([(key, [(start, end)], out) for (key, start, end), out in zip(requests, outs, strict=True)])
+        return [out.tobytes() for out in outs]
+
+    def get_file(self, key: str, local_path: str) -> None:
+        """Download a whole object to a local file (streamed, not held in memory)."""
+        self._call("read", key, lambda: self.fs.get_file(self._path(key), local_path))
 
     def write_atomic(self, key: str, data: bytes) -> None:
-        # One PUT: object stores (and the in-memory fs) publish it whole or not at all.
-        self.fs.pipe_file(self._path(key), bytes(data))
+        # One PUT: object stores (and the in-memory fs) publish it whole or not at all. A retry
+        # after a lost response PUTs the same bytes again, which changes nothing.
+        payload = bytes(data)
+        self._call("write", key, lambda: self.fs.pipe_file(self._path(key), payload))
 
     def write_parts(self, key: str, parts: Iterable[Any]) -> None:
-        with self.fs.open(self._path(key), "wb") as fh:
-            for part in parts:
-                fh.write(part)
+        parts = list(parts)  # a retry writes them again from the start
+
+        def write() -> None:
+            with self.fs.open(self._path(key), "wb") as fh:
+                for part in parts:
+                    fh.write(part)
+
+        self._call("write", key, write)
 
     def exists(self, key: str) -> bool:
-        return self.fs.exists(self._path(key))
+        path = self._path(key)
+
+        def probe() -> bool:
+            self.fs.invalidate_cache(path)  # s3fs may answer from a stale listing
+            try:
+                self.fs.info(path)
+            except FileNotFoundError:
+                return False
+            return True
+
+        return self._call("stat", key, probe)
 
     def size(self, key: str) -> int:
-        return int(self.fs.size(self._path(key)))
+        path = self._path(key)
+
+        def stat() -> int:
+            self.fs.invalidate_cache(path)
+            return int(self.fs.size(path))
+
+        return self._call("stat", key, stat)
 
     def list_dir(self, prefix: str) -> list[str]:
         path = self._path(prefix)
-        # Listings are cached by some filesystems (s3fs); a reader must see fresh commits.
-        self.fs.invalidate_cache(path)
-        try:
-            entries = self.fs.ls(path, detail=False)
-        except FileNotFoundError:
-            return []
-        return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != path.rstrip("/")})
+
+        def listing() -> list[str]:
+            # Listings are cached by some filesystems (s3fs); a reader must see fresh commits.
+            self.fs.invalidate_cache(path)
+            try:
+                entries = self.fs.ls(path, detail=False)
+            except FileNotFoundError:
+                return []
+            return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != path.rstrip("/")})
+
+        return self._call("list", prefix, listing)

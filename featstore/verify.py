@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,12 +79,25 @@ def verify_store(store: Store, progress: Callable[[str], None] | None = None) ->
     return report
 
 
+def _fetch(store: Store, keys: list[str]) -> list[bytes | None]:
+    """Whole objects (None for a missing one); from an object store several at once."""
+
+    def get(key: str) -> bytes | None:
+        try:
+            return store.storage.read(key)
+        except FileNotFoundError:
+            return None
+
+    if not store.storage.is_remote or len(keys) < 2:
+        return [get(key) for key in keys]
+    with ThreadPoolExecutor(min(8, len(keys)), thread_name_prefix="featstore-verify") as pool:
+        return list(pool.map(get, keys))
+
+
 def _verify_shard(store: Store, name: str, info: Any, report: VerifyReport) -> None:
     blobs: dict[str, bytes] = {}
-    for key, expected in info.objects.items():
-        try:
-            blob = store.storage.read(key)
-        except FileNotFoundError:
+    for (key, expected), blob in zip(info.objects.items(), _fetch(store, list(info.objects)), strict=True):
+        if blob is None:
             report.problems.append(f"shard {name!r}: object {key} is missing")
             continue
         report.bytes_checked += len(blob)

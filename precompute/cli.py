@@ -8,6 +8,7 @@ import click
 
 from featstore.cli import cli, parse_storage_options, storage_options_option
 from featstore.errors import FeatstoreError
+from featstore.secrets import redact
 
 
 @cli.command()
@@ -40,7 +41,7 @@ def encode(config_name, input_url, output_url, workers, scheduler, device, overr
             progress=progress, log=lambda line: click.echo(line, err=True),
         )
     except FeatstoreError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise click.ClickException(redact(exc)) from None
     click.echo(summary.line())
 
 

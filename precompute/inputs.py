@@ -21,6 +21,8 @@ from typing import Any
 import fsspec
 
 from featstore.errors import ConfigError
+from featstore.secrets import redact_url
+from featstore.retry import with_retries
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 VIDEO_SUFFIXES = {".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v"}
@@ -48,6 +50,8 @@ class Reject:
 
 
 def modality_of(path: str) -> str | None:
+    if "://" in path:
+        path = path.split("?", 1)[0]  # a URL's query (a signature, say) is not its suffix
     suffix = posixpath.splitext(path.lower())[1]
     if suffix in IMAGE_SUFFIXES:
         return "image"
@@ -66,22 +70,26 @@ def read_inputs(
     """Parse INPUT into usable rows and rejects, in manifest order."""
     fs, path = fsspec.core.url_to_fs(input_url, **(storage_options or {}))
     protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
-    if not fs.exists(path):
-        raise ManifestError(f"input {input_url!r} does not exist")
-    if fs.isdir(path):
-        root, records = path.rstrip("/"), _folder_records(fs, path.rstrip("/"))
+    shown = redact_url(str(input_url))
+    if not with_retries(lambda: fs.exists(path), shown, "stat"):
+        raise ManifestError(f"input {shown!r} does not exist")
+    if with_retries(lambda: fs.isdir(path), shown, "stat"):
+        root, records = path.rstrip("/"), with_retries(lambda: _folder_records(fs, path.rstrip("/")), shown, "list")
     else:
-        root, records = posixpath.dirname(path), _manifest_records(fs, path, input_url)
+        root, records = posixpath.dirname(path), _manifest_records(fs, path, shown)
     rows, rejects, seen = [], [], set()
     for record in records:
-        source = record.get("path")
-        if not isinstance(source, str) or not source.strip():
-            rejects.append(Reject(source=str(source), reason="row has no path"))
+        raw = record.get("path")
+        if not isinstance(raw, str) or not raw.strip():
+            rejects.append(Reject(source=str(raw), reason="row has no path"))
             continue
+        # A signed URL is fetched as given, but only shown (ids, rejects, provenance) without
+        # its signature: the credential must not end up in the store.
+        source = redact_url(raw) if "://" in raw else raw
         caption = record.get("caption")
         caption = "" if caption is None else str(caption)
         sample_id = str(record["id"]) if record.get("id") not in (None, "") else sample_id_for(source)
-        uri = _resolve(source, root, protocol, allow_outside_root)
+        uri = _resolve(raw, root, protocol, allow_outside_root)
         reason = None
         if uri is None:
             reason = "path escapes the manifest's folder (set data.allow_outside_root: true to allow it)"
@@ -127,8 +135,11 @@ def _resolve(source: str, root: str, protocol: str, allow_outside_root: bool) ->
 
 def _manifest_records(fs: Any, path: str, input_url: str) -> list[dict[str, Any]]:
     suffix = posixpath.splitext(path.lower())[1]
-    with fs.open(path, "rb") as fh:
-        raw = fh.read()
+    def fetch() -> bytes:
+        with fs.open(path, "rb") as fh:
+            return fh.read()
+
+    raw = with_retries(fetch, input_url, "read")
     try:
         if suffix in (".jsonl", ".ndjson"):
             records = [json.loads(line) for line in raw.decode().splitlines() if line.strip()]

@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import featstore
+from featstore import secrets
 from featstore.errors import FingerprintMismatchError
+from featstore.secrets import RedactedOptions
 from precompute.config import TINY_PATH, EncodeConfig, default_cache_dir
 from precompute.devices import resolve_device, worker_device
 from precompute.inputs import InputRow, Reject, read_inputs
@@ -110,6 +112,12 @@ def run_encode(
     # bars or hub look-ups cluttering the job's output.
     for key, value in _QUIET_OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
+    # Storage options may hold credentials and travel to the workers as task arguments, which
+    # Dask prints when a task fails: they go as a dict whose repr hides the values.
+    storage_options = RedactedOptions(storage_options) if storage_options else None
+    input_storage_options = RedactedOptions(input_storage_options) if input_storage_options else None
+    for options in (storage_options, input_storage_options):
+        secrets.register(options or {})
     t0 = time.perf_counter()
     rows, plan_rejects = read_inputs(
         input_url,

@@ -20,6 +20,8 @@ import fsspec
 import numpy as np
 
 from featstore.reader import open_store
+from featstore.secrets import redact_url
+from featstore.retry import with_retries
 from precompute.inputs import InputRow
 
 # Per worker process: section key -> loaded encoder. Loading a model is seconds to minutes; a
@@ -134,7 +136,8 @@ def encode_task(
             return None
         from precompute.media import prepare as prepare_media
 
-        return prepare_media(data, row.uri, modality=row.modality, resize=resize, rule=rule, sampling=frames)
+        # Provenance and messages get the URL without a signature or token, never the credential.
+        return prepare_media(data, redact_url(row.uri), modality=row.modality, resize=resize, rule=rule, sampling=frames)
 
     done: list[tuple[InputRow, dict[str, np.ndarray], dict[str, Any]]] = []
     with ThreadPoolExecutor(settings["decode_threads"], thread_name_prefix="decode") as pool:
@@ -155,17 +158,23 @@ def encode_task(
 
 
 def _read_bytes(uri: str, storage_options: dict[str, Any] | None) -> bytes:
+    """A source file's bytes. Transient faults of an object store are retried; one that
+    persists fails the task (Dask retries it), never turning a readable input into a reject."""
     from precompute.media import MediaError
 
-    try:
+    def fetch() -> bytes:
         with fsspec.open(uri, "rb", **(storage_options or {})) as fh:
-            data = fh.read()
+            return fh.read()
+
+    shown = redact_url(uri)
+    try:
+        data = with_retries(fetch, shown, "read")
     except FileNotFoundError:
-        raise MediaError("missing file", uri) from None
+        raise MediaError("missing file", shown) from None
     except IsADirectoryError:
-        raise MediaError("is a directory, not a file", uri) from None
+        raise MediaError("is a directory, not a file", shown) from None
     if not data:
-        raise MediaError("zero-byte file", uri)
+        raise MediaError("zero-byte file", shown)
     return data
 
 
@@ -222,7 +231,7 @@ def _encode_batch(batch, encoders: dict[str, Any], reject, done: list) -> None:
     for (row, prepared), out in zip(batch, outputs, strict=True):
         if "__rejected__" in out:
             continue
-        meta = {"caption": row.caption, "modality": row.modality, **(prepared.provenance if prepared is not None else {"source_uri": row.uri})}
+        meta = {"caption": row.caption, "modality": row.modality, **(prepared.provenance if prepared is not None else {"source_uri": redact_url(row.uri)})}
         done.append((row, out, meta))
 
 

@@ -8,6 +8,7 @@ import click
 
 from featstore.cli import parse_storage_options, storage_options_option
 from featstore.errors import FeatstoreError
+from featstore.secrets import redact
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -24,14 +25,17 @@ def cli() -> None:
 @click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in --out (any world size).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value (repeatable).")
 @click.option("--dry-run", is_flag=True, help="Print the resolved config, mesh and parameter count; do not train.")
+@click.option("--cache-dir", default=None, metavar="DIR", help="Local read-through cache of a remote store (sets data.cache_dir; size: --set data.cache_bytes=50GiB).")
 @storage_options_option
-def fit(config_name, features, run_dir, steps, resume, overrides, dry_run, storage_options) -> None:
+def fit(config_name, features, run_dir, steps, resume, overrides, dry_run, cache_dir, storage_options) -> None:
     """Train on the features at --features."""
     from featstore.config import load_config
     from train.config import TrainConfig
 
     try:
         config = load_config(TrainConfig, config_name, "train", overrides)
+        if cache_dir:
+            config.data.cache_dir = cache_dir
         options = parse_storage_options(storage_options)
         if dry_run:
             from train.trainer import dry_run as describe
@@ -44,7 +48,7 @@ def fit(config_name, features, run_dir, steps, resume, overrides, dry_run, stora
 
         result = run_fit(config, features, run_dir, steps=steps, resume=resume, storage_options=options, log=click.echo)
     except FeatstoreError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise click.ClickException(redact(exc)) from None
     if result["rank"] == 0 and result["losses"]:
         click.echo(f"trained steps {result['start'] + 1}-{result['stop']}: loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}; run in {result['run_dir']}")
 

@@ -26,10 +26,19 @@ class DataSection:
     # field -> fingerprint digest the run requires; empty: take the store's (and record it).
     expect_fingerprints: dict[str, str] = field(default_factory=dict)
     allow_fingerprint_mismatch: bool = False
+    # A local read-through cache of a remote store (s3://...): later epochs and runs read at
+    # local-disk speed. Shared safely by the ranks of a node; bounded by cache_bytes (an int or
+    # "50GiB"; default: most of that disk's free space). Ignored for a local store.
+    cache_dir: str | None = None
+    cache_bytes: int | str | None = None
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.prefetch < 0:
             raise ConfigError("data.global_batch must be >= 1 and data.prefetch >= 0")
+        if self.cache_bytes is not None:
+            from featstore.cache import parse_size
+
+            self.cache_bytes = parse_size(self.cache_bytes, "data.cache_bytes")
 
 
 @dataclass(kw_only=True)

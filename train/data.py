@@ -9,6 +9,8 @@ data position to checkpoint is therefore just the step.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import queue
 import threading
@@ -35,6 +37,44 @@ class StepData:
     tokens: int
     imbalance: float
     wait_s: float = 0.0
+
+
+def open_features(url: str, storage_options: dict[str, Any] | None, *, cache_dir: str | None = None,
+                  cache_bytes: int | None = None, shards: list[str] | None = None) -> featstore.Store:
+    """The store as one snapshot of committed shards, the same on every rank for the whole run.
+
+    With ``shards`` (a resumed run: what its run.json recorded) exactly those are opened, so the
+    data order goes on where it stopped even if the store has grown. Otherwise rank 0 takes the
+    snapshot and sends it to the other ranks, which open the same shards even if an encode job
+    commits more in between."""
+    import torch.distributed as dist
+
+    def open_(only: list[str] | None) -> featstore.Store:
+        return featstore.open(url, storage_options, cache_dir=cache_dir, cache_bytes=cache_bytes, shards=only)
+
+    if shards is not None or not dist.is_initialized() or dist.get_world_size() == 1:
+        return open_(shards)
+    store = open_(None) if dist.get_rank() == 0 else None
+    agreed = broadcast_json(sorted(store.shards) if store is not None else None)
+    return store if store is not None else open_(agreed)
+
+
+def broadcast_json(value: Any) -> Any:
+    """Rank 0's JSON-serialisable ``value`` on every rank (as bytes in a tensor: no pickle)."""
+    import torch.distributed as dist
+
+    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    payload = json.dumps(value).encode() if dist.get_rank() == 0 else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(data, src=0, group=group)
+    return json.loads(data.numpy().tobytes().decode())
+
+
+def snapshot_digest(shards: list[str]) -> str:
+    """A short name for a snapshot (the sorted shard names), to compare ranks and runs."""
+    return hashlib.sha256(json.dumps(sorted(shards)).encode()).hexdigest()[:16]
 
 
 def check_fingerprints(store: featstore.Store, fields: list[str], expected: dict[str, str], allow_mismatch: bool) -> dict[str, Any]:
@@ -96,10 +136,10 @@ class FeatureStream:
         costs = [self.cost(t) for t in tokens]
         parts = [[j for mb in rank_plan if mb.loss_scale for j in mb.indices] for rank_plan in plan]
         count = sum(math.prod(self.shapes[i]) for i in indices)
-        mine = []
-        for mb in plan[self.dp_rank]:
-            samples = [self.store.read_row(int(self.rows[indices[j]]), self.fields) for j in mb.indices]
-            mine.append((mb, samples))
+        # All of this rank's samples of the step in one batched read (concurrent requests on
+        # an object store), then handed out to the micro-batches.
+        read = iter(self.store.read_rows([int(self.rows[indices[j]]) for mb in plan[self.dp_rank] for j in mb.indices], self.fields))
+        mine = [(mb, [next(read) for _ in mb.indices]) for mb in plan[self.dp_rank]]
         return StepData(step=step, micro_batches=mine, global_indices=indices, global_count=count,
                         samples=len(indices), tokens=sum(tokens), imbalance=imbalance(costs, parts))
 

@@ -26,7 +26,7 @@ import featstore
 from featstore.config import to_dict
 from train.checkpoint import export_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint
 from train.config import TrainConfig
-from train.data import FeatureStream, check_fingerprints, to_batch
+from train.data import FeatureStream, check_fingerprints, open_features, snapshot_digest, to_batch
 from train.models import count_parameters, get_model_family
 from train.parallel.dims import ParallelDims, device_and_backend
 from train.parallel.fsdp import apply_fsdp, local_state_bytes
@@ -107,13 +107,20 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
     dist.barrier()
     torch.manual_seed(config.seed)
 
-    store = featstore.open(features, storage_options)
+    previous = run / "run.json"
+    before = json.loads(previous.read_text()) if resume and previous.exists() else None
+    # One snapshot of committed shards for the whole run, the same on every rank: a resumed run
+    # reopens the one its run.json lists, so its data order goes on even if the store has grown.
+    store = open_features(features, storage_options, cache_dir=config.data.cache_dir, cache_bytes=config.data.cache_bytes,
+                          shards=(before or {}).get("store", {}).get("shards"))
+    if rank == 0:
+        cached = f", cached in {config.data.cache_dir}" if config.data.cache_dir and store.storage.is_remote else ""
+        log(f"features: {store.url}: {len(store)} samples in {len(store.shards)} shard(s), snapshot {snapshot_digest(list(store.shards))}{cached}")
     fields = [config.data.latent_field, config.data.text_field]
     expected = dict(config.data.expect_fingerprints)
-    previous = run / "run.json"
-    if resume and previous.exists():
+    if before is not None:
         # A resumed run must see the features it started with.
-        expected = {**{k: v.get("digest") for k, v in json.loads(previous.read_text())["fingerprints"].items()}, **expected}
+        expected = {**{k: v.get("digest") for k, v in before["fingerprints"].items()}, **expected}
     fingerprints = check_fingerprints(store, fields, expected, config.data.allow_fingerprint_mismatch)
 
     dims = ParallelDims.from_config(config.parallel, world)
@@ -232,16 +239,20 @@ def _peak_memory(device: torch.device) -> int:
 def _write_run_json(run: Path, config, dims, fingerprints, num_params, model, optimizer, store, sizes, rank) -> None:
     held = local_state_bytes(model, optimizer)
     grads = sum((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).numel() * p.element_size() for p in model.parameters() if p.grad is not None)
-    mine = torch.tensor([held["params"], grads, held["optimizer"]], dtype=torch.int64)
+    snapshot = snapshot_digest(list(store.shards))
+    mine = torch.tensor([held["params"], grads, held["optimizer"], int(snapshot[:15], 16)], dtype=torch.int64)
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
+    if len({int(t[3]) for t in everyone}) != 1:  # cannot happen: open_features hands out one snapshot
+        raise RuntimeError(f"ranks train on different snapshots of {store.url}: {[f'{int(t[3]):015x}' for t in everyone]}")
     if rank != 0:
         return
     doc = {
         "config": to_dict(config),
         "mesh": dict(zip(("dp_replicate", "dp_shard", "ring", "ulysses"), dims.shape)),
         "world_size": dims.world_size,
-        "store": {"url": store.url, "samples": len(store), "shards": sorted(store.shards)},
+        # The snapshot the run trains on; --resume reopens exactly these shards.
+        "store": {"url": store.url, "samples": len(store), "shards": sorted(store.shards), "snapshot": snapshot},
         "fingerprints": fingerprints,
         "latent_normalisation": {k: v for k, v in store.fields[config.data.latent_field].meta.items() if k in ("scaling_factor", "shift_factor", "latents_mean", "latents_std")},
         "input_sizes": sizes,

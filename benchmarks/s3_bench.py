@@ -1,0 +1,199 @@
+"""Dataset sharing through S3, measured against baselines in one run (by hand, not a test).
+
+    python benchmarks/s3_bench.py [--mb 160] [--repeat 3] [--no-encode]
+
+A real S3 endpoint over HTTP on 127.0.0.1 (moto's ThreadedMotoServer; needs `pip install -e .[dev]`).
+Payload: ragged bf16 latents 16xTxHxW + fp16 text embeddings Lx1024 (random bits, no inf/NaN),
+about --mb MB, in shards of 16 MiB, written locally then `copy`-ed to s3.
+
+1. streaming read: ``Store.scan()`` of the s3 store (every sample, CRC-checked, next shard read
+   ahead) vs plain s3fs reads of the same data objects (``cat_file`` one after another, and
+   ``fs.cat`` of all of them at once). Goal: store >= 0.8x the better of the two.
+2. second epoch through ``cache_dir``: random-order batched reads (``read_rows`` of 16 samples,
+   the trainer's pattern) of the s3 store with a local cache, epoch 1 (cold: fills the cache) and
+   epoch 2 (from the cache), vs the same reads of the local store (warm page cache, best pass).
+   Goal: epoch 2 >= 0.8x local.
+3. encode: ``mmcache encode`` (tiny encoders, a 2-worker LocalCluster already warm; 48 generated
+   images and videos, 8 per task = per shard) to local disk vs to s3 (samples/s). The tiny
+   encoders take milliseconds, so this shows the per-shard cost of S3 requests at its worst.
+
+The moto server runs in this process (Python, GIL shared with the client), so absolute s3 figures
+are far below a real object store; the ratios compare like with like. MB = 10^6 bytes of payload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+import featstore  # noqa: E402
+
+MB = 1e6
+
+
+def make_store(url: str, target_bytes: float, seed: int = 0) -> tuple[int, int]:
+    rng = np.random.default_rng(seed)
+    fields = {"latent": {"dtype": "bfloat16", "ndim": 4}, "text": {"dtype": "float16", "ndim": 2}}
+    total = n = 0
+    with featstore.create(url, fields=fields, shard_bytes=16 << 20) as writer:
+        while total < target_bytes:
+            t, h, w, length = int(rng.integers(1, 6)), int(rng.integers(16, 40)), int(rng.integers(16, 40)), int(rng.integers(8, 120))
+            latent = (rng.integers(0, 1 << 16, size=(16, t, h, w), dtype=np.uint16) & 0xBFFF).view(ml_dtypes.bfloat16)
+            text = (rng.integers(0, 1 << 16, size=(length, 1024), dtype=np.uint16) & 0xBBFF).view(np.float16)
+            writer.add(f"b-{n:06d}", {"latent": latent, "text": text})
+            total += latent.nbytes + text.nbytes
+            n += 1
+    return n, total
+
+
+def best(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def batched_epoch(store: featstore.Store, order: np.ndarray, batch: int = 16) -> None:
+    rows = [store.row(i) for i in store.sample_ids()]
+    for start in range(0, len(order), batch):
+        store.read_rows([rows[i] for i in order[start : start + batch]])
+
+
+def bench_reads(local: str, remote: str, payload: int, repeat: int, workdir: Path) -> dict[str, float]:
+    import fsspec
+
+    out: dict[str, float] = {}
+    store = featstore.open(remote)
+    fs, root = fsspec.core.url_to_fs(remote)
+    objects = [f"{root}/{k}" for info in store.shards.values() for k in info.objects if k.endswith("/c/0")]
+    obj_bytes = sum(o["nbytes"] for info in store.shards.values() for k, o in info.objects.items() if k.endswith("/c/0"))
+
+    def scan() -> None:
+        assert sum(1 for _ in store.scan()) == len(store)
+
+    def plain_sequential() -> None:
+        for path in objects:
+            fs.cat_file(path)
+
+    def plain_concurrent() -> None:
+        fs.cat(objects)
+
+    # interleaved, best of --repeat each
+    t_scan, t_seq, t_cat = [], [], []
+    for _ in range(repeat):
+        t_seq.append(best(plain_sequential, 1))
+        t_scan.append(best(scan, 1))
+        t_cat.append(best(plain_concurrent, 1))
+    out["scan_MBps"] = payload / min(t_scan) / MB
+    out["s3fs_sequential_MBps"] = obj_bytes / min(t_seq) / MB
+    out["s3fs_concurrent_MBps"] = obj_bytes / min(t_cat) / MB
+    out["scan_vs_s3fs"] = out["scan_MBps"] / max(out["s3fs_sequential_MBps"], out["s3fs_concurrent_MBps"])
+
+    order = np.random.default_rng(1).permutation(len(store))
+    cache = workdir / "cache"
+    cached = featstore.open(remote, cache_dir=cache)
+    t0 = time.perf_counter()
+    batched_epoch(cached, order)
+    out["epoch1_cached_MBps"] = payload / (time.perf_counter() - t0) / MB
+    out["epoch2_cached_MBps"] = payload / best(lambda: batched_epoch(cached, order), repeat) / MB
+    assert cached.storage.stats["downloads"] == len(objects) and cached.storage.stats["uncached_reads"] == 0
+    plain_local = featstore.open(local)
+    batched_epoch(plain_local, order)  # warm the page cache, like the cache entries are
+    out["local_MBps"] = payload / best(lambda: batched_epoch(plain_local, order), repeat) / MB
+    out["epoch2_vs_local"] = out["epoch2_cached_MBps"] / out["local_MBps"]
+    uncached = featstore.open(remote)
+    out["epoch_uncached_s3_MBps"] = payload / best(lambda: batched_epoch(uncached, order), 1) / MB
+    return out
+
+
+def bench_encode(bucket: str, workdir: Path, repeat: int) -> dict[str, float]:
+    from distributed import Client, LocalCluster
+
+    from featstore.config import load_config
+    from precompute.config import EncodeConfig
+    from precompute.demo_data import make_dataset
+    from precompute.pipeline import run_encode
+
+    manifest = make_dataset(workdir / "media", num_images=40, num_videos=8)
+    config = load_config(EncodeConfig, "tiny", "encode", ["run.samples_per_task=8"])
+    out: dict[str, float] = {}
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None, silence_logs=40) as cluster, Client(cluster):
+        def encode(dest: str) -> float:
+            summary = run_encode(config, str(manifest), dest, scheduler=cluster.scheduler_address, progress=False, log=lambda *_: None)
+            assert summary.samples_written == 48, summary
+            return summary.samples_written / summary.seconds
+
+        encode(str(workdir / "warmup"))  # encoders load once per worker
+        local, remote = [], []
+        for i in range(repeat):
+            local.append(encode(str(workdir / f"enc-local-{i}")))
+            remote.append(encode(f"{bucket}/enc-{i}"))
+    out["encode_local_samples_per_s"] = max(local)
+    out["encode_s3_samples_per_s"] = max(remote)
+    out["encode_s3_vs_local"] = out["encode_s3_samples_per_s"] / out["encode_local_samples_per_s"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mb", type=float, default=160)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--no-encode", action="store_true")
+    args = parser.parse_args()
+
+    from tests.s3_server import S3Server
+
+    server = S3Server()
+    os.environ.update(server.env())
+    workdir = Path(tempfile.mkdtemp(prefix="s3bench-"))
+    try:
+        bucket = server.make_bucket("bench")
+        local, remote = str(workdir / "store"), f"{bucket}/store"
+        n, payload = make_store(local, args.mb * MB)
+        copied = featstore.copy_store(local, remote)
+        results: dict[str, float] = {"samples": n, "payload_MB": payload / MB, "copy_to_s3_MBps": copied.bytes_copied / copied.seconds / MB}
+        results.update(bench_reads(local, remote, payload, args.repeat, workdir))
+        if not args.no_encode:
+            results.update(bench_encode(bucket, workdir, args.repeat))
+        print(f"{n} samples, {payload / MB:.0f} MB payload, {len(featstore.open(remote).shards)} shards; moto S3 on {server.endpoint}")
+        rows = [
+            ("streaming read: Store.scan() from s3", f"{results['scan_MBps']:8.1f} MB/s"),
+            ("  plain s3fs cat_file, one by one", f"{results['s3fs_sequential_MBps']:8.1f} MB/s"),
+            ("  plain s3fs cat, all at once", f"{results['s3fs_concurrent_MBps']:8.1f} MB/s"),
+            ("  ratio store / best s3fs (goal >= 0.8)", f"{results['scan_vs_s3fs']:8.2f} x"),
+            ("random batched reads, s3 without cache", f"{results['epoch_uncached_s3_MBps']:8.1f} MB/s"),
+            ("  epoch 1 through --cache-dir (cold)", f"{results['epoch1_cached_MBps']:8.1f} MB/s"),
+            ("  epoch 2 through --cache-dir", f"{results['epoch2_cached_MBps']:8.1f} MB/s"),
+            ("  local store (warm page cache)", f"{results['local_MBps']:8.1f} MB/s"),
+            ("  ratio epoch 2 / local (goal >= 0.8)", f"{results['epoch2_vs_local']:8.2f} x"),
+            ("copy local -> s3", f"{results['copy_to_s3_MBps']:8.1f} MB/s"),
+        ]
+        if not args.no_encode:
+            rows += [
+                ("encode to local disk", f"{results['encode_local_samples_per_s']:8.2f} samples/s"),
+                ("encode to s3", f"{results['encode_s3_samples_per_s']:8.2f} samples/s"),
+                ("  ratio s3 / local", f"{results['encode_s3_vs_local']:8.2f} x"),
+            ]
+        for label, value in rows:
+            print(f"{label:44s} {value}")
+        print(json.dumps({k: round(v, 3) for k, v in results.items()}))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,375 @@
+"""A local read-through cache of a remote store's objects (``featstore.open(..., cache_dir=)``).
+
+A second epoch (or a second run) of a trainer streaming ``s3://...`` reads at local-disk speed.
+Correct by construction rather than by invalidation:
+
+* Only objects named in commit records are cached, and those never change once committed (a
+  shard's index part carries its CRC in its key). An entry is keyed by (store URL, object key,
+  size, CRC-32C from the commit record), so a cache can never serve a stale object: a different
+  object under the same key has a different key here.
+* An object is downloaded whole into a temporary file, checked against its size and CRC-32C,
+  and only then renamed into place; a reader never sees a partial or unverified entry. An entry
+  found on disk is checked again (size and CRC) the first time a process opens it.
+* The cache is bounded (``max_bytes``): before a download makes room, the least recently used
+  entries (by mtime, refreshed on use) are evicted under an exclusive lock file, so several
+  processes (the ranks of one node) can share a directory. An in-flight download reserves its
+  size by its temporary file's name, so concurrent downloads do not overrun the bound. A
+  process still reading an evicted entry keeps its open descriptor (POSIX unlink semantics).
+* An object larger than the whole cache, or a local disk error, falls back to ranged reads from
+  the remote store: the cache can make reads faster, never make them fail or wrong.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from featstore import format as fmt
+from featstore.errors import ConfigError, CorruptionError
+from featstore.storage import ReadRequest, Storage
+
+log = logging.getLogger("featstore.cache")
+
+LAYOUT = "mmcache-objects-v1"
+STALE_PART_SECONDS = 3600   # temporary files older than this belong to a dead process
+TOUCH_SECONDS = 30          # refresh an entry's mtime (its LRU age) at most this often
+_CHUNK = 8 << 20
+
+
+class CachingStorage(Storage):
+    MAX_OPEN_FILES = 256
+    FETCH_THREADS = 8
+
+    def __init__(self, remote: Storage, cache_dir: str | os.PathLike[str], max_bytes: int | None = None) -> None:
+        self.remote = remote
+        self.url = remote.url
+        self.root = Path(cache_dir).expanduser().resolve() / LAYOUT
+        try:
+            for sub in ("objects", "tmp", "locks"):
+                (self.root / sub).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cache directory {cache_dir}: {exc}") from None
+        if max_bytes is None:  # default: most of the free space (what is cached already counts as free)
+            max_bytes = int(0.8 * (shutil.disk_usage(self.root).free + self._usage()[0]))
+        if max_bytes <= 0:
+            raise ConfigError(f"cache size must be positive, got {max_bytes}")
+        self.max_bytes = int(max_bytes)
+        self._known: dict[str, tuple[int, int]] = {}
+        # key -> open descriptor of its entry; a descriptor is closed only when no read holds it
+        self._handles: OrderedDict[str, _Handle] = OrderedDict()
+        self._touched: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._key_locks: dict[str, threading.Lock] = {}
+        self.stats = {"hits": 0, "downloads": 0, "bytes_downloaded": 0, "uncached_reads": 0}
+
+    # ---- what may be cached -------------------------------------------------------------
+    def known_objects(self, objects: dict[str, dict[str, int]]) -> None:
+        self._known.update({key: (int(o["nbytes"]), int(o["crc32c"])) for key, o in objects.items()})
+
+    def _entry_name(self, key: str) -> str:
+        nbytes, crc = self._known[key]
+        return hashlib.sha256(json.dumps([self.url, key, nbytes, crc]).encode()).hexdigest()
+
+    def _entry_path(self, name: str) -> Path:
+        return self.root / "objects" / name[:2] / name
+
+    # ---- reads --------------------------------------------------------------------------
+    def read(self, key: str) -> bytes:
+        if key not in self._known:
+            return self.remote.read(key)
+        out = np.empty(self._known[key][0], dtype=np.uint8)
+        self.read_into([(key, [(0, out.size)], out)])
+        return out.tobytes()
+
+    def read_ranges(self, key: str, ranges: Sequence[tuple[int, int]], out: np.ndarray) -> None:
+        self.read_into([(key, ranges, out)])
+
+    def read_into(self, requests: Sequence[ReadRequest]) -> None:
+        keys = list(dict.fromkeys(key for key, _, _ in requests if key in self._known))
+        missing = [k for k in keys if k not in self._handles]
+        if len(missing) > 1:  # fetch what a batch needs concurrently
+            with ThreadPoolExecutor(min(self.FETCH_THREADS, len(missing)), thread_name_prefix="cache-fetch") as pool:
+                for handle in pool.map(self._acquire, missing):
+                    self._release(handle)
+        remote = []
+        for key, ranges, out in requests:
+            handle = self._acquire(key) if key in self._known else None
+            if handle is None:
+                remote.append((key, ranges, out))
+                continue
+            try:
+                _pread(handle.fd, ranges, out, f"{self.url}/{key}")
+            finally:
+                self._release(handle)
+        if remote:
+            self.stats["uncached_reads"] += len(remote)
+            self.remote.read_into(remote)
+
+    def _acquire(self, key: str) -> _Handle | None:
+        """The open, verified local copy of ``key`` (fetched if needed), held until released;
+        None when it cannot be cached (larger than the cache, or a local disk error)."""
+        with self._lock:
+            handle = self._handles.get(key)
+            if handle is not None:
+                self._handles.move_to_end(key)
+                handle.refs += 1
+                self.stats["hits"] += 1
+                self._touch(key)
+                return handle
+            key_lock = self._key_locks.setdefault(key, threading.Lock())
+        nbytes, crc = self._known[key]
+        if nbytes > self.max_bytes:
+            return None
+        with key_lock:  # one fetch per object per process...
+            with self._lock:
+                if key in self._handles:
+                    handle = self._handles[key]
+                    handle.refs += 1
+                    return handle
+            name = self._entry_name(key)
+            path = self._entry_path(name)
+            try:
+                fd = self._open_verified(path, nbytes, crc)
+                if fd is None:
+                    with _flock(self.root / "locks" / name):  # ...and per cache directory
+                        fd = self._open_verified(path, nbytes, crc)
+                        if fd is None:
+                            self._fetch(key, name, path, nbytes, crc)
+                            fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise
+            except OSError as exc:  # the local disk (full, read-only, ...): read remotely instead
+                log.warning("cache %s: %s; reading %s/%s from the store instead", self.root, exc, self.url, key)
+                return None
+            handle = _Handle(fd)
+            with self._lock:
+                self._handles[key] = handle
+                self._touched[key] = time.monotonic()
+                while len(self._handles) > self.MAX_OPEN_FILES:
+                    _, old = self._handles.popitem(last=False)
+                    old.retired = True
+                    if old.refs == 0:
+                        os.close(old.fd)
+            return handle
+
+    def _release(self, handle: _Handle | None) -> None:
+        if handle is None:
+            return
+        with self._lock:
+            handle.refs -= 1
+            if handle.retired and handle.refs == 0:
+                os.close(handle.fd)
+
+    def _touch(self, key: str) -> None:
+        now = time.monotonic()
+        if now - self._touched.get(key, 0.0) > TOUCH_SECONDS:
+            self._touched[key] = now
+            try:
+                os.utime(self._entry_path(self._entry_name(key)))
+            except OSError:
+                pass  # evicted meanwhile: this process keeps reading its open copy
+
+    def _open_verified(self, path: Path, nbytes: int, crc: int) -> int | None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        if os.fstat(fd).st_size == nbytes and _file_crc(fd, nbytes) == crc:
+            os.utime(path)
+            return fd
+        os.close(fd)
+        log.warning("cache entry %s does not match its object (size or checksum); fetching it again", path)
+        _unlink(path)
+        return None
+
+    def _fetch(self, key: str, name: str, path: Path, nbytes: int, crc: int) -> None:
+        where = f"{self.url}/{key}"
+        for attempt in (1, 2):  # a second try in case the bytes were damaged in transit
+            part = self._reserve(name, nbytes)
+            try:
+                if hasattr(self.remote, "get_file"):
+                    self.remote.get_file(key, str(part))
+                else:
+                    part.write_bytes(self.remote.read(key))
+                fd = os.open(part, os.O_RDONLY)
+                try:
+                    size = os.fstat(fd).st_size
+                    good = size == nbytes and _file_crc(fd, nbytes) == crc
+                finally:
+                    os.close(fd)
+                if good:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(part, path)  # the entry appears whole and verified, or not at all
+                    self.stats["downloads"] += 1
+                    self.stats["bytes_downloaded"] += nbytes
+                    return
+            finally:
+                _unlink(part)
+            if size != nbytes:
+                raise CorruptionError(f"{where}: the store holds {size} bytes, its commit record says {nbytes} (truncated or overwritten); run `mmcache verify {self.url}`")
+            if attempt == 2:
+                raise CorruptionError(f"{where} fails its checksum (corrupted in the store); run `mmcache verify {self.url}`")
+
+    # ---- size bound ---------------------------------------------------------------------
+    def _reserve(self, name: str, nbytes: int) -> Path:
+        """Make room for ``nbytes`` (evicting LRU entries) and create the temporary file that
+        reserves it; both under the directory's lock, so concurrent fetches see each other."""
+        with _flock(self.root / "lock"):
+            total, entries = self._usage()
+            excess = total + nbytes - self.max_bytes
+            for _mtime, size, entry in sorted(entries):
+                if excess <= 0:
+                    break
+                _unlink(entry)
+                _unlink(self.root / "locks" / entry.name)
+                excess -= size
+            part = self.root / "tmp" / f"{name}.{nbytes}.{os.getpid()}.{uuid.uuid4().hex[:8]}.part"
+            part.touch()
+            return part
+
+    def _usage(self) -> tuple[int, list[tuple[float, int, Path]]]:
+        """Bytes held (entries + reservations of in-flight fetches) and the entries, oldest first."""
+        total, entries = 0, []
+        for sub in _scandir(self.root / "objects"):
+            for entry in _scandir(Path(sub.path)):
+                try:
+                    st = entry.stat()
+                except FileNotFoundError:
+                    continue
+                total += st.st_size
+                entries.append((st.st_mtime, st.st_size, Path(entry.path)))
+        now = time.time()
+        for entry in _scandir(self.root / "tmp"):
+            try:
+                age = now - entry.stat().st_mtime
+            except FileNotFoundError:
+                continue
+            if age > STALE_PART_SECONDS:
+                _unlink(Path(entry.path))
+            else:
+                parts = entry.name.split(".")
+                total += int(parts[1]) if len(parts) == 5 and parts[1].isdigit() else 0
+        return total, entries
+
+    def cached_bytes(self) -> int:
+        return self._usage()[0]
+
+    # ---- everything else goes to the store ----------------------------------------------
+    def write_atomic(self, key: str, data: bytes) -> None:
+        self.remote.write_atomic(key, data)
+
+    def write_parts(self, key: str, parts: Iterable[Any]) -> None:
+        self.remote.write_parts(key, parts)
+
+    def exists(self, key: str) -> bool:
+        return self.remote.exists(key)
+
+    def size(self, key: str) -> int:
+        return self.remote.size(key)
+
+    def list_dir(self, prefix: str) -> list[str]:
+        return self.remote.list_dir(prefix)
+
+    @property
+    def is_remote(self) -> bool:
+        return self.remote.is_remote
+
+    def close(self) -> None:
+        with self._lock:
+            for handle in self._handles.values():
+                handle.retired = True
+                if handle.refs == 0:
+                    os.close(handle.fd)
+            self._handles.clear()
+        self.remote.close()
+
+
+def parse_size(value: int | str, what: str = "size") -> int:
+    """``1073741824``, ``"1GiB"``, ``"500MB"``, ``"2 TiB"`` -> bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        number, unit = value, ""
+    else:
+        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?\s*", str(value), re.I)
+        if not match:
+            raise ConfigError(f"{what}: {value!r} is not a size (e.g. 500MB, 20GiB)")
+        number, unit = float(match.group(1)), (match.group(2) or "").upper()
+    scale = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    size = int(number * scale)
+    if size <= 0:
+        raise ConfigError(f"{what}: must be positive, got {value!r}")
+    return size
+
+
+class _Handle:
+    __slots__ = ("fd", "refs", "retired")
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.refs, self.retired = fd, 1, False
+
+
+def _pread(fd: int, ranges: Sequence[tuple[int, int]], out: np.ndarray, where: str) -> None:
+    view = memoryview(out).cast("B")
+    pos = 0
+    for start, end in ranges:
+        want = end - start
+        got = os.preadv(fd, [view[pos : pos + want]], start)
+        if got != want:
+            raise CorruptionError(f"{where}: expected {want} bytes at offset {start}, got {got} (truncated cache entry)")
+        pos += want
+
+
+def _file_crc(fd: int, nbytes: int) -> int:
+    crc, pos = 0, 0
+    buf = bytearray(min(_CHUNK, max(nbytes, 1)))
+    view = memoryview(buf)
+    while pos < nbytes:
+        got = os.preadv(fd, [view[: min(len(buf), nbytes - pos)]], pos)
+        if got <= 0:
+            break
+        crc = fmt.crc32c(np.frombuffer(buf, dtype=np.uint8, count=got), crc)
+        pos += got
+    return crc
+
+
+@contextmanager
+def _flock(path: Path):
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _scandir(path: Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except FileNotFoundError:
+        return []
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,241 @@
+"""Real S3 over HTTP on 127.0.0.1 for the tests: a moto server, and a fault-injecting proxy.
+
+``S3Server`` runs ``moto.server.ThreadedMotoServer`` on a free loopback port. ``FaultProxy``
+sits between a client and that server and, for a share of requests (and/or every N-th), answers 503 SlowDown,
+resets or drops the connection, cuts a response short, or stalls until the client times out;
+rules can make a fault persistent (every request to one object) or refuse writes (a read-only
+credential). It is bounded (at most ``max_faults`` random faults) and stops itself after
+``lifetime`` seconds. All traffic stays on the loopback interface.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import select
+import socket
+import struct
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+
+# A distinctive fake credential: tests grep every output for it.
+FAKE_KEY_ID = "AKIAMMCACHEFAKEKEY01"
+FAKE_SECRET = "mmcacheFAKEsecretKEY0123456789abcdefXYZ"
+
+_503 = (
+    b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+)
+_503_BODY = b"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+_403_BODY = b"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
+
+
+class S3Server:
+    def __init__(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self._server.start()
+        host, port = self._server.get_host_and_port()
+        self.host, self.port = host, port
+        self.endpoint = f"http://{host}:{port}"
+
+    def env(self, endpoint: str | None = None) -> dict[str, str]:
+        """The standard AWS variables a user would set (no flags needed with them)."""
+        return {
+            "AWS_ACCESS_KEY_ID": FAKE_KEY_ID,
+            "AWS_SECRET_ACCESS_KEY": FAKE_SECRET,
+            "AWS_ENDPOINT_URL": endpoint or self.endpoint,
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "AWS_CONFIG_FILE": "/nonexistent/mmcache-test-aws-config",
+            "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/mmcache-test-aws-credentials",
+        }
+
+    def make_bucket(self, prefix: str = "t") -> str:
+        import s3fs
+
+        name = f"{prefix}-{uuid.uuid4().hex[:12]}"
+        fs = s3fs.S3FileSystem(key=FAKE_KEY_ID, secret=FAKE_SECRET, endpoint_url=self.endpoint, skip_instance_cache=True)
+        fs.mkdir(name)
+        return f"s3://{name}"
+
+    def stop(self) -> None:
+        self._server.stop()
+
+
+class FaultProxy:
+    """A loopback HTTP proxy that injects faults into a share of the requests passing through."""
+
+    KINDS = ("503", "reset", "drop", "cut")
+
+    def __init__(self, upstream: tuple[str, int], *, share: float = 0.0, kinds: tuple[str, ...] = KINDS,
+                 max_faults: int = 60, seed: int = 0, lifetime: float = 300.0, stall_s: float = 2.0,
+                 every: int = 0) -> None:
+        self.upstream = upstream
+        self.share, self.kinds, self.max_faults, self.stall_s = share, kinds, max_faults, stall_s
+        self.every = every  # also fault every N-th request (cycling through the kinds): at least some, for sure
+        self.rules: list[Callable[[str, str], str | None]] = []  # (method, path) -> fault kind
+        self.deny_writes = False
+        self.counts: Counter[str] = Counter()
+        self.requests = 0
+        self.methods: Counter[str] = Counter()
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._sock = socket.socket()
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(128)
+        self.port = self._sock.getsockname()[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self._accept, name="fault-proxy", daemon=True).start()
+        self._timer = threading.Timer(lifetime, self.stop)  # stops itself, whatever happens
+        self._timer.daemon = True
+        self._timer.start()
+
+    @property
+    def faults(self) -> int:
+        return sum(v for k, v in self.counts.items() if k != "passed")
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._timer.cancel()
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def __enter__(self) -> FaultProxy:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- plumbing -----------------------------------------------------------------------
+    def _accept(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(client,), daemon=True).start()
+
+    def _decide(self, method: str, path: str) -> str | None:
+        with self._lock:
+            self.requests += 1
+            self.methods[method] += 1
+            for rule in self.rules:
+                kind = rule(method, path)
+                if kind:
+                    self.counts[kind] += 1
+                    return kind
+            if self.deny_writes and method in ("PUT", "POST", "DELETE"):
+                self.counts["403"] += 1
+                return "403"
+            if self.faults < self.max_faults and self.every and self.requests % self.every == 0:
+                kind = self.kinds[(self.requests // self.every) % len(self.kinds)]
+                self.counts[kind] += 1
+                return kind
+            if self.faults < self.max_faults and self._rng.random() < self.share:
+                kind = self._rng.choice(self.kinds)
+                self.counts[kind] += 1
+                return kind
+            self.counts["passed"] += 1
+            return None
+
+    def _handle(self, client: socket.socket) -> None:
+        upstream = None
+        try:
+            client.settimeout(30)
+            head, rest = _read_head(client)
+            if head is None:
+                return
+            lines = head.split(b"\r\n")
+            method, path = (lines[0].split(b" ") + [b"", b""])[:2]
+            headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(b":") for line in lines[1:] if line)}
+            kind = self._decide(method.decode(), path.decode())
+            if kind in ("503", "403"):
+                body = _503_BODY if kind == "503" else _403_BODY
+                status = b"503 Slow Down" if kind == "503" else b"403 Forbidden"
+                if b"100-continue" not in headers.get(b"expect", b"").lower():
+                    _drain(client, int(headers.get(b"content-length", b"0") or 0) - len(rest))
+                client.sendall((_503.replace(b"503 Slow Down", status)) % (len(body), body))
+                return
+            if kind == "reset":
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                return
+            if kind == "drop":
+                return
+            if kind == "stall":
+                time.sleep(self.stall_s)
+                return
+            upstream = socket.create_connection(self.upstream, timeout=30)
+            upstream.sendall(_force_close(head) + rest)
+            _pump(client, upstream, cut=kind == "cut")
+        except OSError:
+            pass
+        finally:
+            for sock in (client, upstream):
+                if sock is not None:
+                    try:
+                        sock.close()
+                    except OSError:
+                        pass
+
+
+def _read_head(sock: socket.socket) -> tuple[bytes | None, bytes]:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return None, b""
+        data += chunk
+        if len(data) > 1 << 20:
+            return None, b""
+    head, _, rest = data.partition(b"\r\n\r\n")
+    return head, rest
+
+
+def _force_close(head: bytes) -> bytes:
+    # One request per connection, so every request gets its own fault decision.
+    lines = [line for line in head.split(b"\r\n") if not line.lower().startswith(b"connection:")]
+    return b"\r\n".join(lines + [b"Connection: close"]) + b"\r\n\r\n"
+
+
+def _drain(sock: socket.socket, nbytes: int) -> None:
+    while nbytes > 0:
+        chunk = sock.recv(min(nbytes, 1 << 20))
+        if not chunk:
+            return
+        nbytes -= len(chunk)
+
+
+def _pump(client: socket.socket, upstream: socket.socket, cut: bool) -> None:
+    """Copy bytes both ways until the server closes. ``cut``: forward only part of the answer,
+    then reset the connection (a response cut short mid-body)."""
+    sent_back = 0
+    open_up = True
+    while True:
+        readable, _, _ = select.select([client, upstream] if open_up else [upstream], [], [], 30)
+        if not readable:
+            return
+        for sock in readable:
+            chunk = sock.recv(1 << 16)
+            if sock is upstream:
+                if not chunk:
+                    return
+                if cut:
+                    client.sendall(chunk[: max(1, len(chunk) // 2)])
+                    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    return
+                client.sendall(chunk)
+                sent_back += len(chunk)
+            else:
+                if not chunk:
+                    open_up = False  # the client finished sending; wait for the answer
+                    continue
+                upstream.sendall(chunk)
