@@ -147,7 +147,10 @@ class FeatureStream:
         """Steps ``start..stop-1``, read ``prefetch`` steps ahead on a background thread."""
         if prefetch == 0:
             for step in range(start, stop):
-                yield self.plan(step)
+                t0 = time.perf_counter()
+                item = self.plan(step)
+                item.wait_s = time.perf_counter() - t0  # read in the training thread: all of it is waiting
+                yield item
             return
         ahead: queue.Queue = queue.Queue(maxsize=prefetch)
         stop_flag = threading.Event()

@@ -131,7 +131,9 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
     dims.check_heads(getattr(model_config, "heads", 1))
     num_params = sum(p.numel() for p in model.parameters())
     apply_sequence_parallel(model, meshes)
-    apply_fsdp(model, meshes.fsdp, zero=config.zero)
+    if meshes.fsdp.size() > 1:
+        apply_fsdp(model, meshes.fsdp, zero=config.zero)
+    # else: one rank holds everything anyway, and FSDP's hooks would only cost time.
     objective = family.resolve_objective(config.objective or None)
     o = config.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
