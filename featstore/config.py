@@ -12,6 +12,7 @@ only the standard library and PyYAML.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import types
 import typing
 from pathlib import Path
@@ -23,11 +24,11 @@ from featstore.errors import ConfigError
 
 T = TypeVar("T")
 
-# configs/ sits beside the three packages in a source checkout; an installed wheel ships the same
-# files under featstore/_presets (see pyproject). The first that exists wins.
+# configs/ sits beside the three packages in a source checkout; a wheel installs the same files
+# under <prefix>/share/mmcache/configs (see pyproject). The first that has the preset wins.
 _PRESET_ROOTS = (
     Path(__file__).resolve().parent.parent / "configs",
-    Path(__file__).resolve().parent / "_presets",
+    Path(sys.prefix) / "share" / "mmcache" / "configs",
 )
 
 

@@ -108,37 +108,54 @@ class LocalStorage(Storage):
     def __init__(self, path: str) -> None:
         self.root = Path(path).expanduser().resolve()
         self.url = str(self.root)
-        self._fds: OrderedDict[str, int] = OrderedDict()
+        self._fds: OrderedDict[str, list] = OrderedDict()
         self._lock = threading.Lock()
 
     def _path(self, key: str) -> Path:
         return self.root / key if key else self.root
 
-    def _fd(self, key: str) -> int:
+    def _acquire(self, key: str) -> list:
+        """An open descriptor entry ``[fd, users, evicted]`` for ``key``. Eviction never closes a
+        descriptor another thread is reading from: it is closed when its last user releases it."""
         with self._lock:
-            fd = self._fds.get(key)
-            if fd is None:
-                fd = os.open(self._path(key), os.O_RDONLY)
-                self._fds[key] = fd
-                if len(self._fds) > self.MAX_OPEN_FILES:
-                    os.close(self._fds.popitem(last=False)[1])
+            entry = self._fds.get(key)
+            if entry is None:
+                entry = self._fds[key] = [os.open(self._path(key), os.O_RDONLY), 0, False]
+                while len(self._fds) > self.MAX_OPEN_FILES:
+                    self._retire(self._fds.popitem(last=False)[1])
             else:
                 self._fds.move_to_end(key)
-            return fd
+            entry[1] += 1
+            return entry
+
+    def _release(self, entry: list) -> None:
+        with self._lock:
+            entry[1] -= 1
+            if entry[1] == 0 and entry[2]:
+                os.close(entry[0])
+
+    @staticmethod
+    def _retire(entry: list) -> None:  # caller holds the lock
+        entry[2] = True
+        if entry[1] == 0:
+            os.close(entry[0])
 
     def read(self, key: str) -> bytes:
         return self._path(key).read_bytes()
 
     def read_ranges(self, key: str, ranges: Sequence[tuple[int, int]], out: np.ndarray) -> None:
-        fd = self._fd(key)
-        view = memoryview(out).cast("B")
-        pos = 0
-        for start, end in ranges:
-            want = end - start
-            got = os.preadv(fd, [view[pos : pos + want]], start)
-            if got != want:
-                raise CorruptionError(f"{self._path(key)}: expected {want} bytes at offset {start}, got {got} (truncated)")
-            pos += want
+        entry = self._acquire(key)
+        try:
+            view = memoryview(out).cast("B")
+            pos = 0
+            for start, end in ranges:
+                want = end - start
+                got = os.preadv(entry[0], [view[pos : pos + want]], start)
+                if got != want:
+                    raise CorruptionError(f"{self._path(key)}: expected {want} bytes at offset {start}, got {got} (truncated)")
+                pos += want
+        finally:
+            self._release(entry)
 
     def write_atomic(self, key: str, data: bytes) -> None:
         path = self._path(key)
@@ -154,18 +171,22 @@ class LocalStorage(Storage):
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         self._forget(key)
-        with open(path, "wb") as fh:
+        # Written beside and renamed over: bytes a reader may already hold open (a retried task
+        # rewriting its shard) are never truncated under it.
+        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+        with open(tmp, "wb") as fh:
             for part in parts:
                 fh.write(part)
             fh.flush()
             # Data must be durable before the index part that commits it is.
             os.fsync(fh.fileno())
+        os.replace(tmp, path)
 
     def _forget(self, key: str) -> None:
         with self._lock:
-            fd = self._fds.pop(key, None)
-        if fd is not None:
-            os.close(fd)
+            entry = self._fds.pop(key, None)
+            if entry is not None:
+                self._retire(entry)
 
     def exists(self, key: str) -> bool:
         return self._path(key).exists()
@@ -181,8 +202,8 @@ class LocalStorage(Storage):
 
     def close(self) -> None:
         with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
+            for entry in self._fds.values():
+                self._retire(entry)
             self._fds.clear()
 
 

@@ -97,6 +97,8 @@ class StoreWriter:
                 f"{spec.dtype}; convert it first (the store never casts silently)"
             )
         ndim = self._store.field_ndim(spec.name)
+        if ndim is None and self._pending:  # not fixed yet: this shard's first sample decides
+            ndim = self._pending[0].arrays[spec.name].ndim
         if ndim is not None and array.ndim != ndim:
             raise SchemaError(
                 f"sample {sample_id!r} field {spec.name!r}: {array.ndim} dimensions {array.shape}, expected {ndim}"

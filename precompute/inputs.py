@@ -15,7 +15,7 @@ import io
 import json
 import posixpath
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
@@ -36,7 +36,7 @@ class ManifestError(ConfigError):
 @dataclass(frozen=True, kw_only=True)
 class InputRow:
     sample_id: str
-    uri: str          # absolute: a local path or a URL fsspec opens
+    uri: str = field(repr=False)  # absolute: a local path or a URL fsspec opens (may be signed: never in reprs)
     caption: str
     source: str       # the path as the manifest wrote it, for rejects and provenance
     modality: str     # "image" | "video", from the suffix

@@ -148,9 +148,11 @@ def run_encode(
         if cluster is not None:
             client.wait_for_workers(workers, timeout=120)
         addresses = sorted(client.scheduler_info()["workers"])
-        devices = {addr: worker_device(device_type, device_count, i) for i, addr in enumerate(addresses)}
+        # Each worker resolves its own device (it, not the client, has the accelerators); the
+        # values here are only for the log line.
+        devices = {addr: config.device for addr in addresses}
         first = addresses[0]
-        described = client.submit(describe_encoders, specs, devices[first], threads, workers=[first], pure=False).result()
+        described = client.submit(_describe_on_worker, specs, config.device, threads, workers=[first], pure=False).result()
         fields = described["fields"]
         settings = {
             "resize": dataclasses.asdict(config.resize),
@@ -194,7 +196,7 @@ def _run_tasks(client, tasks, devices, output_url, storage_options, specs, threa
         # Each worker encodes on its own device; a task may still run elsewhere if its worker
         # dies (retries), so the device is chosen by the worker at run time.
         futures.append(client.submit(
-            _run_on_worker, task, output_url, storage_options, specs, devices, threads, settings,
+            _run_on_worker, task, output_url, storage_options, specs, next(iter(devices.values())), threads, settings,
             key=f"encode-{task.shard}", retries=3, pure=False, workers=[addresses[i % len(addresses)]], allow_other_workers=True,
         ))
     counts = {"tasks": len(tasks), "tasks_skipped": 0, "samples_written": 0, "rejected": 0}
@@ -208,10 +210,23 @@ def _run_tasks(client, tasks, devices, output_url, storage_options, specs, threa
     return counts
 
 
-def _run_on_worker(task, output_url, storage_options, specs, devices, threads, settings):
+def _device_here(requested: str) -> str:
+    """This worker's device: one worker per device, worker ``n`` (a LocalCluster name, kept across
+    restarts) on device ``n``; workers with other names (one per device, each launched with its own
+    CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES) on device 0."""
     from distributed import get_worker
 
-    device = devices.get(get_worker().address, next(iter(devices.values())))
+    device_type, count = resolve_device(requested)
+    name = get_worker().name
+    return worker_device(device_type, count, name if isinstance(name, int) else 0)
+
+
+def _describe_on_worker(specs, requested, threads):
+    return describe_encoders(specs, _device_here(requested), threads)
+
+
+def _run_on_worker(task, output_url, storage_options, specs, requested, threads, settings):
+    device = _device_here(requested)
     return encode_task(task, store_url=output_url, storage_options=storage_options, specs=specs, device=device, threads=threads, settings=settings)
 
 
@@ -226,6 +241,10 @@ def _open_or_create(url: str, fields: dict[str, Any], storage_options: dict[str,
         raise FingerprintMismatchError(
             f"{store.url} was encoded with other preprocessing (resize/frames/size_multiple: {store.attrs.get('transform')}); "
             "encode into a new --output, or use the same settings"
+        )
+    if set(store.fields) != set(fields):
+        raise FingerprintMismatchError(
+            f"{store.url} holds fields {sorted(store.fields)} but this config writes {sorted(fields)}; encode into a new --output"
         )
     for name, spec in fields.items():
         have = store.fields.get(name)
@@ -270,18 +289,25 @@ class ProgressMeter:
         self.total, self.enabled = total, enabled
         self.done = self.rejected = 0
         self.start = time.perf_counter()
+        self.last_line = 0.0
+
+    # Without a terminal (batch logs), a plain line at most this often.
+    LOG_EVERY_S = 30.0
 
     def update(self, done: int, rejected: int) -> None:
         self.done += done
         self.rejected += rejected
-        if not self.enabled:
-            return
         elapsed = time.perf_counter() - self.start
         rate = self.done / elapsed if elapsed > 0 else 0.0
         eta = (self.total - self.done) / rate if rate > 0 else float("inf")
         eta_text = f"{eta:5.0f}s" if eta != float("inf") else "    ?"
-        sys.stderr.write(f"\r{self.done}/{self.total} samples  {rate:6.1f}/s  ETA {eta_text}  rejected {self.rejected}   ")
-        sys.stderr.flush()
+        line = f"{self.done}/{self.total} samples  {rate:6.1f}/s  ETA {eta_text}  rejected {self.rejected}"
+        if self.enabled:
+            sys.stderr.write(f"\r{line}   ")
+            sys.stderr.flush()
+        elif elapsed - self.last_line >= self.LOG_EVERY_S and self.done < self.total:
+            self.last_line = elapsed
+            sys.stderr.write(line + "\n")
 
     def close(self) -> None:
         if self.enabled:

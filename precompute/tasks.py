@@ -115,7 +115,9 @@ def encode_task(
     encoders = loaded_encoders(specs, device, threads)
     resize = ResizeConfig(**settings["resize"])
     frames = FrameSampling(**settings["frames"])
-    writer = store.writer(shard_prefix=task.shard[:60])
+    # One task is one shard, whatever its size: an automatic mid-task commit would get a name a
+    # retried task could collide with.
+    writer = store.writer(shard_prefix=task.shard[:60], shard_bytes=1 << 62)
 
     def reject(row: InputRow, reason: str) -> None:
         writer.reject(row.source, reason, id=row.sample_id)

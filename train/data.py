@@ -181,8 +181,24 @@ class FeatureStream:
             stop_flag.set()
 
 
-def to_batch(samples: list[dict[str, np.ndarray]], latent_field: str, text_field: str, device: torch.device, dtype: torch.dtype):
+def latent_normalisation(meta: dict[str, Any]) -> tuple[list[float], list[float]] | None:
+    """(shift, scale) per channel from a latent field's metadata, so the model sees unit-scale
+    latents: ``(x - mean) / std`` when the VAE publishes per-channel statistics (Wan), else
+    ``(x - shift_factor) * scaling_factor`` (AutoencoderKL, TAESD). None: leave latents as stored."""
+    if meta.get("latents_mean") is not None and meta.get("latents_std") is not None:
+        return [float(m) for m in meta["latents_mean"]], [1.0 / float(s) for s in meta["latents_std"]]
+    if meta.get("scaling_factor") is None and meta.get("shift_factor") is None:
+        return None
+    return [float(meta.get("shift_factor") or 0.0)], [float(meta.get("scaling_factor") or 1.0)]
+
+
+def to_batch(samples: list[dict[str, np.ndarray]], latent_field: str, text_field: str, device: torch.device, dtype: torch.dtype,
+             normalisation: tuple[list[float], list[float]] | None = None):
     from train.models.dit import LatentTextBatch
 
     batch = LatentTextBatch.from_samples([s[latent_field] for s in samples], [s[text_field] for s in samples], device=device, text_dtype=dtype)
-    return LatentTextBatch(latents=batch.latents.to(dtype), text=batch.text, text_mask=batch.text_mask)
+    latents = batch.latents.to(dtype)
+    if normalisation is not None:
+        shift, scale = (torch.tensor(v, dtype=dtype, device=latents.device).view(1, -1, 1, 1, 1) for v in normalisation)
+        latents = (latents - shift) * scale
+    return LatentTextBatch(latents=latents, text=batch.text, text_mask=batch.text_mask)

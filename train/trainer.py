@@ -26,7 +26,7 @@ import featstore
 from featstore.config import to_dict
 from train.checkpoint import export_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint
 from train.config import TrainConfig
-from train.data import FeatureStream, check_fingerprints, open_features, snapshot_digest, to_batch
+from train.data import FeatureStream, check_fingerprints, latent_normalisation, open_features, snapshot_digest, to_batch
 from train.models import count_parameters, get_model_family
 from train.parallel.dims import ParallelDims, device_and_backend
 from train.parallel.fsdp import apply_fsdp, local_state_bytes
@@ -159,15 +159,20 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
         tokens_per_sample=lambda shape: family.tokens_per_sample(model_config, shape),
     )
     dtype = torch.float32
+    normalisation = latent_normalisation(store.fields[fields[0]].meta)
+    if rank == 0 and start and (run / "metrics.jsonl").exists():
+        # Steps after the checkpoint we resumed from are trained again: drop their old records.
+        kept = [line for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip() and json.loads(line)["step"] <= start]
+        (run / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
     metrics_file = open(run / "metrics.jsonl", "a") if rank == 0 else None  # noqa: SIM115
     board = _tensorboard(run) if rank == 0 else None
     losses = []
     try:
         for data in stream.steps(start, stop, config.data.prefetch):
             t0 = time.perf_counter()
-            loss_sum = torch.zeros((), dtype=torch.float64)
+            loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # nccl/hccl reduce device tensors
             for micro_batch, samples in data.micro_batches:
-                batch = to_batch(samples, fields[0], fields[1], device, dtype)
+                batch = to_batch(samples, fields[0], fields[1], device, dtype, normalisation)
                 # Noise and timesteps depend on the step and the samples, not on the rank.
                 generator = torch.Generator().manual_seed(hash_seed(config.seed, data.step, [data.global_indices[i] for i in micro_batch.indices]))
                 terms = family.training_loss(model, batch, generator, objective)
@@ -242,9 +247,11 @@ def _write_run_json(run: Path, config, dims, fingerprints, num_params, model, op
     held = local_state_bytes(model, optimizer)
     grads = sum((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).numel() * p.element_size() for p in model.parameters() if p.grad is not None)
     snapshot = snapshot_digest(list(store.shards))
-    mine = torch.tensor([held["params"], grads, held["optimizer"], int(snapshot[:15], 16)], dtype=torch.int64)
+    device = next(model.parameters()).device  # nccl/hccl gather device tensors
+    mine = torch.tensor([held["params"], grads, held["optimizer"], int(snapshot[:15], 16)], dtype=torch.int64, device=device)
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
+    everyone = [t.cpu() for t in everyone]
     if len({int(t[3]) for t in everyone}) != 1:  # cannot happen: open_features hands out one snapshot
         raise RuntimeError(f"ranks train on different snapshots of {store.url}: {[f'{int(t[3]):015x}' for t in everyone]}")
     if rank != 0:
@@ -256,7 +263,10 @@ def _write_run_json(run: Path, config, dims, fingerprints, num_params, model, op
         # The snapshot the run trains on; --resume reopens exactly these shards.
         "store": {"url": store.url, "samples": len(store), "shards": sorted(store.shards), "snapshot": snapshot},
         "fingerprints": fingerprints,
-        "latent_normalisation": {k: v for k, v in store.fields[config.data.latent_field].meta.items() if k in ("scaling_factor", "shift_factor", "latents_mean", "latents_std")},
+        "latent_normalisation": {
+            "recorded": {k: v for k, v in store.fields[config.data.latent_field].meta.items() if k in ("scaling_factor", "shift_factor", "latents_mean", "latents_std")},
+            "applied_shift_scale": latent_normalisation(store.fields[config.data.latent_field].meta),
+        },
         "input_sizes": sizes,
         "parameters": num_params,
         "ranks": [{"rank": r, "param_bytes": int(t[0]), "grad_bytes": int(t[1]), "optim_bytes": int(t[2])} for r, t in enumerate(everyone)],
