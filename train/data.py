@@ -116,7 +116,13 @@ class FeatureStream:
         self.tokens = [int(tokens_per_sample(s)) for s in self.shapes]
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+        # One permutation per epoch, kept while steps fall in it (a step spans at most two).
+        cached = self.__dict__.setdefault("_orders", {})
+        if epoch not in cached:
+            if len(cached) > 2:
+                cached.clear()
+            cached[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+        return cached[epoch]
 
     def global_indices(self, step: int) -> list[int]:
         """Sample positions of step ``step`` (0-based): consecutive slices of per-epoch permutations."""
