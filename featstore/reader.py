@@ -270,18 +270,23 @@ class Store:
 
     def iter_shard(self, shard: str, fields: Sequence[str] | None = None) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
         """Every sample of one shard, from one large read per field (the fast full-scan path)."""
+        return self._samples_of(shard, self._read_shard(shard, fields))
+
+    def _read_shard(self, shard: str, fields: Sequence[str] | None) -> dict[str, np.ndarray]:
+        """Each field's whole element run of ``shard``, flat, in one read per field."""
         specs = self.fields
-        info = self.shards[shard]
-        rows = self._shard_rows[shard]
+        layouts = self.shards[shard].layouts
         buffers = {}
         for name in fields or specs:
             spec = specs[name]
-            itemsize = np.dtype(spec.zarr_dtype).itemsize
-            layout = info.layouts[name]
-            buf = np.empty(layout.elements * itemsize, dtype=np.uint8)
+            buf = np.empty(layouts[name].elements * np.dtype(spec.zarr_dtype).itemsize, dtype=np.uint8)
             if buf.size:
-                self.storage.read_ranges(_data_key(shard, name), self._ranges(shard, spec, 0, layout.elements), buf)
+                self.storage.read_ranges(_data_key(shard, name), self._ranges(shard, spec, 0, layouts[name].elements), buf)
             buffers[name] = buf.view(spec.numpy_dtype)
+        return buffers
+
+    def _samples_of(self, shard: str, buffers: dict[str, np.ndarray]) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
+        rows = self._shard_rows[shard]
         # Per-field columns of this shard as plain lists: the loop below runs once per sample.
         columns = {
             name: (flat, self._shapes[name][rows.start : rows.stop], self._offsets[name][rows.start : rows.stop].tolist(), self._crcs[name][rows.start : rows.stop].tolist())
@@ -298,22 +303,22 @@ class Store:
             yield self._ids[row], sample
 
     def scan(self, fields: Sequence[str] | None = None, readahead: int = 1) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
-        """Every sample, shard by shard. ``readahead`` shards are read (and checked) on a
-        background thread while the caller works on the current one; memory is bounded by
-        ``readahead + 1`` shards. 0 reads in the caller's thread."""
+        """Every sample, shard by shard. The next ``readahead`` shards' bytes are read on a
+        background thread (I/O releases the GIL) while this thread checks and hands out the
+        current one; memory is bounded by ``readahead + 1`` shards. 0 reads in this thread."""
         names = list(self.shards)
         if readahead <= 0 or len(names) < 2:
             for shard in names:
                 yield from self.iter_shard(shard, fields)
             return
         with ThreadPoolExecutor(1, thread_name_prefix="featstore-readahead") as pool:
-            ahead = [pool.submit(lambda s=s: list(self.iter_shard(s, fields))) for s in names[: readahead + 1]]
+            ahead = [pool.submit(self._read_shard, s, fields) for s in names[:readahead]]
             try:
-                for i in range(len(names)):
-                    samples = ahead.pop(0).result()
-                    if i + readahead + 1 < len(names):
-                        ahead.append(pool.submit(lambda s=names[i + readahead + 1]: list(self.iter_shard(s, fields))))
-                    yield from samples
+                for i, shard in enumerate(names):
+                    buffers = ahead.pop(0).result()
+                    if i + readahead < len(names):
+                        ahead.append(pool.submit(self._read_shard, names[i + readahead], fields))
+                    yield from self._samples_of(shard, buffers)
             finally:
                 for future in ahead:
                     future.cancel()
