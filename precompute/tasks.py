@@ -24,6 +24,17 @@ from featstore.secrets import redact_url
 from featstore.retry import with_retries
 from precompute.inputs import InputRow
 
+# Models load from local folders only, without progress bars or hub look-ups cluttering the
+# job's output. Set in the client (inherited by local workers) and again in every worker.
+QUIET_OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "DIFFUSERS_VERBOSITY": "error",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
 # Per worker process: section key -> loaded encoder. Loading a model is seconds to minutes; a
 # worker does it once for the whole job, not once per task.
 _ENCODERS: dict[str, Any] = {}
@@ -63,6 +74,11 @@ def loaded_encoders(specs: list[EncoderSpec], device: str, threads: int) -> dict
     from precompute.encoders import build_encoder
 
     with _LOAD_LOCK:
+        if not _ENCODERS:
+            for key, value in QUIET_OFFLINE_ENV.items():
+                os.environ.setdefault(key, value)
+            if device.startswith("npu"):
+                import torch_npu  # noqa: F401  (registers the device; see BRIEF on auto-loading)
         if threads and not _ENCODERS:
             import torch
 

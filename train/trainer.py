@@ -41,6 +41,8 @@ def init_distributed() -> tuple[torch.device, str]:
         dist.init_process_group(backend)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    elif device.type == "npu":
+        torch.npu.set_device(device)  # hccl communicators follow the current device
     return device, backend
 
 
@@ -143,7 +145,8 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
     if resume:
         found = latest_checkpoint(run)
         if found is None:
-            log(f"--resume: no checkpoint in {run / 'checkpoints'}; starting at step 0")
+            if rank == 0:
+                log(f"--resume: no checkpoint in {run / 'checkpoints'}; starting at step 0")
         else:
             progress = load_checkpoint(found[1], model, optimizer)
             start = progress["step"]
