@@ -102,6 +102,8 @@ def test_resume_continues_the_same_run(store, tmp_path):
     partial.mkdir()
     (partial / ".metadata").write_bytes(b"garbage from a crashed save")
     # ...and at a different world size: it loads the 1-rank checkpoint on 2 ranks.
+    changed = fit(store, tmp_path / "split", "--steps", "12", "--resume", "--set", "data.global_batch=4", *common, check=False)
+    assert changed.returncode != 0 and "data.global_batch was 8" in changed.stderr
     resumed = fit(store, tmp_path / "split", "--steps", "12", "--resume", *common, nproc=2)
     assert "step-00000010 at step 10 (world size 2)" in resumed.stdout
     assert max(losses(tmp_path / "split")) == 12

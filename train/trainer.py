@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 import featstore
 from featstore.config import to_dict
+from featstore.errors import ConfigError
 from train.checkpoint import export_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint
 from train.config import TrainConfig
 from train.data import FeatureStream, check_fingerprints, latent_normalisation, open_features, snapshot_digest, to_batch
@@ -111,6 +112,13 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
 
     previous = run / "run.json"
     before = json.loads(previous.read_text()) if resume and previous.exists() else None
+    if before is not None:
+        # The data order is a function of these: a resumed run that changed them is another run.
+        for section, key in (("data", "global_batch"), (None, "seed")):
+            was = before["config"][section][key] if section else before["config"][key]
+            now = getattr(getattr(config, section), key) if section else getattr(config, key)
+            if was != now:
+                raise ConfigError(f"--resume: {'.'.join(filter(None, (section, key)))} was {was} in {run}, now {now}; keep it, or train into a new --out")
     # One snapshot of committed shards for the whole run, the same on every rank: a resumed run
     # reopens the one its run.json lists, so its data order goes on even if the store has grown.
     store = open_features(features, storage_options, cache_dir=config.data.cache_dir, cache_bytes=config.data.cache_bytes,
