@@ -29,8 +29,12 @@ Workloads:
 
 Start-up (cluster start + model load, EncodeSummary.startup_seconds; model load for (a) and (d))
 is reported separately and not counted in samples/s. Every way runs --repeat-* times, interleaved
-(a, b, c..., d, a, b, ...), and the best run counts: other load on the machine only adds time. Targets: (b)/(a) >= 1.0 on both workloads,
-pipeline efficiency (c)/(d) >= 0.9 on compute, (c)/(a) >= 1.5 on decode.
+(a, b, c..., d, a, b, ...), and the best run counts: other load on the machine only adds time.
+Rows with 2 torch threads in one process ((a), (b), the first (d)) are the most sensitive to it:
+OpenMP's spin-waiting team loses whole time slices when anything else wants a core; the load
+average is printed at the start and the end. All runs of each row are listed beside the best.
+Targets: (b)/(a) >= 1.0 on both workloads, pipeline efficiency (c)/(d) >= 0.9 on compute,
+(c)/(a) >= 1.5 on decode.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import ml_dtypes
@@ -59,7 +63,6 @@ from featstore.config import load_config  # noqa: E402
 from precompute.config import EncodeConfig  # noqa: E402
 from precompute.inputs import sample_id_for  # noqa: E402
 from precompute.encoders import build_encoder  # noqa: E402
-from precompute.media import FrameSampling, ResizeConfig  # noqa: E402
 from precompute.media import prepare as prepare_media  # noqa: E402
 from precompute.pipeline import encoder_specs, run_encode  # noqa: E402
 
@@ -89,7 +92,6 @@ class Workload:
     preset: str
     overrides: list[str]
     manifest: Path
-    rows: list[Row] = field(default_factory=list)
 
 
 # ---- inputs -------------------------------------------------------------------------------------

@@ -116,10 +116,12 @@ def run_encode(
         allow_outside_root=config.data.allow_outside_root,
     )
     specs = encoder_specs(config)
-    device_type, device_count = resolve_device(config.device)
     cores = os.cpu_count() or 1
+    # Sizing a local cluster needs this machine's devices; an external cluster's workers resolve
+    # their own (the client may have none).
+    device_type, device_count = resolve_device(config.device) if not scheduler else (config.device, 0)
     if workers is None:
-        workers = device_count if device_type != "cpu" else max(1, min(cores, 4))
+        workers = device_count if device_type not in ("cpu", "auto") and device_count else max(1, min(cores, 4))
     threads = config.run.threads_per_worker or max(1, cores // workers)
     in_process = output_url.startswith("memory://")  # memory:// lives in this process only
 
