@@ -46,7 +46,15 @@ def fit(config_name, features, run_dir, steps, resume, overrides, dry_run, cache
             raise click.UsageError("--out RUN_DIR is required to train")
         from train.trainer import fit as run_fit
 
-        result = run_fit(config, features, run_dir, steps=steps, resume=resume, storage_options=options, log=click.echo)
+        import torch.distributed as dist
+
+        try:
+            result = run_fit(config, features, run_dir, steps=steps, resume=resume, storage_options=options, log=click.echo)
+        finally:
+            # An undestroyed process group can abort the interpreter at exit (its threads are
+            # torn down while still joinable).
+            if dist.is_initialized():
+                dist.destroy_process_group()
     except FeatstoreError as exc:
         raise click.ClickException(redact(exc)) from None
     if result["rank"] == 0 and result["losses"]:

@@ -161,15 +161,24 @@ class FeatureStream:
         ahead: queue.Queue = queue.Queue(maxsize=prefetch)
         stop_flag = threading.Event()
 
+        def offer(item: Any) -> bool:
+            """Put unless the consumer has gone away (then the thread must end, not block)."""
+            while not stop_flag.is_set():
+                try:
+                    ahead.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
         def produce() -> None:
             try:
                 for step in range(start, stop):
-                    if stop_flag.is_set():
+                    if stop_flag.is_set() or not offer(self.plan(step)):
                         return
-                    ahead.put(self.plan(step))
-                ahead.put(None)
+                offer(None)
             except BaseException as exc:  # handed to the consumer, which re-raises it
-                ahead.put(exc)
+                offer(exc)
 
         thread = threading.Thread(target=produce, name="feature-prefetch", daemon=True)
         thread.start()
@@ -184,7 +193,9 @@ class FeatureStream:
                 item.wait_s = time.perf_counter() - t0
                 yield item
         finally:
+            # Never leave the reader running into interpreter shutdown: join it.
             stop_flag.set()
+            thread.join()
 
 
 def latent_normalisation(meta: dict[str, Any]) -> tuple[list[float], list[float]] | None:
