@@ -416,7 +416,7 @@ def plan(name: str, args) -> tuple[Workload, list[tuple[str, object]]] | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--images", type=int, default=32, help="images in the compute workload (copies of the shared photos)")
-    ap.add_argument("--videos", type=int, default=16, help="videos in the decode workload (copies of the shared 832x480 clip)")
+    ap.add_argument("--videos", type=int, default=48, help="videos in the decode workload (copies of the shared 832x480 clip)")
     ap.add_argument("--repeat-compute", type=int, default=2, help="runs of each way on the compute workload (best counts)")
     ap.add_argument("--repeat-decode", type=int, default=2, help="runs of each way on the decode workload (~1 s of work each)")
     ap.add_argument("--taef2", default=str(SHARED / "weights" / "taef2"), help="folder with taef2_encoder.pth")
