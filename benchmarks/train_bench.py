@@ -40,6 +40,7 @@ by 10x from step to step).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -134,10 +135,10 @@ def child(args: argparse.Namespace) -> None:
     import featstore
     from featstore.config import load_config
     from train.config import TrainConfig
-    from train.data import FeatureStream, to_batch
+    from train.data import FeatureStream, latent_normalisation
     from train.parallel.dims import ParallelDims
     from train.parallel.fsdp import apply_fsdp
-    from train.trainer import hash_seed, init_distributed, input_sizes, lr_lambda, resolve_model
+    from train.trainer import accumulate_gradients, init_distributed, input_sizes, lr_lambda, resolve_model
 
     torch.set_num_threads(args.threads)
     rss_base = maxrss()
@@ -169,19 +170,10 @@ def child(args: argparse.Namespace) -> None:
     rss_ready = maxrss()
 
     def train_step(data, micro_batches) -> None:
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        for micro_batch, samples in micro_batches:
-            batch = to_batch(samples, fields[0], fields[1], device, torch.float32)
-            generator = torch.Generator().manual_seed(hash_seed(config.seed, data.step, [data.global_indices[i] for i in micro_batch.indices]))
-            terms = family.training_loss(model, batch, generator, objective)
-            (terms.loss_sum * micro_batch.loss_scale).backward()
-            loss_sum += terms.loss_sum.detach().double() * micro_batch.loss_scale
-        dist.all_reduce(loss_sum, group=meshes.dp.get_group())
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.div_(data.global_count)
-        if o.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        # The trainer's own step body, on this variant's micro-batches.
+        step_data = dataclasses.replace(data, micro_batches=micro_batches)
+        accumulate_gradients(model, family, objective, step_data, seed=config.seed, fields=fields, device=device,
+                             dtype=torch.float32, normalisation=latent_normalisation(store.fields[fields[0]].meta), dp_group=meshes.dp.get_group(), grad_clip=o.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()

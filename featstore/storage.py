@@ -52,9 +52,6 @@ class Storage:
         for key, ranges, out in requests:
             self.read_ranges(key, ranges, out)
 
-    def read_many(self, requests: Sequence[tuple[str, int, int]]) -> list[bytes]:
-        return [self.read_range(key, start, end) for key, start, end in requests]
-
     def read_range(self, key: str, start: int, end: int) -> bytes:
         out = np.empty(end - start, dtype=np.uint8)
         self.read_ranges(key, [(start, end)], out)
@@ -276,11 +273,6 @@ class FsspecStorage(Storage):
 
         where = [pending[0][0]]
         with_retries(attempt, lambda: self._where(where[0]), "read", self.retry)
-
-    def read_many(self, requests: Sequence[tuple[str, int, int]]) -> list[bytes]:
-        outs = [np.empty(end - start, dtype=np.uint8) for _, start, end in requests]
-        self.read_into([(key, [(start, end)], out) for (key, start, end), out in zip(requests, outs, strict=True)])
-        return [out.tobytes() for out in outs]
 
     def get_file(self, key: str, local_path: str) -> None:
         """Download a whole object to a local file (streamed, not held in memory)."""

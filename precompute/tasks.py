@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import fsspec
@@ -67,7 +67,6 @@ class TaskResult:
     rejected: int = 0
     skipped: bool = False
     seconds: float = 0.0
-    reasons: dict[str, int] = field(default_factory=dict)
 
 
 def loaded_encoders(specs: list[EncoderSpec], device: str, threads: int) -> dict[str, Any]:
@@ -99,13 +98,13 @@ def describe_encoders(specs: list[EncoderSpec], device: str, threads: int) -> di
     for section, encoder in encoders.items():
         metadata = encoder.field_metadata()
         for name, spec in encoder.fields().items():
-            ndim = spec.ndim + 1 if section == "vae" and spec.ndim == 3 else spec.ndim
+            # (VAE sections are built with modality "video", so their latents are already C x T x h x w.)
             fields[name] = {
                 "dtype": spec.dtype,
-                "ndim": ndim,
+                "ndim": spec.ndim,
                 "meta": {"section": section, "modality": spec.modality, "fingerprint": encoder.fingerprint(), **metadata.get(name, {})},
             }
-    return {"fields": fields, "pid": os.getpid()}
+    return {"fields": fields}
 
 
 def encode_task(
@@ -138,7 +137,6 @@ def encode_task(
     def reject(row: InputRow, reason: str) -> None:
         writer.reject(row.source, reason, id=row.sample_id)
         result.rejected += 1
-        result.reasons[reason.split(":")[0]] = result.reasons.get(reason.split(":")[0], 0) + 1
 
     visual = encoders.get("vae") or encoders.get("vit")
     rule = visual.size_rule() if visual is not None else None

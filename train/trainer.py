@@ -29,7 +29,7 @@ from train.checkpoint import export_safetensors, latest_checkpoint, load_checkpo
 from train.config import TrainConfig
 from train.data import FeatureStream, check_fingerprints, latent_normalisation, open_features, snapshot_digest, to_batch
 from train.models import count_parameters, get_model_family
-from train.parallel.dims import ParallelDims, device_and_backend
+from train.parallel.dims import MESH_DIMS, ParallelDims, device_and_backend
 from train.parallel.fsdp import apply_fsdp, local_state_bytes
 from train.parallel.sequence_parallel import apply_sequence_parallel
 
@@ -92,7 +92,7 @@ def dry_run(config: TrainConfig, features: str, storage_options: dict | None) ->
     sizes = input_sizes(store, config)
     return {
         "config": to_dict(config),
-        "mesh": dict(zip(("dp_replicate", "dp_shard", "ring", "ulysses"), dims.shape)),
+        "mesh": dict(zip(MESH_DIMS, dims.shape)),
         "world_size": world,
         "input_sizes": sizes,
         "parameters": count_parameters(family.name, model_config, **sizes),
@@ -181,21 +181,8 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
     try:
         for data in stream.steps(start, stop, config.data.prefetch):
             t0 = time.perf_counter()
-            loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # nccl/hccl reduce device tensors
-            for micro_batch, samples in data.micro_batches:
-                batch = to_batch(samples, fields[0], fields[1], device, dtype, normalisation)
-                # Noise and timesteps depend on the step and the samples, not on the rank.
-                generator = torch.Generator().manual_seed(hash_seed(config.seed, data.step, [data.global_indices[i] for i in micro_batch.indices]))
-                terms = family.training_loss(model, batch, generator, objective)
-                (terms.loss_sum * micro_batch.loss_scale).backward()
-                loss_sum += terms.loss_sum.detach().double() * micro_batch.loss_scale
-            # Sequence-parallel ranks of one data-parallel rank hold the same loss: sum over dp.
-            dist.all_reduce(loss_sum, group=meshes.dp.get_group())
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.div_(data.global_count)
-            if o.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+            loss_sum = accumulate_gradients(model, family, objective, data, seed=config.seed, fields=fields, device=device,
+                                            dtype=dtype, normalisation=normalisation, dp_group=meshes.dp.get_group(), grad_clip=o.grad_clip)
             lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
             step = data.step + 1
@@ -203,7 +190,7 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
                 _write_run_json(run, config, dims, fingerprints, num_params, model, optimizer, store, sizes, rank)
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-            loss = float(loss_sum) / data.global_count
+            loss = loss_sum / data.global_count
             losses.append(loss)
             record = {
                 "step": step, "loss": loss, "lr": lr, "samples": data.samples, "tokens": data.tokens,
@@ -229,6 +216,28 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
         if board is not None:
             board.close()
     return {"run_dir": str(run), "start": start, "stop": stop, "losses": losses, "rank": rank}
+
+
+def accumulate_gradients(model, family, objective, data, *, seed: int, fields: list[str], device: torch.device, dtype: torch.dtype,
+                         normalisation, dp_group, grad_clip: float) -> float:
+    """Forward/backward every micro-batch of this rank's share of a step, then turn the summed
+    gradients into the gradient of the global mean (and clip). Returns the global loss sum."""
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # on the device: nccl/hccl reduce device tensors
+    for micro_batch, samples in data.micro_batches:
+        batch = to_batch(samples, fields[0], fields[1], device, dtype, normalisation)
+        # Noise and timesteps depend on the step and the samples, not on the rank.
+        generator = torch.Generator().manual_seed(hash_seed(seed, data.step, [data.global_indices[i] for i in micro_batch.indices]))
+        terms = family.training_loss(model, batch, generator, objective)
+        (terms.loss_sum * micro_batch.loss_scale).backward()
+        loss_sum += terms.loss_sum.detach().double() * micro_batch.loss_scale
+    # Sequence-parallel ranks of one data-parallel rank hold the same loss: sum over dp only.
+    dist.all_reduce(loss_sum, group=dp_group)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.div_(data.global_count)
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    return float(loss_sum)
 
 
 def _tensorboard(run: Path):
@@ -269,7 +278,7 @@ def _write_run_json(run: Path, config, dims, fingerprints, num_params, model, op
         return
     doc = {
         "config": to_dict(config),
-        "mesh": dict(zip(("dp_replicate", "dp_shard", "ring", "ulysses"), dims.shape)),
+        "mesh": dict(zip(MESH_DIMS, dims.shape)),
         "world_size": dims.world_size,
         # The snapshot the run trains on; --resume reopens exactly these shards.
         "store": {"url": store.url, "samples": len(store), "shards": sorted(store.shards), "snapshot": snapshot},
