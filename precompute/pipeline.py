@@ -32,6 +32,18 @@ from precompute.inputs import InputRow, Reject, read_inputs
 from precompute.tasks import QUIET_OFFLINE_ENV, EncoderSpec, TaskSpec, describe_encoders, encode_task
 
 
+# Dask settings for the workers of a LocalCluster (jobs/ sets the same for external clusters):
+# - the nanny's MALLOC_TRIM_THRESHOLD_ turns off glibc's adaptive mmap threshold, so every large
+#   activation is mmap'd and faulted in afresh (~15-20% of CPU encoder time measured here);
+# - the worker's statistical profiler wakes every 10 ms to walk every thread's stack under the
+#   GIL; with the encoder on all cores that cost ~5% of a worker's throughput in
+#   benchmarks/encode_bench.py (its samples only feed the dashboard's profile page).
+WORKER_CONFIG = {
+    "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
+    "distributed.worker.profile.enabled": False,
+}
+
+
 @dataclass(kw_only=True)
 class EncodeSummary:
     store_url: str
@@ -131,10 +143,7 @@ def run_encode(
     else:
         import dask
 
-        # Dask's nanny sets MALLOC_TRIM_THRESHOLD_ in workers, which turns off glibc's adaptive
-        # mmap threshold: every large activation is then mmap'd and faulted in afresh (~15-20% of
-        # encoder time measured here). Encoders want the default allocator behaviour.
-        with dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}):
+        with dask.config.set(WORKER_CONFIG):
             cluster = LocalCluster(
                 n_workers=workers, threads_per_worker=1, processes=not in_process,
                 dashboard_address=":0" if _has_bokeh() else None, silence_logs=40,
