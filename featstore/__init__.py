@@ -5,7 +5,7 @@
         w.add("sample-0", {"latent": latent, "text": text}, meta={"caption": "a cat"})
     s = featstore.open("./st")
     s.read("sample-0")          # {"latent": np.ndarray[bfloat16], "text": ...}, exact
-    s.index                     # pyarrow.Table, one row per sample
+    s.index                     # pyarrow.Table, one row per sample (per shard it has fields in)
 
 This package imports neither torch nor dask: anything that reads numpy can use it.
 """
@@ -22,6 +22,7 @@ from featstore.errors import (
     FeatstoreError,
     FingerprintMismatchError,
     FormatVersionError,
+    MissingFieldError,
     NotAStoreError,
     ReadOnlyError,
     SchemaError,
@@ -42,6 +43,7 @@ __all__ = [
     "FieldSpec",
     "FingerprintMismatchError",
     "FormatVersionError",
+    "MissingFieldError",
     "NotAStoreError",
     "ReadOnlyError",
     "SchemaError",

@@ -63,7 +63,9 @@ def echo_info(summary: dict[str, Any]) -> None:
     click.echo(f"samples        {summary['num_samples']:,} in {summary['num_shards']:,} shard(s), {_human(summary['bytes'])}")
     for name, spec in summary["fields"].items():
         extras = ", ".join(sorted(spec["meta"])) if spec["meta"] else ""
-        click.echo(f"field          {name}: {spec['dtype']}, {spec['ndim']}-D" + (f" [{extras}]" if extras else ""))
+        held = summary["samples_per_field"][name]
+        partial = f", in {held:,} of the samples" if held != summary["num_samples"] else ""
+        click.echo(f"field          {name}: {spec['dtype']}, {spec['ndim']}-D{partial}" + (f" [{extras}]" if extras else ""))
     click.echo(f"rejected       {summary['num_rejected']:,}")
     for reason, count in summary["rejects_by_reason"].items():
         click.echo(f"  {count:6,}  {reason}")

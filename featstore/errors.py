@@ -14,6 +14,13 @@ class SchemaError(FeatstoreError):
     """A sample does not match the store's schema (missing field, wrong dtype or ndim)."""
 
 
+class MissingFieldError(SchemaError, KeyError):
+    """A sample does not have a field the store holds (it was added to the store after the
+    sample was written, and not yet encoded for it)."""
+
+    __str__ = ValueError.__str__  # KeyError would quote the message
+
+
 class DuplicateSampleError(FeatstoreError):
     """A sample id is already in the store or in the shard being written."""
 

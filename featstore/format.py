@@ -29,7 +29,12 @@ import numpy as np
 from featstore.errors import FormatVersionError, NotAStoreError, SchemaError
 
 FORMAT_NAME = "mmcache-featstore"
-FORMAT_VERSION = 1
+# The newest version this code reads. A store is written as version 1 (every shard holds every
+# field) until a field is added to it; then its manifest says 2, so that a version-1 reader, which
+# would take the added fields' shards for duplicate samples, refuses it instead of misreading it.
+FORMAT_VERSION = 2
+BASE_FORMAT_VERSION = 1
+ADDED_FIELDS_VERSION = 2
 
 MANIFEST_KEY = "zarr.json"
 INDEX_DIR = "index"
@@ -126,7 +131,7 @@ class FieldSpec:
 def make_manifest(fields: dict[str, FieldSpec], attrs: dict[str, Any]) -> dict[str, Any]:
     return {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": BASE_FORMAT_VERSION,
         "fields": {name: spec.to_dict() for name, spec in fields.items()},
         "attrs": attrs,
     }

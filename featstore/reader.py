@@ -27,7 +27,7 @@ from featstore import format as fmt
 
 # Arrow's thread pools can abort the interpreter at exit (apache/arrow#34314); index parts are
 # small, so every Parquet read and write here is single-threaded.
-from featstore.errors import CorruptionError, FormatVersionError, NotAStoreError, ReadOnlyError, SchemaError, SnapshotError
+from featstore.errors import CorruptionError, FormatVersionError, MissingFieldError, NotAStoreError, ReadOnlyError, SchemaError, SnapshotError
 from featstore.storage import Storage, open_storage
 
 
@@ -97,8 +97,50 @@ class Store:
             if known is not None and known != ndim:
                 raise SchemaError(f"field {name!r}: {ndim} dimensions, but the store already holds {known}")
             current["fields"][name]["ndim"] = ndim
-        self.storage.write_atomic(fmt.MANIFEST_KEY, fmt.root_group_json(current))
-        self._manifest = current
+        self._write_manifest(current)
+
+    def add_fields(self, fields: dict[str, Any]) -> None:
+        """Declare new fields in an existing store (same form as ``create``'s ``fields``). The
+        samples already committed keep what they have; shards written with
+        ``writer(fields=[...])`` then add the new fields to them, under the same ids. Run it from
+        one process at a time: the manifest is rewritten whole."""
+        if self.mode != "a":
+            raise ReadOnlyError(f"{self.url} is opened read-only; open it with mode='a' to add fields")
+        specs = {name: fmt.FieldSpec.from_value(name, value) for name, value in fields.items()}
+        current = fmt.parse_root_group(self.storage.read(fmt.MANIFEST_KEY), self.url)
+        if clash := sorted(set(specs) & set(current["fields"])):
+            raise SchemaError(f"{self.url} already has field(s) {clash}; give the new features other names")
+        if not specs:
+            return
+        current["fields"].update({name: spec.to_dict() for name, spec in specs.items()})
+        current["format_version"] = max(current["format_version"], fmt.ADDED_FIELDS_VERSION)
+        self._write_manifest(current)
+
+    def require_format_version(self, version: int) -> None:
+        """Raise the manifest's format version to at least ``version`` (never lowers it)."""
+        if self.format_version >= version:
+            return
+        current = fmt.parse_root_group(self.storage.read(fmt.MANIFEST_KEY), self.url)
+        if current["format_version"] < version:
+            current["format_version"] = version
+            self._write_manifest(current)
+        else:
+            self._set_manifest(current)  # another process raised it
+
+    def _write_manifest(self, manifest: dict[str, Any]) -> None:
+        self.storage.write_atomic(fmt.MANIFEST_KEY, fmt.root_group_json(manifest))
+        self._set_manifest(manifest)
+
+    def _set_manifest(self, manifest: dict[str, Any]) -> None:
+        self._manifest = manifest
+        # The snapshot's per-field tables gain the new fields, which no committed sample has yet.
+        rows = len(self._ids)
+        for name in manifest["fields"]:
+            if name not in self._holder:
+                self._offsets[name] = np.zeros(rows, dtype=np.int64)
+                self._shapes[name] = [()] * rows
+                self._crcs[name] = np.zeros(rows, dtype=np.uint32)
+                self._holder[name] = np.full(rows, -1, dtype=np.int64)
 
     # ---- index --------------------------------------------------------------------------
     def _load_index(self, list_parts: bool = True, only: Sequence[str] | None = None) -> None:
@@ -139,23 +181,44 @@ class Store:
         self.index: pa.Table = table
         ids = table.column("id").to_pylist()
         self._ids = ids
-        self._row_of: dict[str, int] = {}
-        duplicates = []
-        for row, sample_id in enumerate(ids):
-            if self._row_of.setdefault(sample_id, row) != row:
-                duplicates.append(sample_id)
-        if duplicates:
-            # Only concurrent writers given overlapping inputs can cause this; keep the first
-            # (shards are listed in name order, so the choice is deterministic) and say so.
-            warnings.warn(f"{self.url}: {len(duplicates)} sample id(s) appear in more than one shard, e.g. {duplicates[0]!r}; `mmcache verify` lists them", stacklevel=3)
         self._shard_of = table.column("shard").to_pylist()
         # Index parts are concatenated in shard order, so each shard's rows are one range.
         starts = np.cumsum([0] + [info.num_samples for info in shards.values()])
         self._shard_rows = {name: range(int(a), int(b)) for name, a, b in zip(shards, starts[:-1], starts[1:])}
-        self._written_ids: set[str] = set()
+        self._written: dict[str, set[str]] = {}
         self._offsets = {f: _column_numpy(table, f"{f}.offset") for f in self.fields}
-        self._shapes = {f: [tuple(s) for s in table.column(f"{f}.shape").to_pylist()] if f"{f}.shape" in table.column_names else [] for f in self.fields}
+        self._shapes = {f: [tuple(s) if s is not None else () for s in table.column(f"{f}.shape").to_pylist()] if f"{f}.shape" in table.column_names else [()] * table.num_rows for f in self.fields}
         self._crcs = {f: _column_numpy(table, f"{f}.crc32c") for f in self.fields}
+        self._locate_fields(ids, shards)
+
+    def _locate_fields(self, ids: list[str], shards: dict[str, ShardInfo]) -> None:
+        """Which index row holds each field of each sample. A sample's row (``row(id)``) is its
+        first; a field added to the store later lives in other shards, under the same id, and
+        ``_holder[field][row]`` points there (-1: the sample does not have that field)."""
+        self._row_of: dict[str, int] = {}
+        for row, sample_id in enumerate(ids):
+            self._row_of.setdefault(sample_id, row)
+        rows = np.arange(len(ids), dtype=np.int64)
+        duplicates: list[str] = []
+        self._holder: dict[str, np.ndarray] = {}
+        for field in self.fields:
+            held = [name for name, info in shards.items() if field in info.layouts]
+            if len(held) == len(shards) and len(self._row_of) == len(ids):
+                self._holder[field] = rows  # every shard holds every field once: rows are samples
+                continue
+            holder = np.full(len(ids), -1, dtype=np.int64)
+            for name in held:
+                for row in self._shard_rows[name]:
+                    first = self._row_of[ids[row]]
+                    if holder[first] >= 0:
+                        duplicates.append(f"{ids[row]}.{field}")
+                    else:
+                        holder[first] = row
+            self._holder[field] = holder
+        if duplicates:
+            # Only concurrent writers given overlapping inputs can cause this; keep the first
+            # (shards are listed in name order, so the choice is deterministic) and say so.
+            warnings.warn(f"{self.url}: {len(duplicates)} sample field(s) appear in more than one shard, e.g. {duplicates[0]!r}; `mmcache verify` lists them", stacklevel=4)
 
     def _read_parts(self, keys: list[str]) -> Iterator[bytes]:
         """Index parts in order; from an object store many at once (one request each)."""
@@ -167,17 +230,42 @@ class Store:
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
 
-    def note_committed(self, shard: str, sample_ids: list[str]) -> None:
+    def note_committed(self, shard: str, sample_ids: list[str], fields: Sequence[str] | None = None) -> None:
         """Called by a writer of this store after a commit, so its duplicate checks see new ids.
         The read snapshot itself does not change: reopen the store to read new shards."""
-        self._written_ids.update(sample_ids)
+        for field in fields or self.fields:
+            self._written.setdefault(field, set()).update(sample_ids)
 
-    def is_known(self, sample_id: str) -> bool:
-        return sample_id in self._row_of or sample_id in self._written_ids
+    def is_known(self, sample_id: str, fields: Sequence[str] | None = None) -> bool:
+        """True when the sample already has any of ``fields`` (default: any field)."""
+        return any(self.has_field(sample_id, f) or sample_id in self._written.get(f, ()) for f in fields or self.fields)
 
-    def sample_ids(self) -> list[str]:
-        """Committed sample ids of this snapshot, in shard order."""
-        return list(self._row_of)
+    def has_field(self, sample_id: str, field: str) -> bool:
+        row = self._row_of.get(sample_id)
+        return row is not None and field in self._holder and self._holder[field][row] >= 0
+
+    def fields_of(self, sample_id: str) -> list[str]:
+        """The fields this sample has in the snapshot (all of the store's, unless fields were
+        added to the store after the sample was written)."""
+        row = self.row(sample_id)
+        return [f for f in self.fields if self._holder[f][row] >= 0]
+
+    def samples_per_field(self) -> dict[str, int]:
+        rows = np.fromiter(self._row_of.values(), dtype=np.int64, count=len(self._row_of))
+        return {f: int((self._holder[f][rows] >= 0).sum()) for f in self.fields}
+
+    def sample_ids(self, with_fields: Sequence[str] | None = None) -> list[str]:
+        """Committed sample ids of this snapshot, in shard order; with ``with_fields``, only the
+        samples that have all of those fields."""
+        if not with_fields:
+            return list(self._row_of)
+        rows = np.fromiter(self._row_of.values(), dtype=np.int64, count=len(self._row_of))
+        keep = np.ones(len(rows), dtype=bool)
+        for field in with_fields:
+            if field not in self.fields:
+                raise SchemaError(f"{self.url} has no field {field!r} (fields: {sorted(self.fields)})")
+            keep &= self._holder[field][rows] >= 0
+        return [self._ids[r] for r in rows[keep]]
 
     def __len__(self) -> int:
         return len(self._row_of)
@@ -216,18 +304,38 @@ class Store:
         return row
 
     def shape(self, sample_id: str, field: str) -> tuple[int, ...]:
-        return self._shapes[field][self.row(sample_id)]
+        return self._shapes[field][self._holder_row(self.row(sample_id), field)]
+
+    def _holder_row(self, row: int, field: str) -> int:
+        """The index row holding ``field`` of the sample whose row is ``row``."""
+        if field not in self.fields:
+            raise SchemaError(f"{self.url} has no field {field!r} (fields: {sorted(self.fields)})")
+        held = int(self._holder[field][row])
+        if held < 0:
+            raise MissingFieldError(
+                f"sample {self._ids[row]!r} of {self.url} has no {field!r} yet (it has {[f for f in self.fields if self._holder[f][row] >= 0]}); "
+                "encode that field for it, or read only the samples that have it (sample_ids(with_fields=...))"
+            )
+        return held
+
+    def _fields_to_read(self, row: int, fields: Sequence[str] | None) -> Sequence[str]:
+        if fields:
+            return fields
+        return [f for f in self.fields if self._holder[f][row] >= 0]
 
     def read(self, sample_id: str, fields: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """One sample, exactly as written (dtype and shape)."""
         return self.read_row(self.row(sample_id), fields)
 
     def read_row(self, row: int, fields: Sequence[str] | None = None) -> dict[str, np.ndarray]:
-        shard = self._shard_of[row]
+        """The sample whose row is ``row``: ``fields``, or every field it has."""
         specs = self.fields
         out = {}
-        for name in fields or specs:
+        first = row
+        for name in self._fields_to_read(first, fields):
             spec = specs[name]
+            row = self._holder_row(first, name)
+            shard = self._shard_of[row]
             shape = self._shapes[name][row]
             array = np.empty(shape, dtype=spec.numpy_dtype)
             count = array.size
@@ -246,14 +354,15 @@ class Store:
         if not self.storage.is_remote:
             return [self.read_row(row, fields) for row in rows]
         specs = self.fields
-        names = list(fields or specs)
-        self._load_chunk_indexes({(self._shard_of[row], name) for row in rows for name in names})
+        # (sample, field) -> the index row holding it
+        held = [{name: self._holder_row(row, name) for name in self._fields_to_read(row, fields)} for row in rows]
+        self._load_chunk_indexes({(self._shard_of[r], name) for sample in held for name, r in sample.items()})
         requests, samples = [], []
-        for row in rows:
-            shard = self._shard_of[row]
+        for sample_rows in held:
             sample = {}
-            for name in names:
+            for name, row in sample_rows.items():
                 spec = specs[name]
+                shard = self._shard_of[row]
                 array = np.empty(self._shapes[name][row], dtype=spec.numpy_dtype)
                 if array.size:
                     ranges = self._ranges(shard, spec, int(self._offsets[name][row]), array.size)
@@ -262,22 +371,30 @@ class Store:
             samples.append(sample)
         self.storage.read_into(requests)
         if self.verify_reads:
-            for row, sample in zip(rows, samples, strict=True):
+            for sample_rows, sample in zip(held, samples, strict=True):
                 for name, array in sample.items():
+                    row = sample_rows[name]
                     if fmt.crc32c(array) != int(self._crcs[name][row]):
                         raise CorruptionError(f"{self.url}: sample {self._ids[row]!r} field {name!r} in shard {self._shard_of[row]!r} fails its checksum")
         return samples
 
     def iter_shard(self, shard: str, fields: Sequence[str] | None = None) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
-        """Every sample of one shard, from one large read per field (the fast full-scan path)."""
-        return self._samples_of(shard, self._read_shard(shard, fields))
+        """Every sample of one shard with the shard's fields (or ``fields``, which it must hold),
+        from one large read per field (the fast full-scan path)."""
+        held = self.shards[shard].layouts
+        if fields and (absent := [f for f in fields if f not in held]):
+            raise SchemaError(f"{self.url}: shard {shard!r} holds {sorted(held)}, not {absent}")
+        return self._samples_of(shard, self._read_shard(shard, fields), whole=False)
 
     def _read_shard(self, shard: str, fields: Sequence[str] | None) -> dict[str, np.ndarray]:
-        """Each field's whole element run of ``shard``, flat, in one read per field."""
+        """Each field's whole element run of ``shard``, flat, in one read per field (the fields
+        the shard holds, of ``fields`` if given)."""
         specs = self.fields
         layouts = self.shards[shard].layouts
         buffers = {}
         for name in fields or specs:
+            if name not in layouts:
+                continue
             spec = specs[name]
             buf = np.empty(layouts[name].elements * np.dtype(spec.zarr_dtype).itemsize, dtype=np.uint8)
             if buf.size:
@@ -285,7 +402,10 @@ class Store:
             buffers[name] = buf.view(spec.numpy_dtype)
         return buffers
 
-    def _samples_of(self, shard: str, buffers: dict[str, np.ndarray]) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
+    def _samples_of(self, shard: str, buffers: dict[str, np.ndarray], *, whole: bool, fields: Sequence[str] | None = None) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
+        """The samples of ``shard`` from its field buffers. ``whole``: only samples whose first
+        row is here, with ``fields`` (default: all they have); fields held by other shards (added
+        to the store later) are read sample by sample."""
         rows = self._shard_rows[shard]
         # Per-field columns of this shard as plain lists: the loop below runs once per sample.
         columns = {
@@ -293,23 +413,31 @@ class Store:
             for name, flat in buffers.items()
         }
         for i, row in enumerate(rows):
+            sample_id = self._ids[row]
+            if whole and self._row_of[sample_id] != row:
+                continue  # this row adds fields to a sample listed earlier: yielded there
             sample = {}
             for name, (flat, shapes, offsets, crcs) in columns.items():
                 shape, start = shapes[i], offsets[i]
                 array = flat[start : start + math.prod(shape)].reshape(shape)
                 if self.verify_reads and fmt.crc32c(array) != crcs[i]:
-                    raise CorruptionError(f"{self.url}: sample {self._ids[row]!r} field {name!r} in shard {shard!r} fails its checksum")
+                    raise CorruptionError(f"{self.url}: sample {sample_id!r} field {name!r} in shard {shard!r} fails its checksum")
                 sample[name] = array
-            yield self._ids[row], sample
+            if whole:
+                elsewhere = [f for f in self._fields_to_read(row, fields) if f not in sample]
+                if elsewhere:
+                    sample.update(self.read_row(row, elsewhere))
+            yield sample_id, sample
 
     def scan(self, fields: Sequence[str] | None = None, readahead: int = 1) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
-        """Every sample, shard by shard. The next ``readahead`` shards' bytes are read on a
-        background thread (I/O releases the GIL) while this thread checks and hands out the
-        current one; memory is bounded by ``readahead + 1`` shards. 0 reads in this thread."""
+        """Every sample once, shard by shard, with ``fields`` (default: every field it has). The
+        next ``readahead`` shards' bytes are read on a background thread (I/O releases the GIL)
+        while this thread checks and hands out the current one; memory is bounded by
+        ``readahead + 1`` shards. 0 reads in this thread."""
         names = list(self.shards)
         if readahead <= 0 or len(names) < 2:
             for shard in names:
-                yield from self.iter_shard(shard, fields)
+                yield from self._samples_of(shard, self._read_shard(shard, fields), whole=True, fields=fields)
             return
         with ThreadPoolExecutor(1, thread_name_prefix="featstore-readahead") as pool:
             ahead = [pool.submit(self._read_shard, s, fields) for s in names[:readahead]]
@@ -318,7 +446,7 @@ class Store:
                     buffers = ahead.pop(0).result()
                     if i + readahead < len(names):
                         ahead.append(pool.submit(self._read_shard, names[i + readahead], fields))
-                    yield from self._samples_of(shard, buffers)
+                    yield from self._samples_of(shard, buffers, whole=True, fields=fields)
             finally:
                 for future in ahead:
                     future.cancel()
@@ -393,8 +521,10 @@ def _data_key(shard: str, field: str) -> str:
 
 def _column_numpy(table: pa.Table, name: str) -> np.ndarray:
     if name not in table.column_names:
-        return np.zeros(0, dtype=np.int64)
-    return table.column(name).to_numpy()
+        return np.zeros(table.num_rows, dtype=np.int64)
+    column = table.column(name)
+    # Rows of shards without this field (added to the store later) are null: never read.
+    return (column.fill_null(0) if column.null_count else column).to_numpy()
 
 
 def _parse_index_part(raw: bytes, name: str, key: str, url: str) -> tuple[pa.Table, ShardInfo]:

@@ -42,6 +42,8 @@ def store_info(store: Store) -> dict[str, Any]:
         "num_samples": len(store),
         "num_shards": len(store.shards),
         "fields": {name: spec.to_dict() for name, spec in store.fields.items()},
+        # Samples holding each field: fewer than num_samples for a field added to the store later.
+        "samples_per_field": store.samples_per_field(),
         "bytes": store.nbytes(),
         "num_rejected": store.num_rejected(),
         "rejects_by_reason": dict(reasons.most_common()),
@@ -54,9 +56,11 @@ def verify_store(store: Store, progress: Callable[[str], None] | None = None) ->
     # The index parts' own checksums were checked when the store was opened (strict=False).
     for name, reason in store.damaged.items():
         report.problems.append(f"shard {name!r}: {reason}")
-    duplicated = [i for i, n in Counter(store.index.column("id").to_pylist()).items() if n > 1]
-    for sample_id in duplicated:
-        report.problems.append(f"sample {sample_id!r} is committed in more than one shard")
+    # A sample may be spread over shards (fields added later), but each of its fields is in one.
+    held = Counter((store._ids[row], field) for name, info in store.shards.items() for field in info.layouts for row in store._shard_rows[name])
+    for (sample_id, field), count in held.items():
+        if count > 1:
+            report.problems.append(f"sample {sample_id!r} field {field!r} is committed in more than one shard")
     for name, info in store.shards.items():
         if progress:
             progress(name)
@@ -109,15 +113,17 @@ def _verify_shard(store: Store, name: str, info: Any, report: VerifyReport) -> N
             blobs[key] = blob
     rows = store._shard_rows[name]
     report.samples_checked += info.num_samples
-    for fname, spec in store.fields.items():
+    if info.num_samples and not info.layouts:
+        report.problems.append(f"shard {name!r}: {info.num_samples} samples but no field layouts recorded")
+    for fname, layout in info.layouts.items():
+        spec = store.fields.get(fname)
+        if spec is None:
+            report.problems.append(f"shard {name!r}: holds field {fname!r}, which the store manifest does not declare")
+            continue
         if not info.num_samples:
             break
-        layout = info.layouts.get(fname)
         data_key = _data_key(name, fname)
         meta_key = f"{fmt.SHARDS_DIR}/{name}/{fname}/zarr.json"
-        if layout is None:
-            report.problems.append(f"shard {name!r}: no layout recorded for field {fname!r}")
-            continue
         if meta_key in blobs:
             _check_array_metadata(blobs[meta_key], spec, layout, f"shard {name!r} field {fname!r}", report)
         if data_key not in blobs:

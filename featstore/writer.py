@@ -41,9 +41,16 @@ class StoreWriter:
     what is done) calls ``commit(name)`` itself.
     """
 
-    def __init__(self, store: Store, *, shard_bytes: int = DEFAULT_SHARD_BYTES, shard_prefix: str | None = None) -> None:
+    def __init__(self, store: Store, *, shard_bytes: int = DEFAULT_SHARD_BYTES, shard_prefix: str | None = None, fields: list[str] | None = None) -> None:
         self._store = store
         self._storage: Storage = store.storage
+        # fields: the store's fields this writer's shards hold (default all). A subset adds fields
+        # to samples written earlier (see Store.add_fields), under the same ids.
+        if fields is not None and (unknown := sorted(set(fields) - set(store.fields))):
+            raise SchemaError(f"{store.url} has no field(s) {unknown} (fields: {sorted(store.fields)}); declare them with Store.add_fields")
+        if fields is not None and not fields:
+            raise SchemaError("a writer needs at least one field")
+        self.fields = [f for f in store.fields if fields is None or f in fields]
         self.shard_bytes = shard_bytes
         self.shard_prefix = fmt.check_name("shard prefix", shard_prefix or uuid.uuid4().hex[:12])
         self._seq = 0
@@ -62,16 +69,17 @@ class StoreWriter:
     def add(self, sample_id: str, arrays: dict[str, Any], meta: dict[str, Any] | None = None) -> None:
         self._check_open()
         fmt.check_name("sample id", sample_id)
-        if sample_id in self._pending_ids or self._store.is_known(sample_id):
-            raise DuplicateSampleError(f"sample id {sample_id!r} is already in the store or in this shard")
+        if sample_id in self._pending_ids or self._store.is_known(sample_id, self.fields):
+            what = "" if len(self.fields) == len(self._store.fields) else f" with field(s) {self.fields}"
+            raise DuplicateSampleError(f"sample id {sample_id!r} is already in the store{what} or in this shard")
         fields = self._store.fields
-        missing = sorted(set(fields) - set(arrays))
-        extra = sorted(set(arrays) - set(fields))
+        missing = sorted(set(self.fields) - set(arrays))
+        extra = sorted(set(arrays) - set(self.fields))
         if missing or extra:
             raise SchemaError(
                 f"sample {sample_id!r}: "
                 + "; ".join(filter(None, [missing and f"missing field(s) {missing}", extra and f"unknown field(s) {extra}"]))
-                + f" (store fields: {sorted(fields)})"
+                + f" (this writer's fields: {sorted(self.fields)})"
             )
         checked = {name: self._check_array(sample_id, fields[name], value) for name, value in arrays.items()}
         meta = dict(meta or {})
@@ -120,6 +128,10 @@ class StoreWriter:
             if self._store.has_shard(name):
                 raise DuplicateSampleError(f"shard {name!r} is already committed in {self._store.url}")
         self._store.fix_ndims({f: a.ndim for f, a in self._pending[0].arrays.items()} if self._pending else {})
+        partial = bool(self._pending) and len(self.fields) < len(self._store.fields)
+        if partial:
+            # A version-1 reader would misread a store whose shards hold only some fields.
+            self._store.require_format_version(fmt.ADDED_FIELDS_VERSION)
         base = f"{fmt.SHARDS_DIR}/{name}"
         objects: dict[str, dict[str, int]] = {}
         field_layouts: dict[str, dict[str, int]] = {}
@@ -127,7 +139,8 @@ class StoreWriter:
 
         if self._pending:
             self._put_small(objects, f"{base}/zarr.json", fmt.group_json())
-        for fname, spec in self._store.fields.items():
+        for fname in self.fields:
+            spec = self._store.fields[fname]
             if not self._pending:
                 break
             arrays = [p.arrays[fname] for p in self._pending]
@@ -147,19 +160,19 @@ class StoreWriter:
         for key in meta_keys:
             columns[key] = _meta_column(key, [p.meta.get(key) for p in self._pending])
         commit_info = {
-            "format_version": fmt.FORMAT_VERSION,
+            "format_version": fmt.ADDED_FIELDS_VERSION if partial else fmt.BASE_FORMAT_VERSION,
             "shard": name,
             "num_samples": len(self._pending),
             "num_rejected": len(self._rejects),
             "fields": field_layouts,
             "objects": objects,
         }
-        table = _table(columns, self._store.fields if self._pending else {})
+        table = _table(columns, self.fields if self._pending else [])
         table = table.replace_schema_metadata({fmt.COMMIT_METADATA_KEY: json.dumps(commit_info).encode()})
         part = _parquet_bytes(table)
         # The commit point: until this object exists the shard is invisible to every reader.
         self._storage.write_atomic(fmt.index_part_key(name, part), part)
-        self._store.note_committed(name, [p.sample_id for p in self._pending])
+        self._store.note_committed(name, [p.sample_id for p in self._pending], self.fields)
         self.committed.append(name)
         self._pending, self._pending_ids, self._pending_bytes, self._rejects = [], set(), 0, []
         return name
@@ -229,7 +242,7 @@ def _meta_column(key: str, values: list[Any]) -> pa.Array:
         raise SchemaError(f"meta key {key!r}: values of mixed types cannot form a column ({exc})") from None
 
 
-def _table(columns: dict[str, Any], fields: dict[str, fmt.FieldSpec]) -> pa.Table:
+def _table(columns: dict[str, Any], fields: list[str]) -> pa.Table:
     if "id" in columns and not isinstance(columns["id"], pa.Array):
         columns["id"] = pa.array(columns["id"], pa.string())
     if not fields and not columns["id"]:

@@ -17,6 +17,7 @@ import zarr
 
 import featstore
 from featstore import format as fmt
+from featstore.verify import verify_store
 
 ALL_DTYPES = list(fmt.DTYPES)
 
@@ -256,6 +257,64 @@ class StoreConformance:
         writer.close()
         store = featstore.open(url, mode="a")
         assert store.has_shard("task-0001") and not store.has_shard("task-0002")
+
+    # ---- adding a field to a store that has samples ------------------------------------
+    def test_add_field_to_committed_samples(self, url: str) -> None:
+        samples = ragged_samples(10)
+        with featstore.create(url, fields=FIELDS, shard_bytes=1500) as writer:
+            for sample_id, arrays, meta in samples:
+                writer.add(sample_id, arrays, meta)
+        reader_before = featstore.open(url)
+        assert reader_before.format_version == 1
+        store = featstore.open(url, mode="a")
+        store.add_fields({"vit": {"dtype": "float32", "ndim": 2, "meta": {"section": "vit"}}})
+        rng = np.random.default_rng(5)
+        vit = {sid: random_array(rng, "float32", (int(rng.integers(1, 5)), 3)) for sid, _, _ in samples[:7]}
+        with store.writer(fields=["vit"], shard_prefix="vit") as writer:
+            for sid, array in vit.items():
+                writer.add(sid, {"vit": array}, {"vit_source": f"image of {sid}"})
+            with pytest.raises(featstore.DuplicateSampleError):
+                writer.add(samples[0][0], {"vit": vit[samples[0][0]]})  # already pending
+        with pytest.raises(featstore.SchemaError, match="missing field"):
+            store.writer(fields=["vit"]).add(samples[8][0], {"latent": samples[8][1]["latent"]})
+
+        after = featstore.open(url)
+        assert after.format_version == 2  # a version-1 reader must refuse it, not misread it
+        assert len(after) == 10 and sorted(after.sample_ids()) == [s[0] for s in samples]
+        assert after.samples_per_field() == {"latent": 10, "text": 10, "vit": 7}
+        assert sorted(after.sample_ids(with_fields=["latent", "vit"])) == sorted(vit)
+        for sid, arrays, _ in samples:
+            got = after.read(sid)
+            assert set(got) == ({"latent", "text", "vit"} if sid in vit else {"latent", "text"})
+            assert_same(got["latent"], arrays["latent"])
+            if sid in vit:
+                assert_same(got["vit"], vit[sid])
+                assert after.shape(sid, "vit") == vit[sid].shape
+                assert after.fields_of(sid) == ["latent", "text", "vit"]
+        with pytest.raises(featstore.MissingFieldError, match="has no 'vit' yet"):
+            after.read(samples[9][0], ["vit"])
+        rows = [after.row(s[0]) for s in samples[:7]]
+        for (sid, arrays, _), got in zip(samples, after.read_rows(rows, ["text", "vit"])):
+            assert_same(got["text"], arrays["text"])
+            assert_same(got["vit"], vit[sid])
+        scanned = list(after.scan())
+        assert sorted(sid for sid, _ in scanned) == [s[0] for s in samples]  # each sample once
+        for sid, got in scanned:
+            assert set(got) == ({"latent", "text", "vit"} if sid in vit else {"latent", "text"})
+            if sid in vit:
+                assert_same(got["vit"], vit[sid])
+        with pytest.raises(featstore.MissingFieldError):
+            list(after.scan(["vit"]))  # not every sample has it: ask for the ones that do
+        assert len(reader_before) == 10 and set(reader_before.read(samples[0][0])) == {"latent", "text"}
+
+        # A field-subset writer of an id already holding that field is refused.
+        reopened = featstore.open(url, mode="a")
+        with pytest.raises(featstore.DuplicateSampleError, match="with field"):
+            reopened.writer(fields=["vit"]).add(samples[0][0], {"vit": vit[samples[0][0]]})
+        with pytest.raises(featstore.SchemaError, match="already has"):
+            reopened.add_fields({"vit": "float32"})
+        report = verify_store(featstore.open(url, strict=False))
+        assert report.ok, report.problems
 
 
 def _raise_on_index(real_write):

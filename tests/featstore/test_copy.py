@@ -101,3 +101,19 @@ def test_destination_holding_another_store_is_refused(local_store, s3_bucket):
     featstore.create(other, fields={"x": "float32"}).close()
     result = run("copy", local_store, other)
     assert result.exit_code == 1 and "holds a different feature store" in result.output
+
+
+def test_copy_of_a_store_with_an_added_field(local_store, s3_bucket):
+    store = featstore.open(local_store, mode="a")
+    store.add_fields({"extra": {"dtype": "float32", "ndim": 1}})
+    samples = ragged_samples(30)
+    with store.writer(fields=["extra"]) as writer:
+        for sample_id, arrays, _ in samples[:10]:
+            writer.add(sample_id, {"extra": arrays["text"][:, 0].astype("float32")})
+    remote = f"{s3_bucket}/with-extra"
+    result = run("copy", local_store, remote, "--verify")
+    assert result.exit_code == 0, result.output
+    copied = featstore.open(remote)
+    assert copied.format_version == 2 and copied.samples_per_field()["extra"] == 10
+    assert_same(copied.read(samples[3][0])["extra"], samples[3][1]["text"][:, 0].astype("float32"))
+    assert set(copied.read(samples[20][0])) == {"latent", "text"}

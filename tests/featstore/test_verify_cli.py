@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 import featstore
 from featstore.cli import cli
+from featstore.reader import open_store
 from tests.featstore.conformance import FIELDS, ragged_samples
 
 
@@ -141,3 +142,28 @@ def test_console_scripts_installed(store_url):
     assert out.returncode == 1 and "not an mmcache feature store" in out.stderr
     out = subprocess.run([bindir / "mmtrain", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "mmtrain" in out.stdout
+
+
+def _add_text2(url: str, ids: list[str], prefix: str) -> None:
+    # As an encode task opens it: without reading the index (so it cannot see what is there).
+    store = open_store(url, mode="a", load_index=False)
+    if "text2" not in store.fields:
+        store.add_fields({"text2": {"dtype": "float16", "ndim": 2}})
+    with store.writer(fields=["text2"], shard_prefix=prefix) as writer:
+        for sample_id, arrays, _ in ragged_samples(12):
+            if sample_id in ids:
+                writer.add(sample_id, {"text2": arrays["text"][:1]})
+
+
+def test_info_and_verify_with_an_added_field(store_url):
+    _add_text2(store_url, ["s-0000", "s-0001", "s-0002"], "extra")
+    info = json.loads(run("info", store_url, "--json").output)
+    assert info["format_version"] == 2 and info["num_samples"] == 12
+    assert info["samples_per_field"] == {"latent": 12, "text": 12, "text2": 3}
+    assert "text2: float16, 2-D, in 3 of the samples" in run("info", store_url).output
+    assert run("verify", store_url).exit_code == 0
+    # Two writers that each added the same sample's field (a producer bug): verify names it.
+    _add_text2(store_url, ["s-0001"], "again")
+    with pytest.warns(UserWarning, match="more than one shard"):
+        result = run("verify", store_url)
+    assert result.exit_code == 1 and "sample 's-0001' field 'text2' is committed in more than one shard" in result.output
