@@ -141,6 +141,7 @@ class Store:
                 self._shapes[name] = [()] * rows
                 self._crcs[name] = np.zeros(rows, dtype=np.uint32)
                 self._holder[name] = np.full(rows, -1, dtype=np.int64)
+                self._dense = self._dense and rows == 0
 
     # ---- index --------------------------------------------------------------------------
     def _load_index(self, list_parts: bool = True, only: Sequence[str] | None = None) -> None:
@@ -201,11 +202,13 @@ class Store:
         rows = np.arange(len(ids), dtype=np.int64)
         duplicates: list[str] = []
         self._holder: dict[str, np.ndarray] = {}
+        self._dense = True  # every shard holds every field: one row per sample (version 1)
         for field in self.fields:
             held = [name for name, info in shards.items() if field in info.layouts]
             if len(held) == len(shards) and len(self._row_of) == len(ids):
                 self._holder[field] = rows  # every shard holds every field once: rows are samples
                 continue
+            self._dense = False
             holder = np.full(len(ids), -1, dtype=np.int64)
             for name in held:
                 for row in self._shard_rows[name]:
@@ -412,6 +415,8 @@ class Store:
             name: (flat, self._shapes[name][rows.start : rows.stop], self._offsets[name][rows.start : rows.stop].tolist(), self._crcs[name][rows.start : rows.stop].tolist())
             for name, flat in buffers.items()
         }
+        # A dense store's shard has every field of every sample it lists: nothing to join.
+        whole = whole and not (self._dense and all(f in buffers for f in fields or self.fields))
         for i, row in enumerate(rows):
             sample_id = self._ids[row]
             if whole and self._row_of[sample_id] != row:

@@ -87,13 +87,29 @@ def encoder_specs(config: EncodeConfig, cache_dir: Path | None = None) -> list[E
     return specs
 
 
-def plan_tasks(rows: list[InputRow], specs_digest: str, per_task: int) -> list[TaskSpec]:
+def plan_tasks(rows: list[InputRow], specs_digest: str, per_task: int, fields: list[str], new_samples: bool = True) -> list[TaskSpec]:
+    """Tasks of ``per_task`` rows that write ``fields``, each named by a hash of what it does."""
     tasks = []
     for start in range(0, len(rows), per_task):
         chunk = rows[start : start + per_task]
-        body = json.dumps([specs_digest, [(r.sample_id, r.uri, r.caption) for r in chunk]])
-        tasks.append(TaskSpec(shard=f"t-{hashlib.sha256(body.encode()).hexdigest()[:24]}", rows=chunk))
+        body = json.dumps([specs_digest, fields, [(r.sample_id, r.uri, r.caption) for r in chunk]])
+        name = f"t-{hashlib.sha256(body.encode()).hexdigest()[:24]}"
+        tasks.append(TaskSpec(shard=name, rows=chunk, fields=fields, new_samples=new_samples))
     return tasks
+
+
+def fields_to_write(rows: list[InputRow], store: featstore.Store, fields: list[str]) -> dict[tuple[tuple[str, ...], bool], list[InputRow]]:
+    """Rows grouped by (the configured fields they still lack, whether the sample is new): all
+    fields for a new sample, the fields added to the store since for a committed one; a sample
+    that has them all is left out."""
+    groups: dict[tuple[tuple[str, ...], bool], list[InputRow]] = {}
+    for row in rows:
+        new = row.sample_id not in store
+        have = set() if new else set(store.fields_of(row.sample_id))
+        missing = tuple(f for f in fields if f not in have)
+        if missing:
+            groups.setdefault((missing, new), []).append(row)
+    return groups
 
 
 def run_encode(
@@ -174,20 +190,24 @@ def run_encode(
             "input_storage_options": input_storage_options,
         }
         transform = {k: settings[k] for k in ("resize", "frames", "size_multiple")}
-        store = _open_or_create(output_url, fields, storage_options, transform)
+        store = _open_or_create(output_url, fields, storage_options, transform, log)
         startup = time.perf_counter() - t0
         log(f"encoders ready on {len(devices)} worker(s) ({device_type}) in {startup:.1f}s")
 
         rejected_before = _rejected_sources(store) if not config.data.retry_rejects else set()
-        todo = [r for r in rows if r.sample_id not in store and r.source not in rejected_before]
-        skipped = len(rows) - len(todo)
+        groups = fields_to_write([r for r in rows if r.source not in rejected_before], store, list(fields))
+        todo = sum(len(g) for g in groups.values())
+        skipped = len(rows) - todo
         new_plan_rejects = [r for r in plan_rejects if r.source not in rejected_before]
         if new_plan_rejects:
             _commit_plan_rejects(store, new_plan_rejects)
+        for (missing, new), group in groups.items():
+            if not new:
+                log(f"adding {', '.join(missing)} to {len(group)} sample(s) already in the store")
         digest = hashlib.sha256(json.dumps({k: v["meta"]["fingerprint"]["digest"] for k, v in fields.items()}, sort_keys=True).encode()).hexdigest()
         # At least two tasks per worker when the job is small, so no worker sits idle.
-        per_task = max(1, min(config.run.samples_per_task, -(-len(todo) // (2 * len(addresses)))))
-        tasks = plan_tasks(todo, digest, per_task)
+        per_task = max(1, min(config.run.samples_per_task, -(-todo // (2 * len(addresses)))))
+        tasks = [task for (missing, new), group in groups.items() for task in plan_tasks(group, digest, per_task, list(missing), new)]
         summary = _run_tasks(client, tasks, devices, output_url, storage_options, specs, threads, settings, progress, log)
         summary.update(samples_skipped=skipped, startup_seconds=startup)
         summary["rejected"] += len(new_plan_rejects)
@@ -243,7 +263,10 @@ def _run_on_worker(task, output_url, storage_options, specs, requested, threads,
     return encode_task(task, store_url=output_url, storage_options=storage_options, specs=specs, device=device, threads=threads, settings=settings)
 
 
-def _open_or_create(url: str, fields: dict[str, Any], storage_options: dict[str, Any] | None, transform: dict[str, Any]) -> featstore.Store:
+def _open_or_create(url: str, fields: dict[str, Any], storage_options: dict[str, Any] | None, transform: dict[str, Any], log) -> featstore.Store:
+    """The output store: created with the configured fields, or an existing one checked against
+    them (fail closed). Configured fields it lacks are added to it, so a new encoder (or a changed
+    one under a new field name) extends a store in place."""
     try:
         store = featstore.open(url, storage_options, mode="a")
     except featstore.NotAStoreError:
@@ -255,22 +278,24 @@ def _open_or_create(url: str, fields: dict[str, Any], storage_options: dict[str,
             f"{store.url} was encoded with other preprocessing (resize/frames/size_multiple: {store.attrs.get('transform')}); "
             "encode into a new --output, or use the same settings"
         )
-    if set(store.fields) != set(fields):
-        raise FingerprintMismatchError(
-            f"{store.url} holds fields {sorted(store.fields)} but this config writes {sorted(fields)}; encode into a new --output"
-        )
+    new = {}
     for name, spec in fields.items():
         have = store.fields.get(name)
         if have is None:
-            raise FingerprintMismatchError(f"{store.url} has no field {name!r} (it holds {sorted(store.fields)}); encode into a new store")
+            new[name] = spec
+            continue
         want_digest = spec["meta"]["fingerprint"]["digest"]
         have_digest = have.meta.get("fingerprint", {}).get("digest")
         if have_digest != want_digest or have.dtype != spec["dtype"]:
             raise FingerprintMismatchError(
                 f"{store.url}: field {name!r} was made by a different encoder or settings "
-                f"(store fingerprint {have_digest}, this config {want_digest}); write to a new --output, "
-                f"or give the new features their own field name (e.g. --set {spec['meta']['section']}.field={name}_v2) in a new store"
+                f"(store fingerprint {have_digest}, this config {want_digest}); to keep both, write the new features "
+                f"under a new field name, which is added to this store (e.g. --set {spec['meta']['section']}.field={name}_v2), "
+                "or write to a new --output"
             )
+    if new:
+        log(f"adding field(s) {', '.join(new)} to {store.url} (it holds {', '.join(store.fields)})")
+        store.add_fields(new)
     return store
 
 

@@ -58,6 +58,8 @@ class EncoderSpec:
 class TaskSpec:
     shard: str
     rows: list[InputRow]
+    fields: list[str]  # the fields this task writes (an encoder runs only if it makes one of them)
+    new_samples: bool = True  # False: adding fields to committed samples (their media were checked then)
 
 
 @dataclass(kw_only=True)
@@ -127,12 +129,12 @@ def encode_task(
     if store.has_shard(task.shard):
         result.skipped = True
         return asdict(result)
-    encoders = loaded_encoders(specs, device, threads)
+    encoders = {section: encoder for section, encoder in loaded_encoders(specs, device, threads).items() if set(encoder.fields()) & set(task.fields)}
     resize = ResizeConfig(**settings["resize"])
     frames = FrameSampling(**settings["frames"])
     # One task is one shard, whatever its size: an automatic mid-task commit would get a name a
     # retried task could collide with.
-    writer = store.writer(shard_prefix=task.shard[:60], shard_bytes=1 << 62)
+    writer = store.writer(shard_prefix=task.shard[:60], shard_bytes=1 << 62, fields=task.fields)
 
     def reject(row: InputRow, reason: str) -> None:
         writer.reject(row.source, reason, id=row.sample_id)
@@ -147,6 +149,8 @@ def encode_task(
         rule = dataclasses.replace(rule, spatial_multiple=math.lcm(rule.spatial_multiple, settings["size_multiple"]))
 
     def prepare(row: InputRow):
+        if visual is None and not task.new_samples:
+            return None  # only a text field added to committed samples: their media need no reading
         data = _read_bytes(row.uri, settings.get("input_storage_options"))
         if visual is None:
             return None

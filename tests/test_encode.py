@@ -176,9 +176,41 @@ def test_folder_input_with_txt_captions(dataset, tmp_path, cluster):
 def test_fingerprint_mismatch_is_refused(dataset, tmp_path, cluster):
     out = tmp_path / "store"
     encode(tiny_config(), write_manifest(dataset.parent / "two.jsonl", manifest_rows(dataset)[:2]), out, cluster)
-    with pytest.raises(featstore.FingerprintMismatchError, match="text_emb.*different encoder"):
+    with pytest.raises(featstore.FingerprintMismatchError, match="text_emb.*different encoder.*text.field=text_emb_v2"):
         encode(tiny_config("text.max_length=16"), dataset, out, cluster)
     assert len(featstore.open(str(out))) == 2
+
+
+def test_new_field_is_added_to_the_store(dataset, tmp_path, cluster):
+    rows = manifest_rows(dataset)
+    out = tmp_path / "store"
+    encode(tiny_config(), write_manifest(dataset.parent / "five.jsonl", rows[:5]), out, cluster)
+    before = featstore.open(str(out))
+    latents = {sid: before.read(sid, ["latent"])["latent"] for sid in before.sample_ids()}
+    lines: list[str] = []
+    # A changed text encoder under a new field name, on the whole (grown) manifest.
+    changed = tiny_config("text.max_length=16", "text.field=text_short")
+    summary = run_encode(changed, str(dataset), str(out), scheduler=cluster[0], progress=False, log=lines.append)
+    assert summary.samples_written == len(rows) and summary.rejected == 0
+    assert any("adding field(s) text_short" in line for line in lines), lines
+    assert any("adding text_short to 5 sample(s) already in the store" in line for line in lines), lines
+    store = featstore.open(str(out))
+    assert store.format_version == 2 and len(store) == len(rows)
+    assert store.samples_per_field() == {"latent": len(rows), "text_emb": 5, "text_short": len(rows)}
+    for sid, latent in latents.items():  # the first five kept their latents: only the text ran
+        assert store.read(sid, ["latent"])["latent"].tobytes() == latent.tobytes()
+        assert store.fields_of(sid) == ["latent", "text_emb", "text_short"]
+    # The added field holds what a fresh encode with that config writes.
+    fresh_url = tmp_path / "fresh"
+    encode(changed, dataset, fresh_url, cluster)
+    fresh = featstore.open(str(fresh_url))
+    for sid in store.sample_ids():
+        assert store.read(sid, ["text_short"])["text_short"].tobytes() == fresh.read(sid, ["text_short"])["text_short"].tobytes()
+    again = encode(changed, dataset, out, cluster)
+    assert again.samples_written == 0 and again.samples_skipped == len(rows)
+    assert subprocess.run([str(Path(sys.executable).parent / "mmcache"), "verify", str(out)], capture_output=True).returncode == 0
+    info = subprocess.run([str(Path(sys.executable).parent / "mmcache"), "info", str(out)], capture_output=True, text=True).stdout
+    assert "text_emb: bfloat16, 2-D, in 5 of the" in info
 
 
 def _committed_shards(store: Path) -> int:

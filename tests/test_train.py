@@ -4,6 +4,7 @@ torchrun; parity across world sizes, resume, fingerprints, bad configs."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -113,6 +114,20 @@ def test_fingerprint_mismatch_is_refused(store, tmp_path):
     result = fit(store, tmp_path / "run", "--steps", "1", "--set", "data.expect_fingerprints.latent=other", check=False)
     assert result.returncode != 0 and "expects other" in result.stderr and "allow_fingerprint_mismatch" in result.stderr
     fit(store, tmp_path / "run", "--steps", "1", "--set", "data.expect_fingerprints.latent=other", "--set", "data.allow_fingerprint_mismatch=true")
+
+
+def test_trains_on_a_field_only_some_samples_have(store, tmp_path):
+    url = tmp_path / "store"
+    shutil.copytree(store, url)
+    added = featstore.open(str(url), mode="a")
+    added.add_fields({"text_v2": {"dtype": "bfloat16", "ndim": 2, "meta": {"hidden_size": 16}}})
+    with added.writer(fields=["text_v2"]) as writer:
+        for sid in added.sample_ids()[:10]:
+            writer.add(sid, {"text_v2": np.ones((5, 16), dtype=ml_dtypes.bfloat16)})
+    run = tmp_path / "run"
+    result = fit(str(url), run, "--steps", "2", "--set", "data.text_field=text_v2")
+    assert "training on 10 of the 24 samples: 14 lack 'latent' or 'text_v2'" in result.stdout + result.stderr
+    assert len(losses(run)) == 2
 
 
 def test_bad_configs_give_clear_errors(store, tmp_path):

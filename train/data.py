@@ -100,8 +100,14 @@ class FeatureStream:
 
     def __init__(self, store: featstore.Store, *, latent_field: str, text_field: str, global_batch: int, seed: int,
                  dp_size: int, dp_rank: int, balance, cost, tokens_per_sample) -> None:
-        if len(store) == 0:
-            raise featstore.SchemaError(f"{store.url} has no samples to train on")
+        # A store may hold a field for only some samples (one added after they were encoded).
+        ids = store.sample_ids(with_fields=[latent_field, text_field])
+        if not ids:
+            counts = store.samples_per_field()
+            raise featstore.SchemaError(
+                f"{store.url} has no samples with both {latent_field!r} and {text_field!r} to train on "
+                f"(samples per field: {counts.get(latent_field, 0)} and {counts.get(text_field, 0)})"
+            )
         if global_batch < dp_size:
             raise featstore.SchemaError(f"data.global_batch={global_batch} is smaller than the {dp_size} data-parallel ranks; raise it")
         self.store = store
@@ -110,9 +116,10 @@ class FeatureStream:
         self.global_batch, self.seed = global_batch, seed
         self.dp_size, self.dp_rank = dp_size, dp_rank
         self.balance, self.cost = balance, cost
-        self.num_samples = len(store)
-        self.rows = np.array([store.row(i) for i in store.sample_ids()], dtype=np.int64)
-        self.shapes = [tuple(store.shape(i, latent_field)) for i in store.sample_ids()]
+        self.num_samples = len(ids)
+        self.skipped = len(store) - len(ids)  # samples lacking one of the two fields
+        self.rows = np.array([store.row(i) for i in ids], dtype=np.int64)
+        self.shapes = [tuple(store.shape(i, latent_field)) for i in ids]
         self.tokens = [int(tokens_per_sample(s)) for s in self.shapes]
 
     def epoch_order(self, epoch: int) -> np.ndarray:

@@ -65,8 +65,11 @@ def input_sizes(store: featstore.Store, config: TrainConfig) -> dict[str, int]:
     latent = store.fields[config.data.latent_field]
     text = store.fields[config.data.text_field]
     # Sizes come from the schema, so one preset trains on stores of any encoder.
-    channels = latent.meta.get("latent_channels") or store.shape(store.sample_ids()[0], latent.name)[0]
-    text_dim = text.meta.get("hidden_size") or store.shape(store.sample_ids()[0], text.name)[1]
+    first = (store.sample_ids(with_fields=[latent.name, text.name]) or [None])[0]
+    if first is None and not (latent.meta.get("latent_channels") and text.meta.get("hidden_size")):
+        raise featstore.SchemaError(f"{store.url} has no sample with both {latent.name!r} and {text.name!r} to size the model from")
+    channels = latent.meta.get("latent_channels") or store.shape(first, latent.name)[0]
+    text_dim = text.meta.get("hidden_size") or store.shape(first, text.name)[1]
     return {"in_channels": int(channels), "text_dim": int(text_dim)}
 
 
@@ -169,6 +172,8 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
         dp_size=dims.dp_size, dp_rank=meshes.dp_rank, balance=config.balance, cost=config.balance.cost_model(dim),
         tokens_per_sample=lambda shape: family.tokens_per_sample(model_config, shape),
     )
+    if stream.skipped:
+        log(f"training on {stream.num_samples} of the {len(store)} samples: {stream.skipped} lack {fields[0]!r} or {fields[1]!r}")
     dtype = torch.float32
     normalisation = latent_normalisation(store.fields[fields[0]].meta)
     if rank == 0 and start and (run / "metrics.jsonl").exists():

@@ -160,21 +160,31 @@ class StoreConformance:
         with featstore.create(url, fields=FIELDS) as writer:
             for sample_id, arrays, meta in samples:
                 writer.add(sample_id, arrays, meta)
+        # And a field added later, for some samples (format version 2).
+        store = featstore.open(url, mode="a")
+        store.add_fields({"extra": {"dtype": "int32", "ndim": 1}})
+        with store.writer(fields=["extra"]) as writer:
+            for i, (sample_id, arrays, _) in enumerate(samples[:3]):
+                arrays["extra"] = np.arange(i + 2, dtype=np.int32)
+                writer.add(sample_id, {"extra": arrays["extra"]})
         # The recipe docs/FORMAT.md gives, with no mmcache code: the index from Parquet files,
         # the bytes from zarr.
         fs, root = fsspec.core.url_to_fs(url)
         parts = sorted(fs.glob(f"{root}/index/*.parquet"))
-        rows = {}
+        where = {}
         for part in parts:
             shard = part.rsplit("/", 1)[-1].rsplit(".", 2)[0]  # <shard>.<crc32c>.parquet
             with fs.open(part, "rb") as fh:
                 for row in pq.read_table(fh, use_threads=False).to_pylist():
-                    rows[row["id"]] = {**row, "shard": shard}
+                    for column in row:
+                        if column.endswith(".offset"):
+                            where[row["id"], column[: -len(".offset")]] = (shard, row)
+        assert len(where) == 5 * 2 + 3
         zstore = zarr.storage.LocalStore(root) if fs.protocol in ("file", ("file", "local")) else zarr.storage.FsspecStore.from_url(url, read_only=True)
         for sample_id, arrays, _ in samples:
-            row = rows[sample_id]
             for name, expected in arrays.items():
-                array = zarr.open_array(zstore, path=f"shards/{row['shard']}/{name}", mode="r")
+                shard, row = where[sample_id, name]
+                array = zarr.open_array(zstore, path=f"shards/{shard}/{name}", mode="r")
                 flat = array[row[f"{name}.offset"] : row[f"{name}.offset"] + expected.size]
                 if array.attrs["mmcache"]["dtype"] == "bfloat16":
                     flat = flat.view(ml_dtypes.bfloat16)
