@@ -155,10 +155,11 @@ def _put_manifest(src: Storage, dest: Storage) -> None:
             raise NotAStoreError(f"{dest.url} exists, is not empty and is not a feature store; copy into a new location")
     elif existing != raw:
         theirs = fmt.parse_root_group(existing, dest.url)
-        same_fields = {n: f["dtype"] for n, f in theirs["fields"].items()} == {n: f["dtype"] for n, f in manifest["fields"].items()}
+        # The same store, if its fields are the source's (or some of them: fields added since).
+        same_fields = all(manifest["fields"].get(n, {}).get("dtype") == f["dtype"] for n, f in theirs["fields"].items())
         if not same_fields or theirs.get("attrs") != manifest.get("attrs"):
             raise SchemaError(f"{dest.url} holds a different feature store (fields {sorted(theirs['fields'])}); copy into a new location")
-        # The same store, its manifest since completed (ndims fixed by a first commit): take the source's.
+        # Its manifest since completed (ndims fixed by a first commit, fields added): take the source's.
     if existing != raw:
         if not dest.exists(f"{fmt.SHARDS_DIR}/zarr.json"):
             dest.write_atomic(f"{fmt.SHARDS_DIR}/zarr.json", fmt.group_json())

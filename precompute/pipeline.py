@@ -293,6 +293,8 @@ def _open_or_create(url: str, fields: dict[str, Any], storage_options: dict[str,
                 f"under a new field name, which is added to this store (e.g. --set {spec['meta']['section']}.field={name}_v2), "
                 "or write to a new --output"
             )
+    if unwritten := [name for name in store.fields if name not in fields]:
+        log(f"note: this config does not write {', '.join(unwritten)}, which {store.url} holds: new samples will lack it")
     if new:
         log(f"adding field(s) {', '.join(new)} to {store.url} (it holds {', '.join(store.fields)})")
         store.add_fields(new)

@@ -129,7 +129,9 @@ def encode_task(
     if store.has_shard(task.shard):
         result.skipped = True
         return asdict(result)
-    encoders = {section: encoder for section, encoder in loaded_encoders(specs, device, threads).items() if set(encoder.fields()) & set(task.fields)}
+    configured = loaded_encoders(specs, device, threads)
+    # Only the encoders of the fields this task writes run (a field added to committed samples).
+    encoders = {section: encoder for section, encoder in configured.items() if set(encoder.fields()) & set(task.fields)}
     resize = ResizeConfig(**settings["resize"])
     frames = FrameSampling(**settings["frames"])
     # One task is one shard, whatever its size: an automatic mid-task commit would get a name a
@@ -140,24 +142,28 @@ def encode_task(
         writer.reject(row.source, reason, id=row.sample_id)
         result.rejected += 1
 
-    visual = encoders.get("vae") or encoders.get("vit")
-    rule = visual.size_rule() if visual is not None else None
-    if rule is not None and rule.fixed_size is None:
-        import dataclasses
-        import math
+    # Each visual encoder gets the pixel size its own rule gives (a VAE: any multiple of its
+    # patch; a ViT: often one fixed size), the same whichever of them runs in this task, so a
+    # field added later sees the input it would have had in the first run.
+    rules = {section: _size_rule(configured[section], settings["size_multiple"]) for section in ("vae", "vit") if section in encoders}
+    # The config's first visual encoder owns the plain provenance columns (crop_*, width, height);
+    # another with a different input gets them prefixed with its section ("vit_width", ...).
+    primary = next((section for section in ("vae", "vit") if section in configured), None)
 
-        rule = dataclasses.replace(rule, spatial_multiple=math.lcm(rule.spatial_multiple, settings["size_multiple"]))
-
-    def prepare(row: InputRow):
-        if visual is None and not task.new_samples:
+    def prepare(row: InputRow) -> dict[str, Any] | None:
+        if not rules and not task.new_samples:
             return None  # only a text field added to committed samples: their media need no reading
         data = _read_bytes(row.uri, settings.get("input_storage_options"))
-        if visual is None:
+        if not rules:
             return None
         from precompute.media import prepare as prepare_media
 
-        # Provenance and messages get the URL without a signature or token, never the credential.
-        return prepare_media(data, redact_url(row.uri), modality=row.modality, resize=resize, rule=rule, sampling=frames)
+        prepared: dict[str, Any] = {}
+        for section, rule in rules.items():
+            same = next((p for s, p in prepared.items() if rules[s] == rule), None)
+            # Provenance and messages get the URL without a signature or token, never the credential.
+            prepared[section] = same or prepare_media(data, redact_url(row.uri), modality=row.modality, resize=resize, rule=rule, sampling=frames)
+        return prepared
 
     done: list[tuple[InputRow, dict[str, np.ndarray], dict[str, Any]]] = []
     with ThreadPoolExecutor(settings["decode_threads"], thread_name_prefix="decode") as pool:
@@ -165,7 +171,7 @@ def encode_task(
         # works on the batches already formed.
         futures = [(row, pool.submit(prepare, row)) for row in task.rows]
         for batch in _bucketed(futures, settings["batch_size"], reject, MediaError):
-            _encode_batch(batch, encoders, reject, done)
+            _encode_batch(batch, encoders, reject, done, primary)
     _encode_text(done, encoders.get("text"), settings["batch_size"], reject)
     for row, arrays, meta in done:
         if arrays is not None:
@@ -198,6 +204,17 @@ def _read_bytes(uri: str, storage_options: dict[str, Any] | None) -> bytes:
     return data
 
 
+def _size_rule(encoder: Any, size_multiple: int):
+    """The encoder's size rule, its free sizes also multiples of ``size_multiple`` (the trainer's patch)."""
+    import dataclasses
+    import math
+
+    rule = encoder.size_rule()
+    if rule.fixed_size is None:
+        rule = dataclasses.replace(rule, spatial_multiple=math.lcm(rule.spatial_multiple, size_multiple))
+    return rule
+
+
 def _bucketed(futures, batch_size: int, reject, media_error) -> Iterator[list[tuple[InputRow, Any]]]:
     """Prepared inputs grouped by shape (the encoder stacks a batch), in batches of batch_size."""
     buckets: dict[tuple, list[tuple[InputRow, Any]]] = {}
@@ -207,7 +224,7 @@ def _bucketed(futures, batch_size: int, reject, media_error) -> Iterator[list[tu
         except media_error as exc:
             reject(row, exc.reason)
             continue
-        key = (row.modality, prepared.pixels.shape) if prepared is not None else ("text",)
+        key = (row.modality, *(p.pixels.shape for p in prepared.values())) if prepared is not None else ("text",)
         bucket = buckets.setdefault(key, [])
         bucket.append((row, prepared))
         if len(bucket) >= batch_size:
@@ -215,7 +232,25 @@ def _bucketed(futures, batch_size: int, reject, media_error) -> Iterator[list[tu
     yield from (b for b in buckets.values() if b)
 
 
-def _encode_batch(batch, encoders: dict[str, Any], reject, done: list) -> None:
+_GEOMETRY = ("crop_left", "crop_top", "crop_width", "crop_height", "width", "height")
+
+
+def _meta(row: InputRow, prepared: dict[str, Any] | None, primary: str | None) -> dict[str, Any]:
+    """Caption and provenance of one sample: the primary visual encoder's input geometry under the
+    plain names, any other's prefixed with its section ("vit_width", ...)."""
+    meta: dict[str, Any] = {"caption": row.caption, "modality": row.modality}
+    if not prepared:
+        return {**meta, "source_uri": redact_url(row.uri)}
+    for section, media in prepared.items():
+        if section == primary:
+            meta.update(media.provenance)
+        else:
+            meta.update({k: v for k, v in media.provenance.items() if k not in _GEOMETRY})  # source, hash, frames: shared
+            meta.update({f"{section}_{k}": media.provenance[k] for k in _GEOMETRY})
+    return meta
+
+
+def _encode_batch(batch, encoders: dict[str, Any], reject, done: list, primary: str | None) -> None:
     from precompute.encoders import EncoderInputError, EncoderOutputError
 
     outputs: list[dict[str, np.ndarray]] = [{} for _ in batch]
@@ -225,7 +260,7 @@ def _encode_batch(batch, encoders: dict[str, Any], reject, done: list) -> None:
             continue
         items = []
         for row, prepared in batch:
-            pixels = prepared.pixels
+            pixels = prepared[section].pixels
             if section == "vae" and row.modality == "image":
                 pixels = pixels[None]  # an image is a one-frame video: latents are C x 1 x h x w
             elif section == "vit" and row.modality == "video":
@@ -251,8 +286,7 @@ def _encode_batch(batch, encoders: dict[str, Any], reject, done: list) -> None:
     for (row, prepared), out in zip(batch, outputs, strict=True):
         if "__rejected__" in out:
             continue
-        meta = {"caption": row.caption, "modality": row.modality, **(prepared.provenance if prepared is not None else {"source_uri": redact_url(row.uri)})}
-        done.append((row, out, meta))
+        done.append((row, out, _meta(row, prepared, primary)))
 
 
 def _encode_text(done: list, encoder: Any, batch_size: int, reject) -> None:

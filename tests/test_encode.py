@@ -213,6 +213,25 @@ def test_new_field_is_added_to_the_store(dataset, tmp_path, cluster):
     assert "text_emb: bfloat16, 2-D, in 5 of the" in info
 
 
+def test_added_vit_field_sees_the_same_input_as_a_fresh_encode(dataset, tmp_path, cluster):
+    rows = manifest_rows(dataset)
+    few = write_manifest(dataset.parent / "few.jsonl", rows[:3] + rows[-2:])  # images and videos
+    out, fresh = tmp_path / "store", tmp_path / "fresh"
+    encode(tiny_config(), few, out, cluster)
+    with_vit = tiny_config("vit.encoder=clip_vision", "vit.path=tiny")
+    assert encode(with_vit, few, out, cluster).samples_written == 5  # only the ViT ran for them
+    encode(with_vit, few, fresh, cluster)
+    store, reference = featstore.open(str(out)), featstore.open(str(fresh))
+    assert store.samples_per_field() == {"latent": 5, "text_emb": 5, "vit_features": 5}
+    for sid in reference.sample_ids():
+        assert store.read(sid, ["vit_features"])["vit_features"].tobytes() == reference.read(sid, ["vit_features"])["vit_features"].tobytes()
+    # Provenance: the VAE's input under the plain names, the ViT's (its own fixed size) prefixed.
+    for row in reference.index.to_pylist():
+        assert (row["vit_width"], row["vit_height"]) == (32, 32)
+        assert row["width"] % 16 == 0 and row["height"] % 16 == 0 and (row["width"], row["height"]) != (32, 32)
+        assert row["vit_crop_width"] <= row["orig_width"] and row["vit_crop_height"] <= row["orig_height"]
+
+
 def _committed_shards(store: Path) -> int:
     return len(list((store / "index").glob("*.parquet"))) if (store / "index").exists() else 0
 

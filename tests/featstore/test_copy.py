@@ -104,15 +104,17 @@ def test_destination_holding_another_store_is_refused(local_store, s3_bucket):
 
 
 def test_copy_of_a_store_with_an_added_field(local_store, s3_bucket):
+    remote = f"{s3_bucket}/with-extra"
+    assert run("copy", local_store, remote).exit_code == 0  # a first copy, before the field is added
     store = featstore.open(local_store, mode="a")
     store.add_fields({"extra": {"dtype": "float32", "ndim": 1}})
     samples = ragged_samples(30)
     with store.writer(fields=["extra"]) as writer:
         for sample_id, arrays, _ in samples[:10]:
             writer.add(sample_id, {"extra": arrays["text"][:, 0].astype("float32")})
-    remote = f"{s3_bucket}/with-extra"
-    result = run("copy", local_store, remote, "--verify")
+    result = run("copy", local_store, remote, "--verify")  # brings the copy up to date
     assert result.exit_code == 0, result.output
+    assert "copied 1 shard(s)" in result.output
     copied = featstore.open(remote)
     assert copied.format_version == 2 and copied.samples_per_field()["extra"] == 10
     assert_same(copied.read(samples[3][0])["extra"], samples[3][1]["text"][:, 0].astype("float32"))
