@@ -163,9 +163,10 @@ def child(args: argparse.Namespace) -> None:
         tokens_per_sample=lambda shape: family.tokens_per_sample(model_config, shape),
     )
     plan0 = stream.plan(0)  # the batch every timed step trains on, and its micro-batch plan
-    ids = store.sample_ids()
-    index = {r["id"]: r for r in store.index.to_pylist()}
-    batch_rows = [index[ids[i]] for i in plan0.global_indices]
+    # The stream's sample positions index the samples holding both fields; their first index
+    # rows carry the provenance (the live variant re-reads the media from it).
+    index = store.index.to_pylist()
+    batch_rows = [index[int(stream.rows[i])] for i in plan0.global_indices]
     live = make_live(args, batch_rows) if args.variant == "live" else None
     rss_ready = maxrss()
 

@@ -200,28 +200,29 @@ class Store:
         for row, sample_id in enumerate(ids):
             self._row_of.setdefault(sample_id, row)
         rows = np.arange(len(ids), dtype=np.int64)
-        duplicates: list[str] = []
+        with_samples = [name for name, info in shards.items() if info.num_samples]
         self._holder: dict[str, np.ndarray] = {}
-        self._dense = True  # every shard holds every field: one row per sample (version 1)
+        # Every shard with samples holds every field, each id once: one row per sample (version 1).
+        self._dense = len(self._row_of) == len(ids) and all(set(shards[n].layouts) == set(self.fields) for n in with_samples)
+        if self._dense:
+            self._holder = {field: rows for field in self.fields}
+            return
+        first = np.fromiter((self._row_of[i] for i in ids), dtype=np.int64, count=len(ids))  # row -> its sample's first row
+        duplicates: list[str] = []
         for field in self.fields:
-            held = [name for name, info in shards.items() if field in info.layouts]
-            if len(held) == len(shards) and len(self._row_of) == len(ids):
-                self._holder[field] = rows  # every shard holds every field once: rows are samples
-                continue
-            self._dense = False
+            held = [self._shard_rows[n] for n in with_samples if field in shards[n].layouts]
+            holding = np.concatenate([np.arange(r.start, r.stop, dtype=np.int64) for r in held]) if held else rows[:0]
+            samples, at = np.unique(first[holding], return_index=True)  # first occurrence wins
             holder = np.full(len(ids), -1, dtype=np.int64)
-            for name in held:
-                for row in self._shard_rows[name]:
-                    first = self._row_of[ids[row]]
-                    if holder[first] >= 0:
-                        duplicates.append(f"{ids[row]}.{field}")
-                    else:
-                        holder[first] = row
+            holder[samples] = holding[at]
+            if len(samples) < len(holding):
+                extra = np.setdiff1d(np.arange(len(holding)), at)
+                duplicates.extend(f"{ids[int(holding[i])]}.{field}" for i in extra[:5])
             self._holder[field] = holder
         if duplicates:
             # Only concurrent writers given overlapping inputs can cause this; keep the first
             # (shards are listed in name order, so the choice is deterministic) and say so.
-            warnings.warn(f"{self.url}: {len(duplicates)} sample field(s) appear in more than one shard, e.g. {duplicates[0]!r}; `mmcache verify` lists them", stacklevel=4)
+            warnings.warn(f"{self.url}: sample field(s) appear in more than one shard, e.g. {duplicates[0]!r}; `mmcache verify` lists them", stacklevel=4)
 
     def _read_parts(self, keys: list[str]) -> Iterator[bytes]:
         """Index parts in order; from an object store many at once (one request each)."""
@@ -336,8 +337,8 @@ class Store:
         out = {}
         first = row
         for name in self._fields_to_read(first, fields):
-            spec = specs[name]
             row = self._holder_row(first, name)
+            spec = specs[name]
             shard = self._shard_of[row]
             shape = self._shapes[name][row]
             array = np.empty(shape, dtype=spec.numpy_dtype)
@@ -385,7 +386,7 @@ class Store:
         """Every sample of one shard with the shard's fields (or ``fields``, which it must hold),
         from one large read per field (the fast full-scan path)."""
         held = self.shards[shard].layouts
-        if fields and (absent := [f for f in fields if f not in held]):
+        if fields and self.shards[shard].num_samples and (absent := [f for f in fields if f not in held]):
             raise SchemaError(f"{self.url}: shard {shard!r} holds {sorted(held)}, not {absent}")
         return self._samples_of(shard, self._read_shard(shard, fields), whole=False)
 
@@ -417,6 +418,17 @@ class Store:
         }
         # A dense store's shard has every field of every sample it lists: nothing to join.
         whole = whole and not (self._dense and all(f in buffers for f in fields or self.fields))
+        elsewhere: dict[int, dict[str, np.ndarray]] = {}
+        if whole:
+            # Fields of this shard's samples that other shards hold: one batched read per field set.
+            wanted: dict[tuple[str, ...], list[int]] = {}
+            for row in rows:
+                if self._row_of[self._ids[row]] == row:
+                    names = tuple(f for f in self._fields_to_read(row, fields) if f not in buffers)
+                    if names:
+                        wanted.setdefault(names, []).append(row)
+            for names, group in wanted.items():
+                elsewhere.update(zip(group, self.read_rows(group, list(names)), strict=True))
         for i, row in enumerate(rows):
             sample_id = self._ids[row]
             if whole and self._row_of[sample_id] != row:
@@ -428,10 +440,7 @@ class Store:
                 if self.verify_reads and fmt.crc32c(array) != crcs[i]:
                     raise CorruptionError(f"{self.url}: sample {sample_id!r} field {name!r} in shard {shard!r} fails its checksum")
                 sample[name] = array
-            if whole:
-                elsewhere = [f for f in self._fields_to_read(row, fields) if f not in sample]
-                if elsewhere:
-                    sample.update(self.read_row(row, elsewhere))
+            sample.update(elsewhere.get(row, {}))
             yield sample_id, sample
 
     def scan(self, fields: Sequence[str] | None = None, readahead: int = 1) -> Iterator[tuple[str, dict[str, np.ndarray]]]:

@@ -280,11 +280,15 @@ class StoreConformance:
         store.add_fields({"vit": {"dtype": "float32", "ndim": 2, "meta": {"section": "vit"}}})
         rng = np.random.default_rng(5)
         vit = {sid: random_array(rng, "float32", (int(rng.integers(1, 5)), 3)) for sid, _, _ in samples[:7]}
-        with store.writer(fields=["vit"], shard_prefix="vit") as writer:
-            for sid, array in vit.items():
+        # Two shards of the new field: one sorting before the first shards, one after.
+        with store.writer(fields=["vit"], shard_prefix="0000", shard_bytes=1 << 40) as writer:
+            for sid, array in list(vit.items())[:4]:
                 writer.add(sid, {"vit": array}, {"vit_source": f"image of {sid}"})
             with pytest.raises(featstore.DuplicateSampleError):
                 writer.add(samples[0][0], {"vit": vit[samples[0][0]]})  # already pending
+        with store.writer(fields=["vit"], shard_prefix="zzzz") as writer:
+            for sid, array in list(vit.items())[4:]:
+                writer.add(sid, {"vit": array}, {"vit_source": f"image of {sid}"})
         with pytest.raises(featstore.SchemaError, match="missing field"):
             store.writer(fields=["vit"]).add(samples[8][0], {"latent": samples[8][1]["latent"]})
 
