@@ -286,6 +286,9 @@ class CachingStorage(Storage):
     def list_dir(self, prefix: str) -> list[str]:
         return self.remote.list_dir(prefix)
 
+    def list_names(self, prefix: str, start: str) -> list[str]:
+        return self.remote.list_names(prefix, start)
+
     @property
     def is_remote(self) -> bool:
         return self.remote.is_remote

@@ -281,7 +281,7 @@ class Store:
         """True when shard ``name`` is committed (checked against storage, not the snapshot)."""
         if name in self.shards:
             return True
-        return any((parsed := fmt.parse_index_part_name(entry)) and parsed[0] == name for entry in self.storage.list_dir(fmt.INDEX_DIR))
+        return any((parsed := fmt.parse_index_part_name(entry)) and parsed[0] == name for entry in self.storage.list_names(fmt.INDEX_DIR, f"{name}."))
 
     @property
     def rejects(self) -> pa.Table:

@@ -75,6 +75,10 @@ class Storage:
         """Names (not paths) directly under ``prefix``; empty if it does not exist."""
         raise NotImplementedError
 
+    def list_names(self, prefix: str, start: str) -> list[str]:
+        """Names directly under ``prefix`` that begin with ``start``."""
+        return [name for name in self.list_dir(prefix) if name.startswith(start)]
+
     def is_empty(self) -> bool:
         return not self.list_dir("")
 
@@ -327,5 +331,24 @@ class FsspecStorage(Storage):
             except FileNotFoundError:
                 return []
             return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != path.rstrip("/")})
+
+        return self._call("list", prefix, listing)
+
+    def list_names(self, prefix: str, start: str) -> list[str]:
+        # Object stores filter by key prefix on the server (s3fs: find(prefix=...)): asking
+        # whether one shard is committed must not page through every index part of the store.
+        import inspect
+
+        if "prefix" not in inspect.signature(self.fs.find).parameters:
+            return super().list_names(prefix, start)
+        path = self._path(prefix)
+
+        def listing() -> list[str]:
+            self.fs.invalidate_cache(path)
+            try:
+                entries = self.fs.find(path, maxdepth=1, prefix=start)
+            except FileNotFoundError:
+                return []
+            return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries} - {""})
 
         return self._call("list", prefix, listing)

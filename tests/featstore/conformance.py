@@ -17,6 +17,7 @@ import zarr
 
 import featstore
 from featstore import format as fmt
+from featstore.reader import open_store
 from featstore.verify import verify_store
 
 ALL_DTYPES = list(fmt.DTYPES)
@@ -265,8 +266,12 @@ class StoreConformance:
             writer.add(sample_id, arrays, meta)
         writer.commit("task-0001")
         writer.close()
-        store = featstore.open(url, mode="a")
-        assert store.has_shard("task-0001") and not store.has_shard("task-0002")
+        with featstore.append(url) as other:
+            other.add("another", samples[0][1])
+            other.commit("task-0001.b")  # a name that extends the first one
+        store = open_store(url, mode="a", load_index=False)  # as an encode task asks
+        assert store.has_shard("task-0001") and store.has_shard("task-0001.b")
+        assert not store.has_shard("task-0002") and not store.has_shard("task-000") and not store.has_shard("task-0001.c")
 
     # ---- adding a field to a store that has samples ------------------------------------
     def test_add_field_to_committed_samples(self, url: str) -> None:
