@@ -112,7 +112,8 @@ def _verify_shard(store: Store, name: str, info: Any, report: VerifyReport) -> N
         else:
             blobs[key] = blob
     rows = store._shard_rows[name]
-    report.samples_checked += info.num_samples
+    # Counted once per sample, at its first row (a sample spread over shards is one sample).
+    report.samples_checked += sum(1 for row in rows if store._row_of.get(store._ids[row]) == row)
     if info.num_samples and not info.layouts:
         report.problems.append(f"shard {name!r}: {info.num_samples} samples but no field layouts recorded")
     for fname, layout in info.layouts.items():

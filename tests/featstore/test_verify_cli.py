@@ -161,7 +161,8 @@ def test_info_and_verify_with_an_added_field(store_url):
     assert info["format_version"] == 2 and info["num_samples"] == 12
     assert info["samples_per_field"] == {"latent": 12, "text": 12, "text2": 3}
     assert "text2: float16, 2-D, in 3 of the samples" in run("info", store_url).output
-    assert run("verify", store_url).exit_code == 0
+    checked = run("verify", store_url)
+    assert checked.exit_code == 0 and ", 12 sample(s)," in checked.output
     # Two writers that each added the same sample's field (a producer bug): verify names it.
     _add_text2(store_url, ["s-0001"], "again")
     with pytest.warns(UserWarning, match="more than one shard"):
