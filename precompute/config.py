@@ -24,6 +24,9 @@ class DataConfig:
     allow_empty_caption: bool = False
     allow_outside_root: bool = False  # absolute paths, URLs and '..' in a manifest
     retry_rejects: bool = False       # a re-run normally skips inputs already rejected
+    # A re-run reports committed samples whose caption changed; with this it also re-reads their
+    # files and reports those whose bytes changed (a full read of every committed input).
+    check_content: bool = False
 
 
 @dataclass(kw_only=True)

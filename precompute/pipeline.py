@@ -29,6 +29,8 @@ from featstore.secrets import RedactedOptions
 from precompute.config import TINY_PATH, EncodeConfig, default_cache_dir
 from precompute.devices import resolve_device, worker_device
 from precompute.inputs import InputRow, Reject, read_inputs
+from precompute.stale import describe as describe_stale
+from precompute.stale import stale_samples
 from precompute.tasks import QUIET_OFFLINE_ENV, EncoderSpec, TaskSpec, describe_encoders, encode_task
 
 
@@ -54,13 +56,15 @@ class EncodeSummary:
     rejected: int
     seconds: float
     startup_seconds: float
+    stale: int = 0  # committed samples whose input changed since (reported, not re-encoded)
 
     def line(self) -> str:
         rate = self.samples_written / self.seconds if self.seconds > 0 else 0.0
+        changed = f" ({self.stale} of them changed since: see the warning)" if self.stale else ""
         return (
             f"encoded {self.samples_written} sample(s) in {self.tasks - self.tasks_skipped} task(s) "
             f"({rate:.1f} samples/s; start-up {self.startup_seconds:.1f}s), {self.rejected} rejected, "
-            f"{self.samples_skipped} already in the store -> {self.store_url}"
+            f"{self.samples_skipped} already in the store{changed} -> {self.store_url}"
         )
 
 
@@ -195,6 +199,9 @@ def run_encode(
         log(f"encoders ready on {len(devices)} worker(s) ({device_type}) in {startup:.1f}s")
 
         rejected_before = _rejected_sources(store) if not config.data.retry_rejects else set()
+        stale = stale_samples(rows, store, client=client, storage_options=input_storage_options, check_content=config.data.check_content)
+        if stale:
+            log(describe_stale(stale))
         groups = fields_to_write([r for r in rows if r.source not in rejected_before], store, list(fields))
         todo = sum(len(g) for g in groups.values())
         skipped = len(rows) - todo
@@ -209,7 +216,7 @@ def run_encode(
         per_task = max(1, min(config.run.samples_per_task, -(-todo // (2 * len(addresses)))))
         tasks = [task for (missing, new), group in groups.items() for task in plan_tasks(group, digest, per_task, list(missing), new)]
         summary = _run_tasks(client, tasks, devices, output_url, storage_options, specs, threads, settings, progress, log)
-        summary.update(samples_skipped=skipped, startup_seconds=startup)
+        summary.update(samples_skipped=skipped, startup_seconds=startup, stale=len(stale))
         summary["rejected"] += len(new_plan_rejects)
         return EncodeSummary(store_url=store.url, seconds=time.perf_counter() - t0 - startup, **summary)
     finally:

@@ -153,7 +153,7 @@ def encode_task(
     def prepare(row: InputRow) -> dict[str, Any] | None:
         if not rules and not task.new_samples:
             return None  # only a text field added to committed samples: their media need no reading
-        data = _read_bytes(row.uri, settings.get("input_storage_options"))
+        data = read_input_bytes(row.uri, settings.get("input_storage_options"))
         if not rules:
             return None
         from precompute.media import prepare as prepare_media
@@ -183,7 +183,7 @@ def encode_task(
     return asdict(result)
 
 
-def _read_bytes(uri: str, storage_options: dict[str, Any] | None) -> bytes:
+def read_input_bytes(uri: str, storage_options: dict[str, Any] | None) -> bytes:
     """A source file's bytes. Transient faults of an object store are retried; one that
     persists fails the task (Dask retries it), never turning a readable input into a reject."""
     from precompute.media import MediaError

@@ -232,6 +232,29 @@ def test_added_vit_field_sees_the_same_input_as_a_fresh_encode(dataset, tmp_path
         assert row["vit_crop_width"] <= row["orig_width"] and row["vit_crop_height"] <= row["orig_height"]
 
 
+def test_changed_inputs_of_committed_samples_are_reported(dataset, tmp_path, cluster):
+    root = tmp_path / "data"
+    shutil.copytree(dataset.parent / "media", root / "media")
+    rows = manifest_rows(dataset)[:4]
+    manifest = write_manifest(root / "m.jsonl", rows)
+    out = tmp_path / "store"
+    encode(tiny_config(), manifest, out, cluster)
+    before = {sid: featstore.open(str(out)).read(sid) for sid in featstore.open(str(out)).sample_ids()}
+    rows[0] = {**rows[0], "caption": rows[0]["caption"] + " (edited)"}
+    write_manifest(manifest, rows)
+    shutil.copyfile(root / rows[3]["path"], root / rows[2]["path"])  # a file replaced in place
+    lines: list[str] = []
+    summary = run_encode(tiny_config(), str(manifest), str(out), scheduler=cluster[0], progress=False, log=lines.append)
+    assert summary.stale == 1 and summary.samples_written == 0  # captions are compared on every run
+    checked = run_encode(tiny_config("data.check_content=true"), str(manifest), str(out), scheduler=cluster[0], progress=False, log=lines.append)
+    assert checked.stale == 2 and checked.samples_written == 0
+    warning = next(line for line in lines[::-1] if line.startswith("warning:"))
+    assert "2 committed sample(s) changed" in warning and "1 caption changed" in warning and "1 content changed" in warning
+    store = featstore.open(str(out))  # reported, never overwritten
+    for sid, arrays in before.items():
+        assert all(store.read(sid)[k].tobytes() == v.tobytes() for k, v in arrays.items())
+
+
 def _committed_shards(store: Path) -> int:
     return len(list((store / "index").glob("*.parquet"))) if (store / "index").exists() else 0
 

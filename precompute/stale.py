@@ -1,0 +1,79 @@
+"""Committed samples whose inputs changed after they were encoded.
+
+A re-run identifies samples by id and skips the committed ones, so an edited caption, or a file
+replaced under the same path, would keep its old features without a word: the stale per-sample
+files this tool exists to end. So a re-run compares each committed row's caption with the one
+the store recorded (free: the client has the index), and with ``data.check_content`` the sha256
+of its bytes with the recorded ``content_hash`` (a full read of every committed input, spread
+over the workers). Changed samples are reported, never overwritten: committed features are
+immutable, so re-encoding one means a new id or a new store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import featstore
+from precompute.inputs import InputRow
+
+# Inputs hashed per Dask task: enough to amortise a task, few enough to spread over workers.
+HASH_BATCH = 64
+
+
+def stale_samples(rows: list[InputRow], store: featstore.Store, *, client=None, storage_options: dict[str, Any] | None = None,
+                  check_content: bool = False) -> dict[str, str]:
+    """Sample id -> what changed, for the manifest rows already committed in ``store``."""
+    committed = [row for row in rows if row.sample_id in store]
+    if not committed:
+        return {}
+    index = store.index
+
+    def column(name: str) -> list[Any] | None:
+        return index.column(name).to_pylist() if name in index.column_names else None
+
+    captions, hashes = column("caption"), column("content_hash")
+    stale: dict[str, str] = {}
+    for row in committed:
+        recorded = captions[store.row(row.sample_id)] if captions is not None else None
+        if recorded is not None and recorded != row.caption:
+            stale[row.sample_id] = "caption changed"
+    if check_content and hashes is not None and client is not None:
+        todo = [(row.sample_id, row.uri, hashes[store.row(row.sample_id)]) for row in committed if row.sample_id not in stale]
+        todo = [item for item in todo if item[2]]  # text-only samples record no content hash
+        batches = [todo[i : i + HASH_BATCH] for i in range(0, len(todo), HASH_BATCH)]
+        futures = client.map(changed_contents, batches, storage_options=storage_options, pure=False, retries=3)
+        for future in futures:
+            stale.update(future.result())
+    return stale
+
+
+def changed_contents(items: list[tuple[str, str, str]], storage_options: dict[str, Any] | None) -> dict[str, str]:
+    """(sample id, uri, recorded sha256) -> the ids whose input now differs (run on a worker)."""
+    from precompute.media import MediaError
+    from precompute.tasks import read_input_bytes
+
+    changed = {}
+    for sample_id, uri, recorded in items:
+        try:
+            digest = hashlib.sha256(read_input_bytes(uri, storage_options)).hexdigest()
+        except MediaError as exc:
+            changed[sample_id] = f"input unreadable now ({exc.reason})"
+            continue
+        if digest != recorded:
+            changed[sample_id] = "content changed"
+    return changed
+
+
+def describe(stale: dict[str, str]) -> str:
+    """One log line: how many, why, an example, and what to do."""
+    reasons: dict[str, int] = {}
+    for reason in stale.values():
+        reasons[reason] = reasons.get(reason, 0) + 1
+    example = next(iter(stale))
+    counts = ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items()))
+    return (
+        f"warning: {len(stale)} committed sample(s) changed since they were encoded ({counts}; e.g. {example!r}); "
+        "they keep their old features. To re-encode them, give them new ids (the manifest's `id` column) "
+        "or encode into a new --output"
+    )
