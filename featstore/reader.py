@@ -9,14 +9,11 @@ set of shards. A sample read is, per field, one ranged read computed from the za
 from __future__ import annotations
 
 import io
-import json
 import math
 import os
 import threading
-import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,19 +24,9 @@ from featstore import format as fmt
 
 # Arrow's thread pools can abort the interpreter at exit (apache/arrow#34314); index parts are
 # small, so every Parquet read and write here is single-threaded.
-from featstore.errors import CorruptionError, FormatVersionError, MissingFieldError, NotAStoreError, ReadOnlyError, SchemaError, SnapshotError
+from featstore.errors import CorruptionError, MissingFieldError, NotAStoreError, ReadOnlyError, SchemaError
+from featstore.snapshot import ShardInfo, load_snapshot
 from featstore.storage import Storage, open_storage
-
-
-@dataclass(frozen=True)
-class ShardInfo:
-    name: str
-    num_samples: int
-    num_rejected: int
-    layouts: dict[str, fmt.ChunkLayout]
-    objects: dict[str, dict[str, int]]
-    index_key: str
-    index_nbytes: int
 
 
 class Store:
@@ -145,94 +132,16 @@ class Store:
 
     # ---- index --------------------------------------------------------------------------
     def _load_index(self, list_parts: bool = True, only: Sequence[str] | None = None) -> None:
-        tables, shards = [], {}
-        wanted = None if only is None else set(only)
-        parts = []
-        for entry in self.storage.list_dir(fmt.INDEX_DIR) if list_parts else ():
-            parsed = fmt.parse_index_part_name(entry)
-            if parsed is None:
-                continue  # a temporary file of a commit in progress, or foreign
-            if wanted is not None and parsed[0] not in wanted:
-                continue  # committed after the snapshot was taken
-            parts.append((entry, *parsed))
-        for (entry, name, crc), raw in zip(parts, self._read_parts([f"{fmt.INDEX_DIR}/{p[0]}" for p in parts]), strict=True):
-            key = f"{fmt.INDEX_DIR}/{entry}"
-            try:
-                if name in shards:
-                    raise CorruptionError(f"{self.url}: shard {name!r} has two index parts")
-                if fmt.crc32c(raw) != crc:
-                    raise CorruptionError(f"{self.url}/{key}: index part of shard {name!r} fails its checksum")
-                table, info = _parse_index_part(raw, name, key, self.url)
-            except CorruptionError as exc:
-                if self.strict:
-                    raise CorruptionError(f"{exc}; run `mmcache verify {self.url}` for a full report") from None
-                self.damaged[name] = str(exc)
-                continue
-            tables.append(table.append_column("shard", pa.array([name] * table.num_rows, pa.string())))
-            shards[name] = info
-        if wanted is not None and (gone := sorted(wanted - set(shards) - set(self.damaged))):
-            raise SnapshotError(
-                f"{self.url}: {len(gone)} shard(s) of the requested snapshot are not committed there, e.g. {gone[0]!r}; "
-                "the store was changed or is a different one"
-            )
-        self.shards: dict[str, ShardInfo] = shards
+        snap = load_snapshot(self.storage, list(self.fields), strict=self.strict, list_parts=list_parts, only=only)
+        self.damaged.update(snap.damaged)
+        self.shards: dict[str, ShardInfo] = snap.shards
         # Committed objects never change: a caching layer may key its entries on their checksums.
-        self.storage.known_objects({key: obj for info in shards.values() for key, obj in info.objects.items()})
-        table = pa.concat_tables(tables, promote_options="permissive") if tables else pa.table({"id": pa.array([], pa.string()), "shard": pa.array([], pa.string())})
-        self.index: pa.Table = table
-        ids = table.column("id").to_pylist()
-        self._ids = ids
-        self._shard_of = table.column("shard").to_pylist()
-        # Index parts are concatenated in shard order, so each shard's rows are one range.
-        starts = np.cumsum([0] + [info.num_samples for info in shards.values()])
-        self._shard_rows = {name: range(int(a), int(b)) for name, a, b in zip(shards, starts[:-1], starts[1:])}
+        self.storage.known_objects({key: obj for info in snap.shards.values() for key, obj in info.objects.items()})
+        self.index: pa.Table = snap.index
+        self._ids, self._shard_of, self._shard_rows = snap.ids, snap.shard_of, snap.shard_rows
+        self._offsets, self._shapes, self._crcs = snap.offsets, snap.shapes, snap.crcs
+        self._row_of, self._holder, self._dense = snap.row_of, snap.holder, snap.dense
         self._written: dict[str, set[str]] = {}
-        self._offsets = {f: _column_numpy(table, f"{f}.offset") for f in self.fields}
-        self._shapes = {f: [tuple(s) if s is not None else () for s in table.column(f"{f}.shape").to_pylist()] if f"{f}.shape" in table.column_names else [()] * table.num_rows for f in self.fields}
-        self._crcs = {f: _column_numpy(table, f"{f}.crc32c") for f in self.fields}
-        self._locate_fields(ids, shards)
-
-    def _locate_fields(self, ids: list[str], shards: dict[str, ShardInfo]) -> None:
-        """Which index row holds each field of each sample. A sample's row (``row(id)``) is its
-        first; a field added to the store later lives in other shards, under the same id, and
-        ``_holder[field][row]`` points there (-1: the sample does not have that field)."""
-        self._row_of: dict[str, int] = {}
-        for row, sample_id in enumerate(ids):
-            self._row_of.setdefault(sample_id, row)
-        rows = np.arange(len(ids), dtype=np.int64)
-        with_samples = [name for name, info in shards.items() if info.num_samples]
-        self._holder: dict[str, np.ndarray] = {}
-        # Every shard with samples holds every field, each id once: one row per sample (version 1).
-        self._dense = len(self._row_of) == len(ids) and all(set(shards[n].layouts) == set(self.fields) for n in with_samples)
-        if self._dense:
-            self._holder = {field: rows for field in self.fields}
-            return
-        first = np.fromiter((self._row_of[i] for i in ids), dtype=np.int64, count=len(ids))  # row -> its sample's first row
-        duplicates: list[str] = []
-        for field in self.fields:
-            held = [self._shard_rows[n] for n in with_samples if field in shards[n].layouts]
-            holding = np.concatenate([np.arange(r.start, r.stop, dtype=np.int64) for r in held]) if held else rows[:0]
-            samples, at = np.unique(first[holding], return_index=True)  # first occurrence wins
-            holder = np.full(len(ids), -1, dtype=np.int64)
-            holder[samples] = holding[at]
-            if len(samples) < len(holding):
-                extra = np.setdiff1d(np.arange(len(holding)), at)
-                duplicates.extend(f"{ids[int(holding[i])]}.{field}" for i in extra[:5])
-            self._holder[field] = holder
-        if duplicates:
-            # Only concurrent writers given overlapping inputs can cause this; keep the first
-            # (shards are listed in name order, so the choice is deterministic) and say so.
-            warnings.warn(f"{self.url}: sample field(s) appear in more than one shard, e.g. {duplicates[0]!r}; `mmcache verify` lists them", stacklevel=4)
-
-    def _read_parts(self, keys: list[str]) -> Iterator[bytes]:
-        """Index parts in order; from an object store many at once (one request each)."""
-        if not self.storage.is_remote or len(keys) < 2:
-            return (self.storage.read(key) for key in keys)
-        pool = ThreadPoolExecutor(16, thread_name_prefix="featstore-index")
-        try:
-            return iter(list(pool.map(self.storage.read, keys)))
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
 
     def note_committed(self, shard: str, sample_ids: list[str], fields: Sequence[str] | None = None) -> None:
         """Called by a writer of this store after a commit, so its duplicate checks see new ids.
@@ -531,29 +440,6 @@ class Store:
 
 def _data_key(shard: str, field: str) -> str:
     return f"{fmt.SHARDS_DIR}/{shard}/{field}/c/0"
-
-
-def _column_numpy(table: pa.Table, name: str) -> np.ndarray:
-    if name not in table.column_names:
-        return np.zeros(table.num_rows, dtype=np.int64)
-    column = table.column(name)
-    # Rows of shards without this field (added to the store later) are null: never read.
-    return (column.fill_null(0) if column.null_count else column).to_numpy()
-
-
-def _parse_index_part(raw: bytes, name: str, key: str, url: str) -> tuple[pa.Table, ShardInfo]:
-    where = f"{url}/{key}"
-    try:
-        table = pq.read_table(io.BytesIO(raw), use_threads=False)
-        info = json.loads((table.schema.metadata or {})[fmt.COMMIT_METADATA_KEY])
-    except (pa.ArrowException, KeyError, OSError, ValueError) as exc:
-        raise CorruptionError(f"{where} is not a valid index part ({exc})") from None
-    if info.get("format_version", 0) > fmt.FORMAT_VERSION:
-        raise FormatVersionError(f"{where} was written by a newer format version ({info['format_version']})")
-    if table.num_rows != info["num_samples"]:
-        raise CorruptionError(f"{where}: {table.num_rows} rows but the commit record says {info['num_samples']}")
-    layouts = {f: fmt.ChunkLayout(v["elements"], v["chunk_elements"], v["num_chunks"]) for f, v in info["fields"].items()}
-    return table, ShardInfo(name, info["num_samples"], info["num_rejected"], layouts, info["objects"], key, len(raw))
 
 
 def open_store(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *, mode: str = "r", verify_reads: bool = True, strict: bool = True, load_index: bool = True,
