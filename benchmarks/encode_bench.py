@@ -64,7 +64,7 @@ from precompute.config import EncodeConfig  # noqa: E402
 from precompute.inputs import sample_id_for  # noqa: E402
 from precompute.encoders import build_encoder  # noqa: E402
 from precompute.media import prepare as prepare_media  # noqa: E402
-from precompute.pipeline import encoder_specs, run_encode  # noqa: E402
+from precompute.pipeline import encoder_specs, local_cluster, run_encode  # noqa: E402
 
 SHARED = REPO.parent / "shared"
 CORES = os.cpu_count() or 1
@@ -250,10 +250,11 @@ def run_pipeline_warm(w: Workload, out: Path, *, extra: list[str], name: str) ->
     """(info) run_encode on a 2-worker cluster whose workers already hold the encoders (a first
     run_encode into a scratch store loads them): the steady state, without the lazy model load that
     a fresh cluster's second worker does inside the first task it runs."""
-    from distributed import Client, LocalCluster
+    from distributed import Client
 
     config = load_config(EncodeConfig, w.preset, "encode", [*w.overrides, *extra])
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None, silence_logs=50) as cluster:
+    # run_encode's own kind of cluster (its worker settings; the caller's environment kept).
+    with local_cluster(2) as cluster:
         with Client(cluster) as client:
             client.wait_for_workers(2, timeout=120)
         run_encode(config, str(w.manifest), str(out / "warm-up"), scheduler=cluster.scheduler_address, progress=False, log=lambda _line: None)

@@ -12,6 +12,7 @@ A job killed at any moment loses nothing committed; running it again does only w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -128,7 +129,29 @@ def run_encode(
     progress: bool | None = None,
     log=print,
 ) -> EncodeSummary:
-    from distributed import Client, LocalCluster
+    """Encode ``input_url`` into the store at ``output_url``; see the module docstring. The
+    caller's environment is left as it was (run_encode sets quiet/offline variables for the
+    workers, and Dask's nanny writes its own into this process)."""
+    with preserved_environ():
+        return _run_encode(
+            config, input_url, output_url, workers=workers, scheduler=scheduler, storage_options=storage_options,
+            input_storage_options=input_storage_options, progress=progress, log=log,
+        )
+
+
+def _run_encode(
+    config: EncodeConfig,
+    input_url: str,
+    output_url: str,
+    *,
+    workers: int | None = None,
+    scheduler: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    input_storage_options: dict[str, Any] | None = None,
+    progress: bool | None = None,
+    log=print,
+) -> EncodeSummary:
+    from distributed import Client
 
     # Workers inherit the environment: models load from local folders only, without progress
     # bars or hub look-ups cluttering the job's output.
@@ -157,19 +180,13 @@ def run_encode(
     threads = config.run.threads_per_worker or max(1, cores // workers)
     in_process = output_url.startswith("memory://")  # memory:// lives in this process only
 
-    if scheduler:
-        client = Client(scheduler)
-        cluster = None
-    else:
-        import dask
-
-        with dask.config.set(WORKER_CONFIG):
-            cluster = LocalCluster(
-                n_workers=workers, threads_per_worker=1, processes=not in_process,
-                dashboard_address=":0" if _has_bokeh() else None, silence_logs=40,
-            )
-        client = Client(cluster)
-    try:
+    with contextlib.ExitStack() as stack:
+        if scheduler:
+            client = stack.enter_context(Client(scheduler))
+            cluster = None
+        else:
+            cluster = stack.enter_context(local_cluster(workers, processes=not in_process, dashboard=_has_bokeh()))
+            client = stack.enter_context(Client(cluster))
         if client.dashboard_link and _has_bokeh():
             log(f"dask dashboard: {client.dashboard_link}")
         # A local cluster: all its workers; an external one: at least one (more may join later).
@@ -219,10 +236,42 @@ def run_encode(
         summary.update(samples_skipped=skipped, startup_seconds=startup, stale=len(stale))
         summary["rejected"] += len(new_plan_rejects)
         return EncodeSummary(store_url=store.url, seconds=time.perf_counter() - t0 - startup, **summary)
+
+
+@contextlib.contextmanager
+def local_cluster(workers: int, *, processes: bool = True, dashboard: bool = False):
+    """A LocalCluster for encoding (one thread per worker, WORKER_CONFIG applied) that leaves this
+    process's environment as it found it. Dask's nanny puts its pre-spawn variables
+    (OMP_NUM_THREADS=1, MKL_NUM_THREADS=1, MALLOC_TRIM_THRESHOLD_ unless told otherwise) into
+    the parent's own ``os.environ`` before it spawns a worker, so without this they leak into the
+    caller and into everything it starts afterwards: measured here, a plain torch process started
+    after another cluster's run inherited MALLOC_TRIM_THRESHOLD_ and ran its conv encoder ~15%
+    slower, and so did the next cluster's workers (an inherited variable cannot be unset by
+    pre-spawn-environ, so the workers here are spawned without it)."""
+    import dask
+    from distributed import LocalCluster
+
+    with preserved_environ():
+        # Workers inherit this process's environment at spawn, and glibc reads the variable only
+        # then: one left here by an earlier cluster's nanny would reach them despite WORKER_CONFIG.
+        os.environ.pop("MALLOC_TRIM_THRESHOLD_", None)
+        with dask.config.set(WORKER_CONFIG):
+            cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=processes,
+                                   dashboard_address=":0" if dashboard else None, silence_logs=40)
+        with cluster:
+            yield cluster
+
+
+@contextlib.contextmanager
+def preserved_environ():
+    """Put ``os.environ`` back as it was on the way out."""
+    saved = dict(os.environ)
+    try:
+        yield
     finally:
-        client.close()
-        if cluster is not None:
-            cluster.close()
+        for key in set(os.environ) - set(saved):
+            del os.environ[key]
+        os.environ.update(saved)
 
 
 def _run_tasks(client, tasks, devices, output_url, storage_options, specs, threads, settings, progress, log) -> dict[str, int]:

@@ -255,6 +255,24 @@ def test_changed_inputs_of_committed_samples_are_reported(dataset, tmp_path, clu
         assert all(store.read(sid)[k].tobytes() == v.tobytes() for k, v in arrays.items())
 
 
+def test_local_cluster_settings_stay_with_its_workers(dataset, tmp_path):
+    import dask
+    from distributed import Client
+
+    from precompute.pipeline import local_cluster
+
+    before = dict(os.environ)
+    with local_cluster(1) as cluster, Client(cluster) as client:
+        seen = client.run(lambda: (os.environ.get("MALLOC_TRIM_THRESHOLD_"), dask.config.get("distributed.worker.profile.enabled")))
+    assert list(seen.values()) == [(None, False)]  # glibc's adaptive mmap threshold; no profiler
+    # Dask's nanny writes its pre-spawn variables (OMP_NUM_THREADS=1, ...) into the parent's
+    # environment; the caller's must come back unchanged.
+    assert dict(os.environ) == before
+    run_encode(tiny_config(), str(write_manifest(dataset.parent / "one.jsonl", manifest_rows(dataset)[:1])), str(tmp_path / "store"),
+               workers=1, progress=False, log=lambda *_: None)
+    assert dict(os.environ) == before
+
+
 def _committed_shards(store: Path) -> int:
     return len(list((store / "index").glob("*.parquet"))) if (store / "index").exists() else 0
 
