@@ -117,29 +117,21 @@ def fields_to_write(rows: list[InputRow], store: featstore.Store, fields: list[s
     return groups
 
 
+@contextlib.contextmanager
+def preserved_environ():
+    """Put ``os.environ`` back as it was on the way out. ``run_encode`` wears it as a decorator:
+    it sets quiet/offline variables for the workers, and Dask's nanny writes its own here."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        for key in set(os.environ) - set(saved):
+            del os.environ[key]
+        os.environ.update(saved)
+
+
+@preserved_environ()
 def run_encode(
-    config: EncodeConfig,
-    input_url: str,
-    output_url: str,
-    *,
-    workers: int | None = None,
-    scheduler: str | None = None,
-    storage_options: dict[str, Any] | None = None,
-    input_storage_options: dict[str, Any] | None = None,
-    progress: bool | None = None,
-    log=print,
-) -> EncodeSummary:
-    """Encode ``input_url`` into the store at ``output_url``; see the module docstring. The
-    caller's environment is left as it was (run_encode sets quiet/offline variables for the
-    workers, and Dask's nanny writes its own into this process)."""
-    with preserved_environ():
-        return _run_encode(
-            config, input_url, output_url, workers=workers, scheduler=scheduler, storage_options=storage_options,
-            input_storage_options=input_storage_options, progress=progress, log=log,
-        )
-
-
-def _run_encode(
     config: EncodeConfig,
     input_url: str,
     output_url: str,
@@ -262,16 +254,6 @@ def local_cluster(workers: int, *, processes: bool = True, dashboard: bool = Fal
             yield cluster
 
 
-@contextlib.contextmanager
-def preserved_environ():
-    """Put ``os.environ`` back as it was on the way out."""
-    saved = dict(os.environ)
-    try:
-        yield
-    finally:
-        for key in set(os.environ) - set(saved):
-            del os.environ[key]
-        os.environ.update(saved)
 
 
 def _run_tasks(client, tasks, devices, output_url, storage_options, specs, threads, settings, progress, log) -> dict[str, int]:
