@@ -277,6 +277,12 @@ class CachingStorage(Storage):
     def write_parts(self, key: str, parts: Iterable[Any]) -> None:
         self.remote.write_parts(key, parts)
 
+    def write_new(self, key: str, data: bytes) -> bool:
+        return self.remote.write_new(key, data)
+
+    def delete(self, key: str) -> None:
+        self.remote.delete(key)
+
     def exists(self, key: str) -> bool:
         return self.remote.exists(key)
 

@@ -1,4 +1,4 @@
-"""``mmcache info`` and ``mmcache verify``: the store commands, which need neither torch nor dask.
+"""``mmcache info``, ``verify``, ``copy`` and ``repair``: the store commands, which need neither torch nor dask.
 ``precompute.cli`` adds ``encode`` to this group; the ``mmcache`` script points there."""
 
 from __future__ import annotations
@@ -98,10 +98,12 @@ def verify(url: str, storage_options: str | None, quiet: bool) -> None:
 @click.option("--workers", type=int, default=8, show_default=True, help="Objects copied in parallel.")
 @click.option("--verify/--no-verify", "check", default=False, help="Afterwards, re-read every byte of DST as `mmcache verify` does.")
 @click.option("--progress/--no-progress", default=None, help="Progress line (default: when stderr is a terminal).")
-def copy(src, dst, storage_options, src_storage_options, dst_storage_options, workers, check, progress) -> None:
+@click.option("--merge", is_flag=True, help="DST may be another store with the same fields: add SRC's samples that DST lacks.")
+def copy(src, dst, storage_options, src_storage_options, dst_storage_options, workers, check, progress, merge) -> None:
     """Copy the store at SRC to DST (any two URLs). Parallel, checked against the store's
     checksums, committed shard by shard (a reader of DST never sees half a shard); run it again
-    after an interruption and it copies only what is missing."""
+    after an interruption and it copies only what is missing. DST must be new or an earlier copy
+    of SRC, unless --merge."""
     both = parse_storage_options(storage_options)
     src_options = parse_storage_options(src_storage_options) or both
     dst_options = parse_storage_options(dst_storage_options) or both
@@ -112,7 +114,7 @@ def copy(src, dst, storage_options, src_storage_options, dst_storage_options, wo
             click.echo(f"\r{done}/{total} shards, {_human(nbytes)}   ", err=True, nl=False)
 
     try:
-        summary = featstore.copy_store(src, dst, src_options, dst_options, workers=workers, progress=report)
+        summary = featstore.copy_store(src, dst, src_options, dst_options, workers=workers, progress=report, merge=merge)
         if show:
             click.echo("", err=True)
         click.echo(summary.line())
@@ -126,6 +128,23 @@ def copy(src, dst, storage_options, src_storage_options, dst_storage_options, wo
             click.echo(f"verified: {result.shards_checked} shard(s), {result.samples_checked} sample(s), {_human(result.bytes_checked)}")
     except featstore.FeatstoreError as exc:
         raise click.ClickException(redact(exc)) from None
+
+
+@cli.command()
+@click.argument("url")
+@storage_options_option
+def repair(url: str, storage_options: str | None) -> None:
+    """Remove the rows of URL that readers ignore: a (sample id, field) that racing writers both
+    committed is kept in the earliest commit only. Moves no data; safe while others read."""
+    from featstore.repair import repair_store
+
+    try:
+        store = featstore.open(url, parse_storage_options(storage_options), mode="a")
+    except featstore.FeatstoreError as exc:
+        raise click.ClickException(redact(exc)) from None
+    with store:
+        summary = _guarded(repair_store, store)
+    click.echo(summary.line())
 
 
 def _guarded(fn, *args):

@@ -9,12 +9,15 @@ half-copied shard, and an interrupted copy resumes by doing only what is missing
    parallel, each checked against the size and CRC-32C its commit record gives, so a damaged
    source is never propagated. An object an interrupted copy left behind is kept when its size
    and CRC-32C match, and copied again otherwise.
-3. The shard's index part goes last, byte for byte (its name carries its CRC-32C): that PUT (or
-   rename, on disk) commits the shard at the destination.
+3. The shard's index part goes last, byte for byte, created only if absent: that PUT (or link,
+   on disk) commits the shard at the destination.
 
 Shards already committed at the destination are skipped; one committed there with different
-content is an error (the destination is another store). The source is read as the snapshot
-taken when the copy starts.
+content is an error (the destination is another store). A destination is copied into only if it
+is an earlier copy of the source (its shards are some of the source's); with ``merge`` it may be
+any store with the same fields, and each source shard is committed there without the rows whose
+(sample id, field) the destination already holds (an index part rewritten over the same objects),
+so every sample stays in one shard. The source is read as the snapshot taken when the copy starts.
 """
 
 from __future__ import annotations
@@ -43,13 +46,15 @@ class CopySummary:
     objects_kept: int
     bytes_copied: int
     seconds: float
+    samples_dropped: int = 0  # --merge: rows left out because the destination holds those samples
 
     def line(self) -> str:
         rate = self.bytes_copied / self.seconds / 1e6 if self.seconds > 0 else 0.0
         return (
             f"copied {self.shards_copied} shard(s) ({self.bytes_copied / 1e6:.1f} MB, {rate:.1f} MB/s, "
-            f"{self.objects_kept} object(s) kept from an earlier try), {self.shards_skipped} already there "
-            f"-> {self.dst}"
+            f"{self.objects_kept} object(s) kept from an earlier try), {self.shards_skipped} already there"
+            + (f", {self.samples_dropped} sample(s) the destination already held left out" if self.samples_dropped else "")
+            + f" -> {self.dst}"
         )
 
 
@@ -81,8 +86,11 @@ def copy_store(
     workers: int = 8,
     max_inflight_bytes: int = 1 << 30,
     progress: Callable[[int, int, int], None] | None = None,
+    merge: bool = False,
 ) -> CopySummary:
-    """Copy the store at ``src`` to ``dst``; re-running it copies only what is missing.
+    """Copy the store at ``src`` to ``dst``; re-running it copies only what is missing. A
+    destination that holds shards the source lacks is refused, unless ``merge``: then the
+    source's shards are added, without the samples the destination already holds.
     ``progress(shards_done, shards_total, bytes_copied)`` is called after each shard."""
     from featstore.reader import open_store
 
@@ -90,24 +98,36 @@ def copy_store(
     source = open_store(src, src_options)  # strict: a damaged index part fails the copy at once
     dest = open_storage(dst, dst_options)
     try:
-        _put_manifest(source.storage, dest)
+        _put_manifest(source, dest)
         at_dest = {}
         for entry in dest.list_dir(fmt.INDEX_DIR):
             parsed = fmt.parse_index_part_name(entry)
             if parsed:
                 at_dest[parsed[0]] = entry
-        todo, skipped = [], 0
+        if (foreign := sorted(set(at_dest) - set(source.shards))) and not merge:
+            raise SchemaError(
+                f"{dest.url} already holds {len(foreign)} shard(s) that {source.url} lacks (e.g. {foreign[0]!r}): it is not an "
+                "earlier copy of it, and copying would mix two stores; copy into a new location, or pass --merge to add the "
+                "source's samples that the destination lacks"
+            )
+        held = _held_at(dst, dst_options) if foreign else set()
+        todo, skipped, dropped = [], 0, 0
         for name, info in source.shards.items():
             mine = info.index_key.rsplit("/", 1)[-1]
             if name in at_dest:
-                if at_dest[name] != mine:
+                if at_dest[name] != mine or dest.read(f"{fmt.INDEX_DIR}/{at_dest[name]}") != source.storage.read(info.index_key):
                     raise SchemaError(
-                        f"{dest.url}: shard {name!r} is committed there with other content ({at_dest[name]}, not {mine}); "
+                        f"{dest.url}: shard {name!r} is committed there with other content; "
                         "the destination holds another store: copy into a new location"
                     )
                 skipped += 1
-            else:
-                todo.append(info)
+                continue
+            # --merge: each (sample id, field) stays in one shard; the destination's copy wins.
+            rows = source._shard_rows[name]
+            drop = {source._ids[r] for r in rows if any((source._ids[r], f) in held for f in info.layouts)}
+            held.update((source._ids[r], f) for r in rows for f in info.layouts if source._ids[r] not in drop)
+            dropped += len(drop)
+            todo.append((info, drop))
         counts = {"objects_copied": 0, "objects_kept": 0, "bytes_copied": 0}
         lock = threading.Lock()
         budget = _ByteBudget(max_inflight_bytes)
@@ -119,33 +139,33 @@ def copy_store(
                 counts["bytes_copied"] += copied
 
         with ThreadPoolExecutor(max(1, workers), thread_name_prefix="featstore-copy") as pool:
-            plan: list[tuple[Any, list[Future]]] = [
-                (info, [pool.submit(copy_one, key, expected) for key, expected in info.objects.items()]) for info in todo
+            plan: list[tuple[Any, set[str], list[Future]]] = [
+                (info, drop, [pool.submit(copy_one, key, expected) for key, expected in info.objects.items()]) for info, drop in todo
             ]
             try:
-                for done, (info, futures) in enumerate(plan, 1):
+                for done, (info, drop, futures) in enumerate(plan, 1):
                     for future in futures:
                         future.result()
-                    _commit_shard(source.storage, dest, info)
+                    _commit_shard(source.storage, dest, info, drop)
                     if progress:
                         progress(done + skipped, len(source.shards), counts["bytes_copied"])
             except BaseException:
-                for _, futures in plan:
+                for _, _, futures in plan:
                     for future in futures:
                         future.cancel()
                 raise
         return CopySummary(
             src=source.url, dst=dest.url, shards=len(source.shards), shards_copied=len(todo), shards_skipped=skipped,
-            seconds=time.perf_counter() - t0, **counts,
+            seconds=time.perf_counter() - t0, samples_dropped=dropped, **counts,
         )
     finally:
         source.close()
         dest.close()
 
 
-def _put_manifest(src: Storage, dest: Storage) -> None:
-    raw = src.read(fmt.MANIFEST_KEY)
-    manifest = fmt.parse_root_group(raw, src.url)
+def _put_manifest(source: Any, dest: Storage) -> None:
+    manifest = source.storage_manifest()  # with the declarations folded in
+    raw = fmt.root_group_json(manifest)
     try:
         existing = dest.read(fmt.MANIFEST_KEY)
     except FileNotFoundError:
@@ -154,7 +174,9 @@ def _put_manifest(src: Storage, dest: Storage) -> None:
         if not dest.is_empty():
             raise NotAStoreError(f"{dest.url} exists, is not empty and is not a feature store; copy into a new location")
     elif existing != raw:
-        theirs = fmt.parse_root_group(existing, dest.url)
+        from featstore import manifest as manifests
+
+        theirs = manifests.merged(dest, fmt.parse_root_group(existing, dest.url))
         # The same store, if its fields are the source's (or some of them: fields added since).
         same_fields = all(manifest["fields"].get(n, {}).get("dtype") == f["dtype"] for n, f in theirs["fields"].items())
         if not same_fields or theirs.get("attrs") != manifest.get("attrs"):
@@ -164,6 +186,14 @@ def _put_manifest(src: Storage, dest: Storage) -> None:
         if not dest.exists(f"{fmt.SHARDS_DIR}/zarr.json"):
             dest.write_atomic(f"{fmt.SHARDS_DIR}/zarr.json", fmt.group_json())
         dest.write_atomic(fmt.MANIFEST_KEY, raw)
+
+
+def _held_at(url: str | os.PathLike[str], options: dict[str, Any] | None) -> set[tuple[str, str]]:
+    """Every (sample id, field) the destination's readers see."""
+    from featstore.reader import open_store
+
+    with open_store(url, options) as store:
+        return {(sample_id, field) for sample_id in store.sample_ids() for field in store.fields_of(sample_id)}
 
 
 def _copy_object(src: Storage, dest: Storage, key: str, expected: dict[str, int], budget: _ByteBudget) -> int:
@@ -189,9 +219,14 @@ def _copy_object(src: Storage, dest: Storage, key: str, expected: dict[str, int]
         budget.release(nbytes)
 
 
-def _commit_shard(src: Storage, dest: Storage, info: Any) -> None:
+def _commit_shard(src: Storage, dest: Storage, info: Any, drop: set[str]) -> None:
+    from featstore.repair import rewritten_part
+    from featstore.snapshot import parse_index_part
+
     raw = src.read(info.index_key)
-    _, crc = fmt.parse_index_part_name(info.index_key.rsplit("/", 1)[-1])
-    if fmt.crc32c(raw) != crc:
-        raise CorruptionError(f"{src.url}/{info.index_key}: index part of shard {info.name!r} fails its checksum")
-    dest.write_atomic(info.index_key, raw)  # the commit point at the destination
+    parse_index_part(raw, info.name, info.index_key, src.url, fmt.parse_index_part_name(info.index_key.rsplit("/", 1)[-1])[1])
+    key = info.index_key
+    if drop:  # --merge: the same objects, an index part without the rows the destination holds
+        raw, key = rewritten_part(raw, info, drop, info.name), fmt.index_part_key(info.name)
+    if not dest.write_new(key, raw):  # the commit point at the destination
+        raise SchemaError(f"{dest.url}: shard {info.name!r} was committed there with other content meanwhile; the destination holds another store")

@@ -25,6 +25,10 @@ class DuplicateSampleError(FeatstoreError):
     """A sample id is already in the store or in the shard being written."""
 
 
+class ShardCommittedError(DuplicateSampleError):
+    """Another writer committed a shard of this name first (its copy is kept, this one dropped)."""
+
+
 class NotAStoreError(FeatstoreError):
     """The URL does not hold an mmcache feature store."""
 

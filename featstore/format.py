@@ -32,15 +32,24 @@ FORMAT_NAME = "mmcache-featstore"
 # The newest version this code reads. A store is written as version 1 (every shard holds every
 # field) until a field is added to it; then its manifest says 2, so that a version-1 reader, which
 # would take the added fields' shards for duplicate samples, refuses it instead of misreading it.
-FORMAT_VERSION = 2
-BASE_FORMAT_VERSION = 1
-ADDED_FIELDS_VERSION = 2
+# Version 3: index parts named after the shard alone (created only if absent), each shard's data
+# under a per-writer directory named in its commit record, manifest changes also declared as
+# immutable objects under declarations/ (see docs/FORMAT.md, "Commit protocol").
+FORMAT_VERSION = 3
+BASE_FORMAT_VERSION = 3
+ADDED_FIELDS_VERSION = 3
+EXCLUSIVE_COMMIT_VERSION = 3
 
 MANIFEST_KEY = "zarr.json"
 INDEX_DIR = "index"
 REJECTS_DIR = "rejects"
 SHARDS_DIR = "shards"
 COMMIT_METADATA_KEY = b"mmcache.commit"
+# A version-3 index part carries its own CRC-32C in its key/value metadata (see seal_index_part),
+# since its name no longer does.
+COMMIT_CRC_METADATA_KEY = b"mmcache.crc32c"
+CRC_PLACEHOLDER = b"00000000"
+DECLARATIONS_DIR = "declarations"
 
 # Inner chunks of about this many bytes: large enough that plain-zarr readers fetch few chunks,
 # small enough that they need not fetch a whole shard for one sample.
@@ -137,19 +146,76 @@ def make_manifest(fields: dict[str, FieldSpec], attrs: dict[str, Any]) -> dict[s
     }
 
 
-def index_part_key(shard: str, data: bytes) -> str:
-    """An index part's key carries the CRC-32C of its bytes: the commit object cannot hold its own
-    checksum, and this way a flipped byte anywhere in it (footer included) is caught at open."""
+def index_part_key(shard: str, data: bytes | None = None) -> str:
+    """The key of a shard's index part. Version 3 names it after the shard alone, so that the
+    part can be created only if absent: two writers of one shard race on one key and exactly one
+    wins. (Versions 1-2 put the part's CRC-32C in its name, ``index_part_key_v2``; that made two
+    parts of one shard possible, and such stores are still read.)"""
+    return f"{INDEX_DIR}/{shard}.parquet"
+
+
+def index_part_key_v2(shard: str, data: bytes) -> str:
     return f"{INDEX_DIR}/{shard}.{crc32c(data):08x}.parquet"
 
 
-def parse_index_part_name(name: str) -> tuple[str, int] | None:
-    """``<shard>.<crc32c hex>.parquet`` -> (shard, crc); None for anything else (temp files...)."""
+def parse_index_part_name(name: str) -> tuple[str, int | None] | None:
+    """``<shard>.parquet`` -> (shard, None); ``<shard>.<crc32c hex>.parquet`` (versions 1-2) ->
+    (shard, crc); None for anything else (temporary files...). A version-3 shard name never ends
+    in ``.<8 hex digits>`` (``check_shard_name``), so the two forms cannot be confused."""
+    match = _INDEX_PART_V2.match(name)
+    if match:
+        return match.group(1), int(match.group(2), 16)
     match = _INDEX_PART.match(name)
-    return (match.group(1), int(match.group(2), 16)) if match else None
+    return (match.group(1), None) if match else None
 
 
-_INDEX_PART = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._:=+-]*)\.([0-9a-f]{8})\.parquet$")
+_INDEX_PART_V2 = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._:=+-]*)\.([0-9a-f]{8})\.parquet$")
+_INDEX_PART = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._:=+-]*)\.parquet$")
+_CRC_SUFFIX = re.compile(r"\.[0-9a-f]{8}$")
+
+
+def seal_index_part(raw: bytes) -> bytes:
+    """Put the file's CRC-32C into its own ``mmcache.crc32c`` metadata value: the file was written
+    with 8 zeros there, and the CRC is that of the whole file with those zeros. Overwriting them
+    in place moves no byte, so the Parquet footer stays valid; a reader zeroes them again to check
+    (``index_part_seal_ok``). Every byte of the file is covered, footer included."""
+    at = _seal_position(raw, CRC_PLACEHOLDER)
+    if at is None:
+        raise AssertionError("index part written without its CRC placeholder")
+    return raw[:at] + b"%08x" % crc32c(raw) + raw[at + len(CRC_PLACEHOLDER) :]
+
+
+def index_part_seal_ok(raw: bytes, sealed: bytes) -> bool:
+    """True when ``raw`` (whose metadata value is ``sealed``) has the CRC-32C it claims."""
+    at = _seal_position(raw, sealed)
+    if at is None or not re.fullmatch(rb"[0-9a-f]{8}", sealed):
+        return False
+    return crc32c(raw[:at] + CRC_PLACEHOLDER + raw[at + 8 :]) == int(sealed, 16)
+
+
+def _seal_position(raw: bytes, value: bytes) -> int | None:
+    # Thrift compact encoding: the key's bytes, then a field header and a length byte, then the value.
+    key_at = raw.rfind(COMMIT_CRC_METADATA_KEY)
+    if key_at < 0:
+        return None
+    start = key_at + len(COMMIT_CRC_METADATA_KEY)
+    at = raw.find(value, start, start + 3 + len(value))
+    return at if at >= 0 else None
+
+
+def check_shard_name(name: Any) -> str:
+    check_name("shard name", name)
+    if _CRC_SUFFIX.search(name) or name.endswith(".parquet"):
+        raise SchemaError(f"shard name {name!r} must not end in '.' + 8 hex digits or '.parquet' (index part names would be ambiguous)")
+    return name
+
+
+def data_root(shard: str, token: str) -> str:
+    """Where one writer's copy of a shard's data lives: unique to that writer (``token``), so that
+    writers racing on one shard name never write the same object."""
+    return f"{SHARDS_DIR}/{shard}.{token}"
+
+
 
 
 def _canonical(doc: Any) -> bytes:

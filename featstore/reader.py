@@ -9,6 +9,7 @@ set of shards. A sample read is, per field, one ranged read computed from the za
 from __future__ import annotations
 
 import io
+import json
 import math
 import os
 import threading
@@ -21,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from featstore import format as fmt
+from featstore import manifest as manifests
 
 # Arrow's thread pools can abort the interpreter at exit (apache/arrow#34314); index parts are
 # small, so every Parquet read and write here is single-threaded.
@@ -43,7 +45,8 @@ class Store:
         # and listed in ``damaged`` (what `mmcache verify` wants).
         self.strict = strict
         self.damaged: dict[str, str] = {}
-        self._manifest = manifest
+        # Changes declared by writers but not yet folded into zarr.json are in effect already.
+        self._manifest = manifests.merged(storage, manifest)
         self._lock = threading.Lock()
         self._chunk_index: dict[tuple[str, str], np.ndarray] = {}
         # load_index=False: a writer that only adds shards (an encode task) need not read every
@@ -78,45 +81,41 @@ class Store:
         unset = {f: n for f, n in ndims.items() if self._manifest["fields"][f].get("ndim") is None}
         if not unset:
             return
-        current = fmt.parse_root_group(self.storage.read(fmt.MANIFEST_KEY), self.url)
+        current = self.storage_manifest()
         for name, ndim in unset.items():
             known = current["fields"][name].get("ndim")
             if known is not None and known != ndim:
                 raise SchemaError(f"field {name!r}: {ndim} dimensions, but the store already holds {known}")
-            current["fields"][name]["ndim"] = ndim
-        self._write_manifest(current)
+            manifests.declare_ndim(self.storage, name, ndim)
+        self._set_manifest(manifests.publish(self.storage))
+
+    def storage_manifest(self) -> dict[str, Any]:
+        """The manifest in effect now (``zarr.json`` with every declaration merged)."""
+        return manifests.merged(self.storage, fmt.parse_root_group(self.storage.read(fmt.MANIFEST_KEY), self.url))
 
     def add_fields(self, fields: dict[str, Any]) -> None:
         """Declare new fields in an existing store (same form as ``create``'s ``fields``). The
         samples already committed keep what they have; shards written with
-        ``writer(fields=[...])`` then add the new fields to them, under the same ids. Run it from
-        one process at a time: the manifest is rewritten whole."""
+        ``writer(fields=[...])`` then add the new fields to them, under the same ids. Safe from
+        many processes at once (featstore.manifest): no addition can lose another."""
         if self.mode != "a":
             raise ReadOnlyError(f"{self.url} is opened read-only; open it with mode='a' to add fields")
         specs = {name: fmt.FieldSpec.from_value(name, value) for name, value in fields.items()}
-        current = fmt.parse_root_group(self.storage.read(fmt.MANIFEST_KEY), self.url)
+        current = self.storage_manifest()
         if clash := sorted(set(specs) & set(current["fields"])):
             raise SchemaError(f"{self.url} already has field(s) {clash}; give the new features other names")
         if not specs:
             return
-        current["fields"].update({name: spec.to_dict() for name, spec in specs.items()})
-        current["format_version"] = max(current["format_version"], fmt.ADDED_FIELDS_VERSION)
-        self._write_manifest(current)
+        for name, spec in specs.items():
+            manifests.declare_field(self.storage, name, spec.to_dict())
+        self._set_manifest(manifests.publish(self.storage))
 
     def require_format_version(self, version: int) -> None:
         """Raise the manifest's format version to at least ``version`` (never lowers it)."""
         if self.format_version >= version:
             return
-        current = fmt.parse_root_group(self.storage.read(fmt.MANIFEST_KEY), self.url)
-        if current["format_version"] < version:
-            current["format_version"] = version
-            self._write_manifest(current)
-        else:
-            self._set_manifest(current)  # another process raised it
-
-    def _write_manifest(self, manifest: dict[str, Any]) -> None:
-        self.storage.write_atomic(fmt.MANIFEST_KEY, fmt.root_group_json(manifest))
-        self._set_manifest(manifest)
+        manifests.declare(self.storage, "version", str(version), {})
+        self._set_manifest(manifests.publish(self.storage))
 
     def _set_manifest(self, manifest: dict[str, Any]) -> None:
         self._manifest = manifest
@@ -141,7 +140,30 @@ class Store:
         self._ids, self._shard_of, self._shard_rows = snap.ids, snap.shard_of, snap.shard_rows
         self._offsets, self._shapes, self._crcs = snap.offsets, snap.shapes, snap.crcs
         self._row_of, self._holder, self._dense = snap.row_of, snap.holder, snap.dense
+        # (sample id, field, shard) rows ignored because an earlier commit holds them.
+        self.duplicates: list[tuple[str, str, str]] = snap.duplicates
         self._written: dict[str, set[str]] = {}
+        self._rechecked: set[str] = set()
+
+    def assume_checked(self, shards: Sequence[str]) -> None:
+        """Tell a writer's store (opened without its index) which shards its producer already
+        planned around, so ``refresh_committed`` need not read them."""
+        self._rechecked.update(shards)
+
+    def refresh_committed(self) -> None:
+        """Read the index parts committed since this snapshot (and not read by an earlier call)
+        and note their samples, so that a writer's duplicate checks see them. Only a shard's ids
+        and fields are kept: the read snapshot itself does not change."""
+        from featstore.snapshot import parse_index_part
+
+        for entry in self.storage.list_dir(fmt.INDEX_DIR):
+            parsed = fmt.parse_index_part_name(entry)
+            if parsed is None or parsed[0] in self.shards or parsed[0] in self._rechecked:
+                continue
+            key = f"{fmt.INDEX_DIR}/{entry}"
+            table, info = parse_index_part(self.storage.read(key), parsed[0], key, self.url, parsed[1])
+            self.note_committed(info.name, table.column("id").to_pylist(), list(info.layouts))
+            self._rechecked.add(info.name)
 
     def note_committed(self, shard: str, sample_ids: list[str], fields: Sequence[str] | None = None) -> None:
         """Called by a writer of this store after a commit, so its duplicate checks see new ids.
@@ -195,8 +217,8 @@ class Store:
     @property
     def rejects(self) -> pa.Table:
         tables = [
-            pq.read_table(io.BytesIO(self.storage.read(f"{fmt.REJECTS_DIR}/{name}.parquet")), use_threads=False)
-            for name, info in self.shards.items()
+            pq.read_table(io.BytesIO(self.storage.read(info.rejects_key)), use_threads=False)
+            for info in self.shards.values()
             if info.num_rejected
         ]
         if not tables:
@@ -254,7 +276,7 @@ class Store:
             count = array.size
             if count:
                 ranges = self._ranges(shard, spec, int(self._offsets[name][row]), count)
-                self.storage.read_ranges(_data_key(shard, name), ranges, array.reshape(-1).view(np.uint8))
+                self.storage.read_ranges(self.shards[shard].data_key(name), ranges, array.reshape(-1).view(np.uint8))
             if self.verify_reads and fmt.crc32c(array) != int(self._crcs[name][row]):
                 raise CorruptionError(f"{self.url}: sample {self._ids[row]!r} field {name!r} in shard {shard!r} fails its checksum")
             out[name] = array
@@ -279,7 +301,7 @@ class Store:
                 array = np.empty(self._shapes[name][row], dtype=spec.numpy_dtype)
                 if array.size:
                     ranges = self._ranges(shard, spec, int(self._offsets[name][row]), array.size)
-                    requests.append((_data_key(shard, name), ranges, array.reshape(-1).view(np.uint8)))
+                    requests.append((self.shards[shard].data_key(name), ranges, array.reshape(-1).view(np.uint8)))
                 sample[name] = array
             samples.append(sample)
         self.storage.read_into(requests)
@@ -311,7 +333,7 @@ class Store:
             spec = specs[name]
             buf = np.empty(layouts[name].elements * np.dtype(spec.zarr_dtype).itemsize, dtype=np.uint8)
             if buf.size:
-                self.storage.read_ranges(_data_key(shard, name), self._ranges(shard, spec, 0, layouts[name].elements), buf)
+                self.storage.read_ranges(self.shards[shard].data_key(name), self._ranges(shard, spec, 0, layouts[name].elements), buf)
             buffers[name] = buf.view(spec.numpy_dtype)
         return buffers
 
@@ -391,7 +413,7 @@ class Store:
         requests = []
         for shard, field in missing:
             info = self.shards[shard]
-            data_key = _data_key(shard, field)
+            data_key = self.shards[shard].data_key(field)
             size = info.objects[data_key]["nbytes"]
             tail = np.empty(fmt.index_nbytes(info.layouts[field].num_chunks), dtype=np.uint8)
             requests.append((data_key, [(size - tail.size, size)], tail))
@@ -407,7 +429,7 @@ class Store:
         if chunks is None:
             info = self.shards[shard]
             layout = info.layouts[field]
-            data_key = _data_key(shard, field)
+            data_key = self.shards[shard].data_key(field)
             size = info.objects[data_key]["nbytes"]
             tail_len = fmt.index_nbytes(layout.num_chunks)
             tail = self.storage.read_range(data_key, size - tail_len, size)
@@ -436,10 +458,6 @@ class Store:
 
     def __repr__(self) -> str:
         return f"Store({self.url!r}, samples={len(self)}, shards={len(self.shards)}, fields={list(self.fields)})"
-
-
-def _data_key(shard: str, field: str) -> str:
-    return f"{fmt.SHARDS_DIR}/{shard}/{field}/c/0"
 
 
 def open_store(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *, mode: str = "r", verify_reads: bool = True, strict: bool = True, load_index: bool = True,

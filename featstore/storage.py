@@ -65,6 +65,17 @@ class Storage:
         """Write a large object from buffers without joining them first (need not be atomic)."""
         raise NotImplementedError
 
+    def write_new(self, key: str, data: bytes) -> bool:
+        """Create ``key`` holding ``data`` only if it does not exist yet, atomically: of writers
+        racing on one key exactly one wins, and nobody's bytes are replaced. Returns False when
+        another writer's object is there (True when it holds these very bytes: a retried
+        request whose first answer was lost)."""
+        raise NotImplementedError
+
+    def delete(self, key: str) -> None:
+        """Remove an object (missing is fine): only ever objects this writer made and lost."""
+        raise NotImplementedError
+
     def exists(self, key: str) -> bool:
         raise NotImplementedError
 
@@ -183,6 +194,28 @@ class LocalStorage(Storage):
             os.fsync(fh.fileno())
         os.replace(tmp, path)
 
+    def write_new(self, key: str, data: bytes) -> bool:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            # link() publishes the whole file under its name, and fails if the name is taken
+            # (rename would silently replace the other writer's file).
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return path.read_bytes() == bytes(data)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def delete(self, key: str) -> None:
+        self._forget(key)
+        self._path(key).unlink(missing_ok=True)
+
     def _forget(self, key: str) -> None:
         with self._lock:
             entry = self._fds.pop(key, None)
@@ -287,6 +320,41 @@ class FsspecStorage(Storage):
         # after a lost response PUTs the same bytes again, which changes nothing.
         payload = bytes(data)
         self._call("write", key, lambda: self.fs.pipe_file(self._path(key), payload))
+
+    # Backends whose PUT can be made conditional (If-None-Match: * on S3; an exclusive open in
+    # memory). Elsewhere write_new checks, then writes: not atomic, but every object name a writer
+    # creates besides the commit record is unique to it (see featstore.writer).
+    _CONDITIONAL_PUT = ("s3", "s3a", "memory")
+
+    def write_new(self, key: str, data: bytes) -> bool:
+        payload, path = bytes(data), self._path(key)
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+
+        def create() -> bool:
+            try:
+                if any(p in self._CONDITIONAL_PUT for p in protocols):
+                    self.fs.pipe_file(path, payload, mode="create")
+                elif self.fs.exists(path):
+                    raise FileExistsError(path)
+                else:
+                    self.fs.pipe_file(path, payload)
+                return True
+            except FileExistsError:
+                self.fs.invalidate_cache(path)
+                return self.fs.cat_file(path) == payload
+
+        return self._call("write", key, create)
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+
+        def remove() -> None:
+            try:
+                self.fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+
+        self._call("delete", key, remove)
 
     def write_parts(self, key: str, parts: Iterable[Any]) -> None:
         parts = list(parts)  # a retry writes them again from the start

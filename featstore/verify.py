@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from featstore import format as fmt
-from featstore.reader import Store, _data_key
+from featstore.reader import Store
 
 
 @dataclass
@@ -56,11 +56,13 @@ def verify_store(store: Store, progress: Callable[[str], None] | None = None) ->
     # The index parts' own checksums were checked when the store was opened (strict=False).
     for name, reason in store.damaged.items():
         report.problems.append(f"shard {name!r}: {reason}")
-    # A sample may be spread over shards (fields added later), but each of its fields is in one.
-    held = Counter((store._ids[row], field) for name, info in store.shards.items() for field in info.layouts for row in store._shard_rows[name])
-    for (sample_id, field), count in held.items():
-        if count > 1:
-            report.problems.append(f"sample {sample_id!r} field {field!r} is committed in more than one shard")
+    # A sample may be spread over shards (fields added later), but each of its fields is read
+    # from one: racing writers may have committed it twice, and readers take the earliest commit.
+    for sample_id, field_name, shard in store.duplicates:
+        report.warnings.append(
+            f"sample {sample_id!r} field {field_name!r} is also committed in shard {shard!r}, which readers ignore "
+            "(an earlier commit holds it); `mmcache repair` removes such rows"
+        )
     for name, info in store.shards.items():
         if progress:
             progress(name)
@@ -76,7 +78,7 @@ def verify_store(store: Store, progress: Callable[[str], None] | None = None) ->
             report.problems.append(f"{fmt.SHARDS_DIR}/zarr.json is not the group metadata mmcache writes (corrupted?)")
     except FileNotFoundError:
         report.problems.append(f"{fmt.SHARDS_DIR}/zarr.json is missing")
-    committed = set(store.shards)
+    committed = {info.data_root.rsplit("/", 1)[-1] for info in store.shards.values() if info.num_samples}
     for leftover in store.storage.list_dir(fmt.SHARDS_DIR):
         if leftover not in committed and leftover != "zarr.json":
             report.warnings.append(f"shard {leftover!r} has data but no index part (a writer stopped before committing it); it is ignored")
@@ -123,8 +125,8 @@ def _verify_shard(store: Store, name: str, info: Any, report: VerifyReport) -> N
             continue
         if not info.num_samples:
             break
-        data_key = _data_key(name, fname)
-        meta_key = f"{fmt.SHARDS_DIR}/{name}/{fname}/zarr.json"
+        data_key = info.data_key(fname)
+        meta_key = f"{info.data_root}/{fname}/zarr.json"
         if meta_key in blobs:
             _check_array_metadata(blobs[meta_key], spec, layout, f"shard {name!r} field {fname!r}", report)
         if data_key not in blobs:

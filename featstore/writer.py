@@ -1,13 +1,16 @@
 """Writing a feature store: samples are buffered into a shard, and each shard is committed
 atomically — data objects first, the Parquet index part last. A reader lists index parts only,
 so a writer killed at any moment leaves every committed shard intact and its own shard invisible.
-Several writers may add disjoint shards to one store at the same time.
+Any number of writers may add shards to one store at the same time, even with overlapping
+samples or the same shard names: see "Commit protocol" in docs/FORMAT.md for why nothing is lost
+or duplicated.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import time
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -17,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from featstore import format as fmt
-from featstore.errors import DuplicateSampleError, SchemaError
+from featstore.errors import DuplicateSampleError, SchemaError, ShardCommittedError
 from featstore.storage import Storage
 
 if TYPE_CHECKING:
@@ -60,6 +63,7 @@ class StoreWriter:
         self._rejects: list[dict[str, Any]] = []
         self._closed = False
         self.committed: list[str] = []
+        self.dropped: list[str] = []  # ids left out because another writer committed them first
 
     @property
     def store(self) -> Store:
@@ -116,7 +120,12 @@ class StoreWriter:
     # ---- committing ---------------------------------------------------------------------
     def commit(self, name: str | None = None) -> str | None:
         """Write the pending samples (and rejects) as one shard. Returns its name, or None when
-        there was nothing to commit and no name was asked for."""
+        there was nothing to commit and no name was asked for.
+
+        Samples that another writer committed (with any of this writer's fields) since this
+        store's snapshot are dropped first (listed in ``dropped``). If another writer commits a
+        shard of the same ``name`` first, this one's objects are deleted and
+        ``ShardCommittedError`` says so; nothing of the other writer's is touched."""
         self._check_open()
         if not self._pending and not self._rejects and name is None:
             return None
@@ -124,58 +133,88 @@ class StoreWriter:
             name = f"{self.shard_prefix}-{self._seq:06d}"  # unique to this writer: no check needed
             self._seq += 1
         else:
-            fmt.check_name("shard name", name)
+            fmt.check_shard_name(name)
             if self._store.has_shard(name):
-                raise DuplicateSampleError(f"shard {name!r} is already committed in {self._store.url}")
+                raise ShardCommittedError(f"shard {name!r} is already committed in {self._store.url}")
+        self._drop_committed_elsewhere()
         self._store.fix_ndims({f: a.ndim for f, a in self._pending[0].arrays.items()} if self._pending else {})
-        partial = bool(self._pending) and len(self.fields) < len(self._store.fields)
-        if partial:
-            # A version-1 reader would misread a store whose shards hold only some fields.
-            self._store.require_format_version(fmt.ADDED_FIELDS_VERSION)
-        base = f"{fmt.SHARDS_DIR}/{name}"
+        self._store.require_format_version(fmt.EXCLUSIVE_COMMIT_VERSION)
+        # Every object but the index part goes under a name unique to this writer and try, so
+        # two writers of one shard name (a retried task and its zombie, two runs of one plan)
+        # never write the same object; the commit record names the directory.
+        root = fmt.data_root(name, uuid.uuid4().hex[:8])
         objects: dict[str, dict[str, int]] = {}
+        # A failure (or a kill) from here on leaves objects that no index part names: readers
+        # never see them, and `mmcache verify` lists them as leftovers.
+        part = self._write_objects(name, root, objects)
+        # The commit point: until this object exists the shard is invisible to every reader; it
+        # is created only if absent, so of two writers of one shard name exactly one commits.
+        won = self._storage.write_new(fmt.index_part_key(name), part)
+        ids, self._pending, self._pending_ids, self._pending_bytes, self._rejects = [p.sample_id for p in self._pending], [], set(), 0, []
+        if not won:
+            self._discard(objects)
+            raise ShardCommittedError(
+                f"shard {name!r} of {self._store.url} was committed by another writer while this one wrote it; "
+                "this writer's copy was discarded and the other's kept"
+            )
+        self._store.note_committed(name, ids, self.fields)
+        self.committed.append(name)
+        return name
+
+    def _drop_committed_elsewhere(self) -> None:
+        """Re-read the index parts committed since the snapshot and drop pending samples that
+        already have one of this writer's fields there: each (sample id, field) in one shard."""
+        if not self._pending:
+            return
+        self._store.refresh_committed()
+        keep = [p for p in self._pending if not self._store.is_known(p.sample_id, self.fields)]
+        if len(keep) < len(self._pending):
+            self.dropped.extend(p.sample_id for p in self._pending if p not in keep)
+            self._pending, self._pending_ids = keep, {p.sample_id for p in keep}
+            self._pending_bytes = sum(a.nbytes for p in keep for a in p.arrays.values())
+
+    def _write_objects(self, name: str, root: str, objects: dict[str, dict[str, int]]) -> bytes:
+        """Write the shard's data objects under ``root``; return its index part's bytes."""
+        partial = bool(self._pending) and len(self.fields) < len(self._store.fields)
         field_layouts: dict[str, dict[str, int]] = {}
         columns: dict[str, Any] = {"id": [p.sample_id for p in self._pending]}
-
         if self._pending:
-            self._put_small(objects, f"{base}/zarr.json", fmt.group_json())
-        for fname in self.fields:
+            self._put_small(objects, f"{root}/zarr.json", fmt.group_json())
+        for fname in self.fields if self._pending else ():
             spec = self._store.fields[fname]
-            if not self._pending:
-                break
             arrays = [p.arrays[fname] for p in self._pending]
-            layout, crc = self._write_field(base, spec, arrays, objects)
+            layout, crc = self._write_field(root, spec, arrays, objects)
             field_layouts[fname] = {"elements": layout.elements, "chunk_elements": layout.chunk_elements, "num_chunks": layout.num_chunks}
             counts = np.array([a.size for a in arrays], dtype=np.int64)
             columns[f"{fname}.offset"] = pa.array(np.concatenate([[0], np.cumsum(counts)[:-1]]), pa.int64())
             columns[f"{fname}.shape"] = pa.array([list(a.shape) for a in arrays], pa.list_(pa.int64()))
             columns[f"{fname}.crc32c"] = pa.array(crc, pa.uint32())
-
+        rejects_key = None
         if self._rejects:
-            table = pa.Table.from_pylist(self._rejects)
-            self._put_small(objects, f"{fmt.REJECTS_DIR}/{name}.parquet", _parquet_bytes(table))
-
-
-        meta_keys = sorted({k for p in self._pending for k in p.meta})
-        for key in meta_keys:
+            rejects_key = f"{fmt.REJECTS_DIR}/{root.rsplit('/', 1)[-1]}.parquet"
+            self._put_small(objects, rejects_key, _parquet_bytes(pa.Table.from_pylist(self._rejects)))
+        for key in sorted({k for p in self._pending for k in p.meta}):
             columns[key] = _meta_column(key, [p.meta.get(key) for p in self._pending])
         commit_info = {
-            "format_version": fmt.ADDED_FIELDS_VERSION if partial else fmt.BASE_FORMAT_VERSION,
+            "format_version": fmt.EXCLUSIVE_COMMIT_VERSION,
             "shard": name,
             "num_samples": len(self._pending),
             "num_rejected": len(self._rejects),
             "fields": field_layouts,
+            "partial": partial,
+            "data": root,
+            "rejects": rejects_key,
+            # Readers resolve a (sample id, field) that racing writers both committed by the
+            # earliest commit (then the shard name): the one a reader could already have seen.
+            "committed_at": time.time(),
             "objects": objects,
         }
         table = _table(columns, self.fields if self._pending else [])
-        table = table.replace_schema_metadata({fmt.COMMIT_METADATA_KEY: json.dumps(commit_info).encode()})
-        part = _parquet_bytes(table)
-        # The commit point: until this object exists the shard is invisible to every reader.
-        self._storage.write_atomic(fmt.index_part_key(name, part), part)
-        self._store.note_committed(name, [p.sample_id for p in self._pending], self.fields)
-        self.committed.append(name)
-        self._pending, self._pending_ids, self._pending_bytes, self._rejects = [], set(), 0, []
-        return name
+        return index_part_bytes(table, commit_info)
+
+    def _discard(self, objects: dict[str, dict[str, int]]) -> None:
+        for key in objects:
+            self._storage.delete(key)
 
     def _write_field(self, base: str, spec: fmt.FieldSpec, arrays: list[np.ndarray], objects: dict) -> tuple[fmt.ChunkLayout, list[int]]:
         storage_dtype = np.dtype(spec.zarr_dtype)
@@ -248,6 +287,12 @@ def _table(columns: dict[str, Any], fields: list[str]) -> pa.Table:
     if not fields and not columns["id"]:
         return pa.table({"id": pa.array([], pa.string())})
     return pa.table(columns)
+
+
+def index_part_bytes(table: pa.Table, commit_info: dict[str, Any]) -> bytes:
+    """A version-3 index part: the rows, the commit record, and its own CRC-32C (sealed in)."""
+    metadata = {fmt.COMMIT_METADATA_KEY: json.dumps(commit_info).encode(), fmt.COMMIT_CRC_METADATA_KEY: fmt.CRC_PLACEHOLDER}
+    return fmt.seal_index_part(_parquet_bytes(table.replace_schema_metadata(metadata)))
 
 
 def _parquet_bytes(table: pa.Table) -> bytes:

@@ -195,7 +195,7 @@ def test_new_field_is_added_to_the_store(dataset, tmp_path, cluster):
     assert any("adding field(s) text_short" in line for line in lines), lines
     assert any("adding text_short to 5 sample(s) already in the store" in line for line in lines), lines
     store = featstore.open(str(out))
-    assert store.format_version == 2 and len(store) == len(rows)
+    assert store.format_version == featstore.FORMAT_VERSION and len(store) == len(rows)
     assert store.samples_per_field() == {"latent": len(rows), "text_emb": 5, "text_short": len(rows)}
     for sid, latent in latents.items():  # the first five kept their latents: only the text ran
         assert store.read(sid, ["latent"])["latent"].tobytes() == latent.tobytes()

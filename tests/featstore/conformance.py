@@ -4,6 +4,7 @@ provides the ``url`` fixture (a fresh, empty location) and ``shared_across_proce
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -68,14 +69,14 @@ def _write_then_die(url: str, die_at_commit: bool) -> None:
     for sample_id, arrays, meta in ragged_samples(6, seed=7)[3:]:
         writer.add(f"k-{sample_id}", arrays, meta)
     storage = writer.store.storage
-    real_write = storage.write_atomic
+    real_write = storage.write_new
 
     def write_and_die(key, data):
         if key.startswith(fmt.INDEX_DIR) or not die_at_commit:
             os.kill(os.getpid(), signal.SIGKILL)  # after the data objects, before the index part
-        real_write(key, data)
+        return real_write(key, data)
 
-    storage.write_atomic = write_and_die
+    storage.write_new = write_and_die
     writer.commit()
 
 
@@ -174,18 +175,20 @@ class StoreConformance:
         parts = sorted(fs.glob(f"{root}/index/*.parquet"))
         where = {}
         for part in parts:
-            shard = part.rsplit("/", 1)[-1].rsplit(".", 2)[0]  # <shard>.<crc32c>.parquet
             with fs.open(part, "rb") as fh:
-                for row in pq.read_table(fh, use_threads=False).to_pylist():
-                    for column in row:
-                        if column.endswith(".offset"):
-                            where[row["id"], column[: -len(".offset")]] = (shard, row)
+                table = pq.read_table(fh, use_threads=False)
+            record = json.loads(table.schema.metadata[b"mmcache.commit"])
+            data = record.get("data") or f"shards/{record['shard']}"  # versions 1-2: shards/<shard>
+            for row in table.to_pylist():
+                for column in row:
+                    if column.endswith(".offset"):
+                        where[row["id"], column[: -len(".offset")]] = (data, row)
         assert len(where) == 5 * 2 + 3
         zstore = zarr.storage.LocalStore(root) if fs.protocol in ("file", ("file", "local")) else zarr.storage.FsspecStore.from_url(url, read_only=True)
         for sample_id, arrays, _ in samples:
             for name, expected in arrays.items():
-                shard, row = where[sample_id, name]
-                array = zarr.open_array(zstore, path=f"shards/{shard}/{name}", mode="r")
+                data, row = where[sample_id, name]
+                array = zarr.open_array(zstore, path=f"{data}/{name}", mode="r")
                 flat = array[row[f"{name}.offset"] : row[f"{name}.offset"] + expected.size]
                 if array.attrs["mmcache"]["dtype"] == "bfloat16":
                     flat = flat.view(ml_dtypes.bfloat16)
@@ -205,7 +208,7 @@ class StoreConformance:
         else:  # an in-process store cannot outlive a killed process: die by exception instead
             writer = featstore.append(url)
             writer.add("k-0", samples[0][1])
-            writer.store.storage.write_atomic = _raise_on_index(writer.store.storage.write_atomic)
+            writer.store.storage.write_new = _raise_on_index(writer.store.storage.write_new)
             with pytest.raises(RuntimeError):
                 writer.commit()
         store = featstore.open(url)
@@ -280,7 +283,7 @@ class StoreConformance:
             for sample_id, arrays, meta in samples:
                 writer.add(sample_id, arrays, meta)
         reader_before = featstore.open(url)
-        assert reader_before.format_version == 1
+        assert reader_before.format_version == fmt.FORMAT_VERSION
         store = featstore.open(url, mode="a")
         store.add_fields({"vit": {"dtype": "float32", "ndim": 2, "meta": {"section": "vit"}}})
         rng = np.random.default_rng(5)
@@ -298,7 +301,7 @@ class StoreConformance:
             store.writer(fields=["vit"]).add(samples[8][0], {"latent": samples[8][1]["latent"]})
 
         after = featstore.open(url)
-        assert after.format_version == 2  # a version-1 reader must refuse it, not misread it
+        assert after.format_version == fmt.FORMAT_VERSION
         assert len(after) == 10 and sorted(after.sample_ids()) == [s[0] for s in samples]
         assert after.samples_per_field() == {"latent": 10, "text": 10, "vit": 7}
         assert sorted(after.sample_ids(with_fields=["latent", "vit"])) == sorted(vit)
@@ -340,6 +343,6 @@ def _raise_on_index(real_write):
     def write(key, data):
         if key.startswith(fmt.INDEX_DIR):
             raise RuntimeError("simulated crash before the commit point")
-        real_write(key, data)
+        return real_write(key, data)
 
     return write

@@ -86,13 +86,13 @@ def test_interrupted_copy_resumes_and_never_shows_half_a_shard(local_store, s3_b
 def test_damaged_source_is_not_copied(local_store, s3_bucket):
     store = featstore.open(local_store)
     shard = sorted(store.shards)[1]
-    data = Path(local_store) / "shards" / shard / "latent" / "c" / "0"
+    data = Path(local_store) / store.shards[shard].data_key("latent")
     raw = bytearray(data.read_bytes())
     raw[5] ^= 0x10
     data.write_bytes(bytes(raw))
     remote = f"{s3_bucket}/copied"
     result = run("copy", local_store, remote)
-    assert result.exit_code == 1 and f"shards/{shard}/latent/c/0 fails its checksum" in result.output
+    assert result.exit_code == 1 and f"{store.shards[shard].data_key('latent')} fails its checksum" in result.output
     assert shard not in featstore.open(remote).shards  # never committed at the destination
 
 
@@ -116,6 +116,6 @@ def test_copy_of_a_store_with_an_added_field(local_store, s3_bucket):
     assert result.exit_code == 0, result.output
     assert "copied 1 shard(s)" in result.output
     copied = featstore.open(remote)
-    assert copied.format_version == 2 and copied.samples_per_field()["extra"] == 10
+    assert copied.format_version == featstore.FORMAT_VERSION and copied.samples_per_field()["extra"] == 10
     assert_same(copied.read(samples[3][0])["extra"], samples[3][1]["text"][:, 0].astype("float32"))
     assert set(copied.read(samples[20][0])) == {"latent", "text"}

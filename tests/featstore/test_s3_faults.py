@@ -94,7 +94,7 @@ def test_persistent_fault_fails_naming_the_object(s3_bucket, proxy, monkeypatch)
     samples = write_store(url, {}, n=6)
     clean = featstore.open(url)
     shard = clean.index.column("shard")[0].as_py()
-    key = f"{fmt.SHARDS_DIR}/{shard}/text/c/0"
+    key = clean.shards[shard].data_key("text")
     proxy.rules.append(lambda method, path: "503" if path.split("?")[0].endswith(key) else None)
     options = via(proxy)
     store = featstore.open(url, options)

@@ -39,7 +39,7 @@ def test_info_json(store_url):
     result = run("info", store_url, "--json")
     assert result.exit_code == 0, result.output
     info = json.loads(result.output)
-    assert info["format_version"] == 1 and info["num_samples"] == 12 and info["num_rejected"] == 1
+    assert info["format_version"] == featstore.FORMAT_VERSION and info["num_samples"] == 12 and info["num_rejected"] == 1
     assert info["num_shards"] >= 2 and info["fields"]["latent"]["dtype"] == "bfloat16"
     on_disk = sum(p.stat().st_size for p in committed_files(store_url) if p.name != "zarr.json" or "shards" in p.parts)
     assert info["bytes"] == pytest.approx(on_disk, rel=0.05)
@@ -76,7 +76,7 @@ def test_verify_finds_every_flipped_byte_in_sampled_positions(store_url):
                 assert result.exit_code != 0, f"flip at {path.relative_to(store_url)}:{position} not detected"
                 rel = path.relative_to(store_url).parts
                 if rel[0] in ("shards", "index", "rejects") and len(rel) > 1:
-                    shard = rel[1].removesuffix(".parquet")
+                    shard = rel[1].removesuffix(".parquet").rsplit(".", 1)[0] if rel[0] != "index" else rel[1].removesuffix(".parquet")
                     assert shard in result.output, result.output
                 checked += 1
             finally:
@@ -102,7 +102,7 @@ def test_reader_catches_corruption(store_url):
     store = featstore.open(store_url)
     sample_id = store.sample_ids()[4]
     row = store.index.to_pylist()[store.row(sample_id)]
-    data = Path(store_url) / "shards" / row["shard"] / "text" / "c" / "0"
+    data = Path(store_url) / store.shards[row["shard"]].data_key("text")
     _flip(data, row["text.offset"] * 2 + 1)
     with pytest.raises(featstore.CorruptionError, match=sample_id):
         featstore.open(store_url).read(sample_id)
@@ -127,7 +127,7 @@ def test_verify_index_data_disagreement(store_url):
     # A consistent-looking but wrong index: valid Parquet, its checksum in its name.
     part.unlink()
     shard = fmt.parse_index_part_name(part.name)[0]
-    (Path(store_url) / fmt.index_part_key(shard, sink.getvalue())).write_bytes(sink.getvalue())
+    (Path(store_url) / fmt.index_part_key_v2(shard, sink.getvalue())).write_bytes(sink.getvalue())  # as versions 1-2 name it
     result = run("verify", store_url)
     assert result.exit_code == 1 and "fails its checksum" in result.output
     assert table.column("id")[0].as_py() in result.output
@@ -158,13 +158,14 @@ def _add_text2(url: str, ids: list[str], prefix: str) -> None:
 def test_info_and_verify_with_an_added_field(store_url):
     _add_text2(store_url, ["s-0000", "s-0001", "s-0002"], "extra")
     info = json.loads(run("info", store_url, "--json").output)
-    assert info["format_version"] == 2 and info["num_samples"] == 12
+    assert info["format_version"] == featstore.FORMAT_VERSION and info["num_samples"] == 12
     assert info["samples_per_field"] == {"latent": 12, "text": 12, "text2": 3}
     assert "text2: float16, 2-D, in 3 of the samples" in run("info", store_url).output
     checked = run("verify", store_url)
     assert checked.exit_code == 0 and ", 12 sample(s)," in checked.output
-    # Two writers that each added the same sample's field (a producer bug): verify names it.
+    # A second writer adding the same sample's field (a producer bug) re-reads the store before
+    # committing and leaves it out: each (sample id, field) stays in one shard.
     _add_text2(store_url, ["s-0001"], "again")
-    with pytest.warns(UserWarning, match="more than one shard"):
-        result = run("verify", store_url)
-    assert result.exit_code == 1 and "sample 's-0001' field 'text2' is committed in more than one shard" in result.output
+    result = run("verify", store_url)
+    assert result.exit_code == 0 and "also committed" not in result.output
+    assert featstore.open(store_url).samples_per_field()["text2"] == 3
