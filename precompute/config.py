@@ -35,11 +35,16 @@ class RunConfig:
     batch_size: int = 8          # encoder batch (per shape bucket)
     decode_threads: int = 2      # CPU threads decoding ahead of the encoder in each worker
     threads_per_worker: int = 0  # torch intra-op threads per worker; 0 = cores / workers
+    # Seconds a task may spend reading and decoding its inputs; an input still not read then (a
+    # FIFO, a hung network read) becomes a reject saying so. 0 = no limit.
+    task_timeout: float = 1800.0
 
     def __post_init__(self) -> None:
         for name in ("samples_per_task", "batch_size", "decode_threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"run.{name} must be >= 1, got {getattr(self, name)}")
+        if self.task_timeout < 0:
+            raise ConfigError(f"run.task_timeout must be >= 0 seconds (0: no limit), got {self.task_timeout}")
 
 
 @dataclass(kw_only=True)

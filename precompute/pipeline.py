@@ -92,12 +92,13 @@ def encoder_specs(config: EncodeConfig, cache_dir: Path | None = None) -> list[E
     return specs
 
 
-def plan_tasks(rows: list[InputRow], specs_digest: str, per_task: int, fields: list[str], new_samples: bool = True) -> list[TaskSpec]:
-    """Tasks of ``per_task`` rows that write ``fields``, each named by a hash of what it does."""
+def plan_tasks(rows: list[InputRow], specs_digest: str, per_task: int, fields: list[str], new_samples: bool = True, salt: str = "") -> list[TaskSpec]:
+    """Tasks of ``per_task`` rows that write ``fields``, each named by a hash of what it does
+    (and ``salt``: what makes a retry of the same rows a different task)."""
     tasks = []
     for start in range(0, len(rows), per_task):
         chunk = rows[start : start + per_task]
-        body = json.dumps([specs_digest, fields, [(r.sample_id, r.uri, r.caption) for r in chunk]])
+        body = json.dumps([specs_digest, fields, [(r.sample_id, r.uri, r.caption) for r in chunk]] + ([salt] if salt else []))
         name = f"t-{hashlib.sha256(body.encode()).hexdigest()[:24]}"
         tasks.append(TaskSpec(shard=name, rows=chunk, fields=fields, new_samples=new_samples))
     return tasks
@@ -201,13 +202,16 @@ def run_encode(
             "batch_size": config.run.batch_size,
             "decode_threads": config.run.decode_threads,
             "input_storage_options": input_storage_options,
+            "task_timeout": config.run.task_timeout,
+            "device": config.device,
         }
         transform = {k: settings[k] for k in ("resize", "frames", "size_multiple")}
         store = _open_or_create(output_url, fields, storage_options, transform, log)
         startup = time.perf_counter() - t0
         log(f"encoders ready on {len(devices)} worker(s) ({device_type}) in {startup:.1f}s")
 
-        rejected_before = _rejected_sources(store) if not config.data.retry_rejects else set()
+        rejected = _rejected_sources(store)
+        rejected_before = rejected if not config.data.retry_rejects else set()
         stale = stale_samples(rows, store, client=client, storage_options=input_storage_options, check_content=config.data.check_content)
         if stale:
             log(describe_stale(stale))
@@ -223,8 +227,14 @@ def run_encode(
         digest = hashlib.sha256(json.dumps({k: v["meta"]["fingerprint"]["digest"] for k, v in fields.items()}, sort_keys=True).encode()).hexdigest()
         # At least two tasks per worker when the job is small, so no worker sits idle.
         per_task = max(1, min(config.run.samples_per_task, -(-todo // (2 * len(addresses)))))
-        tasks = [task for (missing, new), group in groups.items() for task in plan_tasks(group, digest, per_task, list(missing), new)]
-        summary = _run_tasks(client, tasks, devices, output_url, storage_options, specs, threads, settings, progress, log)
+        # A retried reject gets a task of a new name: the one that rejected it is committed.
+        retry = _retry_salt(store) if config.data.retry_rejects and any(r.source in rejected for g in groups.values() for r in g) else ""
+        tasks = [task for (missing, new), group in groups.items() for task in plan_tasks(group, digest, per_task, list(missing), new, salt=retry)]
+        # Every task is told which shards this plan saw, so that before committing it re-reads
+        # only those committed since (by a concurrent run), not the whole index.
+        # (A task's result, not scattered data: if the worker holding it dies, it is recomputed.)
+        known = client.submit(list, sorted(store.shards), pure=False) if tasks else None
+        summary = _run_tasks(client, tasks, known, output_url, storage_options, specs, threads, settings, progress, log)
         summary.update(samples_skipped=skipped, startup_seconds=startup, stale=len(stale))
         summary["rejected"] += len(new_plan_rejects)
         return EncodeSummary(store_url=store.url, seconds=time.perf_counter() - t0 - startup, **summary)
@@ -256,29 +266,36 @@ def local_cluster(workers: int, *, processes: bool = True, dashboard: bool = Fal
 
 
 
-def _run_tasks(client, tasks, devices, output_url, storage_options, specs, threads, settings, progress, log) -> dict[str, int]:
+def _run_tasks(client, tasks, known, output_url, storage_options, specs, threads, settings, progress, log) -> dict[str, int]:
     from distributed import as_completed
 
     total = sum(len(t.rows) for t in tasks)
     meter = ProgressMeter(total, enabled=sys.stderr.isatty() if progress is None else progress)
-    futures = []
-    addresses = sorted(devices)
-    for i, task in enumerate(tasks):
-        # Each worker encodes on its own device; a task may still run elsewhere if its worker
-        # dies (retries), so the device is chosen by the worker at run time.
-        futures.append(client.submit(
-            _run_on_worker, task, output_url, storage_options, specs, next(iter(devices.values())), threads, settings,
-            key=f"encode-{task.shard}", retries=3, pure=False, workers=[addresses[i % len(addresses)]], allow_other_workers=True,
-        ))
+    # No placement hints: the scheduler spreads the tasks, and a task whose worker died (an OOM
+    # kill) runs on whichever worker is alive, the nanny's restart of it included. A task pinned
+    # to the dead worker's address would wait for it forever. Dask gives up on a task that kills
+    # its worker repeatedly (distributed.scheduler.allowed-failures) and the job fails saying so.
+    futures = [
+        client.submit(
+            _run_on_worker, task, output_url, storage_options, specs, settings["device"], threads, settings, known,
+            key=f"encode-{task.shard}", retries=3, pure=False,
+        )
+        for task in tasks
+    ]
     counts = {"tasks": len(tasks), "tasks_skipped": 0, "samples_written": 0, "rejected": 0}
     for future in as_completed(futures):
         result = future.result()
         counts["tasks_skipped"] += result["skipped"]
         counts["samples_written"] += result["samples"]
         counts["rejected"] += result["rejected"]
-        meter.update(result["samples"] + result["rejected"], result["rejected"])
+        meter.update(result["samples"] + result["rejected"] + result["dropped"], result["rejected"])
     meter.close()
     return counts
+
+
+def _retry_salt(store: featstore.Store) -> str:
+    """Names the rejects a retry follows, so retrying them again later is again a new task."""
+    return hashlib.sha256(" ".join(sorted(n for n, info in store.shards.items() if info.num_rejected)).encode()).hexdigest()[:16]
 
 
 def _device_here(requested: str) -> str:
@@ -296,9 +313,9 @@ def _describe_on_worker(specs, requested, threads):
     return describe_encoders(specs, _device_here(requested), threads)
 
 
-def _run_on_worker(task, output_url, storage_options, specs, requested, threads, settings):
+def _run_on_worker(task, output_url, storage_options, specs, requested, threads, settings, known):
     device = _device_here(requested)
-    return encode_task(task, store_url=output_url, storage_options=storage_options, specs=specs, device=device, threads=threads, settings=settings)
+    return encode_task(task, store_url=output_url, storage_options=storage_options, specs=specs, device=device, threads=threads, settings=settings, known_shards=known)
 
 
 def _open_or_create(url: str, fields: dict[str, Any], storage_options: dict[str, Any] | None, transform: dict[str, Any], log) -> featstore.Store:

@@ -13,15 +13,17 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import fsspec
 import numpy as np
 
+from featstore.errors import ShardCommittedError, StorageError
 from featstore.reader import open_store
 from featstore.secrets import redact_url
-from featstore.retry import with_retries
+from featstore.retry import describe, is_transient, with_retries
 from precompute.inputs import InputRow
 
 # Models load from local folders only, without progress bars or hub look-ups cluttering the
@@ -67,8 +69,15 @@ class TaskResult:
     shard: str
     samples: int = 0
     rejected: int = 0
+    dropped: int = 0  # encoded, but another writer had committed them meanwhile: left out
     skipped: bool = False
     seconds: float = 0.0
+    rejects: list = field(default_factory=list, repr=False)  # (row, reason); not sent back
+
+    def summary(self) -> dict[str, Any]:
+        out = asdict(self)
+        del out["rejects"]
+        return out
 
 
 def loaded_encoders(specs: list[EncoderSpec], device: str, threads: int) -> dict[str, Any]:
@@ -118,28 +127,58 @@ def encode_task(
     device: str,
     threads: int,
     settings: dict[str, Any],
+    known_shards: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Encode one task into one committed shard; idempotent (a committed shard is skipped)."""
-    from precompute.media import FrameSampling, MediaError, ResizeConfig
+    """Encode one task into one committed shard; idempotent (a committed shard is skipped, and so
+    is one another writer commits first). ``known_shards``: the shards the client planned from."""
 
     start = time.perf_counter()
     result = TaskResult(shard=task.shard)
-    # The client planned disjoint tasks from the index; a task only adds one shard.
+    # The client planned disjoint tasks from its snapshot; a task only adds one shard.
     store = open_store(store_url, storage_options, mode="a", load_index=False)
-    if store.has_shard(task.shard):
-        result.skipped = True
-        return asdict(result)
+    try:
+        if store.has_shard(task.shard):
+            result.skipped = True
+            return result.summary()
+        # What the client planned around need not be re-read before this task commits; only
+        # shards committed since (by a concurrent run) are.
+        store.assume_checked(known_shards or ())
+        done = _encode_rows(task, store, specs, device, threads, settings, result)
+        writer = store.writer(shard_prefix=task.shard[:60], shard_bytes=1 << 62, fields=task.fields)
+        # One task is one shard, whatever its size: an automatic mid-task commit would get a name
+        # a retried task could collide with.
+        for row, reason in result.rejects:
+            writer.reject(row.source, reason, id=row.sample_id)
+        for row, arrays, meta in done:
+            if arrays is not None:
+                writer.add(row.sample_id, arrays, meta)
+        try:
+            writer.commit(task.shard)
+        except ShardCommittedError:
+            # A zombie of this task (its worker was presumed dead) or a concurrent run of the
+            # same plan committed it first: theirs is kept, ours was discarded.
+            result.skipped = True
+            return result.summary()
+        result.samples = sum(1 for _, arrays, _ in done if arrays is not None) - len(writer.dropped)
+        result.dropped = len(writer.dropped)
+        result.seconds = time.perf_counter() - start
+        return result.summary()
+    finally:
+        store.close()
+
+
+def _encode_rows(task: TaskSpec, store, specs, device, threads, settings, result: TaskResult) -> list:
+    """(row, arrays or None, meta) for each row that was not rejected; rejects go to ``result``."""
+    from precompute.media import FrameSampling, MediaError, ResizeConfig
+
     configured = loaded_encoders(specs, device, threads)
     # Only the encoders of the fields this task writes run (a field added to committed samples).
     encoders = {section: encoder for section, encoder in configured.items() if set(encoder.fields()) & set(task.fields)}
     resize = ResizeConfig(**settings["resize"])
     frames = FrameSampling(**settings["frames"])
-    # One task is one shard, whatever its size: an automatic mid-task commit would get a name a
-    # retried task could collide with.
-    writer = store.writer(shard_prefix=task.shard[:60], shard_bytes=1 << 62, fields=task.fields)
 
     def reject(row: InputRow, reason: str) -> None:
-        writer.reject(row.source, reason, id=row.sample_id)
+        result.rejects.append((row, reason))
         result.rejected += 1
 
     # Each visual encoder gets the pixel size its own rule gives (a VAE: any multiple of its
@@ -166,21 +205,20 @@ def encode_task(
         return prepared
 
     done: list[tuple[InputRow, dict[str, np.ndarray], dict[str, Any]]] = []
-    with ThreadPoolExecutor(settings["decode_threads"], thread_name_prefix="decode") as pool:
-        # Decoding runs ahead on CPU threads (Pillow and PyAV release the GIL) while the encoder
-        # works on the batches already formed.
+    timeout = settings.get("task_timeout") or None
+    deadline = None if timeout is None else time.monotonic() + timeout
+    # Decoding runs ahead on CPU threads (Pillow and PyAV release the GIL) while the encoder works
+    # on the batches already formed. Not a `with` block: a thread stuck on an input (a FIFO, a
+    # hung read) must not keep the task from finishing once the deadline turned it into a reject.
+    pool = ThreadPoolExecutor(settings["decode_threads"], thread_name_prefix="decode")
+    try:
         futures = [(row, pool.submit(prepare, row)) for row in task.rows]
-        for batch in _bucketed(futures, settings["batch_size"], reject, MediaError):
+        for batch in _bucketed(futures, settings["batch_size"], reject, MediaError, deadline, timeout):
             _encode_batch(batch, encoders, reject, done, primary)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     _encode_text(done, encoders.get("text"), settings["batch_size"], reject)
-    for row, arrays, meta in done:
-        if arrays is not None:
-            writer.add(row.sample_id, arrays, meta)
-    writer.commit(task.shard)
-    result.samples = sum(1 for _, arrays, _ in done if arrays is not None)
-    result.seconds = time.perf_counter() - start
-    store.close()
-    return asdict(result)
+    return done
 
 
 def read_input_bytes(uri: str, storage_options: dict[str, Any] | None) -> bytes:
@@ -195,13 +233,27 @@ def read_input_bytes(uri: str, storage_options: dict[str, Any] | None) -> bytes:
     shown = redact_url(uri)
     try:
         data = with_retries(fetch, shown, "read")
-    except FileNotFoundError:
+    except FileNotFoundError as exc:
+        if _transient_cause(exc):
+            # fsspec's HTTP filesystem reports a refused connection or a timeout as a missing
+            # file: that input may well be there, so the task fails (and is retried) instead.
+            raise StorageError(f"{shown}: read failed with {describe(_transient_cause(exc))}; the source is unreachable, try again later") from None
         raise MediaError("missing file", shown) from None
     except IsADirectoryError:
         raise MediaError("is a directory, not a file", shown) from None
     if not data:
         raise MediaError("zero-byte file", shown)
     return data
+
+
+def _transient_cause(exc: BaseException) -> BaseException | None:
+    """The transient fault (connection refused, timeout, 5xx) behind an exception, if any."""
+    seen = exc.__cause__ or exc.__context__
+    while seen is not None:
+        if is_transient(seen):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _size_rule(encoder: Any, size_multiple: int):
@@ -215,14 +267,19 @@ def _size_rule(encoder: Any, size_multiple: int):
     return rule
 
 
-def _bucketed(futures, batch_size: int, reject, media_error) -> Iterator[list[tuple[InputRow, Any]]]:
-    """Prepared inputs grouped by shape (the encoder stacks a batch), in batches of batch_size."""
+def _bucketed(futures, batch_size: int, reject, media_error, deadline: float | None = None, timeout: float | None = None) -> Iterator[list[tuple[InputRow, Any]]]:
+    """Prepared inputs grouped by shape (the encoder stacks a batch), in batches of batch_size.
+    An input not read and decoded by ``deadline`` (monotonic) is rejected."""
     buckets: dict[tuple, list[tuple[InputRow, Any]]] = {}
     for row, future in futures:
         try:
-            prepared = future.result()
+            prepared = future.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
         except media_error as exc:
             reject(row, exc.reason)
+            continue
+        except FutureTimeout:
+            future.cancel()
+            reject(row, f"not read and decoded within run.task_timeout={timeout:g}s (a stuck input: a FIFO, a hung network read?)")
             continue
         key = (row.modality, *(p.pixels.shape for p in prepared.values())) if prepared is not None else ("text",)
         bucket = buckets.setdefault(key, [])
