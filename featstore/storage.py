@@ -214,7 +214,16 @@ class LocalStorage(Storage):
 
     def delete(self, key: str) -> None:
         self._forget(key)
-        self._path(key).unlink(missing_ok=True)
+        path = self._path(key)
+        path.unlink(missing_ok=True)
+        # Directories exist only through their objects on object stores; here the emptied ones go too.
+        for parent in path.parents:
+            if parent == self.root or self.root not in parent.parents:
+                break
+            try:
+                parent.rmdir()
+            except OSError:  # not empty (or already gone): it still holds something
+                break
 
     def _forget(self, key: str) -> None:
         with self._lock:

@@ -146,11 +146,18 @@ class StoreWriter:
         objects: dict[str, dict[str, int]] = {}
         # A failure (or a kill) from here on leaves objects that no index part names: readers
         # never see them, and `mmcache verify` lists them as leftovers.
-        part = self._write_objects(name, root, objects)
+        table, commit_info = self._write_objects(name, root, objects)
+        # Check again, now that the (slow) data writes are done: only a commit in the moment
+        # between this listing and the commit point below can still overlap this shard.
+        table, commit_info = self._without_committed_elsewhere(table, commit_info)
+        # Readers resolve a (sample id, field) that racing writers both committed by the
+        # earliest commit, then the shard name: deterministic for every reader of the same shards.
+        part = index_part_bytes(table, {**commit_info, "committed_at": time.time()})
         # The commit point: until this object exists the shard is invisible to every reader; it
         # is created only if absent, so of two writers of one shard name exactly one commits.
         won = self._storage.write_new(fmt.index_part_key(name), part)
-        ids, self._pending, self._pending_ids, self._pending_bytes, self._rejects = [p.sample_id for p in self._pending], [], set(), 0, []
+        ids = table.column("id").to_pylist()
+        self._pending, self._pending_ids, self._pending_bytes, self._rejects = [], set(), 0, []
         if not won:
             self._discard(objects)
             raise ShardCommittedError(
@@ -173,8 +180,22 @@ class StoreWriter:
             self._pending, self._pending_ids = keep, {p.sample_id for p in keep}
             self._pending_bytes = sum(a.nbytes for p in keep for a in p.arrays.values())
 
-    def _write_objects(self, name: str, root: str, objects: dict[str, dict[str, int]]) -> bytes:
-        """Write the shard's data objects under ``root``; return its index part's bytes."""
+    def _without_committed_elsewhere(self, table: pa.Table, commit_info: dict[str, Any]) -> tuple[pa.Table, dict[str, Any]]:
+        """The index rows minus samples another writer committed since the first check (their
+        bytes stay in this shard's data objects, unreferenced)."""
+        if not table.num_rows:
+            return table, commit_info
+        self._store.refresh_committed()
+        ids = table.column("id").to_pylist()
+        gone = [i for i in ids if self._store.is_known(i, self.fields)]
+        if not gone:
+            return table, commit_info
+        self.dropped.extend(gone)
+        keep = pa.array([i not in set(gone) for i in ids])
+        return table.filter(keep), {**commit_info, "num_samples": len(ids) - len(gone)}
+
+    def _write_objects(self, name: str, root: str, objects: dict[str, dict[str, int]]) -> tuple[pa.Table, dict[str, Any]]:
+        """Write the shard's data objects under ``root``; return its index rows and commit record."""
         partial = bool(self._pending) and len(self.fields) < len(self._store.fields)
         field_layouts: dict[str, dict[str, int]] = {}
         columns: dict[str, Any] = {"id": [p.sample_id for p in self._pending]}
@@ -204,13 +225,10 @@ class StoreWriter:
             "partial": partial,
             "data": root,
             "rejects": rejects_key,
-            # Readers resolve a (sample id, field) that racing writers both committed by the
-            # earliest commit (then the shard name): the one a reader could already have seen.
-            "committed_at": time.time(),
+            "committed_at": 0.0,  # set just before the commit point
             "objects": objects,
         }
-        table = _table(columns, self.fields if self._pending else [])
-        return index_part_bytes(table, commit_info)
+        return _table(columns, self.fields if self._pending else []), commit_info
 
     def _discard(self, objects: dict[str, dict[str, int]]) -> None:
         for key in objects:
