@@ -1,0 +1,170 @@
+"""`mmcache encode` under faults, on a real Dask LocalCluster with real (tiny) encoders: the only
+worker killed mid-task, an input that never arrives (a FIFO), a source host that refuses the
+connection, rejected inputs that become readable later."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import socket
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+import featstore
+from featstore.verify import verify_store
+from precompute.demo_data import make_dataset
+from tests.test_encode import encode, tiny_config, write_manifest
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    manifest = make_dataset(tmp_path_factory.mktemp("data"), num_images=4, num_videos=0)
+    return manifest.parent
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as local, Client(local) as client:
+        yield local.scheduler_address, client
+
+
+def _images(media: Path) -> list[Path]:
+    return sorted(media.glob("media/*.png"))
+
+
+def _open_for_writing(fifo: Path, deadline: float) -> int:
+    """Wait until a reader (the encode task) has the FIFO open; then open its writing end."""
+    while time.time() < deadline:
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:  # ENXIO: nobody reads it yet
+                raise
+            time.sleep(0.02)
+    raise AssertionError(f"no encode task opened {fifo} in time")
+
+
+def _release_readers(fifo: Path) -> None:
+    """Let decode threads still blocked opening the FIFO go (they see EOF), so workers stay clean."""
+    for _ in range(50):
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:
+                raise
+            return
+        time.sleep(0.02)
+
+
+def _in_thread(fn):
+    errors: list[BaseException] = []
+    result: list = []
+
+    def run():
+        try:
+            result.append(fn())
+        except BaseException as exc:  # reported by the caller: the test fails with it
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result, errors
+
+
+def test_killing_the_only_worker_mid_task_finishes_the_job(media, tmp_path, cluster):
+    """An OOM kill on a one-GPU machine: the task is resubmitted to the nanny's restarted worker
+    (not pinned to the dead one's address) and the job finishes with every sample once. (The
+    killed task's input is a FIFO nobody writes: the sync point, then a stuck input.)"""
+    root = tmp_path / "in"
+    shutil.copytree(media / "media", root / "media")
+    fifo = root / "slow.png"
+    os.mkfifo(fifo)
+    rows = [{"path": f"media/{p.name}", "caption": f"image {i}"} for i, p in enumerate(_images(media))]
+    manifest = write_manifest(root / "manifest.jsonl", rows + [{"path": "slow.png", "caption": "arrives late"}])
+    out = tmp_path / "store"
+    address, client = cluster
+    (pid,) = client.run(os.getpid).values()
+    thread, result, errors = _in_thread(lambda: encode(tiny_config("run.samples_per_task=1", "run.task_timeout=3"), manifest, out, (address,)))
+    deadline = time.time() + 150
+    fd = _open_for_writing(fifo, deadline)  # the only worker is now inside the FIFO's task
+    os.kill(pid, 9)
+    os.close(fd)
+    # The task runs again on the nanny's restarted worker, where its input never arrives: the
+    # task deadline turns it into a reject, and the job finishes.
+    thread.join(max(1.0, deadline - time.time()))
+    _release_readers(fifo)
+    assert not thread.is_alive(), "the job hung after its only worker was killed"
+    assert not errors, errors
+    assert result[0].samples_written == len(rows) and result[0].rejected == 1
+    store = featstore.open(str(out))
+    ids = Counter(store.index.column("id").to_pylist())
+    assert len(ids) == len(rows) and set(ids.values()) == {1}
+    assert "run.task_timeout=3s" in store.rejects.to_pylist()[0]["reason"]
+    assert verify_store(store).ok
+
+
+def test_stuck_input_becomes_a_reject_after_task_timeout(media, tmp_path, cluster):
+    root = tmp_path / "in"
+    shutil.copytree(media / "media", root / "media")
+    fifo = root / "never.png"
+    os.mkfifo(fifo)
+    rows = [{"path": f"media/{_images(media)[0].name}", "caption": "fine"}, {"path": "never.png", "caption": "never written"}]
+    manifest = write_manifest(root / "manifest.jsonl", rows)
+    out = tmp_path / "store"
+    try:
+        summary = encode(tiny_config("run.task_timeout=2"), manifest, out, cluster)
+    finally:
+        _release_readers(fifo)
+    assert summary.samples_written == 1 and summary.rejected == 1
+    (reject,) = featstore.open(str(out)).rejects.to_pylist()
+    assert reject["source"] == "never.png" and "run.task_timeout=2s" in reject["reason"]
+
+
+def test_refused_connection_fails_the_task_instead_of_a_reject(media, tmp_path, cluster):
+    """A source host that refuses the connection may be back later: the task fails (Dask retries
+    it) and the job fails saying why; no permanent 'missing file' reject is recorded."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there now: connections are refused
+    rows = [{"path": f"http://127.0.0.1:{port}/image.png", "caption": "remote"}]
+    manifest = write_manifest(tmp_path / "manifest.jsonl", rows)
+    out = tmp_path / "store"
+    with pytest.raises(featstore.StorageError, match="unreachable, try again later"):
+        encode(tiny_config("data.allow_outside_root=true"), manifest, out, cluster)
+    assert featstore.open(str(out)).num_rejected() == 0
+
+
+def test_retry_rejects_encodes_inputs_that_became_readable(media, tmp_path, cluster):
+    root = tmp_path / "in"
+    shutil.copytree(media / "media", root / "media")
+    good = _images(media)[1].read_bytes()
+    (root / "fixed.png").write_bytes(good[: len(good) // 2])  # truncated now, repaired later
+    rows = [
+        {"path": f"media/{_images(media)[0].name}", "caption": "fine"},
+        {"path": "later.png", "caption": "not there yet"},
+        {"path": "fixed.png", "caption": "truncated at first"},
+    ]
+    manifest = write_manifest(root / "manifest.jsonl", rows)
+    out = tmp_path / "store"
+    first = encode(tiny_config(), manifest, out, cluster)
+    assert first.samples_written == 1 and first.rejected == 2
+    (root / "later.png").write_bytes(good)
+    (root / "fixed.png").write_bytes(good)
+    plain = encode(tiny_config(), manifest, out, cluster)
+    assert plain.samples_written == 0  # by default a re-run does not retry rejects
+    retried = encode(tiny_config("data.retry_rejects=true"), manifest, out, cluster)
+    assert retried.samples_written == 2 and retried.rejected == 0
+    store = featstore.open(str(out))
+    assert sorted(store.sample_ids()) == sorted(["media:" + _images(media)[0].name, "later.png", "fixed.png"])
+    assert verify_store(store).ok
+    again = encode(tiny_config("data.retry_rejects=true"), manifest, out, cluster)
+    assert again.samples_written == 0 and json.dumps(sorted(featstore.open(str(out)).sample_ids())) == json.dumps(sorted(store.sample_ids()))
