@@ -1,13 +1,15 @@
-"""The on-disk format, version 1 (docs/FORMAT.md is the prose version of this module).
+"""The on-disk format, version 3 (docs/FORMAT.md is the prose version of this module).
 
 A store is a Zarr v3 hierarchy plus Parquet index parts::
 
-    zarr.json                         root group; attributes["mmcache"] is the store manifest
-    shards/<shard>/zarr.json          one group per committed shard
-    shards/<shard>/<field>/zarr.json  a 1-D array: every sample's elements of that field, flat
-    shards/<shard>/<field>/c/0        its single zarr shard object (sharding_indexed codec)
-    index/<shard>.parquet             one row per sample; written last, it *is* the commit
-    rejects/<shard>.parquet           inputs a producer rejected, with the reason
+    zarr.json                             root group; attributes["mmcache"] is the store manifest
+    declarations/<kind>.<name>.json       manifest changes, immutable, merged at open
+    shards/<shard>.<w>/zarr.json          one group per committed shard (<w>: its writer's token)
+    shards/<shard>.<w>/<field>/zarr.json  a 1-D array: every sample's elements of that field, flat
+    shards/<shard>.<w>/<field>/c/0        its single zarr shard object (sharding_indexed codec)
+    rejects/<shard>.<w>.parquet           inputs a producer rejected, with the reason
+    index/<shard>.parquet                 one row per sample; created last and only if absent, it
+                                          *is* the commit (versions 1-2: <shard>.<crc32c>.parquet)
 
 Each field array uses the standard ``sharding_indexed`` codec with uncompressed inner chunks, so
 plain zarr can read it, while our reader computes byte ranges from the shard index and fetches a
