@@ -180,7 +180,7 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
         tokens_per_sample=lambda shape: family.tokens_per_sample(model_config, shape),
     )
     if stream.skipped:
-        log(f"training on {stream.num_samples} of the {len(store)} samples: {stream.skipped} lack one of {list(data_adapter.required_fields)}")
+        log(f"training on {stream.num_samples} of the {len(store)} samples: {stream.skipped} lack {' or '.join(map(repr, data_adapter.required_fields))}")
     dtype = torch.float32
     if rank == 0 and start and (run / "metrics.jsonl").exists():
         # Steps after the checkpoint we resumed from are trained again: drop their old records.
