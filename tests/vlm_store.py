@@ -114,13 +114,13 @@ def draw(colour: str, shape: str, rng: np.random.Generator, size: int = 16) -> n
     return image
 
 
-def tiny_vit(width: int = 32):
+def tiny_vit(width: int = 32, layers: int = 2):
     """A real (random-weight) SigLIP vision tower: 16x16 images, 4x4 patches -> 16 tokens, no CLS."""
     import torch
     from transformers import SiglipVisionConfig, SiglipVisionModel
 
     torch.manual_seed(0)
-    config = SiglipVisionConfig(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2, num_attention_heads=4,
+    config = SiglipVisionConfig(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers, num_attention_heads=4,
                                 image_size=16, patch_size=4, num_channels=3)
     return SiglipVisionModel(config).eval()
 
