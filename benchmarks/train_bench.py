@@ -135,7 +135,7 @@ def child(args: argparse.Namespace) -> None:
     import featstore
     from featstore.config import load_config
     from train.config import TrainConfig
-    from train.data import FeatureStream, latent_normalisation
+    from train.data import FeatureStream
     from train.parallel.dims import ParallelDims
     from train.parallel.fsdp import apply_fsdp
     from train.trainer import accumulate_gradients, init_distributed, input_sizes, lr_lambda, resolve_model
@@ -157,8 +157,9 @@ def child(args: argparse.Namespace) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
     fields = [config.data.latent_field, config.data.text_field]
+    adapter = family.data(model_config, config.data, store)
     stream = FeatureStream(
-        store, latent_field=fields[0], text_field=fields[1], global_batch=config.data.global_batch, seed=config.seed,
+        store, data=adapter, global_batch=config.data.global_batch, seed=config.seed,
         dp_size=dims.dp_size, dp_rank=meshes.dp_rank, balance=config.balance, cost=config.balance.cost_model(getattr(model_config, "dim", 64)),
         tokens_per_sample=lambda shape: family.tokens_per_sample(model_config, shape),
     )
@@ -173,8 +174,8 @@ def child(args: argparse.Namespace) -> None:
     def train_step(data, micro_batches) -> None:
         # The trainer's own step body, on this variant's micro-batches.
         step_data = dataclasses.replace(data, micro_batches=micro_batches)
-        accumulate_gradients(model, family, objective, step_data, seed=config.seed, fields=fields, device=device,
-                             dtype=torch.float32, normalisation=latent_normalisation(store.fields[fields[0]].meta), dp_group=meshes.dp.get_group(), grad_clip=o.grad_clip)
+        accumulate_gradients(model, family, objective, step_data, seed=config.seed, collate=adapter.collate, device=device,
+                             dtype=torch.float32, dp_group=meshes.dp.get_group(), grad_clip=o.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()

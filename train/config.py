@@ -19,8 +19,12 @@ class ModelSection:
 
 @dataclass(kw_only=True)
 class DataSection:
-    latent_field: str = "latent"
-    text_field: str = "text_emb"
+    latent_field: str = "latent"            # DiT: VAE latents
+    text_field: str = "text_emb"            # DiT: text-encoder states
+    vit_field: str = "vit_features"         # VLM: ViT states before the projector (a sample may lack them)
+    ids_field: str = "input_ids"            # VLM: token ids, one <image> placeholder per image
+    target_field: str = "target_mask"       # VLM: 1 on tokens to predict
+    max_tokens: int = 2048                  # VLM: tokens per packed row (after image expansion)
     global_batch: int = 8                   # samples per optimizer step, over all ranks
     prefetch: int = 2                       # steps read ahead in a background thread
     # field -> fingerprint digest the run requires; empty: take the store's (and record it).
@@ -33,8 +37,8 @@ class DataSection:
     cache_bytes: int | str | None = None
 
     def __post_init__(self) -> None:
-        if self.global_batch < 1 or self.prefetch < 0:
-            raise ConfigError("data.global_batch must be >= 1 and data.prefetch >= 0")
+        if self.global_batch < 1 or self.prefetch < 0 or self.max_tokens < 1:
+            raise ConfigError("data.global_batch and data.max_tokens must be >= 1 and data.prefetch >= 0")
         if self.cache_bytes is not None:
             from featstore.cache import parse_size
 

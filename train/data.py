@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import queue
 import threading
 import time
@@ -25,6 +24,7 @@ import torch
 import featstore
 from featstore.errors import FingerprintMismatchError
 from train.balance import MicroBatch, imbalance, plan_global_batch
+from train.packing import SAMPLE_ID
 
 
 @dataclass(kw_only=True)
@@ -32,7 +32,6 @@ class StepData:
     step: int
     micro_batches: list[tuple[MicroBatch, list[dict[str, np.ndarray]]]]  # this rank's share
     global_indices: list[int]
-    global_count: int          # loss elements over the whole global batch (fillers excluded)
     samples: int
     tokens: int
     imbalance: float
@@ -96,31 +95,41 @@ def check_fingerprints(store: featstore.Store, fields: list[str], expected: dict
 
 
 class FeatureStream:
-    """Balanced, deterministic global batches of a store, for one data-parallel rank."""
+    """Balanced, deterministic global batches of a store, for one data-parallel rank.
 
-    def __init__(self, store: featstore.Store, *, latent_field: str, text_field: str, global_batch: int, seed: int,
+    ``data`` is the model family's adapter (``ModelFamily.data``): it names the fields to read and
+    gives each sample's shape (from the index) and micro-batch group. Each sample handed out is a
+    dict of its fields plus its id under ``train.packing.SAMPLE_ID``, for error messages."""
+
+    def __init__(self, store: featstore.Store, *, data, global_batch: int, seed: int,
                  dp_size: int, dp_rank: int, balance, cost, tokens_per_sample) -> None:
         # A store may hold a field for only some samples (one added after they were encoded).
-        ids = store.sample_ids(with_fields=[latent_field, text_field])
+        required = list(data.required_fields)
+        ids = store.sample_ids(with_fields=required)
         if not ids:
             counts = store.samples_per_field()
             raise featstore.SchemaError(
-                f"{store.url} has no samples with both {latent_field!r} and {text_field!r} to train on "
-                f"(samples per field: {counts.get(latent_field, 0)} and {counts.get(text_field, 0)})"
+                f"{store.url} has no samples with all of {required} to train on "
+                f"(samples per field: {', '.join(f'{f}: {counts.get(f, 0)}' for f in required)})"
             )
         if global_batch < dp_size:
             raise featstore.SchemaError(f"data.global_batch={global_batch} is smaller than the {dp_size} data-parallel ranks; raise it")
-        self.store = store
-        self.fields = [latent_field, text_field]
-        self.latent_field = latent_field
+        self.store, self.data = store, data
+        self.fields = required
         self.global_batch, self.seed = global_batch, seed
         self.dp_size, self.dp_rank = dp_size, dp_rank
         self.balance, self.cost = balance, cost
+        self.ids = ids
         self.num_samples = len(ids)
-        self.skipped = len(store) - len(ids)  # samples lacking one of the two fields
+        self.skipped = len(store) - len(ids)  # samples lacking one of the required fields
         self.rows = np.array([store.row(i) for i in ids], dtype=np.int64)
-        self.shapes = [tuple(store.shape(i, latent_field)) for i in ids]
+        self.shapes = [data.sample_shape(i) for i in ids]
+        self.groups = [data.group_key(s) for s in self.shapes]
         self.tokens = [int(tokens_per_sample(s)) for s in self.shapes]
+        data.check_tokens(ids, self.tokens)  # fail before training, naming the samples
+        optional = [f for f in data.optional_fields if f in store.fields]
+        # Which optional fields each sample has (e.g. an image): read exactly those.
+        self.extra = [tuple(f for f in optional if store.has_field(i, f)) for i in ids] if optional else None
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         # One permutation per epoch, kept while steps fall in it (a step spans at most two).
@@ -143,18 +152,31 @@ class FeatureStream:
 
     def plan(self, step: int) -> StepData:
         indices = self.global_indices(step)
-        shapes = [self.shapes[i] for i in indices]
+        groups = [self.groups[i] for i in indices]
         tokens = [self.tokens[i] for i in indices]
-        plan = plan_global_batch(shapes, tokens, self.dp_size, self.balance, self.cost)
+        plan = plan_global_batch(groups, tokens, self.dp_size, self.balance, self.cost)
         costs = [self.cost(t) for t in tokens]
         parts = [[j for mb in rank_plan if mb.loss_scale for j in mb.indices] for rank_plan in plan]
-        count = sum(math.prod(self.shapes[i]) for i in indices)
         # All of this rank's samples of the step in one batched read (concurrent requests on
         # an object store), then handed out to the micro-batches.
-        read = iter(self.store.read_rows([int(self.rows[indices[j]]) for mb in plan[self.dp_rank] for j in mb.indices], self.fields))
+        read = iter(self.read([indices[j] for mb in plan[self.dp_rank] for j in mb.indices]))
         mine = [(mb, [next(read) for _ in mb.indices]) for mb in plan[self.dp_rank]]
-        return StepData(step=step, micro_batches=mine, global_indices=indices, global_count=count,
+        return StepData(step=step, micro_batches=mine, global_indices=indices,
                         samples=len(indices), tokens=sum(tokens), imbalance=imbalance(costs, parts))
+
+    def read(self, positions: list[int]) -> list[dict[str, Any]]:
+        """The samples at stream positions ``positions``: required fields, the optional ones each
+        has, and the sample id; one batched read per set of fields."""
+        by_fields: dict[tuple[str, ...], list[int]] = {}
+        for k, position in enumerate(positions):
+            by_fields.setdefault(self.extra[position] if self.extra else (), []).append(k)
+        out: list[dict[str, Any]] = [{} for _ in positions]
+        for extra, members in by_fields.items():
+            rows = [int(self.rows[positions[k]]) for k in members]
+            for k, sample in zip(members, self.store.read_rows(rows, self.fields + list(extra)), strict=True):
+                sample[SAMPLE_ID] = self.ids[positions[k]]
+                out[k] = sample
+        return out
 
     def steps(self, start: int, stop: int, prefetch: int) -> Iterator[StepData]:
         """Steps ``start..stop-1``, read ``prefetch`` steps ahead on a background thread."""
@@ -214,6 +236,53 @@ def latent_normalisation(meta: dict[str, Any]) -> tuple[list[float], list[float]
     if meta.get("scaling_factor") is None and meta.get("shift_factor") is None:
         return None
     return [float(meta.get("shift_factor") or 0.0)], [float(meta.get("scaling_factor") or 1.0)]
+
+
+@dataclass(kw_only=True)
+class LatentTextData:
+    """The DiT family's ``DataAdapter``: a latent and a text embedding per sample; micro-batches
+    stack latents of one shape and pad the texts."""
+
+    store: featstore.Store
+    latent_field: str
+    text_field: str
+
+    @classmethod
+    def for_run(cls, model_config, data_section, store: featstore.Store) -> LatentTextData:
+        return cls(store=store, latent_field=data_section.latent_field, text_field=data_section.text_field)
+
+    @property
+    def required_fields(self) -> tuple[str, ...]:
+        return self.latent_field, self.text_field
+
+    optional_fields: tuple[str, ...] = ()
+
+    def input_sizes(self) -> dict[str, int]:
+        store = self.store
+        for name in self.required_fields:
+            if name not in store.fields:
+                raise featstore.SchemaError(f"{store.url} has no field {name!r} (fields: {sorted(store.fields)}); set data.latent_field / data.text_field")
+        latent, text = store.fields[self.latent_field], store.fields[self.text_field]
+        # Sizes come from the schema, so one preset trains on stores of any encoder.
+        first = (store.sample_ids(with_fields=[latent.name, text.name]) or [None])[0]
+        if first is None and not (latent.meta.get("latent_channels") and text.meta.get("hidden_size")):
+            raise featstore.SchemaError(f"{store.url} has no sample with both {latent.name!r} and {text.name!r} to size the model from")
+        channels = latent.meta.get("latent_channels") or store.shape(first, latent.name)[0]
+        text_dim = text.meta.get("hidden_size") or store.shape(first, text.name)[1]
+        return {"in_channels": int(channels), "text_dim": int(text_dim)}
+
+    def sample_shape(self, sample_id: str) -> tuple:
+        return tuple(self.store.shape(sample_id, self.latent_field))
+
+    def group_key(self, shape: tuple) -> tuple:
+        return shape  # latents are stacked, never padded
+
+    def check_tokens(self, sample_ids, tokens) -> None:
+        return None
+
+    def collate(self, samples, device: torch.device, dtype: torch.dtype):
+        normalisation = latent_normalisation(self.store.fields[self.latent_field].meta)
+        return to_batch(samples, self.latent_field, self.text_field, device, dtype, normalisation)
 
 
 def to_batch(samples: list[dict[str, np.ndarray]], latent_field: str, text_field: str, device: torch.device, dtype: torch.dtype,

@@ -27,7 +27,7 @@ from featstore.config import to_dict
 from featstore.errors import ConfigError
 from train.checkpoint import export_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint
 from train.config import TrainConfig
-from train.data import FeatureStream, check_fingerprints, latent_normalisation, open_features, snapshot_digest, to_batch
+from train.data import FeatureStream, check_fingerprints, latent_normalisation, open_features, snapshot_digest
 from train.models import count_parameters, get_model_family
 from train.parallel.dims import MESH_DIMS, ParallelDims, device_and_backend
 from train.parallel.fsdp import apply_fsdp, local_state_bytes
@@ -62,15 +62,17 @@ def resolve_model(config: TrainConfig):
 
 
 def input_sizes(store: featstore.Store, config: TrainConfig) -> dict[str, int]:
-    latent = store.fields[config.data.latent_field]
-    text = store.fields[config.data.text_field]
-    # Sizes come from the schema, so one preset trains on stores of any encoder.
-    first = (store.sample_ids(with_fields=[latent.name, text.name]) or [None])[0]
-    if first is None and not (latent.meta.get("latent_channels") and text.meta.get("hidden_size")):
-        raise featstore.SchemaError(f"{store.url} has no sample with both {latent.name!r} and {text.name!r} to size the model from")
-    channels = latent.meta.get("latent_channels") or store.shape(first, latent.name)[0]
-    text_dim = text.meta.get("hidden_size") or store.shape(first, text.name)[1]
-    return {"in_channels": int(channels), "text_dim": int(text_dim)}
+    """The model's input sizes from the store's schema (the family's data adapter knows which)."""
+    family, model_config = resolve_model(config)
+    return family.data(model_config, config.data, store).input_sizes()
+
+
+def model_parts(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    """Parameter count of each part of the model and whether it trains (a family with freeze
+    switches names its parts with ``model.parts()``; otherwise the model is one part)."""
+    parts = model.parts() if hasattr(model, "parts") else {"model": model}
+    return {name: {"parameters": sum(p.numel() for p in part.parameters()), "trains": any(p.requires_grad for p in part.parameters())}
+            for name, part in parts.items()}
 
 
 def lr_lambda(config: TrainConfig):
@@ -93,12 +95,15 @@ def dry_run(config: TrainConfig, features: str, storage_options: dict | None) ->
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dims = ParallelDims.from_config(config.parallel, world)
     sizes = input_sizes(store, config)
+    with torch.device("meta"):  # sized, not allocated: works for any model size
+        model = family.builder(model_config, **sizes)
     return {
         "config": to_dict(config),
         "mesh": dict(zip(MESH_DIMS, dims.shape)),
         "world_size": world,
         "input_sizes": sizes,
         "parameters": count_parameters(family.name, model_config, **sizes),
+        "parts": model_parts(model),
         "store": {"url": store.url, "samples": len(store)},
     }
 
@@ -129,7 +134,9 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
     if rank == 0:
         cached = f", cached in {config.data.cache_dir}" if config.data.cache_dir and store.storage.is_remote else ""
         log(f"features: {store.url}: {len(store)} samples in {len(store.shards)} shard(s), snapshot {snapshot_digest(list(store.shards))}{cached}")
-    fields = [config.data.latent_field, config.data.text_field]
+    family, model_config = resolve_model(config)
+    data_adapter = family.data(model_config, config.data, store)
+    fields = list(data_adapter.required_fields) + [f for f in data_adapter.optional_fields if f in store.fields]
     expected = dict(config.data.expect_fingerprints)
     if before is not None:
         # A resumed run must see the features it started with.
@@ -138,10 +145,9 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
 
     dims = ParallelDims.from_config(config.parallel, world)
     meshes = dims.build_meshes(device.type)
-    family, model_config = resolve_model(config)
-    sizes = input_sizes(store, config)
+    sizes = data_adapter.input_sizes()
     model = family.builder(model_config, **sizes).to(device)
-    dims.check_heads(getattr(model_config, "heads", 1))
+    dims.check_heads(getattr(model, "attention_heads", getattr(model_config, "heads", 1)))
     num_params = sum(p.numel() for p in model.parameters())
     apply_sequence_parallel(model, meshes)
     if meshes.fsdp.size() > 1:
@@ -149,7 +155,8 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
     # else: one rank holds everything anyway, and FSDP's hooks would only cost time.
     objective = family.resolve_objective(config.objective or None)
     o = config.optim
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+    # Frozen parts (model.args.train) have requires_grad False and stay out of the optimizer.
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
 
     start = 0
@@ -168,14 +175,13 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
     stop = steps if steps is not None else o.total_steps
     dim = getattr(model_config, "dim", 64)
     stream = FeatureStream(
-        store, latent_field=fields[0], text_field=fields[1], global_batch=config.data.global_batch, seed=config.seed,
+        store, data=data_adapter, global_batch=config.data.global_batch, seed=config.seed,
         dp_size=dims.dp_size, dp_rank=meshes.dp_rank, balance=config.balance, cost=config.balance.cost_model(dim),
         tokens_per_sample=lambda shape: family.tokens_per_sample(model_config, shape),
     )
     if stream.skipped:
-        log(f"training on {stream.num_samples} of the {len(store)} samples: {stream.skipped} lack {fields[0]!r} or {fields[1]!r}")
+        log(f"training on {stream.num_samples} of the {len(store)} samples: {stream.skipped} lack {' or '.join(map(repr, data_adapter.required_fields))}")
     dtype = torch.float32
-    normalisation = latent_normalisation(store.fields[fields[0]].meta)
     if rank == 0 and start and (run / "metrics.jsonl").exists():
         # Steps after the checkpoint we resumed from are trained again: drop their old records.
         kept = [line for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip() and json.loads(line)["step"] <= start]
@@ -186,8 +192,8 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
     try:
         for data in stream.steps(start, stop, config.data.prefetch):
             t0 = time.perf_counter()
-            loss_sum = accumulate_gradients(model, family, objective, data, seed=config.seed, fields=fields, device=device,
-                                            dtype=dtype, normalisation=normalisation, dp_group=meshes.dp.get_group(), grad_clip=o.grad_clip)
+            loss_sum, count = accumulate_gradients(model, family, objective, data, seed=config.seed, collate=data_adapter.collate, device=device,
+                                                   dtype=dtype, dp_group=meshes.dp.get_group(), grad_clip=o.grad_clip)
             lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
             step = data.step + 1
@@ -195,7 +201,7 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
                 _write_run_json(run, config, dims, fingerprints, num_params, model, optimizer, store, sizes, rank)
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-            loss = loss_sum / data.global_count
+            loss = loss_sum / max(count, 1)
             losses.append(loss)
             record = {
                 "step": step, "loss": loss, "lr": lr, "samples": data.samples, "tokens": data.tokens,
@@ -223,26 +229,30 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
     return {"run_dir": str(run), "start": start, "stop": stop, "losses": losses, "rank": rank}
 
 
-def accumulate_gradients(model, family, objective, data, *, seed: int, fields: list[str], device: torch.device, dtype: torch.dtype,
-                         normalisation, dp_group, grad_clip: float) -> float:
+def accumulate_gradients(model, family, objective, data, *, seed: int, collate, device: torch.device, dtype: torch.dtype,
+                         dp_group, grad_clip: float) -> tuple[float, int]:
     """Forward/backward every micro-batch of this rank's share of a step, then turn the summed
-    gradients into the gradient of the global mean (and clip). Returns the global loss sum."""
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # on the device: nccl/hccl reduce device tensors
+    gradients into the gradient of the global mean (and clip). Returns the global loss sum and
+    the global loss-element count (all-reduced: a VLM's label tokens are known only from data)."""
+    # [loss sum, element count], on the device: nccl/hccl reduce device tensors
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
     for micro_batch, samples in data.micro_batches:
-        batch = to_batch(samples, fields[0], fields[1], device, dtype, normalisation)
+        batch = collate(samples, device, dtype)
         # Noise and timesteps depend on the step and the samples, not on the rank.
         generator = torch.Generator().manual_seed(hash_seed(seed, data.step, [data.global_indices[i] for i in micro_batch.indices]))
         terms = family.training_loss(model, batch, generator, objective)
         (terms.loss_sum * micro_batch.loss_scale).backward()
-        loss_sum += terms.loss_sum.detach().double() * micro_batch.loss_scale
+        totals[0] += terms.loss_sum.detach().double() * micro_batch.loss_scale
+        totals[1] += float(terms.count) * micro_batch.loss_scale  # fillers (scale 0) count nothing
     # Sequence-parallel ranks of one data-parallel rank hold the same loss: sum over dp only.
-    dist.all_reduce(loss_sum, group=dp_group)
+    dist.all_reduce(totals, group=dp_group)
+    loss_sum, count = float(totals[0]), int(round(float(totals[1])))
     for p in model.parameters():
         if p.grad is not None:
-            p.grad.div_(data.global_count)
+            p.grad.div_(max(count, 1))
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    return float(loss_sum)
+    return loss_sum, count
 
 
 def _tensorboard(run: Path):
@@ -281,6 +291,7 @@ def _write_run_json(run: Path, config, dims, fingerprints, num_params, model, op
         raise RuntimeError(f"ranks train on different snapshots of {store.url}: {[f'{int(t[3]):015x}' for t in everyone]}")
     if rank != 0:
         return
+    latent = store.fields.get(config.data.latent_field)  # a DiT store: record its normalisation
     doc = {
         "config": to_dict(config),
         "mesh": dict(zip(MESH_DIMS, dims.shape)),
@@ -288,14 +299,15 @@ def _write_run_json(run: Path, config, dims, fingerprints, num_params, model, op
         # The snapshot the run trains on; --resume reopens exactly these shards.
         "store": {"url": store.url, "samples": len(store), "shards": sorted(store.shards), "snapshot": snapshot},
         "fingerprints": fingerprints,
-        "latent_normalisation": {
-            "recorded": {k: v for k, v in store.fields[config.data.latent_field].meta.items() if k in ("scaling_factor", "shift_factor", "latents_mean", "latents_std")},
-            "applied_shift_scale": latent_normalisation(store.fields[config.data.latent_field].meta),
-        },
         "input_sizes": sizes,
         "parameters": num_params,
         "ranks": [{"rank": r, "param_bytes": int(t[0]), "grad_bytes": int(t[1]), "optim_bytes": int(t[2])} for r, t in enumerate(everyone)],
     }
+    if latent is not None:
+        doc["latent_normalisation"] = {
+            "recorded": {k: v for k, v in latent.meta.items() if k in ("scaling_factor", "shift_factor", "latents_mean", "latents_std")},
+            "applied_shift_scale": latent_normalisation(latent.meta),
+        }
     tmp = run / "run.json.tmp"
     tmp.write_text(json.dumps(doc, indent=2, default=str))
     tmp.replace(run / "run.json")

@@ -6,7 +6,7 @@
     terms = family.training_loss(model, batch, generator, family.resolve_objective(cfg.objective))
 
 See ``registry.py`` for the contract a family fulfils. Importing this package registers every
-built-in family (importing ``dit`` runs its ``@register_model``).
+built-in family (importing ``dit`` / ``vlm`` runs its ``@register_model``).
 """
 
 from train.models.registry import (
@@ -22,10 +22,14 @@ from train.models.registry import (
 from train.objective import LossTerms
 from train.models import dit  # noqa: E402,F401  (registers "dit")
 from train.models.dit import DiT, DiTConfig, LatentTextBatch, pad_text
+from train.models import vlm  # noqa: E402,F401  (registers "vlm")
+from train.models.vlm import VLM, VLMConfig
 
 __all__ = [
     "DiT",
     "DiTConfig",
+    "VLM",
+    "VLMConfig",
     "InputShapeError",
     "LatentTextBatch",
     "LossTerms",

@@ -51,6 +51,7 @@ from train.models.layers import (
     rope_tables,
 )
 from train.models.registry import InputShapeError, ModelConfigError, register_model
+from train.data import LatentTextData
 from train.objective import FlowMatchingConfig, flow_matching_loss
 
 
@@ -191,6 +192,7 @@ def _tokens_per_sample(config: DiTConfig, sample_shape: tuple[int, ...]) -> int:
     objective_cls=FlowMatchingConfig,
     training_loss=flow_matching_loss,
     tokens_per_sample=_tokens_per_sample,
+    data=LatentTextData.for_run,
     presets=DIT_PRESETS,
 )
 class DiT(nn.Module):

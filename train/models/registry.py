@@ -12,7 +12,12 @@ the trainer needs to use it without knowing which family it is:
 - ``training_loss(model, batch, generator, objective) -> LossTerms``  one micro-batch's loss;
 - ``tokens_per_sample(config, sample_shape) -> int``  the model's sequence length for a sample,
                    which is what the batch balancer's cost model needs;
-- ``presets``      named configs (``tiny``, ``osp``, ...).
+- ``presets``      named configs (``tiny``, ``osp``, ...);
+- ``data``         ``data(config, data_section, store) -> DataAdapter``: which store fields the
+                   family reads, its input sizes from the schema, each sample's shape (what
+                   ``tokens_per_sample`` reads) and micro-batch group, and how a micro-batch of
+                   samples becomes the ``batch`` of ``training_loss`` (stacked latents for the DiT,
+                   packed rows for the VLM).
 
 The loss contract (why ``LossTerms`` is a *sum* plus a *count*): a global batch is split unevenly
 across data-parallel ranks and micro-batches (that is the point of token balancing), so a per-rank
@@ -27,8 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -50,6 +55,23 @@ TrainingLoss = Callable[[nn.Module, Any, torch.Generator, Any], LossTerms]
 TokensPerSample = Callable[[Any, tuple[int, ...]], int]
 
 
+class DataAdapter(Protocol):
+    """How one family reads one store for one run (built by ``ModelFamily.data``)."""
+
+    required_fields: tuple[str, ...]  # a sample is trained on only when it has all of these
+    optional_fields: tuple[str, ...]  # read when the sample has them (e.g. no image: text only)
+
+    def input_sizes(self) -> dict[str, int]: ...  # the builder's keyword sizes, from the schema
+
+    def sample_shape(self, sample_id: str) -> tuple: ...  # from the index only; tokens_per_sample reads it
+
+    def group_key(self, shape: tuple) -> Hashable: ...  # samples of one micro-batch share it
+
+    def check_tokens(self, sample_ids: Sequence[str], tokens: Sequence[int]) -> None: ...  # refuse unfit samples
+
+    def collate(self, samples: list[dict[str, Any]], device: torch.device, dtype: torch.dtype) -> Any: ...
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelFamily:
     name: str
@@ -60,6 +82,7 @@ class ModelFamily:
     tokens_per_sample: TokensPerSample
     presets: Mapping[str, Any]
     input_sizes: tuple[str, ...]
+    data: Callable[[Any, Any, Any], DataAdapter]
 
     def resolve_config(self, config: Any) -> Any:
         """A preset name, a plain mapping (from YAML), an instance, or None (the defaults)."""
@@ -102,6 +125,7 @@ def register_model(
     objective_cls: type,
     training_loss: TrainingLoss,
     tokens_per_sample: TokensPerSample,
+    data: Callable[[Any, Any, Any], DataAdapter],
     presets: Mapping[str, Any] | None = None,
 ) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
     """Class/function decorator: ``@register_model("dit", config_cls=..., ...)`` on the builder."""
@@ -117,6 +141,7 @@ def register_model(
             objective_cls=objective_cls,
             training_loss=training_loss,
             tokens_per_sample=tokens_per_sample,
+            data=data,
             presets=dict(presets or {}),
             input_sizes=sizes,
         )

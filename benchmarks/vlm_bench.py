@@ -1,0 +1,150 @@
+"""VLM training benchmark (CPU, short; ratios from one run).
+
+1. Step time (peak memory is not measured yet) of a tiny VLM training step with cached ViT features (read from the
+   store) vs the tiny ViT (a real SigLIP tower, frozen) run live on the images every step.
+2. Tokens/s of packed vs padded batching on long-tailed sample lengths (goal: packed >= 1.5x).
+
+    PYTHONPATH=. python benchmarks/vlm_bench.py [--steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import featstore  # noqa: E402
+from tests.vlm_store import draw, random_store, shapes_store, tiny_vit, train_tokenizer  # noqa: E402
+from train.config import DataSection  # noqa: E402
+from train.models import build_model, get_model_family  # noqa: E402
+from train.models.vlm import next_token_loss  # noqa: E402
+from train.packing import SAMPLE_ID  # noqa: E402
+
+
+def _samples(url):
+    store = featstore.open(url)
+    return store, [{**store.read(i, [f for f in store.fields if store.has_field(i, f)]), SAMPLE_ID: i} for i in store.sample_ids()]
+
+
+def _timed(step, steps: int) -> float:
+    step()  # warm-up
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - t0) / steps
+
+
+def cached_vs_live(root: Path, steps: int, batch: int = 32) -> dict:
+    tokenizer, vit = train_tokenizer(), tiny_vit(width=128, layers=6)  # small, but a ViT's share of the step
+    url, raw = shapes_store(str(root / "shapes"), batch, seed=0, tokenizer=tokenizer, vit=vit)
+    store, samples = _samples(url)
+    rng = np.random.default_rng(0)
+    images = torch.from_numpy(np.stack([draw("red", "circle", rng) for _ in samples])).permute(0, 3, 1, 2) * 2 - 1
+    family = get_model_family("vlm")
+    config = family.resolve_config("tiny")
+    adapter = family.data(config, DataSection(max_tokens=512), store)
+    torch.manual_seed(0)
+    model = build_model("vlm", config, **adapter.input_sizes())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cpu = torch.device("cpu")
+
+    def train(batch_samples) -> None:
+        terms = next_token_loss(model, adapter.collate(batch_samples, cpu, torch.float32), None, None)
+        (terms.loss_sum / terms.count).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def cached() -> None:
+        train(_samples(url)[1])  # read from the store each step, as the trainer does
+
+    def live() -> None:
+        with torch.no_grad():
+            features = vit(pixel_values=images).last_hidden_state.to(torch.bfloat16).float().numpy()
+        train([{**s, "vit_features": f} for s, f in zip(samples, features, strict=True)])
+
+    c_time, l_time = _timed(cached, steps), _timed(live, steps)
+    return {"cached_step_ms": c_time * 1e3, "live_step_ms": l_time * 1e3, "live_over_cached_time": l_time / c_time}
+
+
+def packed_vs_padded(root: Path, steps: int, batch: int = 32, max_tokens: int = 256) -> dict:
+    url = random_store(str(root / "long"), 128, seed=2, long_tail=True)
+    store, samples = _samples(url)
+    family = get_model_family("vlm")
+    config = family.resolve_config("tiny")
+    packed = family.data(config, DataSection(max_tokens=max_tokens), store)
+    torch.manual_seed(0)
+    model = build_model("vlm", config, **packed.input_sizes())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cpu = torch.device("cpu")
+    rng = np.random.default_rng(0)
+    lengths = {s[SAMPLE_ID]: family.tokens_per_sample(config, packed.sample_shape(s[SAMPLE_ID])) for s in samples}
+    usable = [s for s in samples if lengths[s[SAMPLE_ID]] <= max_tokens]
+    batches = [[usable[i] for i in rng.choice(len(usable), batch, replace=False)] for _ in range(steps + 1)]
+
+    def run(collate) -> float:
+        tokens, t0, it = 0, 0.0, iter(batches)
+        for k, b in enumerate(it):
+            if k == 1:
+                t0, tokens = time.perf_counter(), 0
+            pb = collate(b)
+            terms = next_token_loss(model, pb, None, None)
+            (terms.loss_sum / terms.count).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            tokens += sum(lengths[i] for row in pb.sample_ids for i in row)
+        return tokens / (time.perf_counter() - t0)
+
+    # Padded baseline: one sample per row, each row padded to the longest sample of the batch.
+    padded = run(lambda b: _padded(packed, b, lengths))
+    packed_rate = run(lambda b: packed.collate(b, cpu, torch.float32))
+    return {"padded_tokens_per_s": padded, "packed_tokens_per_s": packed_rate, "packed_over_padded": packed_rate / padded}
+
+
+def _padded(adapter, batch, lengths):
+    """One sample per row: pack with a row capacity of the longest sample, then split rows apart."""
+    longest = max(lengths[s[SAMPLE_ID]] for s in batch)
+    old = adapter.max_tokens
+    adapter.max_tokens = longest
+    try:
+        from train.packing import expand_sample, pack
+
+        meta = adapter.ids_meta
+        rows = [pack([expand_sample(s[SAMPLE_ID], s[adapter.ids_field], s[adapter.target_field], s.get(adapter.vit_field),
+                                    image_token_id=meta["image_token_id"], image_tokens=adapter.model_config.image_tokens,
+                                    vocab_size=int(meta["vocab_size"]), pad_id=meta["pad_token_id"])], longest) for s in batch]
+    finally:
+        adapter.max_tokens = old
+    width = longest
+
+    def pad(t, value):
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+    first = rows[0]
+    return type(first)(
+        input_ids=torch.cat([pad(r.input_ids, 0) for r in rows]), labels=torch.cat([pad(r.labels, -100) for r in rows]),
+        image_mask=torch.cat([pad(r.image_mask, False) for r in rows]), document_ids=torch.cat([pad(r.document_ids, -1) for r in rows]),
+        position_ids=torch.cat([pad(r.position_ids, 0) for r in rows]), images=[i for r in rows for i in r.images],
+        sample_ids=[r.sample_ids[0] for r in rows],
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, result in (("cached vs live ViT", cached_vs_live(Path(tmp), args.steps)),
+                             ("packed vs padded", packed_vs_padded(Path(tmp), args.steps))):
+            print(name + ": " + ", ".join(f"{k} {v:.3g}" for k, v in result.items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""The ``vlm`` family: an InternVL / LLaVA-style vision-language model over cached ViT features.
+
+Plain ``nn.Module``s, no distributed code:
+
+    vit_features [T, P, D_vit] (cached, before any projector)
+      --optional 2x2 pixel shuffle: [T, g*g, D] -> [T, (g/2)^2, 4D]  (InternVL: 4x fewer tokens)
+      --LayerNorm -> Linear -> GELU -> Linear-->  image tokens [N, dim]
+    input_ids (packed rows, each <image> placeholder expanded to N positions, see train.packing)
+      --embed_tokens, image tokens spliced in at the image positions-->  inputs_embeds [B, S, dim]
+      --Decoder (train.models.llm: Llama / Qwen2 layers, block-diagonal causal attention)--> logits
+
+The LLM starts from a Hugging Face Llama / Qwen2 folder (``model.args.llm_path``) or from random
+weights of the configured dims. ``model.args.train`` lists the parts that train: ``[projector]``
+for stage 1 (alignment: the LLM frozen), ``[projector, llm]`` for stage 2 (instruction tuning).
+Frozen parameters get ``requires_grad=False``, which keeps them out of the optimizer.
+
+The loss (``next_token_loss``) is the sum of token cross-entropies over label positions and their
+count, the registry's loss contract: the trainer divides by the step's global count of label
+tokens, so the result does not depend on packing or on the split across ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from train.models.hf import decoder_config_from_hf, load_hf_weights
+from train.models.llm import Decoder, DecoderConfig
+from train.models.registry import InputShapeError, ModelConfigError, register_model
+from train.models.vlm_data import PackedVLMData
+from train.objective import LossTerms
+from train.packing import IGNORE, PackedBatch
+
+PARTS = ("projector", "llm")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VLMConfig:
+    llm_path: str | None = None  # a Hugging Face Llama / Qwen2 folder; its config.json overrides the dims below
+    dim: int = 64
+    depth: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int | None = None
+    mlp_dim: int = 128
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    pixel_shuffle: bool = True  # 2x2 pixel shuffle before the projector MLP (InternVL); False: LLaVA
+    projector_norm_eps: float = 1e-5
+    train: tuple[str, ...] = PARTS  # parts that train: ("projector",) = stage 1, both = stage 2
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.train) - set(PARTS))
+        if unknown or not self.train:
+            raise ModelConfigError(f"model.args.train must list some of {list(PARTS)}, got {list(self.train)}")
+
+    def decoder_config(self, vocab_size: int) -> DecoderConfig:
+        """The LLM's architecture: from ``llm_path`` when given, else these dims, sized to the
+        store's vocabulary."""
+        if self.llm_path is not None:
+            config = decoder_config_from_hf(self.llm_path)
+            if config.vocab_size < vocab_size:
+                raise ModelConfigError(
+                    f"the LLM at {self.llm_path} has {config.vocab_size} token embeddings, but the store's tokenizer has "
+                    f"{vocab_size} tokens; encode with that LLM's tokenizer"
+                )
+            return config
+        return DecoderConfig(
+            vocab_size=vocab_size, dim=self.dim, depth=self.depth, heads=self.heads, kv_heads=self.kv_heads,
+            head_dim=self.head_dim, mlp_dim=self.mlp_dim, rope_theta=self.rope_theta, norm_eps=self.norm_eps,
+            tie_embeddings=self.tie_embeddings, qkv_bias=self.qkv_bias,
+        )
+
+    def image_tokens(self, vit_shape: tuple[int, ...]) -> int:
+        """LLM positions for one image of stored shape [P, D] or [T, P, D]."""
+        tiles, patches = (1, vit_shape[0]) if len(vit_shape) == 2 else vit_shape[:2]
+        return tiles * (patches // 4 if self.pixel_shuffle else patches)
+
+
+# Real-scale presets (meta-device only on CPU; ``mmtrain fit --dry-run`` counts them). Both start
+# from a Hugging Face folder in practice (``--set model.args.llm_path=...``); the dims here are
+# those of that LLM, for random init and for sizing.
+VLM_PRESETS: dict[str, VLMConfig] = {
+    "tiny": VLMConfig(dim=64, depth=2, heads=4, kv_heads=2, mlp_dim=128),
+    # InternVL2-2B: InternViT-300M (1024 wide, 448^2 tiles of 32x32 patches -> 256 tokens per tile
+    # after the pixel shuffle) -> InternLM2-1.8B-class LLM (2048 wide, 24 layers, 16 heads, 8 KV).
+    "internvl2-2b": VLMConfig(dim=2048, depth=24, heads=16, kv_heads=8, mlp_dim=8192, rope_theta=1_000_000.0,
+                              norm_eps=1e-5, pixel_shuffle=True),
+    # LLaVA-1.5-7B: CLIP ViT-L/14-336 penultimate layer (1024 wide, 576 tokens) -> Vicuna-7B
+    # (Llama-2-7B dims: 4096 wide, 32 layers, 32 heads, no GQA).
+    "llava-1.5-7b": VLMConfig(dim=4096, depth=32, heads=32, kv_heads=32, mlp_dim=11008, norm_eps=1e-5, pixel_shuffle=False),
+}
+
+
+def pixel_shuffle(features: torch.Tensor) -> torch.Tensor:
+    """[T, g*g, D] -> [T, (g/2)^2, 4D]: each 2x2 patch neighbourhood becomes one token."""
+    tiles, patches, width = features.shape
+    side = math.isqrt(patches)
+    if side * side != patches or side % 2:
+        raise InputShapeError(
+            f"the 2x2 pixel shuffle needs a square grid of even side, got {patches} patches per tile; "
+            "set model.args.pixel_shuffle=false or encode with an even tile grid"
+        )
+    x = features.reshape(tiles, side // 2, 2, side // 2, 2, width).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(tiles, (side // 2) ** 2, 4 * width)
+
+
+class Projector(nn.Module):
+    """ViT states -> LLM-width image tokens (InternVL's ``mlp1`` / LLaVA's ``mm_projector``)."""
+
+    def __init__(self, vit_dim: int, llm_dim: int, *, shuffle: bool, eps: float) -> None:
+        super().__init__()
+        self.shuffle = shuffle
+        width = vit_dim * 4 if shuffle else vit_dim
+        self.norm = nn.LayerNorm(width, eps=eps)
+        self.fc1 = nn.Linear(width, llm_dim)
+        self.fc2 = nn.Linear(llm_dim, llm_dim)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """[T, P, D] -> [T * P', llm_dim]."""
+        x = pixel_shuffle(features) if self.shuffle else features
+        return self.fc2(F.gelu(self.fc1(self.norm(x)))).reshape(-1, self.fc2.out_features)
+
+
+def next_token_loss(model: nn.Module, batch: PackedBatch, generator: torch.Generator, objective) -> LossTerms:
+    """The ``vlm`` family's ``training_loss``: summed cross-entropy over label positions."""
+    logits = model(batch)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    return LossTerms(loss_sum=loss, count=batch.num_label_tokens, num_tokens=int((batch.document_ids >= 0).sum()))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NextTokenConfig:
+    """The ``vlm`` objective: plain next-token cross-entropy (no settings yet)."""
+
+
+def _tokens_per_sample(config: VLMConfig, sample_shape: tuple) -> int:
+    num_ids, vit_shape = sample_shape
+    return num_ids if not vit_shape else num_ids - 1 + config.image_tokens(vit_shape)
+
+
+@register_model(
+    "vlm",
+    config_cls=VLMConfig,
+    objective_cls=NextTokenConfig,
+    training_loss=next_token_loss,
+    tokens_per_sample=_tokens_per_sample,
+    data=PackedVLMData.for_run,
+    presets=VLM_PRESETS,
+)
+class VLM(nn.Module):
+    sequence_parallel_style = "causal_packed"
+
+    def __init__(self, config: VLMConfig, *, vit_dim: int, vocab_size: int) -> None:
+        super().__init__()
+        if vit_dim < 1 or vocab_size < 1:
+            raise ModelConfigError(f"vit_dim and vocab_size must be >= 1, got {vit_dim} and {vocab_size}")
+        self.config = config
+        self.llm = Decoder(config.decoder_config(vocab_size))
+        self.projector = Projector(vit_dim, self.llm.config.dim, shuffle=config.pixel_shuffle, eps=config.projector_norm_eps)
+        if config.llm_path is not None and not self.llm.embed_tokens.weight.is_meta:
+            load_hf_weights(self.llm, config.llm_path)
+        for name, part in self.parts().items():
+            part.requires_grad_(name in config.train)
+
+    def parts(self) -> dict[str, nn.Module]:
+        return {"projector": self.projector, "llm": self.llm}
+
+    # The hooks parallelism uses (apply_fsdp shards ``blocks``; USP installs its attention and
+    # sharding); they live on the decoder and are forwarded here.
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.llm.blocks
+
+    @property
+    def attention_heads(self) -> int:
+        return self.llm.config.heads
+
+    @property
+    def sequence_sharding(self):
+        return self.llm.sequence_sharding
+
+    @sequence_sharding.setter
+    def sequence_sharding(self, value) -> None:
+        self.llm.sequence_sharding = value
+
+    def set_attention_fn(self, attn_fn) -> None:
+        self.llm.set_attention_fn(attn_fn)
+
+    def inputs_embeds(self, batch: PackedBatch) -> torch.Tensor:
+        """Token embeddings with the projected image features spliced in at ``image_mask``."""
+        embeds = self.llm.embed_tokens(batch.input_ids)
+        positions = int(batch.image_mask.sum())
+        if not batch.images:
+            if positions:
+                raise InputShapeError(f"{positions} image positions in the batch but no image features")
+            return embeds
+        dtype = self.projector.fc1.weight.dtype
+        tokens = torch.cat([self.projector(f.to(dtype)) for f in batch.images])
+        if tokens.shape[0] != positions:
+            raise InputShapeError(
+                f"the batch has {positions} image positions but its {len(batch.images)} image(s) project to {tokens.shape[0]} "
+                "tokens; pack with the model's image_tokens (train.packing.expand_sample)"
+            )
+        return embeds.masked_scatter(batch.image_mask[..., None], tokens.to(embeds.dtype))
+
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        """Logits [B, S, vocab] of a packed batch."""
+        hidden = self.llm.hidden_states(self.inputs_embeds(batch), batch.position_ids, batch.document_ids)
+        return self.llm.logits(hidden)
