@@ -98,6 +98,8 @@ def read_inputs(
         reason = None
         if uri is None:
             reason = "path escapes the manifest's folder (set data.allow_outside_root: true to allow it)"
+        elif bad_conversations:
+            reason = bad_conversations
         elif not caption.strip() and not allow_empty_caption and conversations is None:
             reason = "empty caption (set data.allow_empty_caption: true to allow it)"
         elif sample_id in seen:
@@ -106,8 +108,6 @@ def read_inputs(
             reason = f"unsupported file type {posixpath.splitext(source)[1] or '(none)'!r}"
         elif not _safe_id(sample_id):
             reason = f"id {sample_id!r} is not a safe name (A-Z a-z 0-9 . _ : = + -)"
-        elif bad_conversations:
-            reason = bad_conversations
         if reason:
             rejects.append(Reject(source=source, reason=reason, sample_id=sample_id))
             continue

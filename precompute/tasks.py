@@ -292,26 +292,35 @@ def _encode_batch(batch, encoders: dict[str, Any], reject, done: list, primary: 
 def _encode_text(done: list, encoder: Any, batch_size: int, reject) -> None:
     if encoder is None or not done:
         return
-    from precompute.encoders import EncoderOutputError
+    from precompute.encoders import EncoderInputError, EncoderOutputError, TextSample
 
-    captions = [row.caption for row, _, _ in done]
-    # Identical captions are encoded once for the whole task, not once per batch.
-    distinct = list(dict.fromkeys(captions))
-    embeddings: dict[str, dict[str, np.ndarray] | None] = {}
+    def item(row: InputRow, arrays: dict[str, Any]) -> Any:
+        if encoder.text_input == "caption":
+            return row.caption
+        # A tokenizer checks the image placeholders against the images the sample really has.
+        return TextSample(caption=row.caption, conversations=row.conversations, images=int(row.modality in ("image", "video")))
+
+    items = [item(row, arrays) for row, arrays, _ in done]
+    # Identical texts are encoded once for the whole task, not once per batch.
+    distinct = list(dict.fromkeys(items))
+    encoded: dict[Any, dict[str, np.ndarray] | str] = {}
     for start in range(0, len(distinct), batch_size * 4):
         chunk = distinct[start : start + batch_size * 4]
         try:
-            embeddings.update(zip(chunk, encoder.encode(chunk), strict=True))
-        except EncoderOutputError:
-            for caption in chunk:
+            encoded.update(zip(chunk, encoder.encode(chunk), strict=True))
+        except (EncoderInputError, EncoderOutputError):
+            # One bad text fails the chunk: one by one, so only it is rejected, with its reason.
+            for text in chunk:
                 try:
-                    embeddings[caption] = encoder.encode([caption])[0]
+                    encoded[text] = encoder.encode([text])[0]
                 except EncoderOutputError:
-                    embeddings[caption] = None
-    for index, (row, arrays, meta) in enumerate(done):
-        text = embeddings[row.caption]
-        if text is None:
-            reject(row, "text encoder produced NaN/inf for the caption")
+                    encoded[text] = "text encoder produced NaN/inf for the caption"
+                except EncoderInputError as exc:
+                    encoded[text] = f"text encoder rejected input: {exc}"
+    for index, ((row, arrays, meta), text) in enumerate(zip(done, items, strict=True)):
+        result = encoded[text]
+        if isinstance(result, str):
+            reject(row, result)
             done[index] = (row, None, meta)
         else:
-            arrays.update(text)
+            arrays.update(result)
