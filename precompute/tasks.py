@@ -224,7 +224,9 @@ def _bucketed(futures, batch_size: int, reject, media_error) -> Iterator[list[tu
         except media_error as exc:
             reject(row, exc.reason)
             continue
-        key = (row.modality, *(p.pixels.shape for p in prepared.values())) if prepared is not None else ("text",)
+        # Tiled images batch by tile size, whatever their tile count (the ViT runs tiles flat).
+        shapes = (p.pixels.shape[1:] if "tiles" in p.provenance else p.pixels.shape for p in (prepared or {}).values())
+        key = (row.modality, *shapes) if prepared is not None else ("text",)
         bucket = buckets.setdefault(key, [])
         bucket.append((row, prepared))
         if len(bucket) >= batch_size:
@@ -232,6 +234,7 @@ def _bucketed(futures, batch_size: int, reject, media_error) -> Iterator[list[tu
     yield from (b for b in buckets.values() if b)
 
 
+_TILES = ("tiles", "tile_rows", "tile_cols")
 _GEOMETRY = ("crop_left", "crop_top", "crop_width", "crop_height", "width", "height")
 
 
@@ -242,11 +245,14 @@ def _meta(row: InputRow, prepared: dict[str, Any] | None, primary: str | None) -
     if not prepared:
         return {**meta, "source_uri": redact_url(row.uri)}
     for section, media in prepared.items():
+        provenance = {k: v for k, v in media.provenance.items() if k not in _TILES}
         if section == primary:
-            meta.update(media.provenance)
+            meta.update(provenance)
         else:
-            meta.update({k: v for k, v in media.provenance.items() if k not in _GEOMETRY})  # source, hash, frames: shared
-            meta.update({f"{section}_{k}": media.provenance[k] for k in _GEOMETRY})
+            meta.update({k: v for k, v in provenance.items() if k not in _GEOMETRY})  # source, hash, frames: shared
+            meta.update({f"{section}_{k}": provenance[k] for k in _GEOMETRY})
+        if section == "vit":  # the VLM contract: the tile grid of every ViT feature, 1x1 untiled
+            meta.update({f"vit_{k}": media.provenance.get(k, 1) for k in _TILES})
     return meta
 
 
