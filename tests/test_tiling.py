@@ -113,3 +113,23 @@ def test_tiled_vlm_store_end_to_end(tmp_path, cluster):
         features = store.read(name)["vit_features"]
         assert features.shape == (tiles, 16, 32) and features.dtype.name == "bfloat16"
         assert store.read(name)["input_ids"].ndim == 1
+
+
+def test_internvl_vision_drops_cls_and_tiles(tmp_path):
+    import torch
+    from transformers import InternVLVisionModel
+
+    path = ensure_tiny_models(tmp_path, ["internvl_vision"])["internvl_vision"]
+    encoder = build_encoder("internvl_vision", {"path": str(path), "dtype": "float16", "tiling": {"max_tiles": 6}})
+    encoder.load("cpu")
+    assert encoder.field_metadata()["vit_features"]["tile_grid"] == 4
+    item = prepare_image(png(64, 32, 3), "w.png", resize=ResizeConfig(), rule=encoder.size_rule())
+    features = encoder.encode([item])[0]["vit_features"]
+    assert features.shape == (3, 16, 32)
+    # The reference: the model itself on the normalised tiles, CLS (token 0) dropped.
+    model = InternVLVisionModel.from_pretrained(path).eval()
+    x = torch.from_numpy(item.pixels).permute(0, 3, 1, 2).float() / 255.0
+    mean, std = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1), torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+    with torch.no_grad():
+        want = model(pixel_values=(x - mean) / std).last_hidden_state[:, 1:]
+    np.testing.assert_allclose(features.astype(np.float32), want.numpy(), atol=2e-3)

@@ -129,6 +129,12 @@ def _build_siglip_vision(out: Path) -> None:
     SiglipImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(out)
 
 
+def _build_internvl_vision(out: Path) -> None:
+    from transformers import InternVLVisionConfig, InternVLVisionModel
+
+    InternVLVisionModel(InternVLVisionConfig(**_VIT_KWARGS)).save_pretrained(out)
+
+
 def _build_autoencoder_kl(out: Path) -> None:
     from diffusers import AutoencoderKL
 
@@ -155,6 +161,7 @@ TINY_BUILDERS: dict[str, Callable[[Path], None]] = {
     "mt5": _build_mt5,
     "clip_vision": _build_clip_vision,
     "siglip_vision": _build_siglip_vision,
+    "internvl_vision": _build_internvl_vision,
     "autoencoder_kl": _build_autoencoder_kl,
     "autoencoder_kl_wan": _build_autoencoder_kl_wan,
 }

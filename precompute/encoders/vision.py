@@ -37,6 +37,8 @@ from precompute.media import PreparedMedia, SizeRule, TilingConfig
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 @dataclass(kw_only=True)
@@ -100,7 +102,7 @@ class ViTEncoder(VisualEncoder):
 
     def size_rule(self) -> SizeRule:
         vision = self.vision_config()
-        patch, size = int(vision.get("patch_size", 16)), int(vision.get("image_size", 224))
+        patch, size = _side(vision.get("patch_size", 16)), _side(vision.get("image_size", 224))
         if self.config.dynamic_resolution:
             return SizeRule(spatial_multiple=patch)
         return SizeRule(spatial_multiple=patch, fixed_size=(size, size), tiling=self.config.tiling)
@@ -143,13 +145,13 @@ class ViTEncoder(VisualEncoder):
             self.config.field: {
                 "image_mean": mean,
                 "image_std": std,
-                "patch_size": vision.get("patch_size"),
+                "patch_size": _side(vision.get("patch_size", 16)),
                 "hidden_size": vision.get("hidden_size"),
                 "hidden_layer": self.config.hidden_layer,
                 "layout": "row-major patch grid (height/patch rows of width/patch)",
                 # Patches per tile side; with tiling, [T, P, D] holds the grid's tiles row-major,
                 # then the thumbnail (when T > 1).
-                "tile_grid": None if self.config.dynamic_resolution else int(vision.get("image_size", 224)) // int(vision.get("patch_size", 16)),
+                "tile_grid": None if self.config.dynamic_resolution else _side(vision.get("image_size", 224)) // _side(vision.get("patch_size", 16)),
                 "tiling": dataclasses.asdict(self.config.tiling) if self.config.tiling else None,
             }
         }
@@ -221,3 +223,36 @@ class SiglipVisionEncoder(ViTEncoder):
     model_class_name = "SiglipVisionModel"
     model_type = "siglip"
     has_cls_token = False
+
+
+@register("internvl_vision")
+class InternVLVisionEncoder(ViTEncoder):
+    """InternViT (transformers' InternVLVisionModel, e.g. InternViT-300M-448px as in InternVL2-2B):
+    patch features with the CLS token dropped, as InternVL feeds its projector. Fixed 448 input
+    (use vit.tiling for large images); ImageNet normalisation unless the folder says otherwise."""
+
+    model_class_name = "InternVLVisionModel"
+    model_type = "internvl_vision"
+    has_cls_token = True
+    default_mean = IMAGENET_MEAN
+    default_std = IMAGENET_STD
+
+    def size_rule(self) -> SizeRule:
+        if self.config.dynamic_resolution:
+            raise EncoderConfigError("internvl_vision: dynamic_resolution is not supported (fixed input size); use vit.tiling")
+        return super().size_rule()
+
+    def encode_images(self, x: torch.Tensor) -> torch.Tensor:
+        want_hidden = self.config.hidden_layer != -1
+        out = self.model(pixel_values=x, output_hidden_states=want_hidden)
+        tokens = out.hidden_states[self.config.hidden_layer] if want_hidden else out.last_hidden_state
+        return tokens[:, 1:]
+
+
+def _side(value: Any) -> int:
+    """A square size from config.json: InternVL writes [448, 448] where CLIP writes 224."""
+    if isinstance(value, (list, tuple)):
+        if len(set(value)) != 1:
+            raise EncoderConfigError(f"non-square image_size/patch_size {value} is not supported")
+        value = value[0]
+    return int(value)
