@@ -183,3 +183,14 @@ def test_chat_template_of_the_tokenizer_is_used(tmp_path, tokenizer_dir):
     assert decode(tok, ids) == "<img>user\n<image> what?</s>\n<img>assistant\na red square</s>\n"
     assert decode(tok, ids[mask == 1]).strip() == "a red square</s>"
     assert encoder.fingerprint()["preprocessing"]["template"] == "tokenizer-chat-template"
+
+
+@pytest.mark.parametrize("preset", ["internvl2-2b", "llava-1.5-7b"])
+def test_real_presets_load_and_ask_for_their_folders(preset):
+    from precompute.pipeline import encoder_specs
+
+    config = load_config(EncodeConfig, preset, "encode", [])
+    assert config.vit["encoder"] in ("internvl_vision", "clip_vision") and config.text["encoder"] == "tokenizer"
+    for spec in encoder_specs(config):
+        with pytest.raises(ValueError, match="path"):
+            build_encoder(spec.name, spec.options)
