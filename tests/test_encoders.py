@@ -81,7 +81,7 @@ def test_registry_lookup_and_errors():
 
 def test_tiny_models_are_built_once_and_atomically(tiny):
     root = next(iter(tiny.values())).parent
-    # tokenizer.json: the one file every tiny folder has (the tokenizer has no model config.json).
+    # The tokenizer folder has no model config.json: its tokenizer.json is stamped instead.
     stamps = {name: (path / "tokenizer.json" if name == "tokenizer" else path / "config.json").stat().st_mtime_ns for name, path in tiny.items()}
     again = ensure_tiny_models(root)
     assert again == tiny
