@@ -194,3 +194,20 @@ def test_real_presets_load_and_ask_for_their_folders(preset):
     for spec in encoder_specs(config):
         with pytest.raises(ValueError, match="path"):
             build_encoder(spec.name, spec.options)
+
+
+def test_conversations_column_in_csv_is_a_json_string(tmp_path):
+    import csv
+
+    from precompute.inputs import read_inputs
+
+    (tmp_path / "a.png").write_bytes(b"png")
+    turns = [{"from": "human", "value": "<image>\nhi"}, {"from": "gpt", "value": "hello"}]
+    with open(tmp_path / "m.csv", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=["path", "caption", "conversations", "id"])
+        writer.writeheader()
+        writer.writerow({"path": "a.png", "caption": "", "conversations": json.dumps(turns), "id": "a"})
+        writer.writerow({"path": "a.png", "caption": "", "conversations": json.dumps([{"from": "human"}]), "id": "b"})
+    rows, rejects = read_inputs(str(tmp_path / "m.csv"))
+    assert [r.conversations for r in rows] == [(("human", "<image>\nhi"), ("gpt", "hello"))]
+    assert [(r.sample_id, r.reason[:17]) for r in rejects] == [("b", "conversation turn")]
