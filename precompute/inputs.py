@@ -1,10 +1,12 @@
 """Input manifests for ``mmcache encode``: what to encode, checked before any work starts.
 
 INPUT is a JSONL, CSV or Parquet manifest with columns ``path`` and ``caption`` (optional
-``id``), or a folder of media with same-stem ``.txt`` captions (the kohya / SimpleTuner
-convention). Paths are relative to the manifest's folder, absolute, or any fsspec URL. Rows that
-cannot be used (duplicate id, a path escaping the root, an empty caption when not allowed) become
-rejects with a reason; they never stop the job.
+``id``; ``conversations``: LLaVA-style turns ``[{"from": "human"|"gpt", "value": ...}]``, a list
+in JSONL or Parquet, a JSON string in CSV; a row with conversations needs no caption), or a
+folder of media with same-stem ``.txt`` captions (the kohya / SimpleTuner convention). Paths
+are relative to the manifest's folder, absolute, or any fsspec URL. Rows that cannot be used
+(duplicate id, a path escaping the root, an empty caption when not allowed) become rejects with
+a reason; they never stop the job.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class InputRow:
     caption: str
     source: str       # the path as the manifest wrote it, for rejects and provenance
     modality: str     # "image" | "video", from the suffix
+    conversations: tuple[tuple[str, str], ...] | None = None  # ((from, value), ...) turns
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,10 +94,13 @@ def read_inputs(
         caption = "" if caption is None else str(caption)
         sample_id = str(record["id"]) if record.get("id") not in (None, "") else sample_id_for(source)
         uri = _resolve(raw, root, protocol, allow_outside_root)
+        conversations, bad_conversations = _conversations(record.get("conversations"))
         reason = None
         if uri is None:
             reason = "path escapes the manifest's folder (set data.allow_outside_root: true to allow it)"
-        elif not caption.strip() and not allow_empty_caption:
+        elif bad_conversations:
+            reason = bad_conversations
+        elif not caption.strip() and not allow_empty_caption and conversations is None:
             reason = "empty caption (set data.allow_empty_caption: true to allow it)"
         elif sample_id in seen:
             reason = f"duplicate id {sample_id!r}"
@@ -106,8 +112,27 @@ def read_inputs(
             rejects.append(Reject(source=source, reason=reason, sample_id=sample_id))
             continue
         seen.add(sample_id)
-        rows.append(InputRow(sample_id=sample_id, uri=uri, caption=caption, source=source, modality=modality_of(source)))
+        rows.append(InputRow(sample_id=sample_id, uri=uri, caption=caption, source=source, modality=modality_of(source), conversations=conversations))
     return rows, rejects
+
+
+def _conversations(value: Any) -> tuple[tuple[tuple[str, str], ...] | None, str | None]:
+    """A manifest's conversations cell -> ((from, value), ...) turns, or a reject reason."""
+    if value is None or value == "":
+        return None, None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            return None, f"conversations is not valid JSON ({exc})"
+    if not isinstance(value, list) or not value:
+        return None, "conversations must be a non-empty list of {from, value} turns"
+    turns = []
+    for turn in value:
+        if not isinstance(turn, dict) or not isinstance(turn.get("from"), str) or not isinstance(turn.get("value"), str):
+            return None, f"conversation turn {str(turn)[:60]!r} is not {{from: str, value: str}}"
+        turns.append((turn["from"], turn["value"]))
+    return tuple(turns), None
 
 
 def sample_id_for(path: str) -> str:

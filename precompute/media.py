@@ -49,13 +49,31 @@ class MediaError(ValueError):
 
 
 @dataclass(frozen=True, kw_only=True)
+class TilingConfig:
+    """InternVL-style dynamic tiling: the image is resized to a grid of rows x cols tiles of the
+    encoder's square input size (min_tiles <= rows*cols <= max_tiles, the grid whose aspect is
+    closest to the image's), cut into tiles row-major, plus a thumbnail tile (the whole image at
+    tile size) last when there is more than one tile."""
+
+    max_tiles: int = 6
+    min_tiles: int = 1
+    thumbnail: bool = True
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_tiles <= self.max_tiles:
+            raise ConfigError(f"tiling: need 1 <= min_tiles <= max_tiles, got {self.min_tiles}, {self.max_tiles}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class SizeRule:
     """What an encoder accepts: sizes a multiple of ``spatial_multiple`` (or exactly ``fixed_size``
-    as (width, height)), and a frame count that is anything or 4k+1 (causal video VAEs)."""
+    as (width, height)), and a frame count that is anything or 4k+1 (causal video VAEs).
+    ``tiling`` (with a square ``fixed_size`` as the tile): images become T x S x S x 3 tiles."""
 
     spatial_multiple: int = 1
     temporal: Literal["any", "4k+1"] = "any"
     fixed_size: tuple[int, int] | None = None
+    tiling: TilingConfig | None = None
 
 
 @dataclass(kw_only=True)
@@ -221,9 +239,45 @@ def to_rgb(image: Image.Image, *, alpha: Literal["white", "drop"] = "white") -> 
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
+def choose_tile_grid(width: int, height: int, tile: int, tiling: TilingConfig) -> tuple[int, int]:
+    """(rows, cols) for an image of this size, as InternVL's dynamic_preprocess picks it: the
+    grid whose cols/rows is closest to width/height; on a tie the grid with more tiles wins when
+    the image has more than half that grid's pixels (so small images keep few tiles)."""
+    grids = sorted(
+        {(rows, cols) for n in range(tiling.min_tiles, tiling.max_tiles + 1) for rows in range(1, n + 1) for cols in range(1, n + 1)
+         if tiling.min_tiles <= rows * cols <= tiling.max_tiles},
+        key=lambda rc: (rc[0] * rc[1], rc[1], rc[0]),
+    )  # fmt: skip
+    aspect = width / height
+    best, best_diff = grids[0], float("inf")
+    for rows, cols in grids:
+        diff = abs(aspect - cols / rows)
+        if diff < best_diff:
+            best, best_diff = (rows, cols), diff
+        elif diff == best_diff and width * height > 0.5 * tile * tile * rows * cols:
+            best = (rows, cols)
+    return best
+
+
+def prepare_tiles(image: Image.Image, uri: str, data: bytes, *, tile: int, tiling: TilingConfig, resample: str) -> PreparedMedia:
+    """The whole image (no crop) resized to the grid, cut into tiles: pixels are T x S x S x 3."""
+    orig = image.size
+    rows, cols = choose_tile_grid(*orig, tile, tiling)
+    size = (cols * tile, rows * tile)
+    grid = np.asarray(crop_and_resize(image, (0, 0, *orig), size, resample), dtype=np.uint8)
+    tiles = [grid[r * tile : (r + 1) * tile, c * tile : (c + 1) * tile] for r in range(rows) for c in range(cols)]
+    if tiling.thumbnail and len(tiles) > 1:
+        tiles.append(np.asarray(crop_and_resize(image, (0, 0, *orig), (tile, tile), resample), dtype=np.uint8))
+    provenance = {**_provenance(uri, data, orig, (0, 0, *orig), size), "tiles": len(tiles), "tile_rows": rows, "tile_cols": cols}
+    return PreparedMedia(pixels=np.stack(tiles), provenance=provenance, modality="image")
+
+
 def prepare_image(data: bytes, uri: str, *, resize: ResizeConfig, rule: SizeRule) -> PreparedMedia:
-    """Decode, bucket, centre-crop and resize one image; pixels are H x W x 3 uint8."""
+    """Decode, bucket, centre-crop and resize one image; pixels are H x W x 3 uint8 (or tiles)."""
     image = decode_image(data, uri, alpha=resize.alpha)
+    if rule.tiling is not None:
+        assert rule.fixed_size is not None and rule.fixed_size[0] == rule.fixed_size[1], "tiling needs a square tile"
+        return prepare_tiles(image, uri, data, tile=rule.fixed_size[0], tiling=rule.tiling, resample=resize.resample)
     orig = image.size
     size = choose_size(*orig, resize=resize, rule=rule)
     box = center_crop_box(*orig, *size)

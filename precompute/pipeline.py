@@ -98,7 +98,9 @@ def plan_tasks(rows: list[InputRow], specs_digest: str, per_task: int, fields: l
     tasks = []
     for start in range(0, len(rows), per_task):
         chunk = rows[start : start + per_task]
-        body = json.dumps([specs_digest, fields, [(r.sample_id, r.uri, r.caption) for r in chunk]] + ([salt] if salt else []))
+        # Conversations only where present, so the names of caption-only tasks stay as they were.
+        rows_body = [(r.sample_id, r.uri, r.caption, *([r.conversations] if r.conversations else [])) for r in chunk]
+        body = json.dumps([specs_digest, fields, rows_body] + ([salt] if salt else []))
         name = f"t-{hashlib.sha256(body.encode()).hexdigest()[:24]}"
         tasks.append(TaskSpec(shard=name, rows=chunk, fields=fields, new_samples=new_samples))
     return tasks

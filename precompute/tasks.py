@@ -281,7 +281,9 @@ def _bucketed(futures, batch_size: int, reject, media_error, deadline: float | N
             future.cancel()
             reject(row, f"not read and decoded within run.task_timeout={timeout:g}s (a stuck input: a FIFO, a hung network read?)")
             continue
-        key = (row.modality, *(p.pixels.shape for p in prepared.values())) if prepared is not None else ("text",)
+        # Tiled images batch by tile size, whatever their tile count (the ViT runs tiles flat).
+        shapes = (p.pixels.shape[1:] if "tiles" in p.provenance else p.pixels.shape for p in (prepared or {}).values())
+        key = (row.modality, *shapes) if prepared is not None else ("text",)
         bucket = buckets.setdefault(key, [])
         bucket.append((row, prepared))
         if len(bucket) >= batch_size:
@@ -289,6 +291,7 @@ def _bucketed(futures, batch_size: int, reject, media_error, deadline: float | N
     yield from (b for b in buckets.values() if b)
 
 
+_TILES = ("tiles", "tile_rows", "tile_cols")
 _GEOMETRY = ("crop_left", "crop_top", "crop_width", "crop_height", "width", "height")
 
 
@@ -299,11 +302,14 @@ def _meta(row: InputRow, prepared: dict[str, Any] | None, primary: str | None) -
     if not prepared:
         return {**meta, "source_uri": redact_url(row.uri)}
     for section, media in prepared.items():
+        provenance = {k: v for k, v in media.provenance.items() if k not in _TILES}
         if section == primary:
-            meta.update(media.provenance)
+            meta.update(provenance)
         else:
-            meta.update({k: v for k, v in media.provenance.items() if k not in _GEOMETRY})  # source, hash, frames: shared
-            meta.update({f"{section}_{k}": media.provenance[k] for k in _GEOMETRY})
+            meta.update({k: v for k, v in provenance.items() if k not in _GEOMETRY})  # source, hash, frames: shared
+            meta.update({f"{section}_{k}": provenance[k] for k in _GEOMETRY})
+        if section == "vit":  # the VLM contract: the tile grid of every ViT feature, 1x1 untiled
+            meta.update({f"vit_{k}": media.provenance.get(k, 1) for k in _TILES})
     return meta
 
 
@@ -349,26 +355,35 @@ def _encode_batch(batch, encoders: dict[str, Any], reject, done: list, primary: 
 def _encode_text(done: list, encoder: Any, batch_size: int, reject) -> None:
     if encoder is None or not done:
         return
-    from precompute.encoders import EncoderOutputError
+    from precompute.encoders import EncoderInputError, EncoderOutputError, TextSample
 
-    captions = [row.caption for row, _, _ in done]
-    # Identical captions are encoded once for the whole task, not once per batch.
-    distinct = list(dict.fromkeys(captions))
-    embeddings: dict[str, dict[str, np.ndarray] | None] = {}
+    def item(row: InputRow, arrays: dict[str, Any]) -> Any:
+        if encoder.text_input == "caption":
+            return row.caption
+        # A tokenizer checks the image placeholders against the images the sample really has.
+        return TextSample(caption=row.caption, conversations=row.conversations, images=int(row.modality in ("image", "video")))
+
+    items = [item(row, arrays) for row, arrays, _ in done]
+    # Identical texts are encoded once for the whole task, not once per batch.
+    distinct = list(dict.fromkeys(items))
+    encoded: dict[Any, dict[str, np.ndarray] | str] = {}
     for start in range(0, len(distinct), batch_size * 4):
         chunk = distinct[start : start + batch_size * 4]
         try:
-            embeddings.update(zip(chunk, encoder.encode(chunk), strict=True))
-        except EncoderOutputError:
-            for caption in chunk:
+            encoded.update(zip(chunk, encoder.encode(chunk), strict=True))
+        except (EncoderInputError, EncoderOutputError):
+            # One bad text fails the chunk: one by one, so only it is rejected, with its reason.
+            for text in chunk:
                 try:
-                    embeddings[caption] = encoder.encode([caption])[0]
+                    encoded[text] = encoder.encode([text])[0]
                 except EncoderOutputError:
-                    embeddings[caption] = None
-    for index, (row, arrays, meta) in enumerate(done):
-        text = embeddings[row.caption]
-        if text is None:
-            reject(row, "text encoder produced NaN/inf for the caption")
+                    encoded[text] = "text encoder produced NaN/inf for the caption"
+                except EncoderInputError as exc:
+                    encoded[text] = f"text encoder rejected input: {exc}"
+    for index, ((row, arrays, meta), text) in enumerate(zip(done, items, strict=True)):
+        result = encoded[text]
+        if isinstance(result, str):
+            reject(row, result)
             done[index] = (row, None, meta)
         else:
-            arrays.update(text)
+            arrays.update(result)

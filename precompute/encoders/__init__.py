@@ -11,6 +11,7 @@ from precompute.encoders.base import (
     EncoderInputError,
     EncoderOutputError,
     FieldSpec,
+    TextSample,
     UnknownEncoderError,
     build_encoder,
     encoder_class,
@@ -20,6 +21,7 @@ from precompute.encoders.base import (
 # Imported for their @register side effect.
 from precompute.encoders import taef2 as _taef2  # noqa: E402,F401
 from precompute.encoders import text as _text  # noqa: E402,F401
+from precompute.encoders import tokenizer as _tokenizer  # noqa: E402,F401
 from precompute.encoders import vae as _vae  # noqa: E402,F401
 from precompute.encoders import vision as _vision  # noqa: E402,F401
 
@@ -30,6 +32,7 @@ __all__ = [
     "EncoderInputError",
     "EncoderOutputError",
     "FieldSpec",
+    "TextSample",
     "UnknownEncoderError",
     "build_encoder",
     "encoder_class",

@@ -64,6 +64,17 @@ class FieldSpec:
         return asdict(self)
 
 
+@dataclass(frozen=True, kw_only=True)
+class TextSample:
+    """What an encoder with ``text_input == "sample"`` takes: a caption, or a conversation as
+    ``((from, value), ...)`` turns (LLaVA style: from = human | gpt | system), and how many images
+    the sample has. Hashable, so equal samples are encoded once."""
+
+    caption: str
+    conversations: tuple[tuple[str, str], ...] | None = None
+    images: int = 0
+
+
 # ----------------------------------------------------------------------------- registry
 
 ENCODERS: dict[str, type[Encoder]] = {}
@@ -103,6 +114,9 @@ class Encoder(ABC):
 
     Config: ClassVar[type]
     registry_name: ClassVar[str] = ""
+    # What a text encoder's batch items are: caption strings, or ``TextSample``s (a tokenizer
+    # needs the conversation and whether the sample has an image).
+    text_input: ClassVar[Literal["caption", "sample"]] = "caption"
 
     def __init__(self, config: Any):
         self.config = config

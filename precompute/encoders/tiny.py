@@ -50,6 +50,38 @@ def train_tiny_tokenizer(seed: int = SEED, vocab_size: int = 200):
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
 
 
+VLM_SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>", "<image>", "<img>", "</img>")
+
+
+def train_tiny_bpe_tokenizer(seed: int = SEED, vocab_size: int = 320):
+    """A byte-level BPE tokenizer for a tiny LLM, with the special tokens of a VLM (<image> as
+    the placeholder, <img>/</img> for InternVL-style spans), as a transformers fast tokenizer.
+    Byte-level: any text round-trips, so decoded ids give back exactly what was tokenized."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(seed)
+    words = ["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3))) for _ in range(200)]
+    words += ["red", "green", "blue", "circle", "square", "a", "the", "is", "what", "in", "image", "USER:", "ASSISTANT:"]
+    sentences = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(400)]
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(VLM_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )  # fmt: skip
+    tokenizer.train_from_iterator(sentences, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+        additional_special_tokens=["<image>", "<img>", "</img>"],
+    )  # fmt: skip
+
+
+def _build_tokenizer(out: Path) -> None:
+    train_tiny_bpe_tokenizer().save_pretrained(out)
+
+
 def _t5_kwargs() -> dict:
     return dict(
         vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
@@ -97,6 +129,12 @@ def _build_siglip_vision(out: Path) -> None:
     SiglipImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(out)
 
 
+def _build_internvl_vision(out: Path) -> None:
+    from transformers import InternVLVisionConfig, InternVLVisionModel
+
+    InternVLVisionModel(InternVLVisionConfig(**_VIT_KWARGS)).save_pretrained(out)
+
+
 def _build_autoencoder_kl(out: Path) -> None:
     from diffusers import AutoencoderKL
 
@@ -117,11 +155,13 @@ def _build_autoencoder_kl_wan(out: Path) -> None:
 
 
 TINY_BUILDERS: dict[str, Callable[[Path], None]] = {
+    "tokenizer": _build_tokenizer,
     "t5": _build_t5,
     "umt5": _build_umt5,
     "mt5": _build_mt5,
     "clip_vision": _build_clip_vision,
     "siglip_vision": _build_siglip_vision,
+    "internvl_vision": _build_internvl_vision,
     "autoencoder_kl": _build_autoencoder_kl,
     "autoencoder_kl_wan": _build_autoencoder_kl_wan,
 }

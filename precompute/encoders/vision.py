@@ -9,19 +9,36 @@ used are recorded so a live encoder in joint-finetune mode can reproduce them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
-from precompute.encoders.base import EncoderConfigError, FieldSpec, architecture_config, register, sha256_json, sha256_state_dict
+from precompute.encoders.base import (
+    EncoderConfigError,
+    EncoderInputError,
+    FieldSpec,
+    architecture_config,
+    check_finite,
+    register,
+    sha256_json,
+    sha256_state_dict,
+    to_numpy,
+    torch_dtype,
+)
 from precompute.encoders.visual import VisualEncoder
-from precompute.media import SizeRule
+from precompute.media import PreparedMedia, SizeRule, TilingConfig
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 @dataclass(kw_only=True)
@@ -37,6 +54,12 @@ class ViTConfig:
     image_mean: list[float] | None = None  # override the preprocessor's normalisation
     image_std: list[float] | None = None
     micro_batch: int = 32
+    # InternVL-style dynamic tiling (tiles of the model's image_size): features are T x P x D.
+    tiling: TilingConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.tiling is not None and self.dynamic_resolution:
+            raise EncoderConfigError("vit.tiling and vit.dynamic_resolution exclude each other: tiles have the model's fixed size")
 
 
 class ViTEncoder(VisualEncoder):
@@ -60,7 +83,8 @@ class ViTEncoder(VisualEncoder):
 
     def fields(self) -> dict[str, FieldSpec]:
         name = self.config.field
-        return {name: FieldSpec(name=name, dtype=self.config.dtype, ndim=2, modality="image")}
+        ndim = 2 if self.config.tiling is None else 3  # [P, D] or [T, P, D]
+        return {name: FieldSpec(name=name, dtype=self.config.dtype, ndim=ndim, modality="image")}
 
     def vision_config(self) -> dict[str, Any]:
         """The vision part of config.json (a full CLIP/SigLIP folder nests it under vision_config)."""
@@ -78,10 +102,10 @@ class ViTEncoder(VisualEncoder):
 
     def size_rule(self) -> SizeRule:
         vision = self.vision_config()
-        patch, size = int(vision.get("patch_size", 16)), int(vision.get("image_size", 224))
+        patch, size = _side(vision.get("patch_size", 16)), _side(vision.get("image_size", 224))
         if self.config.dynamic_resolution:
             return SizeRule(spatial_multiple=patch)
-        return SizeRule(spatial_multiple=patch, fixed_size=(size, size))
+        return SizeRule(spatial_multiple=patch, fixed_size=(size, size), tiling=self.config.tiling)
 
     def mean_std(self) -> tuple[list[float], list[float]]:
         if self._mean_std is None:
@@ -111,6 +135,7 @@ class ViTEncoder(VisualEncoder):
             "hidden_layer": self.config.hidden_layer,
             "drop_cls": self.has_cls_token,
             "dynamic_resolution": self.config.dynamic_resolution,
+            "tiling": dataclasses.asdict(self.config.tiling) if self.config.tiling else None,
         }
 
     def field_metadata(self) -> dict[str, dict[str, Any]]:
@@ -120,10 +145,14 @@ class ViTEncoder(VisualEncoder):
             self.config.field: {
                 "image_mean": mean,
                 "image_std": std,
-                "patch_size": vision.get("patch_size"),
+                "patch_size": _side(vision.get("patch_size", 16)),
                 "hidden_size": vision.get("hidden_size"),
                 "hidden_layer": self.config.hidden_layer,
                 "layout": "row-major patch grid (height/patch rows of width/patch)",
+                # Patches per tile side; with tiling, [T, P, D] holds the grid's tiles row-major,
+                # then the thumbnail (when T > 1).
+                "tile_grid": None if self.config.dynamic_resolution else _side(vision.get("image_size", 224)) // _side(vision.get("patch_size", 16)),
+                "tiling": dataclasses.asdict(self.config.tiling) if self.config.tiling else None,
             }
         }
 
@@ -144,6 +173,29 @@ class ViTEncoder(VisualEncoder):
         digest = sha256_state_dict(model.state_dict())  # as loaded, before the compute-dtype cast
         self.model = model.to(device=device, dtype=self.compute_dtype).eval().requires_grad_(False)
         return digest
+
+    def encode(self, batch: Sequence[PreparedMedia | np.ndarray]) -> list[dict[str, np.ndarray]]:
+        """With tiling, every tile of every item goes through the model in one flat stack (items
+        with different tile counts batch together), then each item gets its own T x P x D."""
+        if self.config.tiling is None:
+            return super().encode(batch)
+        self.require_loaded()
+        stacks = [self._tiles_of(item, i) for i, item in enumerate(batch)]
+        with torch.inference_mode():
+            stored = self._run_frames(torch.from_numpy(np.concatenate(stacks))).to(torch_dtype(self.config.dtype)).cpu()
+        check_finite(stored, f"{self.field_name} of a batch of {len(stacks)} tiled images")
+        bounds = np.cumsum([0, *(len(s) for s in stacks)])
+        return [{self.field_name: to_numpy(stored[a:b], self.config.dtype)} for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def _tiles_of(self, item: PreparedMedia | np.ndarray, index: int) -> np.ndarray:
+        pixels = item.pixels if isinstance(item, PreparedMedia) else item
+        if isinstance(pixels, np.ndarray) and pixels.ndim == 3:
+            pixels = pixels[None]  # a video's first frame, or an untiled image: one tile
+        size = self.size_rule().fixed_size
+        if not isinstance(pixels, np.ndarray) or pixels.dtype != np.uint8 or pixels.ndim != 4 or pixels.shape[1:] != (size[1], size[0], 3):
+            got = f"{pixels.dtype} {pixels.shape}" if isinstance(pixels, np.ndarray) else type(pixels).__name__
+            raise EncoderInputError(f"batch item {index}: expected uint8 tiles T x {size[1]} x {size[0]} x 3, got {got}")
+        return np.ascontiguousarray(pixels)
 
     def encode_images(self, x: torch.Tensor) -> torch.Tensor:
         want_hidden = self.config.hidden_layer != -1
@@ -171,3 +223,36 @@ class SiglipVisionEncoder(ViTEncoder):
     model_class_name = "SiglipVisionModel"
     model_type = "siglip"
     has_cls_token = False
+
+
+@register("internvl_vision")
+class InternVLVisionEncoder(ViTEncoder):
+    """InternViT (transformers' InternVLVisionModel, e.g. InternViT-300M-448px as in InternVL2-2B):
+    patch features with the CLS token dropped, as InternVL feeds its projector. Fixed 448 input
+    (use vit.tiling for large images); ImageNet normalisation unless the folder says otherwise."""
+
+    model_class_name = "InternVLVisionModel"
+    model_type = "internvl_vision"
+    has_cls_token = True
+    default_mean = IMAGENET_MEAN
+    default_std = IMAGENET_STD
+
+    def size_rule(self) -> SizeRule:
+        if self.config.dynamic_resolution:
+            raise EncoderConfigError("internvl_vision: dynamic_resolution is not supported (fixed input size); use vit.tiling")
+        return super().size_rule()
+
+    def encode_images(self, x: torch.Tensor) -> torch.Tensor:
+        want_hidden = self.config.hidden_layer != -1
+        out = self.model(pixel_values=x, output_hidden_states=want_hidden)
+        tokens = out.hidden_states[self.config.hidden_layer] if want_hidden else out.last_hidden_state
+        return tokens[:, 1:]
+
+
+def _side(value: Any) -> int:
+    """A square size from config.json: InternVL writes [448, 448] where CLIP writes 224."""
+    if isinstance(value, (list, tuple)):
+        if len(set(value)) != 1:
+            raise EncoderConfigError(f"non-square image_size/patch_size {value} is not supported")
+        value = value[0]
+    return int(value)
