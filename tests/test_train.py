@@ -16,6 +16,7 @@ import pytest
 import featstore
 
 BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parents[1]  # the checkout under test, also for the subprocesses
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def fit(store: str, out: Path, *args: str, nproc: int = 1, check: bool = True) -
     if nproc > 1:
         base = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *base[0:1], *base[1:]]
         base[base.index(str(BIN / "mmtrain"))] = str(BIN / "mmtrain")
-    env = {"OMP_NUM_THREADS": "1", "PATH": str(BIN) + ":/usr/bin:/bin"}
+    env = {"OMP_NUM_THREADS": "1", "PATH": str(BIN) + ":/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
     result = subprocess.run(base, capture_output=True, text=True, timeout=600, env=env)
     if check:
         assert result.returncode == 0, result.stdout + result.stderr
@@ -73,25 +74,40 @@ def test_loss_decreases_and_outputs(store, tmp_path):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000020", "step-00000030"]  # keep=2
 
 
-@pytest.mark.parametrize("zero", [2, 3])
-def test_two_ranks_match_one_process(store, tmp_path, zero):
-    # One sample per micro-batch, so every micro-batch (and its noise) is the same at any world size.
-    common = ["--steps", "3", "--set", f"zero={zero}", "--set", "balance.max_samples=1", "--set", "optim.grad_clip=0"]
-    fit(store, tmp_path / "one", *common)
-    fit(store, tmp_path / "two", *common, nproc=2)
-    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+PARITY = ["--steps", "3", "--set", "optim.grad_clip=0"]  # otherwise the default config
+
+
+@pytest.fixture(scope="module")
+def one_process(store, tmp_path_factory) -> Path:
+    """The reference every multi-rank parity test compares with: 1 process, default config."""
+    run = tmp_path_factory.mktemp("one") / "run"
+    fit(store, run, *PARITY)
+    return run
+
+
+@pytest.mark.parametrize("nproc, extra", [
+    (2, ["--set", "zero=2"]),
+    (2, ["--set", "zero=3"]),
+    # 4 data-parallel ranks as HSDP, with another balancer and micro-batch limit: other groupings.
+    (4, ["--set", "parallel.dp_replicate=2", "--set", "balance.algorithm=greedy", "--set", "balance.max_samples=2"]),
+])
+def test_data_parallel_ranks_match_one_process(store, one_process, tmp_path, nproc, extra):
+    # Micro-batches differ between 1, 2 and 4 ranks; each sample's noise and timestep do not.
+    fit(store, tmp_path / "many", *PARITY, *extra, nproc=nproc)
+    one, many = losses(one_process), losses(tmp_path / "many")
     for step in (1, 2, 3):
-        assert two[step] == pytest.approx(one[step], rel=1e-5)
-    ranks = json.loads((tmp_path / "two" / "run.json").read_text())["ranks"]
-    single = json.loads((tmp_path / "one" / "run.json").read_text())["ranks"][0]
-    assert len(ranks) == 2
+        assert many[step] == pytest.approx(one[step], rel=1e-5)
+    ranks = json.loads((tmp_path / "many" / "run.json").read_text())["ranks"]
+    single = json.loads((one_process / "run.json").read_text())["ranks"][0]
+    assert len(ranks) == nproc
+    shards = nproc // 2 if "parallel.dp_replicate=2" in extra else nproc
     for r in ranks:
         held = r["param_bytes"] + r["optim_bytes"]
-        assert held == pytest.approx((single["param_bytes"] + single["optim_bytes"]) / 2, rel=0.1)
+        assert held == pytest.approx((single["param_bytes"] + single["optim_bytes"]) / shards, rel=0.1)
 
 
 def test_resume_continues_the_same_run(store, tmp_path):
-    common = ["--set", "balance.max_samples=1", "--set", "checkpoint.every=100"]
+    common = ["--set", "checkpoint.every=100"]
     fit(store, tmp_path / "full", "--steps", "10", *common)
     fit(store, tmp_path / "split", "--steps", "5", *common)
     fit(store, tmp_path / "split", "--steps", "10", "--resume", *common)
@@ -141,12 +157,10 @@ def test_bad_configs_give_clear_errors(store, tmp_path):
 
 
 @pytest.mark.parametrize("ulysses, ring", [(2, 2), (4, 1), (1, 4)])
-def test_sequence_parallel_fit_matches_one_process(store, tmp_path, ulysses, ring):
+def test_sequence_parallel_fit_matches_one_process(store, one_process, tmp_path, ulysses, ring):
     """USP over 4 ranks (Ulysses x Ring, sequences padded to U*R) trains exactly like 1 process."""
-    common = ["--steps", "3", "--set", "balance.max_samples=1", "--set", "optim.grad_clip=0"]
-    fit(store, tmp_path / "one", *common)
-    fit(store, tmp_path / "usp", *common, "--set", f"parallel.ulysses={ulysses}", "--set", f"parallel.ring={ring}", nproc=4)
-    one, usp = losses(tmp_path / "one"), losses(tmp_path / "usp")
+    fit(store, tmp_path / "usp", *PARITY, "--set", f"parallel.ulysses={ulysses}", "--set", f"parallel.ring={ring}", nproc=4)
+    one, usp = losses(one_process), losses(tmp_path / "usp")
     for step in (1, 2, 3):
         assert usp[step] == pytest.approx(one[step], rel=1e-5)
     assert json.loads((tmp_path / "usp" / "run.json").read_text())["mesh"] == {"dp_replicate": 1, "dp_shard": 1, "ring": ring, "ulysses": ulysses}

@@ -29,6 +29,7 @@ from train.checkpoint import export_safetensors, latest_checkpoint, load_checkpo
 from train.config import TrainConfig
 from train.data import FeatureStream, check_fingerprints, latent_normalisation, open_features, snapshot_digest, to_batch
 from train.models import count_parameters, get_model_family
+from train.objective import sample_generators
 from train.parallel.dims import MESH_DIMS, ParallelDims, device_and_backend
 from train.parallel.fsdp import apply_fsdp, local_state_bytes
 from train.parallel.sequence_parallel import apply_sequence_parallel
@@ -230,9 +231,10 @@ def accumulate_gradients(model, family, objective, data, *, seed: int, fields: l
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # on the device: nccl/hccl reduce device tensors
     for micro_batch, samples in data.micro_batches:
         batch = to_batch(samples, fields[0], fields[1], device, dtype, normalisation)
-        # Noise and timesteps depend on the step and the samples, not on the rank.
-        generator = torch.Generator().manual_seed(hash_seed(seed, data.step, [data.global_indices[i] for i in micro_batch.indices]))
-        terms = family.training_loss(model, batch, generator, objective)
+        # Each sample's noise and timestep come from (seed, step, its global index) alone, so the
+        # loss does not depend on the rank, the balancer or the micro-batch grouping.
+        generators = sample_generators(seed, data.step, [data.global_indices[i] for i in micro_batch.indices])
+        terms = family.training_loss(model, batch, generators, objective)
         (terms.loss_sum * micro_batch.loss_scale).backward()
         loss_sum += terms.loss_sum.detach().double() * micro_batch.loss_scale
     # Sequence-parallel ranks of one data-parallel rank hold the same loss: sum over dp only.
@@ -254,12 +256,6 @@ def _tensorboard(run: Path):
     from torch.utils.tensorboard import SummaryWriter
 
     return SummaryWriter(str(run / "tensorboard"))
-
-
-def hash_seed(seed: int, step: int, indices: list[int]) -> int:
-    import hashlib
-
-    return int.from_bytes(hashlib.sha256(json.dumps([seed, step, sorted(indices)]).encode()).digest()[:8], "little") & ((1 << 63) - 1)
 
 
 def _peak_memory(device: torch.device) -> int:
