@@ -171,3 +171,13 @@ def test_bad_sequence_parallel_mesh(store, tmp_path):
     assert result.returncode != 0 and "world size" in result.stderr
     result = fit(store, tmp_path / "run", "--steps", "1", "--set", "parallel.ulysses=2", "--set", "model.args.heads=3", "--set", "model.args.dim=48", nproc=2, check=False)
     assert result.returncode != 0 and "must divide the model's attention heads" in result.stderr
+
+
+def test_zero_is_a_top_level_setting():
+    from featstore.config import load_config
+    from featstore.errors import ConfigError
+    from train.config import TrainConfig
+
+    assert load_config(TrainConfig, "tiny-dit", "train", ["zero=2"]).zero == 2
+    with pytest.raises(ConfigError, match=r"parallel.zero is not a setting: the ZeRO stage is the top-level `zero: 2\|3`"):
+        load_config(TrainConfig, "tiny-dit", "train", ["parallel.zero=2"])

@@ -33,6 +33,7 @@ import dataclasses
 import importlib
 import importlib.util
 import os
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,9 @@ class ParallelDimsError(ConfigError):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """The ``parallel:`` section of a trainer config; the world size comes from the launcher."""
+
+    # The ZeRO stage is the top-level ``zero`` (it shapes FSDP, not the mesh).
+    MOVED_KEYS: ClassVar[dict[str, str]] = {"zero": "the ZeRO stage is the top-level `zero: 2|3`; use --set zero=N"}
 
     dp_replicate: int = 1
     dp_shard: int = -1  # -1: whatever the other sizes leave of the world
