@@ -114,6 +114,9 @@ def test_resume_continues_the_same_run(store, tmp_path):
     full, split = losses(tmp_path / "full"), losses(tmp_path / "split")
     for step in range(6, 11):
         assert split[step] == pytest.approx(full[step], rel=1e-5)
+    # The LR schedule went on from its saved state_dict (warm-up is 5 steps, then cosine).
+    full_lr, split_lr = (lrs(tmp_path / name) for name in ("full", "split"))
+    assert [split_lr[s] for s in range(1, 11)] == [full_lr[s] for s in range(1, 11)]
     # A save that crashed half-way leaves a .partial folder: it is never taken for a checkpoint.
     partial = tmp_path / "split" / "checkpoints" / "step-00000011.partial"
     partial.mkdir()
@@ -124,6 +127,10 @@ def test_resume_continues_the_same_run(store, tmp_path):
     resumed = fit(store, tmp_path / "split", "--steps", "12", "--resume", *common, nproc=2)
     assert "step-00000010 at step 10 (world size 2)" in resumed.stdout
     assert max(losses(tmp_path / "split")) == 12
+
+
+def lrs(run: Path) -> dict[int, float]:
+    return {r["step"]: r["lr"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
 
 
 def test_fingerprint_mismatch_is_refused(store, tmp_path):
@@ -181,3 +188,48 @@ def test_zero_is_a_top_level_setting():
     assert load_config(TrainConfig, "tiny-dit", "train", ["zero=2"]).zero == 2
     with pytest.raises(ConfigError, match=r"parallel.zero is not a setting: the ZeRO stage is the top-level `zero: 2\|3`"):
         load_config(TrainConfig, "tiny-dit", "train", ["parallel.zero=2"])
+
+
+def test_checkpoint_keep_must_keep_one():
+    from featstore.config import load_config
+    from featstore.errors import ConfigError
+    from train.checkpoint import save_checkpoint
+    from train.config import TrainConfig
+
+    with pytest.raises(ConfigError, match="checkpoint.keep must be >= 1"):
+        load_config(TrainConfig, "tiny-dit", "train", ["checkpoint.keep=0"])
+    with pytest.raises(ValueError, match="checkpoint.keep must be >= 1, got 0"):  # before any collective
+        save_checkpoint(Path("unused"), 1, None, None, None, keep=0)
+
+
+def test_a_checkpoint_without_scheduler_state_replays_the_schedule(tmp_path):
+    """Checkpoints written before the scheduler's state_dict was saved held only its epoch."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from featstore.config import load_config
+    from train.checkpoint import load_checkpoint
+    from train.config import TrainConfig
+    from train.trainer import lr_lambda
+
+    config = load_config(TrainConfig, "tiny-dit", "train")
+
+    def fresh():
+        model = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.optim.lr)
+        return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
+
+    model, optimizer, scheduler = fresh()
+    for _ in range(7):
+        model(torch.ones(1, 3)).sum().backward()
+        optimizer.step()
+        scheduler.step()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    old = {"model": model_state, "optim": optim_state, "progress": {"step": torch.tensor(7), "scheduler_epoch": torch.tensor(7)}}
+    dcp.save(old, checkpoint_id=str(tmp_path / "step-00000007"), no_dist=True)
+    model2, optimizer2, scheduler2 = fresh()
+    progress = load_checkpoint(tmp_path / "step-00000007", model2, optimizer2, scheduler2)
+    assert progress == {"step": 7, "scheduler": "replayed"}
+    assert scheduler2.state_dict() == scheduler.state_dict()
+    assert optimizer2.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"] != config.optim.lr

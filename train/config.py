@@ -56,7 +56,13 @@ class OptimSection:
 @dataclass(kw_only=True)
 class CheckpointSection:
     every: int = 50                         # steps; 0 = only at the end
-    keep: int = 2                           # newest checkpoints kept
+    keep: int = 2                           # newest checkpoints kept (>= 1)
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"checkpoint.every must be >= 0 (0 = only at the end), got {self.every}")
+        if self.keep < 1:
+            raise ConfigError(f"checkpoint.keep must be >= 1 (the newest checkpoints kept, the one just written among them), got {self.keep}")
 
 
 @dataclass(kw_only=True)

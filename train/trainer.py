@@ -160,11 +160,10 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
             if rank == 0:
                 log(f"--resume: no checkpoint in {run / 'checkpoints'}; starting at step 0")
         else:
-            progress = load_checkpoint(found[1], model, optimizer)
+            progress = load_checkpoint(found[1], model, optimizer, scheduler)
             start = progress["step"]
-            scheduler.last_epoch = progress["scheduler_epoch"]
-            for group, lr in zip(optimizer.param_groups, scheduler.get_lr()):  # noqa: B905
-                group["lr"] = lr
+            if progress["scheduler"] == "replayed":
+                log(f"{found[1]} predates saved LR-scheduler state: the schedule was replayed to step {start}")
             log(f"resumed from {found[1]} at step {start} (world size {world})")
     stop = steps if steps is not None else o.total_steps
     dim = getattr(model_config, "dim", 64)
