@@ -233,3 +233,25 @@ def test_a_checkpoint_without_scheduler_state_replays_the_schedule(tmp_path):
     assert progress == {"step": 7, "scheduler": "replayed"}
     assert scheduler2.state_dict() == scheduler.state_dict()
     assert optimizer2.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"] != config.optim.lr
+
+
+def test_one_process_group_leaves_the_environment_alone():
+    """Outside torchrun, init_distributed forms a group of one through an in-process store: no
+    port chosen (and raced for) and no RANK/MASTER_* written into os.environ."""
+    probe = (
+        "import os, torch, torch.distributed as dist\n"
+        "from train.trainer import init_distributed\n"
+        "from train.parallel.dims import ParallelDims\n"
+        "before = dict(os.environ)\n"
+        "init_distributed()\n"
+        "t = torch.ones(2); dist.all_reduce(t)\n"
+        "assert ParallelDims(world_size=1).build_meshes('cpu').dp_rank == 0\n"
+        "changed = sorted(set(os.environ.items()) ^ set(before.items()))\n"
+        "assert not changed, changed\n"
+        "print(dist.get_world_size(), t.tolist())\n"
+        "dist.destroy_process_group()\n"
+    )
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "1 [1.0, 1.0]"

@@ -14,7 +14,6 @@ import json
 import math
 import os
 import resource
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -36,22 +35,22 @@ from train.parallel.sequence_parallel import apply_sequence_parallel
 
 
 def init_distributed() -> tuple[torch.device, str]:
+    """The process group: torchrun's (env://) when launched by it, else a group of one.
+
+    The group of one rendezvouses through an in-process HashStore: no port to pick (which another
+    process could take before we bind it) and nothing written into os.environ (which would leak
+    into the caller and into every process it starts later)."""
     device, backend = device_and_backend()
     if not dist.is_initialized():
-        if "RANK" not in os.environ:  # not under torchrun: a group of one
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        dist.init_process_group(backend)
+        if "RANK" in os.environ:  # under torchrun: it set RANK, WORLD_SIZE, MASTER_ADDR/PORT
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     elif device.type == "npu":
         torch.npu.set_device(device)  # hccl communicators follow the current device
     return device, backend
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def resolve_model(config: TrainConfig):
