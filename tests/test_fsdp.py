@@ -328,11 +328,24 @@ def test_apply_fsdp_rejects_bad_arguments():
 def test_device_and_backend_on_cpu_and_with_broken_torch_npu(monkeypatch):
     if not torch.cuda.is_available():
         assert device_and_backend(0) == (torch.device("cpu"), "gloo")
-    # torch_npu installed without CANN: importing it fails; that must mean "no NPU", not a crash.
+    import warnings
+
+    with warnings.catch_warnings():  # not installed: 0, and nothing to warn about
+        warnings.simplefilter("error")
+        monkeypatch.setattr(dims_module.importlib.util, "find_spec", lambda name: None)
+        assert npu_device_count() == 0
+    # torch_npu installed without CANN: importing it fails; that must mean "no NPU" with a warning
+    # that says why, not a crash and not silence.
     monkeypatch.setattr(dims_module.importlib.util, "find_spec", lambda name: object())
 
     def broken_import(name):
         raise OSError("libhccl.so: cannot open shared object file")
 
     monkeypatch.setattr(dims_module.importlib, "import_module", broken_import)
-    assert npu_device_count() == 0
+    with pytest.warns(RuntimeWarning, match="torch_npu is installed but unusable .OSError: libhccl.so.*Ascend CANN"):
+        assert npu_device_count() == 0
+    from precompute import devices
+
+    with pytest.warns(RuntimeWarning, match="torch_npu is installed but unusable .OSError: libhccl.so"):
+        assert devices.npu_count() == 0
+        assert devices.resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu", torch.cuda.device_count())
