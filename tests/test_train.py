@@ -139,6 +139,15 @@ def test_fingerprint_mismatch_is_refused(store, tmp_path):
     fit(store, tmp_path / "run", "--steps", "1", "--set", "data.expect_fingerprints.latent=other", "--set", "data.allow_fingerprint_mismatch=true")
 
 
+def test_a_global_batch_larger_than_the_store_needs_repeat(store, tmp_path):
+    result = fit(store, tmp_path / "run", "--steps", "1", "--set", "data.global_batch=30", check=False)
+    assert result.returncode != 0
+    assert "data.global_batch=30 is larger than the 24 samples" in result.stderr and "data.repeat=true" in result.stderr
+    assert "Traceback" not in result.stderr
+    fit(store, tmp_path / "run", "--steps", "1", "--set", "data.global_batch=30", "--set", "data.repeat=true")
+    assert losses(tmp_path / "run")[1] > 0
+
+
 def test_trains_on_a_field_only_some_samples_have(store, tmp_path):
     url = tmp_path / "store"
     shutil.copytree(store, url)

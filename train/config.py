@@ -23,6 +23,9 @@ class DataSection:
     text_field: str = "text_emb"
     global_batch: int = 8                   # samples per optimizer step, over all ranks
     prefetch: int = 2                       # steps read ahead in a background thread
+    # A global batch larger than the store is an error unless repeat: true lets one step hold a
+    # sample more than once (each copy draws its own noise and timestep).
+    repeat: bool = False
     # field -> fingerprint digest the run requires; empty: take the store's (and record it).
     expect_fingerprints: dict[str, str] = field(default_factory=dict)
     allow_fingerprint_mismatch: bool = False

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 import featstore
-from featstore.errors import FingerprintMismatchError
+from featstore.errors import ConfigError, FingerprintMismatchError
 from train.balance import MicroBatch, imbalance, plan_global_batch
 
 
@@ -99,7 +99,7 @@ class FeatureStream:
     """Balanced, deterministic global batches of a store, for one data-parallel rank."""
 
     def __init__(self, store: featstore.Store, *, latent_field: str, text_field: str, global_batch: int, seed: int,
-                 dp_size: int, dp_rank: int, balance, cost, tokens_per_sample) -> None:
+                 dp_size: int, dp_rank: int, balance, cost, tokens_per_sample, repeat: bool = False) -> None:
         # A store may hold a field for only some samples (one added after they were encoded).
         ids = store.sample_ids(with_fields=[latent_field, text_field])
         if not ids:
@@ -107,6 +107,12 @@ class FeatureStream:
             raise featstore.SchemaError(
                 f"{store.url} has no samples with both {latent_field!r} and {text_field!r} to train on "
                 f"(samples per field: {counts.get(latent_field, 0)} and {counts.get(text_field, 0)})"
+            )
+        if global_batch > len(ids) and not repeat:
+            raise ConfigError(
+                f"data.global_batch={global_batch} is larger than the {len(ids)} samples of {store.url} that have "
+                f"{latent_field!r} and {text_field!r}: each step would repeat samples. Lower data.global_batch to at "
+                f"most {len(ids)}, or --set data.repeat=true to repeat them on purpose"
             )
         if global_batch < dp_size:
             raise featstore.SchemaError(f"data.global_batch={global_batch} is smaller than the {dp_size} data-parallel ranks; raise it")

@@ -12,7 +12,8 @@ from a logit-normal distribution (``t = sigmoid(mean + std * z)``, z ~ N(0, 1)),
 samples at mid-range t where the prediction is hardest (Stable Diffusion 3).
 
 Randomness is per *sample*: ``training_loss`` gets one ``torch.Generator`` per sample of the
-micro-batch, seeded by ``sample_generators`` from (seed, step, global sample index), and draws each
+micro-batch, seeded by ``sample_generators`` from (seed, step, the sample's position in the step's
+global batch), and draws each
 sample's timestep and then its noise from that sample's generator. So a sample's noise does not
 depend on which rank or micro-batch it lands in, and losses do not depend on the world size, the
 balancer or how samples are grouped (a per-micro-batch generator would tie them to the grouping).
@@ -75,6 +76,10 @@ def sample_timesteps(n: int, config: FlowMatchingConfig, generator: torch.Genera
 
 def sample_generators(seed: int, step: int, indices: Sequence[int]) -> list[torch.Generator]:
     """One CPU generator per sample, seeded from (seed, step, global sample index) only.
+
+    The trainer passes each sample's position in the step's global batch: the same on every
+    rank and in every grouping, and distinct for a sample that occurs twice in one step (a step
+    that spans two epochs), which its store row would not be.
 
     CPU generators, so the values are the same whether the model runs on CPU, CUDA or NPU."""
     return [torch.Generator().manual_seed(_sample_seed(seed, step, int(index))) for index in indices]

@@ -169,7 +169,7 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
     stream = FeatureStream(
         store, latent_field=fields[0], text_field=fields[1], global_batch=config.data.global_batch, seed=config.seed,
         dp_size=dims.dp_size, dp_rank=meshes.dp_rank, balance=config.balance, cost=config.balance.cost_model(dim),
-        tokens_per_sample=lambda shape: family.tokens_per_sample(model_config, shape),
+        tokens_per_sample=lambda shape: family.tokens_per_sample(model_config, shape), repeat=config.data.repeat,
     )
     if stream.skipped:
         log(f"training on {stream.num_samples} of the {len(store)} samples: {stream.skipped} lack {fields[0]!r} or {fields[1]!r}")
@@ -229,9 +229,9 @@ def accumulate_gradients(model, family, objective, data, *, seed: int, fields: l
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # on the device: nccl/hccl reduce device tensors
     for micro_batch, samples in data.micro_batches:
         batch = to_batch(samples, fields[0], fields[1], device, dtype, normalisation)
-        # Each sample's noise and timestep come from (seed, step, its global index) alone, so the
-        # loss does not depend on the rank, the balancer or the micro-batch grouping.
-        generators = sample_generators(seed, data.step, [data.global_indices[i] for i in micro_batch.indices])
+        # Each sample's noise and timestep come from (seed, step, its position in the global batch)
+        # alone, so the loss does not depend on the rank, the balancer or the micro-batch grouping.
+        generators = sample_generators(seed, data.step, micro_batch.indices)
         terms = family.training_loss(model, batch, generators, objective)
         (terms.loss_sum * micro_batch.loss_scale).backward()
         loss_sum += terms.loss_sum.detach().double() * micro_batch.loss_scale
