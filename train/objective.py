@@ -13,10 +13,10 @@ samples at mid-range t where the prediction is hardest (Stable Diffusion 3).
 
 Randomness is per *sample*: ``training_loss`` gets one ``torch.Generator`` per sample of the
 micro-batch, seeded by ``sample_generators`` from (seed, step, the sample's position in the step's
-global batch), and draws each
-sample's timestep and then its noise from that sample's generator. So a sample's noise does not
-depend on which rank or micro-batch it lands in, and losses do not depend on the world size, the
-balancer or how samples are grouped (a per-micro-batch generator would tie them to the grouping).
+global batch), and draws each sample's timestep and then its noise from that sample's generator.
+So a sample's noise does not depend on which rank or micro-batch it lands in, and losses do not
+depend on the world size, the balancer or how samples are grouped (a per-micro-batch generator
+would tie them to the grouping).
 """
 
 from __future__ import annotations
