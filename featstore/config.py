@@ -83,6 +83,10 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, where: str = "") -> T:
         raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
+    # A class may name where a key people look for here really lives (MOVED_KEYS: key -> hint).
+    moved = [f"{_join(where, k)} is not a setting: {cls.MOVED_KEYS[k]}" for k in unknown if k in getattr(cls, "MOVED_KEYS", {})]
+    if moved:
+        raise ConfigError("; ".join(moved))
     if unknown:
         raise ConfigError(
             f"unknown key(s) {', '.join(_join(where, k) for k in unknown)}; "

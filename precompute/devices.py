@@ -5,17 +5,28 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import warnings
 
 from featstore.errors import ConfigError
 
 
 def npu_count() -> int:
+    """Usable NPUs; 0 (silently) without torch_npu, 0 with a warning when it is installed but
+    fails to import or to query (no CANN): the user meant to use an NPU and must hear why not."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return 0
     try:
         importlib.import_module("torch_npu")
         import torch
 
         return int(torch.npu.device_count()) if hasattr(torch, "npu") and torch.npu.is_available() else 0
-    except Exception:  # noqa: BLE001 - any failure to import or query means "no usable NPU"
+    except Exception as exc:  # noqa: BLE001 - native libraries fail with OSError/ImportError/RuntimeError
+        warnings.warn(
+            f"torch_npu is installed but unusable ({type(exc).__name__}: {exc}); running without NPU. "
+            "Install Ascend CANN and source its set_env.sh, or uninstall torch_npu",
+            RuntimeWarning, stacklevel=2,
+        )
         return 0
 
 

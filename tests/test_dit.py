@@ -20,7 +20,15 @@ from train.models import (
     get_model_family,
     pad_text,
 )
-from train.objective import FlowMatchingConfig, flow_matching_loss, flow_matching_terms, sample_timesteps
+from train.balance import BalanceConfig, CostModel, plan_global_batch
+from train.objective import (
+    FlowMatchingConfig,
+    draw_timesteps_and_noise,
+    flow_matching_loss,
+    flow_matching_terms,
+    sample_generators,
+    sample_timesteps,
+)
 
 CHANNELS, TEXT_DIM = 4, 24
 
@@ -171,9 +179,59 @@ def test_flow_matching_target_and_zero_model_loss():
     terms = flow_matching_terms(model, batch, t, noise)
     torch.testing.assert_close(terms.loss_sum, (noise - latents).square().sum())
     assert terms.count == latents.numel() and terms.num_tokens == 2 * 4
-    a = flow_matching_loss(model, batch, torch.Generator().manual_seed(1), FlowMatchingConfig())
-    b = flow_matching_loss(model, batch, torch.Generator().manual_seed(1), FlowMatchingConfig())
+    a = flow_matching_loss(model, batch, sample_generators(1, 0, [0, 1]), FlowMatchingConfig())
+    b = flow_matching_loss(model, batch, sample_generators(1, 0, [0, 1]), FlowMatchingConfig())
     assert torch.equal(a.loss_sum, b.loss_sum)
+    # One generator for the whole micro-batch would tie the draws to the grouping: refused.
+    with pytest.raises(ValueError, match="one generator per sample"):
+        flow_matching_loss(model, batch, torch.Generator().manual_seed(1), FlowMatchingConfig())
+    with pytest.raises(ValueError, match="2 samples, 3 generators"):
+        flow_matching_loss(model, batch, sample_generators(1, 0, [0, 1, 2]), FlowMatchingConfig())
+
+
+def test_per_sample_draws_depend_on_seed_step_and_index_only():
+    x0 = torch.zeros(3, CHANNELS, 1, 4, 4)
+    t, noise = draw_timesteps_and_noise(x0, FlowMatchingConfig(), sample_generators(0, 5, [10, 11, 12]))
+    # Sample 11 drawn alone, or next to other samples, gets the same timestep and noise.
+    t_alone, noise_alone = draw_timesteps_and_noise(x0[:1], FlowMatchingConfig(), sample_generators(0, 5, [11]))
+    assert torch.equal(t[1:2], t_alone) and torch.equal(noise[1:2], noise_alone)
+    # ...and another step, index or seed gives other draws.
+    for seed, step, index in ((0, 6, 11), (0, 5, 13), (1, 5, 11)):
+        other, _ = draw_timesteps_and_noise(x0[:1], FlowMatchingConfig(), sample_generators(seed, step, [index]))
+        assert not torch.equal(other, t_alone)
+
+
+def test_loss_and_gradients_do_not_depend_on_micro_batch_grouping():
+    """The global batch's loss sum and gradient are the same however the balancer splits it over
+    ranks and micro-batches (float64, so only summation order differs)."""
+    torch.manual_seed(0)
+    model = _randomised(_tiny()).train().double()
+    shapes = [(CHANNELS, 1, 4, 4)] * 4 + [(CHANNELS, 1, 4, 6)] * 3
+    gen = torch.Generator().manual_seed(1)
+    latents = [torch.randn(shape, generator=gen, dtype=torch.float64) for shape in shapes]
+    texts = [torch.randn(n, TEXT_DIM, generator=gen, dtype=torch.float64) for n in (3, 7, 1, 5, 2, 6, 4)]
+    objective = FlowMatchingConfig()
+
+    def loss_and_grads(ranks: int, config: BalanceConfig) -> tuple[float, list[torch.Tensor]]:
+        model.zero_grad()
+        total = 0.0
+        tokens = [s[2] * s[3] // 4 for s in shapes]
+        plan = plan_global_batch(shapes, tokens, ranks, config, CostModel(linear=1.0, quadratic=0.01))
+        for rank_plan in plan:
+            for mb in rank_plan:
+                batch = LatentTextBatch.from_samples([latents[i] for i in mb.indices], [texts[i] for i in mb.indices])
+                terms = flow_matching_loss(model, batch, sample_generators(7, 2, mb.indices), objective)
+                (terms.loss_sum * mb.loss_scale).backward()
+                total += float(terms.loss_sum.detach()) * mb.loss_scale
+        return total, [p.grad.clone() for p in model.parameters()]
+
+    reference, reference_grads = loss_and_grads(1, BalanceConfig())
+    for ranks, config in [(1, BalanceConfig(max_samples=1)), (2, BalanceConfig()), (3, BalanceConfig(algorithm="greedy")),
+                          (2, BalanceConfig(max_samples=2)), (4, BalanceConfig(algorithm="round_robin"))]:
+        total, grads = loss_and_grads(ranks, config)
+        assert total == pytest.approx(reference, rel=1e-12), (ranks, config)
+        for got, expected in zip(grads, reference_grads, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
 
 
 def test_a_few_adam_steps_lower_the_flow_matching_loss():
@@ -195,8 +253,8 @@ def test_a_few_adam_steps_lower_the_flow_matching_loss():
 
     before = evaluate()
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(30):
-        terms = family.training_loss(model, batch, gen, objective)
+    for step in range(30):
+        terms = family.training_loss(model, batch, sample_generators(0, step, range(8)), objective)
         optimizer.zero_grad()
         (terms.loss_sum / terms.count).backward()
         optimizer.step()

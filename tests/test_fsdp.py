@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue as queue_module
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -164,9 +163,8 @@ SCENARIOS = {"train": _scenario_train, "meshes": _scenario_meshes}
 def _worker(scenario: str, rank: int, port: int, results) -> None:
     try:
         torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60)
-        )
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
         results.put((rank, "ok", SCENARIOS[scenario](rank)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         results.put((rank, "error", traceback.format_exc()))
@@ -175,16 +173,17 @@ def _worker(scenario: str, rank: int, port: int, results) -> None:
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _rendezvous_store() -> dist.TCPStore:
+    """A TCPStore server this process holds for the whole run, on a port the OS picks while
+    binding it (a port picked first and bound later by rank 0 can be taken in between)."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
 
 
 def _run(scenario: str) -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    store = _rendezvous_store()  # held until the workers are gone
+    port = store.port
     procs = [ctx.Process(target=_worker, args=(scenario, rank, port, results), daemon=True) for rank in range(WORLD)]
     for proc in procs:
         proc.start()
@@ -328,11 +327,24 @@ def test_apply_fsdp_rejects_bad_arguments():
 def test_device_and_backend_on_cpu_and_with_broken_torch_npu(monkeypatch):
     if not torch.cuda.is_available():
         assert device_and_backend(0) == (torch.device("cpu"), "gloo")
-    # torch_npu installed without CANN: importing it fails; that must mean "no NPU", not a crash.
+    import warnings
+
+    with warnings.catch_warnings():  # not installed: 0, and nothing to warn about
+        warnings.simplefilter("error")
+        monkeypatch.setattr(dims_module.importlib.util, "find_spec", lambda name: None)
+        assert npu_device_count() == 0
+    # torch_npu installed without CANN: importing it fails; that must mean "no NPU" with a warning
+    # that says why, not a crash and not silence.
     monkeypatch.setattr(dims_module.importlib.util, "find_spec", lambda name: object())
 
     def broken_import(name):
         raise OSError("libhccl.so: cannot open shared object file")
 
     monkeypatch.setattr(dims_module.importlib, "import_module", broken_import)
-    assert npu_device_count() == 0
+    with pytest.warns(RuntimeWarning, match="torch_npu is installed but unusable .OSError: libhccl.so.*Ascend CANN"):
+        assert npu_device_count() == 0
+    from precompute import devices
+
+    with pytest.warns(RuntimeWarning, match="torch_npu is installed but unusable .OSError: libhccl.so"):
+        assert devices.npu_count() == 0
+        assert devices.resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu", torch.cuda.device_count())

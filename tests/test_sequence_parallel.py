@@ -8,7 +8,6 @@ queue; the parent fails with the first real message and never waits forever.
 from __future__ import annotations
 
 import queue as queue_module
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -50,17 +49,19 @@ _WORST_ERROR = [0.0]  # per worker process: the largest error any comparison saw
 # Process harness
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous_store() -> dist.TCPStore:
+    """A TCPStore server the parent holds for the whole run, on a port the OS picks while binding
+    it: a port picked first and bound later by rank 0 can be taken in between (by another test's
+    store, whose ranks ours would then meet)."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
 
 
 def _worker_main(rank: int, world: int, port: int, case_fn_name: str, results) -> None:
     torch.set_num_threads(1)
     try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            "gloo", store=store, rank=rank, world_size=world,
             timeout=timedelta(seconds=60),  # a mismatched collective errors instead of hanging
         )
         globals()[case_fn_name](rank, world)
@@ -75,7 +76,8 @@ def _worker_main(rank: int, world: int, port: int, case_fn_name: str, results) -
 def run_on_ranks(case_fn_name: str, world: int = WORLD) -> None:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    store = _rendezvous_store()  # held until the workers are gone
+    port = store.port
     procs = [
         ctx.Process(target=_worker_main, args=(r, world, port, case_fn_name, results), daemon=True)
         for r in range(world)

@@ -16,6 +16,7 @@ import pytest
 import featstore
 
 BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parents[1]  # the checkout under test, also for the subprocesses
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def fit(store: str, out: Path, *args: str, nproc: int = 1, check: bool = True) -
     if nproc > 1:
         base = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *base[0:1], *base[1:]]
         base[base.index(str(BIN / "mmtrain"))] = str(BIN / "mmtrain")
-    env = {"OMP_NUM_THREADS": "1", "PATH": str(BIN) + ":/usr/bin:/bin"}
+    env = {"OMP_NUM_THREADS": "1", "PATH": str(BIN) + ":/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
     result = subprocess.run(base, capture_output=True, text=True, timeout=600, env=env)
     if check:
         assert result.returncode == 0, result.stdout + result.stderr
@@ -73,31 +74,49 @@ def test_loss_decreases_and_outputs(store, tmp_path):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000020", "step-00000030"]  # keep=2
 
 
-@pytest.mark.parametrize("zero", [2, 3])
-def test_two_ranks_match_one_process(store, tmp_path, zero):
-    # One sample per micro-batch, so every micro-batch (and its noise) is the same at any world size.
-    common = ["--steps", "3", "--set", f"zero={zero}", "--set", "balance.max_samples=1", "--set", "optim.grad_clip=0"]
-    fit(store, tmp_path / "one", *common)
-    fit(store, tmp_path / "two", *common, nproc=2)
-    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+PARITY = ["--steps", "3", "--set", "optim.grad_clip=0"]  # otherwise the default config
+
+
+@pytest.fixture(scope="module")
+def one_process(store, tmp_path_factory) -> Path:
+    """The reference every multi-rank parity test compares with: 1 process, default config."""
+    run = tmp_path_factory.mktemp("one") / "run"
+    fit(store, run, *PARITY)
+    return run
+
+
+@pytest.mark.parametrize("nproc, extra", [
+    (2, ["--set", "zero=2"]),
+    (2, ["--set", "zero=3"]),
+    # 4 data-parallel ranks as HSDP, with another balancer and micro-batch limit: other groupings.
+    (4, ["--set", "parallel.dp_replicate=2", "--set", "balance.algorithm=greedy", "--set", "balance.max_samples=2"]),
+])
+def test_data_parallel_ranks_match_one_process(store, one_process, tmp_path, nproc, extra):
+    # Micro-batches differ between 1, 2 and 4 ranks; each sample's noise and timestep do not.
+    fit(store, tmp_path / "many", *PARITY, *extra, nproc=nproc)
+    one, many = losses(one_process), losses(tmp_path / "many")
     for step in (1, 2, 3):
-        assert two[step] == pytest.approx(one[step], rel=1e-5)
-    ranks = json.loads((tmp_path / "two" / "run.json").read_text())["ranks"]
-    single = json.loads((tmp_path / "one" / "run.json").read_text())["ranks"][0]
-    assert len(ranks) == 2
+        assert many[step] == pytest.approx(one[step], rel=1e-5)
+    ranks = json.loads((tmp_path / "many" / "run.json").read_text())["ranks"]
+    single = json.loads((one_process / "run.json").read_text())["ranks"][0]
+    assert len(ranks) == nproc
+    shards = nproc // 2 if "parallel.dp_replicate=2" in extra else nproc
     for r in ranks:
         held = r["param_bytes"] + r["optim_bytes"]
-        assert held == pytest.approx((single["param_bytes"] + single["optim_bytes"]) / 2, rel=0.1)
+        assert held == pytest.approx((single["param_bytes"] + single["optim_bytes"]) / shards, rel=0.1)
 
 
 def test_resume_continues_the_same_run(store, tmp_path):
-    common = ["--set", "balance.max_samples=1", "--set", "checkpoint.every=100"]
+    common = ["--set", "checkpoint.every=100"]
     fit(store, tmp_path / "full", "--steps", "10", *common)
     fit(store, tmp_path / "split", "--steps", "5", *common)
     fit(store, tmp_path / "split", "--steps", "10", "--resume", *common)
     full, split = losses(tmp_path / "full"), losses(tmp_path / "split")
     for step in range(6, 11):
         assert split[step] == pytest.approx(full[step], rel=1e-5)
+    # The LR schedule went on from its saved state_dict (warm-up is 5 steps, then cosine).
+    full_lr, split_lr = (lrs(tmp_path / name) for name in ("full", "split"))
+    assert [split_lr[s] for s in range(1, 11)] == [full_lr[s] for s in range(1, 11)]
     # A save that crashed half-way leaves a .partial folder: it is never taken for a checkpoint.
     partial = tmp_path / "split" / "checkpoints" / "step-00000011.partial"
     partial.mkdir()
@@ -110,10 +129,23 @@ def test_resume_continues_the_same_run(store, tmp_path):
     assert max(losses(tmp_path / "split")) == 12
 
 
+def lrs(run: Path) -> dict[int, float]:
+    return {r["step"]: r["lr"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
 def test_fingerprint_mismatch_is_refused(store, tmp_path):
     result = fit(store, tmp_path / "run", "--steps", "1", "--set", "data.expect_fingerprints.latent=other", check=False)
     assert result.returncode != 0 and "expects other" in result.stderr and "allow_fingerprint_mismatch" in result.stderr
     fit(store, tmp_path / "run", "--steps", "1", "--set", "data.expect_fingerprints.latent=other", "--set", "data.allow_fingerprint_mismatch=true")
+
+
+def test_a_global_batch_larger_than_the_store_needs_repeat(store, tmp_path):
+    result = fit(store, tmp_path / "run", "--steps", "1", "--set", "data.global_batch=30", check=False)
+    assert result.returncode != 0
+    assert "data.global_batch=30 is larger than the 24 samples" in result.stderr and "data.repeat=true" in result.stderr
+    assert "Traceback" not in result.stderr
+    fit(store, tmp_path / "run", "--steps", "1", "--set", "data.global_batch=30", "--set", "data.repeat=true")
+    assert losses(tmp_path / "run")[1] > 0
 
 
 def test_trains_on_a_field_only_some_samples_have(store, tmp_path):
@@ -141,12 +173,10 @@ def test_bad_configs_give_clear_errors(store, tmp_path):
 
 
 @pytest.mark.parametrize("ulysses, ring", [(2, 2), (4, 1), (1, 4)])
-def test_sequence_parallel_fit_matches_one_process(store, tmp_path, ulysses, ring):
+def test_sequence_parallel_fit_matches_one_process(store, one_process, tmp_path, ulysses, ring):
     """USP over 4 ranks (Ulysses x Ring, sequences padded to U*R) trains exactly like 1 process."""
-    common = ["--steps", "3", "--set", "balance.max_samples=1", "--set", "optim.grad_clip=0"]
-    fit(store, tmp_path / "one", *common)
-    fit(store, tmp_path / "usp", *common, "--set", f"parallel.ulysses={ulysses}", "--set", f"parallel.ring={ring}", nproc=4)
-    one, usp = losses(tmp_path / "one"), losses(tmp_path / "usp")
+    fit(store, tmp_path / "usp", *PARITY, "--set", f"parallel.ulysses={ulysses}", "--set", f"parallel.ring={ring}", nproc=4)
+    one, usp = losses(one_process), losses(tmp_path / "usp")
     for step in (1, 2, 3):
         assert usp[step] == pytest.approx(one[step], rel=1e-5)
     assert json.loads((tmp_path / "usp" / "run.json").read_text())["mesh"] == {"dp_replicate": 1, "dp_shard": 1, "ring": ring, "ulysses": ulysses}
@@ -157,3 +187,80 @@ def test_bad_sequence_parallel_mesh(store, tmp_path):
     assert result.returncode != 0 and "world size" in result.stderr
     result = fit(store, tmp_path / "run", "--steps", "1", "--set", "parallel.ulysses=2", "--set", "model.args.heads=3", "--set", "model.args.dim=48", nproc=2, check=False)
     assert result.returncode != 0 and "must divide the model's attention heads" in result.stderr
+
+
+def test_zero_is_a_top_level_setting():
+    from featstore.config import load_config
+    from featstore.errors import ConfigError
+    from train.config import TrainConfig
+
+    assert load_config(TrainConfig, "tiny-dit", "train", ["zero=2"]).zero == 2
+    with pytest.raises(ConfigError, match=r"parallel.zero is not a setting: the ZeRO stage is the top-level `zero: 2\|3`"):
+        load_config(TrainConfig, "tiny-dit", "train", ["parallel.zero=2"])
+
+
+def test_checkpoint_keep_must_keep_one():
+    from featstore.config import load_config
+    from featstore.errors import ConfigError
+    from train.checkpoint import save_checkpoint
+    from train.config import TrainConfig
+
+    with pytest.raises(ConfigError, match="checkpoint.keep must be >= 1"):
+        load_config(TrainConfig, "tiny-dit", "train", ["checkpoint.keep=0"])
+    with pytest.raises(ValueError, match="checkpoint.keep must be >= 1, got 0"):  # before any collective
+        save_checkpoint(Path("unused"), 1, None, None, None, keep=0)
+
+
+def test_a_checkpoint_without_scheduler_state_replays_the_schedule(tmp_path):
+    """Checkpoints written before the scheduler's state_dict was saved held only its epoch."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from featstore.config import load_config
+    from train.checkpoint import load_checkpoint
+    from train.config import TrainConfig
+    from train.trainer import lr_lambda
+
+    config = load_config(TrainConfig, "tiny-dit", "train")
+
+    def fresh():
+        model = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.optim.lr)
+        return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
+
+    model, optimizer, scheduler = fresh()
+    for _ in range(7):
+        model(torch.ones(1, 3)).sum().backward()
+        optimizer.step()
+        scheduler.step()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    old = {"model": model_state, "optim": optim_state, "progress": {"step": torch.tensor(7), "scheduler_epoch": torch.tensor(7)}}
+    dcp.save(old, checkpoint_id=str(tmp_path / "step-00000007"), no_dist=True)
+    model2, optimizer2, scheduler2 = fresh()
+    progress = load_checkpoint(tmp_path / "step-00000007", model2, optimizer2, scheduler2)
+    assert progress == {"step": 7, "scheduler": "replayed"}
+    assert scheduler2.state_dict() == scheduler.state_dict()
+    assert optimizer2.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"] != config.optim.lr
+
+
+def test_one_process_group_leaves_the_environment_alone():
+    """Outside torchrun, init_distributed forms a group of one through an in-process store: no
+    port chosen (and raced for) and no RANK/MASTER_* written into os.environ."""
+    probe = (
+        "import os, torch, torch.distributed as dist\n"
+        "from train.trainer import init_distributed\n"
+        "from train.parallel.dims import ParallelDims\n"
+        "before = dict(os.environ)\n"
+        "init_distributed()\n"
+        "t = torch.ones(2); dist.all_reduce(t)\n"
+        "assert ParallelDims(world_size=1).build_meshes('cpu').dp_rank == 0\n"
+        "changed = sorted(set(os.environ.items()) ^ set(before.items()))\n"
+        "assert not changed, changed\n"
+        "print(dist.get_world_size(), t.tolist())\n"
+        "dist.destroy_process_group()\n"
+    )
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "1 [1.0, 1.0]"

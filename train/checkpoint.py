@@ -4,12 +4,18 @@ Each checkpoint is written into ``checkpoints/step-NNNNNNNN.partial`` and rename
 ``step-NNNNNNNN`` by rank 0 only after every rank has finished writing, so a crash mid-save leaves
 the previous checkpoint untouched and the partial one ignored. DCP stores sharded tensors by
 their global identity, so a checkpoint saved at one world size loads at another.
+
+The LR scheduler's ``state_dict()`` is stored as JSON bytes in a uint8 tensor (DCP would pickle a
+plain object, and loading that means unpickling); checkpoints written before it was stored hold
+only the step count, and their schedule is replayed with ``scheduler.step()`` on resume.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +38,14 @@ def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
 
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, keep: int) -> Path:
+    if keep < 1:  # keep = 0 would delete the checkpoint just written
+        raise ValueError(f"checkpoint.keep must be >= 1, got {keep}")
     final = checkpoint_dir(run_dir, step)
     partial = final.with_name(final.name + ".partial")
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state, "progress": {"step": torch.tensor(step), "scheduler_epoch": torch.tensor(scheduler.last_epoch)}}
+    scheduler_json = json.dumps(scheduler.state_dict()).encode()
+    state = {"model": model_state, "optim": optim_state, "progress": {"step": torch.tensor(step)},
+             "scheduler": {"state_json": torch.frombuffer(bytearray(scheduler_json), dtype=torch.uint8)}}
     if dist.get_rank() == 0 and partial.exists():
         shutil.rmtree(partial)
     dist.barrier()
@@ -52,12 +62,34 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     return final
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
+    """Restore model, optimizer and LR scheduler in place; returns {"step": N, "scheduler": how}."""
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state, "progress": {"step": torch.tensor(0), "scheduler_epoch": torch.tensor(0)}}
+    state: dict[str, Any] = {"model": model_state, "optim": optim_state, "progress": {"step": torch.tensor(0)}}
+    if "scheduler.state_json" in stored:
+        state["scheduler"] = {"state_json": torch.empty(stored["scheduler.state_json"].size, dtype=torch.uint8)}
+    else:  # an older checkpoint: it recorded only the scheduler's epoch
+        state["progress"]["scheduler_epoch"] = torch.tensor(0)
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return {k: int(v) for k, v in state["progress"].items()}
+    if "scheduler" in state:
+        scheduler.load_state_dict(json.loads(state["scheduler"]["state_json"].numpy().tobytes().decode()))
+        how = "restored"
+    else:
+        _replay_schedule(scheduler, int(state["progress"]["scheduler_epoch"]))
+        how = "replayed"
+    return {"step": int(state["progress"]["step"]), "scheduler": how}
+
+
+def _replay_schedule(scheduler: Any, epochs: int) -> None:
+    """Bring a fresh scheduler to ``epochs`` by stepping it (public API only; the schedule is a
+    function of the step count). The optimizer's restored LRs are overwritten with the schedule's."""
+    with warnings.catch_warnings():
+        # "lr_scheduler.step() before optimizer.step()": expected here, no optimizer step is due.
+        warnings.simplefilter("ignore", UserWarning)
+        for _ in range(epochs - scheduler.last_epoch):
+            scheduler.step()
 
 
 def export_safetensors(model: torch.nn.Module, path: Path) -> None:

@@ -27,6 +27,9 @@ class DataSection:
     max_tokens: int = 2048                  # VLM: tokens per packed row (after image expansion)
     global_batch: int = 8                   # samples per optimizer step, over all ranks
     prefetch: int = 2                       # steps read ahead in a background thread
+    # A global batch larger than the store is an error unless repeat: true lets one step hold a
+    # sample more than once (each copy draws its own noise and timestep).
+    repeat: bool = False
     # field -> fingerprint digest the run requires; empty: take the store's (and record it).
     expect_fingerprints: dict[str, str] = field(default_factory=dict)
     allow_fingerprint_mismatch: bool = False
@@ -60,7 +63,13 @@ class OptimSection:
 @dataclass(kw_only=True)
 class CheckpointSection:
     every: int = 50                         # steps; 0 = only at the end
-    keep: int = 2                           # newest checkpoints kept
+    keep: int = 2                           # newest checkpoints kept (>= 1)
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"checkpoint.every must be >= 0 (0 = only at the end), got {self.every}")
+        if self.keep < 1:
+            raise ConfigError(f"checkpoint.keep must be >= 1 (the newest checkpoints kept, the one just written among them), got {self.keep}")
 
 
 @dataclass(kw_only=True)

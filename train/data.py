@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 import featstore
-from featstore.errors import FingerprintMismatchError
+from featstore.errors import ConfigError, FingerprintMismatchError
 from train.balance import MicroBatch, imbalance, plan_global_batch
 from train.packing import SAMPLE_ID
 
@@ -102,7 +102,7 @@ class FeatureStream:
     dict of its fields plus its id under ``train.packing.SAMPLE_ID``, for error messages."""
 
     def __init__(self, store: featstore.Store, *, data, global_batch: int, seed: int,
-                 dp_size: int, dp_rank: int, balance, cost, tokens_per_sample) -> None:
+                 dp_size: int, dp_rank: int, balance, cost, tokens_per_sample, repeat: bool = False) -> None:
         # A store may hold a field for only some samples (one added after they were encoded).
         required = list(data.required_fields)
         ids = store.sample_ids(with_fields=required)
@@ -111,6 +111,12 @@ class FeatureStream:
             raise featstore.SchemaError(
                 f"{store.url} has no samples with all of {required} to train on "
                 f"(samples per field: {', '.join(f'{f}: {counts.get(f, 0)}' for f in required)})"
+            )
+        if global_batch > len(ids) and not repeat:
+            raise ConfigError(
+                f"data.global_batch={global_batch} is larger than the {len(ids)} samples of {store.url} that have "
+                f"all of {required}: each step would repeat samples. Lower data.global_batch to at "
+                f"most {len(ids)}, or --set data.repeat=true to repeat them on purpose"
             )
         if global_batch < dp_size:
             raise featstore.SchemaError(f"data.global_batch={global_batch} is smaller than the {dp_size} data-parallel ranks; raise it")

@@ -9,14 +9,22 @@ Flow matching (rectified flow) for the DiT: a clean latent ``x0`` and Gaussian n
 joined by the straight path ``x_t = (1 - t) * x0 + t * eps``; the model predicts the constant
 velocity ``v = eps - x0`` of that path from ``(x_t, t, text)``, trained with MSE. Timesteps come
 from a logit-normal distribution (``t = sigmoid(mean + std * z)``, z ~ N(0, 1)), which spends more
-samples at mid-range t where the prediction is hardest (Stable Diffusion 3). Everything random is
-drawn from the caller's ``torch.Generator`` in a fixed order (timesteps, then noise), so a step is
-reproducible from the generator's seed.
+samples at mid-range t where the prediction is hardest (Stable Diffusion 3).
+
+Randomness is per *sample*: ``training_loss`` gets one ``torch.Generator`` per sample of the
+micro-batch, seeded by ``sample_generators`` from (seed, step, the sample's position in the step's
+global batch), and draws each sample's timestep and then its noise from that sample's generator.
+So a sample's noise does not depend on which rank or micro-batch it lands in, and losses do not
+depend on the world size, the balancer or how samples are grouped (a per-micro-batch generator
+would tie them to the grouping).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import struct
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -66,13 +74,34 @@ def sample_timesteps(n: int, config: FlowMatchingConfig, generator: torch.Genera
     return torch.sigmoid(config.logit_mean + config.logit_std * z)
 
 
+def sample_generators(seed: int, step: int, indices: Sequence[int]) -> list[torch.Generator]:
+    """One CPU generator per sample, seeded from (seed, step, global sample index) only.
+
+    The trainer passes each sample's position in the step's global batch: the same on every
+    rank and in every grouping, and distinct for a sample that occurs twice in one step (a step
+    that spans two epochs), which its store row would not be.
+
+    CPU generators, so the values are the same whether the model runs on CPU, CUDA or NPU."""
+    return [torch.Generator().manual_seed(_sample_seed(seed, step, int(index))) for index in indices]
+
+
+def _sample_seed(seed: int, step: int, index: int) -> int:
+    # A hash, not seed + step + index: nearby (step, index) pairs must not share streams.
+    digest = hashlib.blake2b(struct.pack("<qqq", seed, step, index), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # manual_seed takes < 2**63 here
+
+
 def draw_timesteps_and_noise(
-    x0: torch.Tensor, config: FlowMatchingConfig, generator: torch.Generator
+    x0: torch.Tensor, config: FlowMatchingConfig, generators: Sequence[torch.Generator]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(t [B], noise like x0) in float32 on x0's device; drawn on the generator's device first so
-    the values depend only on the generator, not on where the model runs."""
-    t = sample_timesteps(x0.shape[0], config, generator)
-    noise = torch.randn(x0.shape, generator=generator, device=generator.device, dtype=torch.float32)
+    """(t [B], noise like x0) in float32 on x0's device, sample i's from ``generators[i]``
+    (timestep first, then noise); drawn on each generator's device first so the values depend
+    only on the generators, not on where the model runs."""
+    if isinstance(generators, torch.Generator) or len(generators) != x0.shape[0]:
+        given = "one generator" if isinstance(generators, torch.Generator) else f"{len(generators)} generators"
+        raise ValueError(f"training_loss needs one generator per sample (sample_generators): {x0.shape[0]} samples, {given}")
+    t = torch.cat([sample_timesteps(1, config, g).cpu() for g in generators])
+    noise = torch.stack([torch.randn(x0.shape[1:], generator=g, device=g.device, dtype=torch.float32).cpu() for g in generators])
     return t.to(x0.device), noise.to(x0.device)
 
 
@@ -100,8 +129,9 @@ def flow_matching_terms(
 
 
 def flow_matching_loss(
-    model: nn.Module, batch: LatentTextInputs, generator: torch.Generator, config: Any
+    model: nn.Module, batch: LatentTextInputs, generators: Sequence[torch.Generator], config: Any
 ) -> LossTerms:
-    """The DiT family's ``training_loss``: draw t and noise from ``generator``, then MSE on v."""
-    t, noise = draw_timesteps_and_noise(batch.latents, config, generator)
+    """The DiT family's ``training_loss``: draw each sample's t and noise from its own generator
+    (``generators[i]`` for sample i), then MSE on v."""
+    t, noise = draw_timesteps_and_noise(batch.latents, config, generators)
     return flow_matching_terms(model, batch, t, noise)

@@ -14,7 +14,6 @@ import json
 import math
 import os
 import resource
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -29,28 +28,29 @@ from train.checkpoint import export_safetensors, latest_checkpoint, load_checkpo
 from train.config import TrainConfig
 from train.data import FeatureStream, check_fingerprints, latent_normalisation, open_features, snapshot_digest
 from train.models import count_parameters, get_model_family
+from train.objective import sample_generators
 from train.parallel.dims import MESH_DIMS, ParallelDims, device_and_backend
 from train.parallel.fsdp import apply_fsdp, local_state_bytes
 from train.parallel.sequence_parallel import apply_sequence_parallel
 
 
 def init_distributed() -> tuple[torch.device, str]:
+    """The process group: torchrun's (env://) when launched by it, else a group of one.
+
+    The group of one rendezvouses through an in-process HashStore: no port to pick (which another
+    process could take before we bind it) and nothing written into os.environ (which would leak
+    into the caller and into every process it starts later)."""
     device, backend = device_and_backend()
     if not dist.is_initialized():
-        if "RANK" not in os.environ:  # not under torchrun: a group of one
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        dist.init_process_group(backend)
+        if "RANK" in os.environ:  # under torchrun: it set RANK, WORLD_SIZE, MASTER_ADDR/PORT
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     elif device.type == "npu":
         torch.npu.set_device(device)  # hccl communicators follow the current device
     return device, backend
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def resolve_model(config: TrainConfig):
@@ -166,18 +166,17 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
             if rank == 0:
                 log(f"--resume: no checkpoint in {run / 'checkpoints'}; starting at step 0")
         else:
-            progress = load_checkpoint(found[1], model, optimizer)
+            progress = load_checkpoint(found[1], model, optimizer, scheduler)
             start = progress["step"]
-            scheduler.last_epoch = progress["scheduler_epoch"]
-            for group, lr in zip(optimizer.param_groups, scheduler.get_lr()):  # noqa: B905
-                group["lr"] = lr
+            if progress["scheduler"] == "replayed":
+                log(f"{found[1]} predates saved LR-scheduler state: the schedule was replayed to step {start}")
             log(f"resumed from {found[1]} at step {start} (world size {world})")
     stop = steps if steps is not None else o.total_steps
     dim = getattr(model_config, "dim", 64)
     stream = FeatureStream(
         store, data=data_adapter, global_batch=config.data.global_batch, seed=config.seed,
         dp_size=dims.dp_size, dp_rank=meshes.dp_rank, balance=config.balance, cost=config.balance.cost_model(dim),
-        tokens_per_sample=lambda shape: family.tokens_per_sample(model_config, shape),
+        tokens_per_sample=lambda shape: family.tokens_per_sample(model_config, shape), repeat=config.data.repeat,
     )
     if stream.skipped:
         log(f"training on {stream.num_samples} of the {len(store)} samples: {stream.skipped} lack {' or '.join(map(repr, data_adapter.required_fields))}")
@@ -238,9 +237,10 @@ def accumulate_gradients(model, family, objective, data, *, seed: int, collate, 
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for micro_batch, samples in data.micro_batches:
         batch = collate(samples, device, dtype)
-        # Noise and timesteps depend on the step and the samples, not on the rank.
-        generator = torch.Generator().manual_seed(hash_seed(seed, data.step, [data.global_indices[i] for i in micro_batch.indices]))
-        terms = family.training_loss(model, batch, generator, objective)
+        # Each sample's noise and timestep come from (seed, step, its position in the global batch)
+        # alone, so the loss does not depend on the rank, the balancer or the micro-batch grouping.
+        generators = sample_generators(seed, data.step, micro_batch.indices)
+        terms = family.training_loss(model, batch, generators, objective)
         (terms.loss_sum * micro_batch.loss_scale).backward()
         totals[0] += terms.loss_sum.detach().double() * micro_batch.loss_scale
         totals[1] += float(terms.count) * micro_batch.loss_scale  # fillers (scale 0) count nothing
@@ -264,12 +264,6 @@ def _tensorboard(run: Path):
     from torch.utils.tensorboard import SummaryWriter
 
     return SummaryWriter(str(run / "tensorboard"))
-
-
-def hash_seed(seed: int, step: int, indices: list[int]) -> int:
-    import hashlib
-
-    return int.from_bytes(hashlib.sha256(json.dumps([seed, step, sorted(indices)]).encode()).digest()[:8], "little") & ((1 << 63) - 1)
 
 
 def _peak_memory(device: torch.device) -> int:

@@ -3,7 +3,7 @@
     from train.models import build_model, get_model_family
     model = build_model("dit", "tiny", in_channels=16, text_dim=512)   # sizes from the store schema
     family = get_model_family("dit")
-    terms = family.training_loss(model, batch, generator, family.resolve_objective(cfg.objective))
+    terms = family.training_loss(model, batch, generators, family.resolve_objective(cfg.objective))
 
 See ``registry.py`` for the contract a family fulfils. Importing this package registers every
 built-in family (importing ``dit`` / ``vlm`` runs its ``@register_model``).

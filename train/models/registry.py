@@ -9,7 +9,9 @@ the trainer needs to use it without knowing which family it is:
                    text width, ViT width, ...) come from the feature store's schema at run time, so
                    they are keyword arguments, never config; their names are the builder's
                    keyword-only parameters and are listed in ``ModelFamily.input_sizes``;
-- ``training_loss(model, batch, generator, objective) -> LossTerms``  one micro-batch's loss;
+- ``training_loss(model, batch, generators, objective) -> LossTerms``  one micro-batch's loss;
+                   ``generators[i]`` is sample i's own (``train.objective.sample_generators``): draw
+                   all of a sample's randomness from it, so losses do not depend on the grouping;
 - ``tokens_per_sample(config, sample_shape) -> int``  the model's sequence length for a sample,
                    which is what the batch balancer's cost model needs;
 - ``presets``      named configs (``tiny``, ``osp``, ...);

@@ -128,7 +128,7 @@ class Projector(nn.Module):
         return self.fc2(F.gelu(self.fc1(self.norm(x)))).reshape(-1, self.fc2.out_features)
 
 
-def next_token_loss(model: nn.Module, batch: PackedBatch, generator: torch.Generator, objective) -> LossTerms:
+def next_token_loss(model: nn.Module, batch: PackedBatch, generators, objective) -> LossTerms:
     """The ``vlm`` family's ``training_loss``: summed cross-entropy over label positions."""
     logits = model(batch)
     loss = F.cross_entropy(logits.float().flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE, reduction="sum")

@@ -33,6 +33,8 @@ import dataclasses
 import importlib
 import importlib.util
 import os
+import warnings
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -50,6 +52,9 @@ class ParallelDimsError(ConfigError):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """The ``parallel:`` section of a trainer config; the world size comes from the launcher."""
+
+    # The ZeRO stage is the top-level ``zero`` (it shapes FSDP, not the mesh).
+    MOVED_KEYS: ClassVar[dict[str, str]] = {"zero": "the ZeRO stage is the top-level `zero: 2|3`; use --set zero=N"}
 
     dp_replicate: int = 1
     dp_shard: int = -1  # -1: whatever the other sizes leave of the world
@@ -162,9 +167,14 @@ def npu_device_count() -> int:
     try:
         importlib.import_module("torch_npu")
         return int(torch.npu.device_count()) if torch.npu.is_available() else 0
-    # torch_npu without CANN fails with OSError/ImportError/RuntimeError from native libraries;
-    # any failure here just means "no usable NPU", never a reason to stop a CPU/GPU run.
-    except Exception:  # noqa: BLE001
+    # torch_npu without CANN fails with OSError/ImportError/RuntimeError from native libraries:
+    # no reason to stop a CPU/GPU run, but the user installed it to use an NPU, so say why not.
+    except Exception as exc:  # noqa: BLE001
+        warnings.warn(
+            f"torch_npu is installed but unusable ({type(exc).__name__}: {exc}); running without NPU. "
+            "Install Ascend CANN and source its set_env.sh, or uninstall torch_npu",
+            RuntimeWarning, stacklevel=2,
+        )
         return 0
 
 
