@@ -3,6 +3,8 @@
 1. generate a small image + video dataset with captions (``demo/data``),
 2. ``mmcache encode`` it with the tiny encoders (``demo/store``) and print ``mmcache info``,
 3. ``mmtrain fit`` the tiny DiT on the cached features for a few dozen steps (``demo/run``),
+4. encode the same media for a VLM (a tiny ViT + a tiny tokenizer, ``demo/vlm-store``) and train
+   the tiny VLM (projector + decoder, packed) on the cached ViT features (``demo/vlm-run``),
 and print where everything is. Each stage runs as the real command would, in its own process.
 """
 
@@ -28,18 +30,30 @@ def main() -> None:
     manifest = out / "data" / "manifest.jsonl"
     if not manifest.exists():
         make_dataset(out / "data")
-    print(f"[1/3] dataset: {manifest}")
+    print(f"[1/4] dataset: {manifest}")
     store, run = out / "store", out / "run"
-    print("[2/3] mmcache encode (tiny encoders, local Dask cluster)")
+    print("[2/4] mmcache encode (tiny encoders, local Dask cluster)")
     _run([bindir / "mmcache", "encode", "--config", "tiny", "--input", manifest, "--output", store])
     _run([bindir / "mmcache", "info", store])
-    print(f"[3/3] mmtrain fit (tiny DiT, {args.steps} steps on CPU)")
+    print(f"[3/4] mmtrain fit (tiny DiT, {args.steps} steps on CPU)")
     _run([bindir / "mmtrain", "fit", "--config", "tiny-dit", "--features", store, "--out", run,
           "--steps", str(args.steps), "--resume"])
+    vlm_store, vlm_run = out / "vlm-store", out / "vlm-run"
+    print(f"[4/4] mmcache encode + mmtrain fit for a VLM (tiny ViT features + tokens, {args.steps} steps)")
+    _run([bindir / "mmcache", "encode", "--config", "tiny-vlm", "--input", manifest, "--output", vlm_store])
+    _run([bindir / "mmtrain", "fit", "--config", "tiny-vlm", "--features", vlm_store, "--out", vlm_run,
+          "--steps", str(args.steps), "--resume"])
+    print()
+    for name, where in (("DiT", run), ("VLM", vlm_run)):
+        first, last = _first_and_last(where)
+        print(f"{name} loss went from {first['loss']:.4f} (step {first['step']}) to {last['loss']:.4f} (step {last['step']})")
+    print(f"features: {store}  (DiT)  {vlm_store}  (VLM)")
+    print(f"runs:     {run}  {vlm_run}  (metrics.jsonl, run.json, checkpoints/, model.safetensors)")
+
+
+def _first_and_last(run: Path) -> tuple[dict, dict]:
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    first, last = records[0], records[-1]
-    print(f"\nloss went from {first['loss']:.4f} (step {first['step']}) to {last['loss']:.4f} (step {last['step']})")
-    print(f"features: {store}\nrun:      {run}  (metrics.jsonl, run.json, checkpoints/, model.safetensors)")
+    return records[0], records[-1]
 
 
 def _run(cmd: list) -> None:

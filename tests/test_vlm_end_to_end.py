@@ -1,0 +1,44 @@
+"""The VLM path as a user runs it: `mmcache encode --config tiny-vlm` (real LocalCluster, tiny
+SigLIP ViT + tiny BPE tokenizer) writes a store that `mmtrain fit --config tiny-vlm` trains on,
+with the default configs. The train-side tests use stores written to the data contract directly;
+this one checks that the encode side really writes that contract."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import featstore
+from precompute.demo_data import make_dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*command: str) -> subprocess.CompletedProcess:
+    env = {"OMP_NUM_THREADS": "1", "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin", "PYTHONPATH": str(ROOT),
+           "HOME": str(Path.home())}
+    result = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def test_encode_then_fit_a_vlm(tmp_path):
+    manifest = make_dataset(tmp_path / "data", num_images=12, num_videos=0)
+    store_url, out = str(tmp_path / "store"), tmp_path / "run"
+    run("-m", "precompute.cli", "encode", "--config", "tiny-vlm", "--input", str(manifest), "--output", store_url,
+        "--workers", "1")
+    store = featstore.open(store_url)
+    assert len(store) == 12 and {"vit_features", "input_ids", "target_mask"} <= set(store.fields)
+    sample = store.read(store.sample_ids()[0])
+    image_token = store.fields["input_ids"].meta["image_token_id"]
+    assert int((sample["input_ids"] == image_token).sum()) == 1
+    assert sample["target_mask"].shape == sample["input_ids"].shape and 0 < sample["target_mask"].sum() < len(sample["target_mask"])
+
+    run("-m", "train.cli", "fit", "--config", "tiny-vlm", "--features", store_url, "--out", str(out), "--steps", "12",
+        "--set", "log_every=1")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    assert sum(r["loss"] for r in records[-3:]) < 0.8 * sum(r["loss"] for r in records[:3])
+    assert (out / "model.safetensors").exists()
