@@ -24,6 +24,9 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from featstore.errors import ConfigError
+from featstore.retry import with_retries
+from featstore.secrets import redact_url
+from precompute.inputs import DEFAULT_MAX_INPUT_BYTES, InputFileError, read_local_file
 
 # Landscape and portrait variants of the usual photo/video aspect ratios (width / height).
 DEFAULT_ASPECT_RATIOS = (1.0, 5 / 4, 4 / 5, 4 / 3, 3 / 4, 3 / 2, 2 / 3, 16 / 9, 9 / 16, 2.0, 0.5, 21 / 9, 9 / 21)
@@ -107,6 +110,39 @@ class PreparedMedia:
     pixels: np.ndarray
     provenance: dict[str, Any]
     modality: Literal["image", "video"]
+
+
+# ----------------------------------------------------------------------------- reading sources
+
+
+def read_source(uri: str, storage_options: dict[str, Any] | None = None, max_bytes: int | None = None) -> bytes:
+    """A source file's bytes, at most ``max_bytes`` (``data.max_input_bytes``), checked before
+    anything decodes them. A local file must be a regular file (never a FIFO or a device: see
+    ``read_local_file``). Transient faults of an object store are retried; one that persists
+    fails the task (Dask retries it), never turning a readable input into a reject."""
+    import fsspec
+
+    limit = DEFAULT_MAX_INPUT_BYTES if max_bytes is None else max_bytes
+    shown = redact_url(uri)
+    protocol, path = fsspec.core.split_protocol(uri)
+
+    def fetch() -> bytes:
+        with fsspec.open(uri, "rb", **(storage_options or {})) as fh:
+            return fh.read(limit + 1)
+
+    try:
+        data = read_local_file(path, limit) if protocol in (None, "file", "local") else with_retries(fetch, shown, "read")
+    except InputFileError as exc:
+        raise MediaError(exc.reason, shown) from None
+    except FileNotFoundError:
+        raise MediaError("missing file", shown) from None
+    except IsADirectoryError:
+        raise MediaError("is a directory, not a file", shown) from None
+    if len(data) > limit:
+        raise MediaError(f"file is larger than data.max_input_bytes ({limit:,} bytes); raise the limit to encode it", shown)
+    if not data:
+        raise MediaError("zero-byte file", shown)
+    return data
 
 
 # ----------------------------------------------------------------------------- sizes and boxes

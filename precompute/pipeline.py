@@ -25,6 +25,7 @@ from typing import Any
 
 import featstore
 from featstore import secrets
+from featstore.config import from_dict
 from featstore.errors import FingerprintMismatchError
 from featstore.secrets import RedactedOptions
 from precompute.config import TINY_PATH, EncodeConfig, default_cache_dir
@@ -88,6 +89,8 @@ def encoder_specs(config: EncodeConfig, cache_dir: Path | None = None) -> list[E
         if section == "vae" and "modality" in field_names:
             # One latent field holds images and videos alike: an image is a one-frame video.
             options["modality"] = "video"
+        # Checked here, on the client, so a bad option is one clear error before any worker starts.
+        from_dict(cls.Config, options, where=section)
         specs.append(EncoderSpec(section=section, name=name, options=options))
     return specs
 
@@ -161,6 +164,8 @@ def run_encode(
         storage_options=input_storage_options,
         allow_empty_caption=config.data.allow_empty_caption,
         allow_outside_root=config.data.allow_outside_root,
+        max_input_bytes=config.data.max_input_bytes,
+        allow_empty=config.data.allow_empty,
     )
     specs = encoder_specs(config)
     cores = os.cpu_count() or 1
@@ -201,6 +206,7 @@ def run_encode(
             "batch_size": config.run.batch_size,
             "decode_threads": config.run.decode_threads,
             "input_storage_options": input_storage_options,
+            "max_input_bytes": config.data.max_input_bytes,
         }
         transform = {k: settings[k] for k in ("resize", "frames", "size_multiple")}
         store = _open_or_create(output_url, fields, storage_options, transform, log)

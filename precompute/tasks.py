@@ -16,12 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import fsspec
 import numpy as np
 
 from featstore.reader import open_store
 from featstore.secrets import redact_url
-from featstore.retry import with_retries
 from precompute.inputs import InputRow
 
 # Models load from local folders only, without progress bars or hub look-ups cluttering the
@@ -153,7 +151,7 @@ def encode_task(
     def prepare(row: InputRow) -> dict[str, Any] | None:
         if not rules and not task.new_samples:
             return None  # only a text field added to committed samples: their media need no reading
-        data = read_input_bytes(row.uri, settings.get("input_storage_options"))
+        data = read_input_bytes(row.uri, settings.get("input_storage_options"), settings.get("max_input_bytes"))
         if not rules:
             return None
         from precompute.media import prepare as prepare_media
@@ -183,25 +181,11 @@ def encode_task(
     return asdict(result)
 
 
-def read_input_bytes(uri: str, storage_options: dict[str, Any] | None) -> bytes:
-    """A source file's bytes. Transient faults of an object store are retried; one that
-    persists fails the task (Dask retries it), never turning a readable input into a reject."""
-    from precompute.media import MediaError
+def read_input_bytes(uri: str, storage_options: dict[str, Any] | None, max_bytes: int | None = None) -> bytes:
+    """A source file's bytes (see ``precompute.media.read_source``: regular files only, size-capped)."""
+    from precompute.media import read_source
 
-    def fetch() -> bytes:
-        with fsspec.open(uri, "rb", **(storage_options or {})) as fh:
-            return fh.read()
-
-    shown = redact_url(uri)
-    try:
-        data = with_retries(fetch, shown, "read")
-    except FileNotFoundError:
-        raise MediaError("missing file", shown) from None
-    except IsADirectoryError:
-        raise MediaError("is a directory, not a file", shown) from None
-    if not data:
-        raise MediaError("zero-byte file", shown)
-    return data
+    return read_source(uri, storage_options, max_bytes)
 
 
 def _size_rule(encoder: Any, size_multiple: int):
