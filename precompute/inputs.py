@@ -27,11 +27,9 @@ import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
-import fsspec
-
 from featstore.errors import ConfigError, SchemaError
 from featstore.format import check_name
-from featstore.retry import with_retries
+from featstore.retry import remote_filesystem, with_retries
 from featstore.secrets import redact_url
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
@@ -106,7 +104,7 @@ def read_inputs(
 ) -> tuple[list[InputRow], list[Reject]]:
     """Parse INPUT into usable rows and rejects, in manifest order. An input with no rows at all
     raises ``EmptyInputError`` unless ``allow_empty``."""
-    fs, path = fsspec.core.url_to_fs(input_url, **(storage_options or {}))
+    fs, path = remote_filesystem(input_url, storage_options)
     protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
     shown = redact_url(str(input_url))
     if not with_retries(lambda: fs.exists(path), shown, "stat"):

@@ -24,7 +24,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from featstore.errors import ConfigError
-from featstore.retry import with_retries
+from featstore.retry import remote_filesystem, with_retries
 from featstore.secrets import redact_url
 from precompute.inputs import DEFAULT_MAX_INPUT_BYTES, InputFileError, read_local_file
 
@@ -127,7 +127,8 @@ def read_source(uri: str, storage_options: dict[str, Any] | None = None, max_byt
     protocol, path = fsspec.core.split_protocol(uri)
 
     def fetch() -> bytes:
-        with fsspec.open(uri, "rb", **(storage_options or {})) as fh:
+        fs, remote_path = remote_filesystem(uri, storage_options)
+        with fs.open(remote_path, "rb") as fh:
             return fh.read(limit + 1)
 
     try:
