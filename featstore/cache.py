@@ -254,6 +254,7 @@ class CachingStorage(Storage):
                 raise CorruptionError(f"{where}: the store holds {size} bytes, its commit record says {nbytes} (truncated or overwritten); run `mmcache verify {self.url}`")
             if attempt == 2:
                 raise CorruptionError(f"{where} fails its checksum (corrupted in the store); run `mmcache verify {self.url}`")
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     # ---- size bound ---------------------------------------------------------------------
     def _reserve(self, name: str, nbytes: int) -> Path | None:

@@ -84,7 +84,7 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, where: str = "") -> T:
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ConfigError(
@@ -150,7 +150,7 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, args))}")
         return value
     if dataclasses.is_dataclass(hint):
-        return from_dict(hint, value, where)
+        return from_dict(hint, value, where)  # type: ignore[arg-type]
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")

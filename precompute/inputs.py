@@ -122,21 +122,22 @@ def read_inputs(
     if not records and not rejects and not allow_empty:
         kind = "folder holds no media files" if is_folder else "manifest has no rows"
         raise EmptyInputError(f"input {shown!r}: the {kind}; nothing to encode (pass --allow-empty to accept an empty input)")
-    rows, seen = [], set()
+    rows: list[InputRow] = []
+    seen: set[str] = set()
     for record in records:
-        row, reject = _row(record, rules, allow_empty_caption, seen)
-        if reject:
-            rejects.append(reject)
+        row = _row(record, rules, allow_empty_caption, seen)
+        if isinstance(row, Reject):
+            rejects.append(row)
         else:
             seen.add(row.sample_id)
             rows.append(row)
     return rows, rejects
 
 
-def _row(record: dict[str, Any], rules: _Rules, allow_empty_caption: bool, seen: set[str]) -> tuple[InputRow | None, Reject | None]:
+def _row(record: dict[str, Any], rules: _Rules, allow_empty_caption: bool, seen: set[str]) -> InputRow | Reject:
     raw = record.get("path")
     if not isinstance(raw, str) or not raw.strip():
-        return None, Reject(source=str(raw), reason="row has no path")
+        return Reject(source=str(raw), reason="row has no path")
     # A signed URL is fetched as given, but only shown (ids, rejects, provenance) without
     # its signature: the credential must not end up in the store.
     source = redact_url(raw) if "://" in raw else raw
@@ -145,9 +146,10 @@ def _row(record: dict[str, Any], rules: _Rules, allow_empty_caption: bool, seen:
     sample_id = str(record["id"]) if record.get("id") not in (None, "") else sample_id_for(source)
     uri = _resolve(raw, rules)
     reason = record.get(WALK_PROBLEM) or _row_problem(uri, source, caption, sample_id, rules, allow_empty_caption, seen)
-    if reason:
-        return None, Reject(source=source, reason=reason, sample_id=sample_id)
-    return InputRow(sample_id=sample_id, uri=uri, caption=caption, source=source, modality=modality_of(source)), None
+    modality = modality_of(source)
+    if reason or uri is None or modality is None:
+        return Reject(source=source, reason=reason or "unusable row", sample_id=sample_id)
+    return InputRow(sample_id=sample_id, uri=uri, caption=caption, source=source, modality=modality)
 
 
 def _row_problem(uri: str | None, source: str, caption: str, sample_id: str, rules: _Rules, allow_empty_caption: bool, seen: set[str]) -> str | None:
@@ -309,7 +311,7 @@ def _jsonl_records(text: str, input_url: str) -> list[dict[str, Any]]:
             continue
         try:
             record = json.loads(line)
-        except ValueError as exc:
+        except json.JSONDecodeError as exc:
             raise ManifestError(f"input {input_url!r}, line {number}: not valid JSON ({exc.msg} at column {exc.colno}); fix that line") from None
         if not isinstance(record, dict):
             raise ManifestError(f"input {input_url!r}, line {number}: expected an object with path and caption, got {type(record).__name__}")

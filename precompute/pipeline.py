@@ -164,7 +164,7 @@ def run_encode(
         storage_options=input_storage_options,
         allow_empty_caption=config.data.allow_empty_caption,
         allow_outside_root=config.data.allow_outside_root,
-        max_input_bytes=config.data.max_input_bytes,
+        max_input_bytes=int(config.data.max_input_bytes),
         allow_empty=config.data.allow_empty,
     )
     specs = encoder_specs(config)
@@ -192,7 +192,6 @@ def run_encode(
         # Each worker resolves its own device (it, not the client, has the accelerators); the
         # values here are only for the log line.
         devices = {addr: config.device for addr in addresses}
-        first = addresses[0]
         # Every worker loads its encoders now, in parallel, rather than inside its first task.
         loads = [client.submit(_describe_on_worker, specs, config.device, threads, workers=[a], pure=False) for a in addresses]
         described = loads[0].result()
