@@ -40,7 +40,7 @@ def reasons(rejects) -> dict[str, str]:
     return {r.source: r.reason for r in rejects}
 
 
-def without_hanging(fn, *args, **kwargs):
+def without_hanging(fn, *args, timeout: float = 20, **kwargs):
     """Run ``fn`` on a thread and fail (instead of hanging the suite) if it blocks."""
     result: dict = {}
 
@@ -52,7 +52,7 @@ def without_hanging(fn, *args, **kwargs):
 
     thread = threading.Thread(target=target, daemon=True)
     thread.start()
-    thread.join(20)
+    thread.join(timeout)
     assert not thread.is_alive(), f"{fn.__name__} blocked"
     if "error" in result:
         raise result["error"]
@@ -173,3 +173,35 @@ def test_ids_that_would_collide_after_sanitising_are_distinct(root):
     assert [r.reason for r in rejects] == ["duplicate id 'a_b.png'"]
     again, _ = read_inputs(str(root / "m.jsonl"))
     assert [r.sample_id for r in again] == ids  # stable across runs
+
+
+def test_encode_of_a_hostile_folder_rejects_and_finishes(tmp_path):
+    """`mmcache encode` as a user runs it, on a folder with an escaping symlink, a /dev/zero
+    link and a FIFO beside one real image: it finishes, encodes the image, and the store's
+    rejects say why for each of the others."""
+    from click.testing import CliRunner
+
+    import featstore
+    from precompute.cli import cli
+    from precompute.demo_data import make_dataset
+
+    make_dataset(tmp_path / "data", num_images=1, num_videos=0)
+    folder = tmp_path / "in"
+    folder.mkdir()
+    image = next((tmp_path / "data").rglob("*.png"))
+    (folder / "real.png").write_bytes(image.read_bytes())
+    (folder / "real.txt").write_text("a real image")
+    (tmp_path / "secret.png").write_bytes(image.read_bytes())
+    for name, target in (("escape", tmp_path / "secret.png"), ("zero", Path("/dev/zero"))):
+        (folder / f"{name}.png").symlink_to(target)
+        (folder / f"{name}.txt").write_text("caption")
+    os.mkfifo(folder / "pipe.png")
+    (folder / "pipe.txt").write_text("caption")
+    result = without_hanging(CliRunner().invoke, cli, ["encode", "--config", "tiny", "--input", str(folder), "--output", str(tmp_path / "store"),
+                                                       "--workers", "1", "--no-progress", "--set", "data.allow_empty_caption=true"], timeout=240)
+    assert result.exit_code == 0, result.output
+    store = featstore.open(str(tmp_path / "store"))
+    assert store.index.column("caption").to_pylist() == ["a real image"]
+    got = dict(zip(store.rejects.column("source").to_pylist(), store.rejects.column("reason").to_pylist(), strict=True))
+    assert set(got) == {"escape.png", "zero.png", "pipe.png"}, got
+    assert "outside the input root" in got["escape.png"] and "named pipe" in got["pipe.png"]
