@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 DEMO_DIR ?= demo
 
-.PHONY: demo test bench clean
+.PHONY: demo test lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,7 @@ $(VENV)/.torch: | $(PY)
 	touch $@
 
 $(VENV)/.installed-demo: pyproject.toml $(VENV)/.torch
-	$(PIP) -e ".[hf]"
+	$(PIP) -e ".[encode,train]"
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
@@ -29,6 +29,11 @@ demo: $(VENV)/.installed-demo
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q
+
+# ruff (a small rule set) and mypy (lenient, on the packages): both configured in pyproject.toml.
+lint: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 bench: $(VENV)/.installed-test
 	$(PY) benchmarks/featstore_bench.py

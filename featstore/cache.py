@@ -15,6 +15,11 @@ Correct by construction rather than by invalidation:
   processes (the ranks of one node) can share a directory. An in-flight download reserves its
   size by its temporary file's name, so concurrent downloads do not overrun the bound. A
   process still reading an evicted entry keeps its open descriptor (POSIX unlink semantics).
+* The bytes held are a running total in a small ledger file, updated under that lock, so a
+  download costs O(1) bookkeeping. The directory is scanned only when the ledger says the bound
+  is reached (eviction then frees down to ``LOW_WATER`` of the bound, so the next downloads do
+  not scan again) or is unreadable; a scan recomputes the truth, which also absorbs what a
+  crashed process left behind.
 * An object larger than the whole cache, or a local disk error, falls back to ranged reads from
   the remote store: the cache can make reads faster, never make them fail or wrong.
 """
@@ -49,6 +54,7 @@ log = logging.getLogger("featstore.cache")
 LAYOUT = "mmcache-objects-v1"
 STALE_PART_SECONDS = 3600   # temporary files older than this belong to a dead process
 TOUCH_SECONDS = 30          # refresh an entry's mtime (its LRU age) at most this often
+LOW_WATER = 0.9             # an eviction frees down to this share of the bound
 _CHUNK = 8 << 20
 
 
@@ -65,8 +71,12 @@ class CachingStorage(Storage):
                 (self.root / sub).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"cache directory {cache_dir}: {exc}") from None
+        self.scans = 0  # full scans of the directory (O(entries) each): once here, then rarely
+        with _flock(self.root / "lock"):
+            held = self._usage()[0]
+            self._write_ledger(held)
         if max_bytes is None:  # default: most of the free space (what is cached already counts as free)
-            max_bytes = int(0.8 * (shutil.disk_usage(self.root).free + self._usage()[0]))
+            max_bytes = int(0.8 * (shutil.disk_usage(self.root).free + held))
         if max_bytes <= 0:
             raise ConfigError(f"cache size must be positive, got {max_bytes}")
         self.max_bytes = int(max_bytes)
@@ -77,6 +87,11 @@ class CachingStorage(Storage):
         self._lock = threading.Lock()
         self._key_locks: dict[str, threading.Lock] = {}
         self.stats = {"hits": 0, "downloads": 0, "bytes_downloaded": 0, "uncached_reads": 0}
+
+    def _count(self, **increments: int) -> None:
+        with self._lock:  # the fetch threads of one reader update these together
+            for name, value in increments.items():
+                self.stats[name] += value
 
     # ---- what may be cached -------------------------------------------------------------
     def known_objects(self, objects: dict[str, dict[str, int]]) -> None:
@@ -118,7 +133,7 @@ class CachingStorage(Storage):
             finally:
                 self._release(handle)
         if remote:
-            self.stats["uncached_reads"] += len(remote)
+            self._count(uncached_reads=len(remote))
             self.remote.read_into(remote)
 
     def _acquire(self, key: str) -> _Handle | None:
@@ -129,7 +144,7 @@ class CachingStorage(Storage):
             if handle is not None:
                 self._handles.move_to_end(key)
                 handle.refs += 1
-                self.stats["hits"] += 1
+                self.stats["hits"] += 1  # under self._lock
                 self._touch(key)
                 return handle
             key_lock = self._key_locks.setdefault(key, threading.Lock())
@@ -150,8 +165,9 @@ class CachingStorage(Storage):
                     with _flock(self.root / "locks" / name):  # ...and per cache directory
                         fd = self._open_verified(path, nbytes, crc)
                         if fd is None:
-                            self._fetch(key, name, path, nbytes, crc)
-                            fd = os.open(path, os.O_RDONLY)
+                            fd = self._fetch(key, name, path, nbytes, crc)
+                if fd is None:
+                    return None
             except FileNotFoundError:
                 raise
             except OSError as exc:  # the local disk (full, read-only, ...): read remotely instead
@@ -191,60 +207,101 @@ class CachingStorage(Storage):
         except FileNotFoundError:
             return None
         if os.fstat(fd).st_size == nbytes and _file_crc(fd, nbytes) == crc:
-            os.utime(path)
+            try:
+                os.utime(path)
+            except FileNotFoundError:
+                pass  # evicted meanwhile by another download: this descriptor still reads it
             return fd
+        size = os.fstat(fd).st_size
         os.close(fd)
         log.warning("cache entry %s does not match its object (size or checksum); fetching it again", path)
-        _unlink(path)
+        with _flock(self.root / "lock"):
+            if _unlink(path):
+                self._add_to_ledger(-size)
         return None
 
-    def _fetch(self, key: str, name: str, path: Path, nbytes: int, crc: int) -> None:
+    def _fetch(self, key: str, name: str, path: Path, nbytes: int, crc: int) -> int | None:
+        """Download ``key`` into its entry; the open descriptor of the verified bytes (valid even
+        if a concurrent download evicts the entry before this process reads it), or None when
+        there is no room now."""
         where = f"{self.url}/{key}"
         for attempt in (1, 2):  # a second try in case the bytes were damaged in transit
             part = self._reserve(name, nbytes)
+            if part is None:
+                return None
             try:
                 if hasattr(self.remote, "get_file"):
                     self.remote.get_file(key, str(part))
                 else:
                     part.write_bytes(self.remote.read(key))
                 fd = os.open(part, os.O_RDONLY)
-                try:
-                    size = os.fstat(fd).st_size
-                    good = size == nbytes and _file_crc(fd, nbytes) == crc
-                finally:
-                    os.close(fd)
-                if good:
+                size = os.fstat(fd).st_size
+                if size == nbytes and _file_crc(fd, nbytes) == crc:
                     path.parent.mkdir(parents=True, exist_ok=True)
-                    os.replace(part, path)  # the entry appears whole and verified, or not at all
-                    self.stats["downloads"] += 1
-                    self.stats["bytes_downloaded"] += nbytes
-                    return
+                    # Under the directory's lock: a scan lists objects/ then tmp/, and must not
+                    # miss a reservation that turns into an entry between the two.
+                    with _flock(self.root / "lock"):
+                        os.replace(part, path)  # the entry appears whole and verified, or not at all
+                    self._count(downloads=1, bytes_downloaded=nbytes)
+                    return fd  # the reservation is now the entry: the ledger already counts it
+                os.close(fd)
             finally:
-                _unlink(part)
+                if os.path.exists(part):  # not committed: give the reservation back
+                    with _flock(self.root / "lock"):  # file and ledger change together
+                        if _unlink(part):
+                            self._add_to_ledger(-nbytes)
             if size != nbytes:
                 raise CorruptionError(f"{where}: the store holds {size} bytes, its commit record says {nbytes} (truncated or overwritten); run `mmcache verify {self.url}`")
             if attempt == 2:
                 raise CorruptionError(f"{where} fails its checksum (corrupted in the store); run `mmcache verify {self.url}`")
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     # ---- size bound ---------------------------------------------------------------------
-    def _reserve(self, name: str, nbytes: int) -> Path:
-        """Make room for ``nbytes`` (evicting LRU entries) and create the temporary file that
-        reserves it; both under the directory's lock, so concurrent fetches see each other."""
+    def _reserve(self, name: str, nbytes: int) -> Path | None:
+        """Make room for ``nbytes`` and create the temporary file that reserves it; both under the
+        directory's lock, so concurrent fetches (of any process) see each other. None when the
+        room is held by other downloads still in flight (they cannot be evicted)."""
         with _flock(self.root / "lock"):
-            total, entries = self._usage()
-            excess = total + nbytes - self.max_bytes
-            for _mtime, size, entry in sorted(entries):
-                if excess <= 0:
-                    break
-                _unlink(entry)
-                _unlink(self.root / "locks" / entry.name)
-                excess -= size
+            total = self._read_ledger()
+            if total is None or total + nbytes > self.max_bytes:
+                total = self._evict(nbytes)
+            if total + nbytes > self.max_bytes:
+                return None  # in-flight downloads hold the room: read this object remotely
             part = self.root / "tmp" / f"{name}.{nbytes}.{os.getpid()}.{uuid.uuid4().hex[:8]}.part"
             part.touch()
+            self._write_ledger(total + nbytes)
             return part
+
+    def _evict(self, nbytes: int) -> int:
+        """Scan, then evict least recently used entries until ``nbytes`` more fit under the low
+        water mark (the caller holds the directory lock); the bytes held afterwards."""
+        total, entries = self._usage()
+        goal = max(0, min(self.max_bytes - nbytes, int(self.max_bytes * LOW_WATER) - nbytes))
+        for _mtime, size, entry in sorted(entries):
+            if total <= goal:
+                break
+            _unlink(entry)
+            _unlink(self.root / "locks" / entry.name)
+            total -= size
+        return total
+
+    def _read_ledger(self) -> int | None:
+        try:
+            return int((self.root / "usage").read_text())
+        except (OSError, ValueError):  # missing or half-written: the caller scans instead
+            return None
+
+    def _write_ledger(self, total: int) -> None:
+        (self.root / "usage").write_text(str(max(0, total)))
+
+    def _add_to_ledger(self, delta: int) -> None:
+        total = self._read_ledger()
+        if total is not None:
+            self._write_ledger(total + delta)
 
     def _usage(self) -> tuple[int, list[tuple[float, int, Path]]]:
         """Bytes held (entries + reservations of in-flight fetches) and the entries, oldest first."""
+        self.scans += 1
         total, entries = 0, []
         for sub in _scandir(self.root / "objects"):
             for entry in _scandir(Path(sub.path)):
@@ -377,8 +434,10 @@ def _scandir(path: Path) -> list[os.DirEntry]:
         return []
 
 
-def _unlink(path: Path) -> None:
+def _unlink(path: Path) -> bool:
+    """Remove ``path``; True if this call removed it."""
     try:
         os.unlink(path)
     except FileNotFoundError:
-        pass
+        return False
+    return True

@@ -1,5 +1,6 @@
 """``mmcache info``, ``verify``, ``copy`` and ``repair``: the store commands, which need neither torch nor dask.
-``precompute.cli`` adds ``encode`` to this group; the ``mmcache`` script points there."""
+``precompute.cli`` adds ``encode`` to this group; the ``mmcache`` script points there. User
+errors print one line (``featstore.user_errors``); ``--debug`` shows the traceback."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import click
 
 import featstore
 from featstore.secrets import redact
+from featstore.user_errors import UserErrorGroup, debug_option
 from featstore.verify import store_info, verify_store
 
 
@@ -36,9 +38,10 @@ storage_options_option = click.option(
 )
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=UserErrorGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="mmcache")
-def cli() -> None:
+@debug_option
+def cli(debug: bool) -> None:
     """mmcache: encode media once into a feature store, then train on the cached features."""
 
 

@@ -61,7 +61,10 @@ def parse_overrides(pairs: typing.Iterable[str]) -> dict[str, Any]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {key}: {part} is set to a value and also has sub-keys")
-        node[leaf] = yaml.safe_load(raw) if raw.strip() else ""
+        try:
+            node[leaf] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {pair}: the value is not valid YAML ({_yaml_problem(exc)}); quote it") from None
     return tree
 
 
@@ -81,10 +84,11 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, where: str = "") -> T:
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
     unknown = sorted(set(data) - set(fields))
     # A class may name where a key people look for here really lives (MOVED_KEYS: key -> hint).
-    moved = [f"{_join(where, k)} is not a setting: {cls.MOVED_KEYS[k]}" for k in unknown if k in getattr(cls, "MOVED_KEYS", {})]
+    hints: dict[str, str] = getattr(cls, "MOVED_KEYS", {})
+    moved = [f"{_join(where, k)} is not a setting: {hints[k]}" for k in unknown if k in hints]
     if moved:
         raise ConfigError("; ".join(moved))
     if unknown:
@@ -110,11 +114,21 @@ def load_config(cls: type[T], config: str | None, kind: str, overrides: typing.I
     data: dict[str, Any] = {}
     if config:
         path = find_preset(config, kind)
-        loaded = yaml.safe_load(path.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8-sig")) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(exc)}; fix the file") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping")
         data = loaded
     return from_dict(cls, merge(data, parse_overrides(overrides)))
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's error in one line: where (1-based line and column) and what."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else problem
 
 
 def _join(where: str, key: str) -> str:
@@ -141,7 +155,7 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, args))}")
         return value
     if dataclasses.is_dataclass(hint):
-        return from_dict(hint, value, where)
+        return from_dict(hint, value, where)  # type: ignore[arg-type]
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")

@@ -9,7 +9,6 @@ set of shards. A sample read is, per field, one ranged read computed from the za
 from __future__ import annotations
 
 import io
-import json
 import math
 import os
 import threading

@@ -4,7 +4,12 @@ A transient fault (HTTP 5xx, throttling, connection reset or refused, timeout, a
 is tried again with exponential backoff and jitter, bounded in attempts and time; one that
 persists fails with a ``StorageError`` naming the object. A missing object or a denied request
 is an answer, not a fault, and fails at once. Messages never carry credentials or signed URLs.
-The HTTP stacks under fsspec retry a little themselves; this layer is the one that decides.
+
+This is the one retry layer. The stacks under fsspec retry on their own (s3fs 5 times, botocore
+up to 5 attempts of up to 60 s each, so 25 hidden tries under every one of ours and a deadline
+that means nothing); ``remote_filesystem`` opens filesystems with those layers set to a single
+attempt and per-attempt timeouts from the ``RetryPolicy``, so the policy's attempts and
+deadline are what happens. Options a user sets explicitly (``config_kwargs``) are kept.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from featstore import secrets
 from featstore.errors import FeatstoreError, StorageError
@@ -30,6 +35,37 @@ class RetryPolicy:
     base_delay: float = 0.1     # seconds before the first retry; doubles each time, with jitter
     max_delay: float = 5.0
     deadline: float = 120.0     # seconds after which an operation is not tried again
+    # Per attempt, enforced by the HTTP client: a stalled connection ends an attempt after this
+    # long without a byte, so an operation ends within deadline + one attempt's timeout.
+    connect_timeout: float = 10.0
+    read_timeout: float = 30.0
+
+
+_S3_PROTOCOLS = frozenset({"s3", "s3a"})
+
+
+def lower_layer_options(protocol: str | None, storage_options: dict[str, Any] | None, policy: RetryPolicy | None = None) -> dict[str, Any]:
+    """``storage_options`` for ``protocol`` with the client's own retries set to one attempt and
+    its timeouts to the policy's, unless the user set them (an explicit choice is kept)."""
+    options = dict(storage_options or {})
+    if protocol in _S3_PROTOCOLS:
+        policy = policy or RetryPolicy()
+        config = {"retries": {"total_max_attempts": 1, "mode": "standard"},
+                  "connect_timeout": policy.connect_timeout, "read_timeout": policy.read_timeout}
+        options["config_kwargs"] = {**config, **(options.get("config_kwargs") or {})}
+    return options
+
+
+def remote_filesystem(url: str, storage_options: dict[str, Any] | None = None, policy: RetryPolicy | None = None) -> tuple[Any, str]:
+    """``fsspec.core.url_to_fs`` with one retry layer (this module's): see the module doc."""
+    import fsspec
+
+    protocol = fsspec.core.split_protocol(str(url))[0]
+    fs, path = fsspec.core.url_to_fs(str(url), **lower_layer_options(protocol, storage_options, policy))
+    if protocol in _S3_PROTOCOLS:
+        # s3fs's retry count is a class attribute, not an option: one attempt per call of ours.
+        fs.retries = 1
+    return fs, path
 
 
 # Exception classes of the HTTP stacks under fsspec (aiohttp, botocore, urllib3, s3fs), named

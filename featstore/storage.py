@@ -21,12 +21,11 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import fsspec
 import numpy as np
 
 from featstore import secrets
 from featstore.errors import CorruptionError
-from featstore.retry import RetryPolicy, describe, is_transient, with_retries
+from featstore.retry import RetryPolicy, describe, is_transient, remote_filesystem, with_retries
 
 __all__ = ["FsspecStorage", "LocalStorage", "RetryPolicy", "Storage", "open_storage", "with_retries"]
 T = TypeVar("T")
@@ -256,7 +255,8 @@ class FsspecStorage(Storage):
     def __init__(self, url: str, storage_options: dict[str, Any]) -> None:
         secrets.register(storage_options)
         try:
-            self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
+            # featstore's retries are the only ones: s3fs's and botocore's are set to one attempt.
+            self.fs, root = remote_filesystem(url, storage_options, self.retry)
         except (ImportError, ValueError) as exc:
             from featstore.errors import ConfigError
 

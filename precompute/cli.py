@@ -7,8 +7,7 @@ from __future__ import annotations
 import click
 
 from featstore.cli import cli, parse_storage_options, storage_options_option
-from featstore.errors import FeatstoreError
-from featstore.secrets import redact
+from featstore.user_errors import check_output_location
 
 
 @cli.command()
@@ -22,7 +21,8 @@ from featstore.secrets import redact
 @storage_options_option
 @click.option("--input-storage-options", default=None, metavar="JSON", help="fsspec options for the input URLs.")
 @click.option("--progress/--no-progress", default=None, help="Progress line (default: when stderr is a terminal).")
-def encode(config_name, input_url, output_url, workers, scheduler, device, overrides, storage_options, input_storage_options, progress) -> None:
+@click.option("--allow-empty", is_flag=True, help="An input with no rows at all is not an error (sets data.allow_empty).")
+def encode(config_name, input_url, output_url, workers, scheduler, device, overrides, storage_options, input_storage_options, progress, allow_empty) -> None:
     """Run frozen encoders over INPUT once and write their features to the store at OUTPUT."""
     if workers is not None and scheduler:
         raise click.UsageError("--workers and --scheduler exclude each other")
@@ -30,18 +30,20 @@ def encode(config_name, input_url, output_url, workers, scheduler, device, overr
     from precompute.config import EncodeConfig
     from precompute.pipeline import run_encode
 
-    try:
-        config = load_config(EncodeConfig, config_name, "encode", overrides)
-        if device:
-            config.device = device
-        summary = run_encode(
-            config, input_url, output_url, workers=workers, scheduler=scheduler,
-            storage_options=parse_storage_options(storage_options),
-            input_storage_options=parse_storage_options(input_storage_options),
-            progress=progress, log=lambda line: click.echo(line, err=True),
-        )
-    except FeatstoreError as exc:
-        raise click.ClickException(redact(exc)) from None
+    config = load_config(EncodeConfig, config_name, "encode", overrides)
+    check_output_location(output_url, "--output")
+    if device:
+        config.device = device
+    if allow_empty:
+        config.data.allow_empty = True
+    summary = run_encode(
+        config, input_url, output_url, workers=workers, scheduler=scheduler,
+        storage_options=parse_storage_options(storage_options),
+        input_storage_options=parse_storage_options(input_storage_options),
+        progress=progress, log=lambda line: click.echo(line, err=True),
+    )
+    if summary.samples_written + summary.rejected + summary.samples_skipped == 0:
+        click.echo(f"warning: the input {input_url} is empty; nothing was encoded", err=True)
     click.echo(summary.line())
 
 

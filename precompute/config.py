@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from featstore.cache import parse_size
 from featstore.errors import ConfigError
 from precompute.media import FrameSampling, ResizeConfig
 
@@ -22,11 +23,18 @@ def default_cache_dir() -> Path:
 @dataclass(kw_only=True)
 class DataConfig:
     allow_empty_caption: bool = False
-    allow_outside_root: bool = False  # absolute paths, URLs and '..' in a manifest
+    # Absolute paths, URLs and '..' in a manifest, and local files or folders whose resolved
+    # path (through symlinks) lies outside the input root.
+    allow_outside_root: bool = False
+    allow_empty: bool = False         # an input with no rows at all (`--allow-empty`) is not an error
+    max_input_bytes: int | str = "1GiB"  # larger source files are rejected before they are read
     retry_rejects: bool = False       # a re-run normally skips inputs already rejected
     # A re-run reports committed samples whose caption changed; with this it also re-reads their
     # files and reports those whose bytes changed (a full read of every committed input).
     check_content: bool = False
+
+    def __post_init__(self) -> None:
+        self.max_input_bytes = parse_size(self.max_input_bytes, "data.max_input_bytes")
 
 
 @dataclass(kw_only=True)

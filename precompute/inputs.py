@@ -7,6 +7,12 @@ folder of media with same-stem ``.txt`` captions (the kohya / SimpleTuner conven
 are relative to the manifest's folder, absolute, or any fsspec URL. Rows that cannot be used
 (duplicate id, a path escaping the root, an empty caption when not allowed) become rejects with
 a reason; they never stop the job.
+
+Local inputs are contained: the *resolved* path of every file (and of every folder a folder
+input walks) must lie under the input root unless ``data.allow_outside_root``, so a symlink
+cannot smuggle ``/etc/passwd`` into a store; only regular files are opened (a FIFO would block
+the encode forever, ``/dev/zero`` would fill memory), and a file over ``data.max_input_bytes``
+is rejected before it is read.
 """
 
 from __future__ import annotations
@@ -15,25 +21,42 @@ import csv
 import hashlib
 import io
 import json
+import os
 import posixpath
 import re
+import stat
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
-import fsspec
-
 from featstore.errors import ConfigError, SchemaError
 from featstore.format import check_name
+from featstore.retry import remote_filesystem, with_retries
 from featstore.secrets import redact_url
-from featstore.retry import with_retries
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 VIDEO_SUFFIXES = {".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v"}
+DEFAULT_MAX_INPUT_BYTES = 1 << 30  # 1 GiB: any photo or clip; not a disk image by mistake
+MAX_CAPTION_BYTES = 1 << 20
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:=+-]")
+_LOCAL_PROTOCOLS = ("file", "local")
+WALK_PROBLEM = "\0problem"  # a record key no manifest column has: a problem found walking a folder
 
 
 class ManifestError(ConfigError):
     """The input manifest itself cannot be read (not the rows in it: those become rejects)."""
+
+
+class EmptyInputError(ManifestError):
+    """The input holds no rows at all (an empty folder or manifest)."""
+
+
+class InputFileError(ValueError):
+    """A local input file must not be read (not a regular file, too large); ``reason`` is short."""
+
+    def __init__(self, reason: str, path: str = ""):
+        super().__init__(f"{path}: {reason}" if path else reason)
+        self.reason = reason
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,56 +87,104 @@ def modality_of(path: str) -> str | None:
     return None
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Rules:
+    root: str                 # the input root as given (manifest folder or input folder)
+    real_root: str | None     # its resolved real path when local
+    protocol: str
+    allow_outside_root: bool
+    max_input_bytes: int
+
+
 def read_inputs(
     input_url: str,
     *,
     storage_options: dict[str, Any] | None = None,
     allow_empty_caption: bool = False,
     allow_outside_root: bool = False,
+    max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES,
+    allow_empty: bool = False,
 ) -> tuple[list[InputRow], list[Reject]]:
-    """Parse INPUT into usable rows and rejects, in manifest order."""
-    fs, path = fsspec.core.url_to_fs(input_url, **(storage_options or {}))
+    """Parse INPUT into usable rows and rejects, in manifest order. An input with no rows at all
+    raises ``EmptyInputError`` unless ``allow_empty``."""
+    fs, path = remote_filesystem(input_url, storage_options)
     protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
     shown = redact_url(str(input_url))
     if not with_retries(lambda: fs.exists(path), shown, "stat"):
         raise ManifestError(f"input {shown!r} does not exist")
-    if with_retries(lambda: fs.isdir(path), shown, "stat"):
-        root, records = path.rstrip("/"), with_retries(lambda: _folder_records(fs, path.rstrip("/")), shown, "list")
+    is_folder = with_retries(lambda: fs.isdir(path), shown, "stat")
+    root = path.rstrip("/") if is_folder else posixpath.dirname(path)
+    local = protocol in _LOCAL_PROTOCOLS
+    rules = _Rules(root=root, real_root=os.path.realpath(root) if local else None, protocol=protocol,
+                   allow_outside_root=allow_outside_root, max_input_bytes=max_input_bytes)
+    rejects: list[Reject] = []
+    if is_folder:
+        records = _local_folder_records(rules, rejects) if local else with_retries(lambda: _folder_records(fs, root), shown, "list")
     else:
-        root, records = posixpath.dirname(path), _manifest_records(fs, path, shown)
-    rows, rejects, seen = [], [], set()
+        records = _manifest_records(fs, path, shown, local)
+    if not records and not rejects and not allow_empty:
+        kind = "folder holds no media files" if is_folder else "manifest has no rows"
+        raise EmptyInputError(f"input {shown!r}: the {kind}; nothing to encode (pass --allow-empty to accept an empty input)")
+    rows: list[InputRow] = []
+    seen: set[str] = set()
     for record in records:
-        raw = record.get("path")
-        if not isinstance(raw, str) or not raw.strip():
-            rejects.append(Reject(source=str(raw), reason="row has no path"))
-            continue
-        # A signed URL is fetched as given, but only shown (ids, rejects, provenance) without
-        # its signature: the credential must not end up in the store.
-        source = redact_url(raw) if "://" in raw else raw
-        caption = record.get("caption")
-        caption = "" if caption is None else str(caption)
-        sample_id = str(record["id"]) if record.get("id") not in (None, "") else sample_id_for(source)
-        uri = _resolve(raw, root, protocol, allow_outside_root)
-        conversations, bad_conversations = _conversations(record.get("conversations"))
-        reason = None
-        if uri is None:
-            reason = "path escapes the manifest's folder (set data.allow_outside_root: true to allow it)"
-        elif bad_conversations:
-            reason = bad_conversations
-        elif not caption.strip() and not allow_empty_caption and conversations is None:
-            reason = "empty caption (set data.allow_empty_caption: true to allow it)"
-        elif sample_id in seen:
-            reason = f"duplicate id {sample_id!r}"
-        elif modality_of(source) is None:
-            reason = f"unsupported file type {posixpath.splitext(source)[1] or '(none)'!r}"
-        elif not _safe_id(sample_id):
-            reason = f"id {sample_id!r} is not a safe name (A-Z a-z 0-9 . _ : = + -)"
-        if reason:
-            rejects.append(Reject(source=source, reason=reason, sample_id=sample_id))
-            continue
-        seen.add(sample_id)
-        rows.append(InputRow(sample_id=sample_id, uri=uri, caption=caption, source=source, modality=modality_of(source), conversations=conversations))
+        row = _row(record, rules, allow_empty_caption, seen)
+        if isinstance(row, Reject):
+            rejects.append(row)
+        else:
+            seen.add(row.sample_id)
+            rows.append(row)
     return rows, rejects
+
+
+def _row(record: dict[str, Any], rules: _Rules, allow_empty_caption: bool, seen: set[str]) -> InputRow | Reject:
+    raw = record.get("path")
+    if not isinstance(raw, str) or not raw.strip():
+        return Reject(source=str(raw), reason="row has no path")
+    # A signed URL is fetched as given, but only shown (ids, rejects, provenance) without
+    # its signature: the credential must not end up in the store.
+    source = redact_url(raw) if "://" in raw else raw
+    caption = record.get("caption")
+    caption = "" if caption is None else str(caption)
+    sample_id = str(record["id"]) if record.get("id") not in (None, "") else sample_id_for(source)
+    uri = _resolve(raw, rules)
+    conversations, bad_conversations = _conversations(record.get("conversations"))
+    # A row with conversations needs no caption: its text is the turns.
+    reason = (record.get(WALK_PROBLEM) or bad_conversations
+              or _row_problem(uri, source, caption, sample_id, rules, allow_empty_caption or conversations is not None, seen))
+    modality = modality_of(source)
+    if reason or uri is None or modality is None:
+        return Reject(source=source, reason=reason or "unusable row", sample_id=sample_id)
+    return InputRow(sample_id=sample_id, uri=uri, caption=caption, source=source, modality=modality, conversations=conversations)
+
+
+def _row_problem(uri: str | None, source: str, caption: str, sample_id: str, rules: _Rules, allow_empty_caption: bool, seen: set[str]) -> str | None:
+    if uri is None:
+        return "path escapes the input root (set data.allow_outside_root: true to allow it)"
+    if rules.real_root is not None and "://" not in uri and (problem := local_file_problem(uri, rules)):
+        return problem  # first: what a file is decides before anything about the row
+    if not caption.strip() and not allow_empty_caption:
+        return "empty caption (set data.allow_empty_caption: true to allow it)"
+    if (problem := caption_problem(caption)) is not None:
+        return problem
+    if sample_id in seen:
+        return f"duplicate id {sample_id!r}"
+    if modality_of(source) is None:
+        return f"unsupported file type {posixpath.splitext(source)[1] or '(none)'!r}"
+    if not _safe_id(sample_id):
+        return f"id {sample_id!r} is not a safe name (A-Z a-z 0-9 . _ : = + -)"
+    return None
+
+
+def caption_problem(caption: str) -> str | None:
+    """Captions with NUL or other control characters are rejected, not cleaned: silently
+    editing a caption would train on text nobody wrote. Tab, newline and carriage return are
+    ordinary whitespace and allowed."""
+    for position, char in enumerate(caption):
+        if char not in "\t\n\r" and unicodedata.category(char) == "Cc":
+            return (f"caption has a control character U+{ord(char):04X} at position {position}; "
+                    "remove it from the caption (tab and newline are allowed)")
+    return None
 
 
 def _conversations(value: Any) -> tuple[tuple[tuple[str, str], ...] | None, str | None]:
@@ -136,12 +207,75 @@ def _conversations(value: Any) -> tuple[tuple[tuple[str, str], ...] | None, str 
 
 
 def sample_id_for(path: str) -> str:
-    """A stable, safe sample id from a path: readable when the path is, unique when it is not."""
-    text = path.strip().lstrip("./").replace("/", ":")
-    safe = _UNSAFE.sub("_", text).strip("._:=+-")[:180] or "sample"
-    if safe != text or not safe[0].isalnum():
+    """A stable, safe sample id from a path: readable when the path maps to one unambiguously,
+    otherwise the readable part plus a hash of the whole path. '/' becomes ':', so a path that
+    itself holds ':' (or anything else that is changed or dropped) gets the hash: ``a/b.png`` is
+    ``a:b.png`` and ``a:b.png`` is ``a:b.png-<hash>``."""
+    text = path.strip()
+    text = text[2:] if text.startswith("./") else text
+    readable = text.replace("/", ":")
+    safe = _UNSAFE.sub("_", readable).strip("._:=+-")[:180] or "sample"
+    if safe != readable or ":" in text or not safe[0].isalnum():
         safe = f"{safe}-{hashlib.sha1(path.encode()).hexdigest()[:8]}"
     return safe
+
+
+def local_file_problem(path: str, rules: _Rules) -> str | None:
+    """Why the local file at ``path`` must not be encoded (escapes the root, not a regular file,
+    too large), or None. A missing file is left to the task, which rejects it when it reads."""
+    if not rules.allow_outside_root and not _under(os.path.realpath(path), rules.real_root):
+        return "path resolves outside the input root (a symlink?); set data.allow_outside_root: true to allow it"
+    try:
+        return _stat_problem(os.stat(path), rules.max_input_bytes)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot stat the file ({exc.strerror})"
+
+
+def read_local_file(path: str, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> bytes:
+    """The bytes of a regular local file of at most ``max_bytes``, raising ``InputFileError``
+    otherwise. The type is checked before opening, and the open itself does not block (a FIFO
+    swapped in after the check): only then is the open file checked again and read."""
+    problem = _stat_problem(os.stat(path), max_bytes)
+    if problem:
+        raise InputFileError(problem, path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        problem = _stat_problem(os.fstat(fd), max_bytes)
+        if problem:
+            raise InputFileError(problem, path)
+        chunks, total = [], 0
+        while chunk := os.read(fd, min(8 << 20, max_bytes + 1 - total)):
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > max_bytes:  # grew after the check
+                raise InputFileError(_too_large(total, max_bytes), path)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _stat_problem(st: os.stat_result, max_bytes: int) -> str | None:
+    if not stat.S_ISREG(st.st_mode):
+        return f"not a regular file ({_file_kind(st.st_mode)}); only regular files are read"
+    if st.st_size > max_bytes:
+        return _too_large(st.st_size, max_bytes)
+    return None
+
+
+def _too_large(size: int, max_bytes: int) -> str:
+    return f"file is larger than data.max_input_bytes ({size:,} > {max_bytes:,} bytes); raise the limit to encode it"
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a plain file")
+
+
+def _under(path: str, root: str | None) -> bool:
+    return root is not None and (path == root or path.startswith(root.rstrip("/") + "/"))
 
 
 def _safe_id(sample_id: str) -> bool:
@@ -153,47 +287,118 @@ def _safe_id(sample_id: str) -> bool:
     return True
 
 
-def _resolve(source: str, root: str, protocol: str, allow_outside_root: bool) -> str | None:
-    if "://" in source:
-        return source if allow_outside_root else None
-    if source.startswith("/"):
-        return source if allow_outside_root else None
-    joined = posixpath.normpath(posixpath.join(root, source))
-    if not allow_outside_root and not (joined == root or joined.startswith(root.rstrip("/") + "/")):
+def _resolve(source: str, rules: _Rules) -> str | None:
+    if "://" in source or source.startswith("/"):
+        return source if rules.allow_outside_root else None
+    joined = posixpath.normpath(posixpath.join(rules.root, source))
+    if not rules.allow_outside_root and not _under(joined, rules.root):
         return None
-    return joined if protocol in ("file", "local") else f"{protocol}://{joined}"
+    return joined if rules.protocol in _LOCAL_PROTOCOLS else f"{rules.protocol}://{joined}"
 
 
-def _manifest_records(fs: Any, path: str, input_url: str) -> list[dict[str, Any]]:
+def _manifest_records(fs: Any, path: str, input_url: str, local: bool) -> list[dict[str, Any]]:
     suffix = posixpath.splitext(path.lower())[1]
+    if suffix not in (".jsonl", ".ndjson", ".csv", ".parquet"):
+        raise ManifestError(f"input {input_url!r}: expected a .jsonl, .csv or .parquet manifest, or a folder of media")
+
     def fetch() -> bytes:
         with fs.open(path, "rb") as fh:
             return fh.read()
 
-    raw = with_retries(fetch, input_url, "read")
     try:
-        if suffix in (".jsonl", ".ndjson"):
-            records = [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
-        elif suffix == ".csv":
-            records = list(csv.DictReader(io.StringIO(raw.decode())))
-        elif suffix == ".parquet":
-            import pyarrow.parquet as pq
+        raw = read_local_file(path) if local else with_retries(fetch, input_url, "read")
+    except InputFileError as exc:
+        raise ManifestError(f"input {input_url!r}: {exc.reason}") from None
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
 
+        try:
             records = pq.read_table(io.BytesIO(raw), use_threads=False).to_pylist()
-        else:
-            raise ManifestError(f"input {input_url!r}: expected a .jsonl, .csv or .parquet manifest, or a folder of media")
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ManifestError(f"input {input_url!r} is not a valid {suffix} manifest: {exc}") from None
-    if records and not all(isinstance(r, dict) for r in records):
+        except ValueError as exc:  # pyarrow's ArrowInvalid
+            raise ManifestError(f"input {input_url!r} is not a valid parquet file: {exc}") from None
+    else:
+        try:
+            text = raw.decode("utf-8-sig")  # Excel's "CSV UTF-8" starts with a byte-order mark
+        except UnicodeDecodeError as exc:
+            raise ManifestError(f"input {input_url!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8") from None
+        records = _csv_records(text, input_url) if suffix == ".csv" else _jsonl_records(text, input_url)
+    if records and not isinstance(records[0], dict):
         raise ManifestError(f"input {input_url!r}: every row must be an object with path and caption")
     if records and "path" not in records[0]:
         raise ManifestError(f"input {input_url!r}: no 'path' column (columns: {sorted(records[0])})")
     return records
 
 
+def _jsonl_records(text: str, input_url: str) -> list[dict[str, Any]]:
+    records = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ManifestError(f"input {input_url!r}, line {number}: not valid JSON ({exc.msg} at column {exc.colno}); fix that line") from None
+        if not isinstance(record, dict):
+            raise ManifestError(f"input {input_url!r}, line {number}: expected an object with path and caption, got {type(record).__name__}")
+        records.append(record)
+    return records
+
+
+def _csv_records(text: str, input_url: str) -> list[dict[str, Any]]:
+    reader = csv.DictReader(io.StringIO(text))
+    try:
+        return list(reader)
+    except csv.Error as exc:
+        raise ManifestError(f"input {input_url!r}, line {reader.line_num}: not valid CSV ({exc}); fix that line") from None
+
+
+def _local_folder_records(rules: _Rules, rejects: list[Reject]) -> list[dict[str, Any]]:
+    """Media files under a local folder, walked without leaving it: a linked folder that resolves
+    outside the root is not entered (a reject says so), a link loop is entered once."""
+    root, records, visited = rules.root, [], set()
+    for folder, subfolders, files in os.walk(root, followlinks=True):
+        subfolders.sort()
+        real = os.path.realpath(folder)
+        if real in visited:
+            subfolders[:] = []  # a link back to a folder already walked
+            continue
+        visited.add(real)
+        inside = []
+        for name in subfolders:
+            sub = os.path.join(folder, name)
+            if rules.allow_outside_root or _under(os.path.realpath(sub), rules.real_root):
+                inside.append(name)
+            else:
+                rejects.append(Reject(source=os.path.relpath(sub, root) + "/", reason="folder resolves outside the input root (a symlink?); set data.allow_outside_root: true to follow it"))
+        subfolders[:] = inside
+        captions = {os.path.splitext(f)[0] for f in files if f.lower().endswith(".txt")}
+        for name in sorted(files):
+            if name.lower().endswith(".txt") or name.startswith("."):
+                continue
+            stem = os.path.splitext(name)[0]
+            record = {"path": os.path.relpath(os.path.join(folder, name), root), "caption": ""}
+            if stem in captions:
+                record.update(_local_caption(os.path.join(folder, stem + ".txt"), rules))
+            records.append(record)
+    return sorted(records, key=lambda r: r["path"])
+
+
+def _local_caption(path: str, rules: _Rules) -> dict[str, str]:
+    """The caption from a same-stem .txt file, read under the same rules as the media."""
+    problem = local_file_problem(path, _Rules(**{**rules.__dict__, "max_input_bytes": MAX_CAPTION_BYTES}))
+    if problem is None:
+        try:
+            return {"caption": read_local_file(path, MAX_CAPTION_BYTES).decode("utf-8-sig", errors="replace").strip()}
+        except InputFileError as exc:
+            problem = exc.reason
+        except OSError as exc:
+            problem = f"unreadable ({exc.strerror})"
+    return {WALK_PROBLEM: f"caption file {os.path.basename(path)}: {problem}"}
+
+
 def _folder_records(fs: Any, root: str) -> list[dict[str, Any]]:
-    """Media files under ``root`` with a same-stem .txt caption beside each (a missing .txt is an
-    empty caption, which is then allowed or rejected by config)."""
+    """Media files under a remote ``root`` with a same-stem .txt caption beside each (a missing
+    .txt is an empty caption, which is then allowed or rejected by config)."""
     files = sorted(fs.find(root))
     texts = {posixpath.splitext(f)[0]: f for f in files if f.lower().endswith(".txt")}
     records = []
@@ -201,6 +406,6 @@ def _folder_records(fs: Any, root: str) -> list[dict[str, Any]]:
         if file.lower().endswith(".txt") or posixpath.basename(file).startswith("."):
             continue
         caption_file = texts.get(posixpath.splitext(file)[0])
-        caption = fs.cat_file(caption_file).decode("utf-8", errors="replace").strip() if caption_file else ""
+        caption = fs.cat_file(caption_file).decode("utf-8-sig", errors="replace").strip() if caption_file else ""
         records.append({"path": posixpath.relpath(file, root), "caption": caption})
     return records

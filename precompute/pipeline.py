@@ -25,6 +25,7 @@ from typing import Any
 
 import featstore
 from featstore import secrets
+from featstore.config import from_dict
 from featstore.errors import FingerprintMismatchError
 from featstore.secrets import RedactedOptions
 from precompute.config import TINY_PATH, EncodeConfig, default_cache_dir
@@ -88,6 +89,8 @@ def encoder_specs(config: EncodeConfig, cache_dir: Path | None = None) -> list[E
         if section == "vae" and "modality" in field_names:
             # One latent field holds images and videos alike: an image is a one-frame video.
             options["modality"] = "video"
+        # Checked here, on the client, so a bad option is one clear error before any worker starts.
+        from_dict(cls.Config, options, where=section)
         specs.append(EncoderSpec(section=section, name=name, options=options))
     return specs
 
@@ -164,6 +167,8 @@ def run_encode(
         storage_options=input_storage_options,
         allow_empty_caption=config.data.allow_empty_caption,
         allow_outside_root=config.data.allow_outside_root,
+        max_input_bytes=int(config.data.max_input_bytes),
+        allow_empty=config.data.allow_empty,
     )
     specs = encoder_specs(config)
     cores = os.cpu_count() or 1
@@ -190,7 +195,6 @@ def run_encode(
         # Each worker resolves its own device (it, not the client, has the accelerators); the
         # values here are only for the log line.
         devices = {addr: config.device for addr in addresses}
-        first = addresses[0]
         # Every worker loads its encoders now, in parallel, rather than inside its first task.
         loads = [client.submit(_describe_on_worker, specs, config.device, threads, workers=[a], pure=False) for a in addresses]
         described = loads[0].result()
@@ -206,6 +210,7 @@ def run_encode(
             "input_storage_options": input_storage_options,
             "task_timeout": config.run.task_timeout,
             "device": config.device,
+            "max_input_bytes": config.data.max_input_bytes,
         }
         transform = {k: settings[k] for k in ("resize", "frames", "size_multiple")}
         store = _open_or_create(output_url, fields, storage_options, transform, log)

@@ -17,13 +17,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import fsspec
 import numpy as np
 
-from featstore.errors import ShardCommittedError, StorageError
+from featstore.errors import ShardCommittedError
 from featstore.reader import open_store
 from featstore.secrets import redact_url
-from featstore.retry import describe, is_transient, with_retries
 from precompute.inputs import InputRow
 
 # Models load from local folders only, without progress bars or hub look-ups cluttering the
@@ -192,7 +190,7 @@ def _encode_rows(task: TaskSpec, store, specs, device, threads, settings, result
     def prepare(row: InputRow) -> dict[str, Any] | None:
         if not rules and not task.new_samples:
             return None  # only a text field added to committed samples: their media need no reading
-        data = read_input_bytes(row.uri, settings.get("input_storage_options"))
+        data = read_input_bytes(row.uri, settings.get("input_storage_options"), settings.get("max_input_bytes"))
         if not rules:
             return None
         from precompute.media import prepare as prepare_media
@@ -221,39 +219,12 @@ def _encode_rows(task: TaskSpec, store, specs, device, threads, settings, result
     return done
 
 
-def read_input_bytes(uri: str, storage_options: dict[str, Any] | None) -> bytes:
-    """A source file's bytes. Transient faults of an object store are retried; one that
-    persists fails the task (Dask retries it), never turning a readable input into a reject."""
-    from precompute.media import MediaError
+def read_input_bytes(uri: str, storage_options: dict[str, Any] | None, max_bytes: int | None = None) -> bytes:
+    """A source file's bytes (see ``precompute.media.read_source``: regular files only, size-capped)."""
+    from precompute.media import read_source
 
-    def fetch() -> bytes:
-        with fsspec.open(uri, "rb", **(storage_options or {})) as fh:
-            return fh.read()
+    return read_source(uri, storage_options, max_bytes)
 
-    shown = redact_url(uri)
-    try:
-        data = with_retries(fetch, shown, "read")
-    except FileNotFoundError as exc:
-        if _transient_cause(exc):
-            # fsspec's HTTP filesystem reports a refused connection or a timeout as a missing
-            # file: that input may well be there, so the task fails (and is retried) instead.
-            raise StorageError(f"{shown}: read failed with {describe(_transient_cause(exc))}; the source is unreachable, try again later") from None
-        raise MediaError("missing file", shown) from None
-    except IsADirectoryError:
-        raise MediaError("is a directory, not a file", shown) from None
-    if not data:
-        raise MediaError("zero-byte file", shown)
-    return data
-
-
-def _transient_cause(exc: BaseException) -> BaseException | None:
-    """The transient fault (connection refused, timeout, 5xx) behind an exception, if any."""
-    seen = exc.__cause__ or exc.__context__
-    while seen is not None:
-        if is_transient(seen):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
 
 
 def _size_rule(encoder: Any, size_multiple: int):

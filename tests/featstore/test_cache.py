@@ -142,3 +142,45 @@ def test_processes_share_one_cache_directory(s3_bucket, tmp_path):
         assert p.exitcode == 0
     assert sum(p.stat().st_size for p in entries(cache)) <= total // 2
     assert not list((cache / LAYOUT / "tmp").iterdir())  # no partial download left behind
+
+
+def test_counters_and_size_accounting_under_threads(s3_bucket, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    url = f"{s3_bucket}/store"
+    samples = write(url)
+    cache = tmp_path / "cache"
+    store = featstore.open(url, cache_dir=cache)
+    objects = {k: o["nbytes"] for info in store.shards.values() for k, o in info.objects.items() if k.endswith("/c/0")}
+    rounds = 6
+    with ThreadPoolExecutor(8) as pool:  # readers of one store on many threads, as a loader runs them
+        for _ in pool.map(lambda _: read_all(store, samples), range(rounds)):
+            pass
+    stats = store.storage.stats
+    assert stats["downloads"] == len(objects) and stats["bytes_downloaded"] == sum(objects.values())
+    # Every later acquisition of an object is a hit: per round, one per (sample, field) read.
+    assert stats["hits"] > 0 and stats["uncached_reads"] == 0
+    held = sum(p.stat().st_size for p in entries(cache))
+    assert held == sum(objects.values()) == store.storage.cached_bytes()
+    assert int((cache / LAYOUT / "usage").read_text()) == held  # the running total is exact
+    # O(1) bookkeeping per download: the directory was scanned once, when the cache was opened
+    # (cached_bytes above is the second, explicit scan), not once per download.
+    assert store.storage.scans == 2
+
+
+def test_bound_and_running_total_hold_under_concurrent_fetches(s3_bucket, tmp_path):
+    # read_all fetches a batch's objects on 8 threads: downloads in flight hold room that
+    # eviction cannot free, so a fetch that finds no room reads remotely instead of overrunning.
+    url = f"{s3_bucket}/store"
+    samples = write(url)
+    store = featstore.open(url)
+    sizes = sorted(o["nbytes"] for info in store.shards.values() for k, o in info.objects.items() if k.endswith("/c/0"))
+    bound = sum(sizes) // 2
+    downloads = 0
+    for _ in range(3):  # three runs, each a new reader sharing the directory
+        cached = featstore.open(url, cache_dir=tmp_path / "cache", cache_bytes=bound)
+        read_all(cached, samples)
+        downloads += cached.storage.stats["downloads"]
+        held = sum(p.stat().st_size for p in entries(tmp_path / "cache"))
+        assert held <= bound and int((tmp_path / "cache" / LAYOUT / "usage").read_text()) == held
+    assert len(entries(tmp_path / "cache")) < len(sizes) and downloads > len(sizes)  # it evicted and fetched again

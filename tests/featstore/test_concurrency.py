@@ -16,6 +16,7 @@ import featstore
 from featstore import format as fmt
 from featstore.cli import cli
 from featstore.reader import open_store
+from featstore.storage import Storage
 from featstore.verify import verify_store
 from tests.featstore.conformance import FIELDS, assert_same, ragged_samples
 

@@ -1,10 +1,13 @@
 """Faults between the store and real S3 (moto over HTTP, through a fault-injecting loopback
 proxy): transient ones are retried and nothing is lost, duplicated or partial; persistent ones
-fail with a clear message naming the object; no credential ever appears in a message."""
+fail with a clear message naming the object; no credential ever appears in a message. s3fs and
+botocore run at their production settings (what ``featstore.retry.remote_filesystem`` sets):
+featstore's retry layer is the only one, so its attempts and deadline are what happens."""
 
 from __future__ import annotations
 
 import json
+import time
 import traceback
 
 import pytest
@@ -30,19 +33,20 @@ def proxy(s3_server):
 
 @pytest.fixture(autouse=True)
 def fast_retries(monkeypatch):
-    import s3fs
-
+    # featstore's own policy with short back-off, so the tests are quick; nothing below it is touched.
     monkeypatch.setattr(FsspecStorage, "retry", FAST_RETRY)
-    # s3fs's and botocore's own retries are turned down, so the faults reach featstore's layer.
-    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
 
 
 def via(proxy: FaultProxy, **extra) -> dict:
     # Explicit options (credentials included, as a user may pass them) so the proxy is used
     # whatever the environment says.
-    return {"endpoint_url": proxy.endpoint, "key": FAKE_KEY_ID, "secret": FAKE_SECRET,
-            "config_kwargs": {"retries": {"total_max_attempts": 1, "mode": "standard"}, "read_timeout": 5, "connect_timeout": 5},
-            "skip_instance_cache": True, **extra}
+    return {"endpoint_url": proxy.endpoint, "key": FAKE_KEY_ID, "secret": FAKE_SECRET, "skip_instance_cache": True, **extra}
+
+
+def requests_to(proxy: FaultProxy, key: str) -> list:
+    hits: list = []
+    proxy.rules.insert(0, lambda method, path: hits.append(path) if path.split("?")[0].endswith(key) else None)
+    return hits
 
 
 def write_store(url: str, options: dict, n: int = 30, seed: int = 0) -> list:
@@ -77,12 +81,12 @@ def test_writes_and_reads_survive_transient_faults(s3_bucket, proxy):
     assert report.ok, report.problems
 
 
-def test_timeouts_are_retried(s3_bucket, proxy):
+def test_timeouts_are_retried(s3_bucket, proxy, monkeypatch):
+    monkeypatch.setattr(FsspecStorage, "retry", RetryPolicy(attempts=12, base_delay=0.01, max_delay=0.2, read_timeout=0.3, connect_timeout=0.3))
     url = f"{s3_bucket}/store"
     samples = write_store(url, {}, n=6)
     proxy.kinds, proxy.every, proxy.max_faults, proxy.stall_s = ("stall",), 2, 2, 1.0
-    options = via(proxy, config_kwargs={"retries": {"total_max_attempts": 1}, "read_timeout": 0.3, "connect_timeout": 0.3})
-    store = featstore.open(url, options)
+    store = featstore.open(url, via(proxy))
     for sample_id, arrays, _ in samples:
         assert_same(store.read(sample_id)["text"], arrays["text"])
     assert proxy.counts["stall"] >= 1
@@ -95,6 +99,7 @@ def test_persistent_fault_fails_naming_the_object(s3_bucket, proxy, monkeypatch)
     clean = featstore.open(url)
     shard = clean.index.column("shard")[0].as_py()
     key = clean.shards[shard].data_key("text")
+    hits = requests_to(proxy, key)
     proxy.rules.append(lambda method, path: "503" if path.split("?")[0].endswith(key) else None)
     options = via(proxy)
     store = featstore.open(url, options)
@@ -102,12 +107,37 @@ def test_persistent_fault_fails_naming_the_object(s3_bucket, proxy, monkeypatch)
         store.read(samples[0][0])
     message = str(info.value)
     assert key in message and "failed 3 time(s)" in message and "SlowDown" in message, message
+    # One retry layer: three attempts of featstore's are three requests (s3fs and botocore
+    # would otherwise retry each of them, 25 requests per attempt).
+    assert len(hits) == 3, hits
     text = "".join(traceback.format_exception(info.value))
     assert FAKE_SECRET not in text and FAKE_KEY_ID not in text
     # The same through the command line: exit 1, the object named, no credential shown.
     result = CliRunner().invoke(cli, ["verify", url, "--storage-options", json.dumps(via(proxy))])
     assert result.exit_code == 1 and key in result.output, result.output
     assert FAKE_SECRET not in result.output and FAKE_KEY_ID not in result.output
+
+
+def test_deadline_holds_with_production_lower_layers(s3_bucket, proxy, monkeypatch):
+    # An object whose every request stalls: attempts end by the per-attempt timeout, and the
+    # operation by featstore's deadline (plus at most one attempt), not minutes later.
+    policy = RetryPolicy(attempts=1000, base_delay=0.05, max_delay=0.1, deadline=2.0, read_timeout=0.4, connect_timeout=0.4)
+    monkeypatch.setattr(FsspecStorage, "retry", policy)
+    url = f"{s3_bucket}/store"
+    samples = write_store(url, {}, n=6)
+    shard = featstore.open(url).index.column("shard")[0].as_py()
+    key = f"{fmt.SHARDS_DIR}/{shard}/latent/c/0"
+    hits = requests_to(proxy, key)
+    proxy.stall_s = 5.0
+    proxy.rules.append(lambda method, path: "stall" if path.split("?")[0].endswith(key) else None)
+    store = featstore.open(url, via(proxy))
+    start = time.monotonic()
+    with pytest.raises(featstore.StorageError, match="unreachable or overloaded") as info:
+        store.read(samples[0][0])
+    elapsed = time.monotonic() - start
+    assert policy.deadline <= elapsed < policy.deadline + policy.read_timeout + 1.5, elapsed
+    attempts = int(str(info.value).split("failed ")[1].split(" time")[0])
+    assert 2 <= attempts == len(hits), (attempts, len(hits))  # each attempt one request
 
 
 def test_denied_writes_fail_clearly(s3_bucket, proxy):

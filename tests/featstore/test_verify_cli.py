@@ -2,7 +2,6 @@
 disagreement, naming the shard or sample; `mmcache info` reports what a store holds."""
 
 import json
-import os
 import random
 import subprocess
 import sys
