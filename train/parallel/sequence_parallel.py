@@ -125,16 +125,21 @@ SHARDING_STYLES: dict[str, type[_LayoutSharding]] = {
 }
 
 
-def apply_sequence_parallel(model: torch.nn.Module, meshes: ParallelMeshes) -> torch.nn.Module:
-    """Install USP on ``model`` (a no-op when ring × ulysses is 1). Call before ``apply_fsdp``."""
-    if meshes.dims.sp_size == 1:
-        return model
+def sharding_class_for(model: torch.nn.Module) -> type[_LayoutSharding]:
+    """The sharding of the model's ``sequence_parallel_style`` (absent: the DiT's)."""
     style = getattr(model, "sequence_parallel_style", DEFAULT_STYLE)
     if style not in SHARDING_STYLES:
         raise SequenceParallelConfigError(
             f"{type(model).__name__}.sequence_parallel_style = {style!r} is not one of {sorted(SHARDING_STYLES)}"
         )
-    sharding = SHARDING_STYLES[style](meshes)
+    return SHARDING_STYLES[style]
+
+
+def apply_sequence_parallel(model: torch.nn.Module, meshes: ParallelMeshes) -> torch.nn.Module:
+    """Install USP on ``model`` (a no-op when ring × ulysses is 1). Call before ``apply_fsdp``."""
+    if meshes.dims.sp_size == 1:
+        return model
+    sharding = sharding_class_for(model)(meshes)
     model.sequence_sharding = sharding
     model.set_attention_fn(sharding.attention)
     return model

@@ -261,6 +261,8 @@ def build_document_plan(
         )
     padded = pad_document_ids(document_ids.to(device), layout.padded_len)
     blocks = [layout.ring_block_positions(r) for r in range(layout.ring_size)]
+    if blocks[0].numel() % chunks_per_block:  # only without a ring (zigzag blocks are even)
+        chunks_per_block = 1
     return DocumentMaskPlan(padded, blocks, layout.ring_rank, chunks_per_block)
 
 
