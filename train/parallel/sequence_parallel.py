@@ -1,12 +1,23 @@
-"""``apply_sequence_parallel(model, meshes)``: USP for the DiT's latent token sequence.
+"""``apply_sequence_parallel(model, meshes)``: install USP on a model, in the model's style.
 
-The latent tokens of each sample are split over the ``ring × ulysses`` ranks (padded to a
-multiple of U·R and masked, so results are unchanged); self-attention runs as USP; the text
-tokens, which are short, stay replicated, so cross-attention of local queries against the whole
-caption needs no communication. Before unpatchify the per-token outputs are gathered, and every
-SP rank computes the same loss on the full output: the gather's backward therefore just keeps
-this rank's slice of the gradient, and FSDP (which shards over data × sequence ranks and sums
-gradients) adds the per-shard parameter gradients into the full-batch gradient.
+A model says how its token sequence is attended with the class attribute
+``sequence_parallel_style`` (absent = ``"bidirectional"``, the DiT); the style picks the
+sharding installed as ``model.sequence_sharding`` and whose ``attention`` becomes the model's
+attention fn (``model.set_attention_fn``):
+
+- ``bidirectional`` (DiT): the latent tokens of each sample are split over the ``ring × ulysses``
+  ranks (padded to a multiple of U·R and masked, so results are unchanged); self-attention runs
+  as USP; the text tokens, which are short, stay replicated, so cross-attention of local
+  queries against the whole caption needs no communication.
+- ``causal_packed`` (decoder LLMs on packed samples): the zigzag (head-tail) layout, so every
+  ring rank does the same causal work; ``attention(q, k, v, document_ids)`` is causal within each
+  packed document (``document_ids`` the full ``[B, S]`` ids, -1 for padding), with ring tiles
+  the document mask hides skipped.
+
+Either way the model gathers its per-token outputs before the head and every SP rank computes
+the same loss on the full output: the gather's backward therefore just keeps this rank's slice
+of the gradient, and FSDP (which shards over data × sequence ranks and sums gradients) adds the
+per-shard parameter gradients into the full-batch gradient.
 """
 
 from __future__ import annotations
@@ -14,7 +25,19 @@ from __future__ import annotations
 import torch
 
 from train.parallel.dims import ParallelMeshes
-from train.parallel.sequence import SequenceLayout, gather_sequence, layout_for_groups, sequence_parallel_groups_from_mesh, shard_sequence, usp_attention
+from train.parallel.sequence import (
+    SequenceLayout,
+    SequenceParallelConfigError,
+    gather_sequence,
+    layout_for_groups,
+    sequence_parallel_groups_from_mesh,
+    shard_sequence,
+    usp_attention,
+)
+from train.parallel.sequence.document_mask import DocumentMaskPlan
+from train.parallel.sequence.usp import build_document_plan
+
+DEFAULT_STYLE = "bidirectional"
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -29,37 +52,94 @@ class _GatherSequence(torch.autograd.Function):
         return shard_sequence(grad_full, ctx.dim, ctx.layout), None, None, None
 
 
-class DiTSequenceSharding:
-    """The DiT's ``sequence_sharding`` hook plus the matching self-attention function."""
+class _LayoutSharding:
+    """``shard``/``gather`` of a model's per-token tensors over the SP ranks."""
 
-    def __init__(self, meshes: ParallelMeshes) -> None:
+    causal = False
+
+    def __init__(self, meshes: ParallelMeshes, *, backend: str = "auto") -> None:
         self.groups = sequence_parallel_groups_from_mesh(meshes.world)
         self.layout: SequenceLayout | None = None
+        self.backend = backend
 
     def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         # The first call of a forward (the tokens) fixes the layout; rotary tables follow it.
         if self.layout is None or self.layout.seq_len != x.shape[dim]:
-            self.layout = layout_for_groups(x.shape[dim], self.groups, causal=False)
+            self.layout = layout_for_groups(x.shape[dim], self.groups, causal=self.causal)
         return shard_sequence(x, dim, self.layout)
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         assert self.layout is not None, "gather before shard"
         return _GatherSequence.apply(x, dim, self.layout, self.groups)
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """[B, H, S_local, D] in and out (the model's layout); USP works on [B, S, H, D]."""
+    def _usp(self, q, k, v, **kwargs) -> torch.Tensor:
+        """[B, H, S_local, D] in and out (the models' layout); USP works on [B, S, H, D]."""
         out = usp_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            ulysses_group=self.groups.ulysses_group, ring_group=self.groups.ring_group, causal=False, layout=self.layout,
+            ulysses_group=self.groups.ulysses_group, ring_group=self.groups.ring_group,
+            causal=self.causal, layout=self.layout, backend=self.backend, **kwargs,
         )
         return out.transpose(1, 2)
+
+
+class DiTSequenceSharding(_LayoutSharding):
+    """The DiT's ``sequence_sharding`` hook plus the matching (bidirectional) self-attention."""
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self._usp(q, k, v)
+
+
+class CausalPackedSequenceSharding(_LayoutSharding):
+    """Zigzag sharding and causal document-masked USP attention for packed decoder batches."""
+
+    causal = True
+
+    def __init__(self, meshes: ParallelMeshes, *, backend: str = "auto") -> None:
+        super().__init__(meshes, backend=backend)
+        self._plan_for: tuple | None = None  # (ids tensor, its version, layout) the plan is for
+        self._plan: DocumentMaskPlan | None = None
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+        """q ``[B, H, S_local, D]``, k/v ``[B, H_kv, S_local, D]``, document_ids the full ``[B, S]``."""
+        if self.layout is None:
+            raise SequenceParallelConfigError(
+                "attention before shard: the model must shard its inputs with sequence_sharding.shard(x, 1) first"
+            )
+        return self._usp(q, k, v, document_plan=self._document_plan(document_ids, q))
+
+    def _document_plan(self, document_ids: torch.Tensor, q: torch.Tensor) -> DocumentMaskPlan:
+        # Every layer of one forward passes the same ids: build the plan (one host sync) once.
+        # Holding the ids tensor itself (not its id()) means a new batch can never match.
+        cached = self._plan_for
+        if cached is None or cached[0] is not document_ids or cached[1:] != (document_ids._version, self.layout):
+            self._plan = build_document_plan(
+                document_ids, self.layout, batch_size=q.shape[0], device=q.device
+            )
+            self._plan_for = (document_ids, document_ids._version, self.layout)
+        return self._plan
+
+
+SHARDING_STYLES: dict[str, type[_LayoutSharding]] = {
+    DEFAULT_STYLE: DiTSequenceSharding,
+    "causal_packed": CausalPackedSequenceSharding,
+}
+
+
+def sharding_class_for(model: torch.nn.Module) -> type[_LayoutSharding]:
+    """The sharding of the model's ``sequence_parallel_style`` (absent: the DiT's)."""
+    style = getattr(model, "sequence_parallel_style", DEFAULT_STYLE)
+    if style not in SHARDING_STYLES:
+        raise SequenceParallelConfigError(
+            f"{type(model).__name__}.sequence_parallel_style = {style!r} is not one of {sorted(SHARDING_STYLES)}"
+        )
+    return SHARDING_STYLES[style]
 
 
 def apply_sequence_parallel(model: torch.nn.Module, meshes: ParallelMeshes) -> torch.nn.Module:
     """Install USP on ``model`` (a no-op when ring × ulysses is 1). Call before ``apply_fsdp``."""
     if meshes.dims.sp_size == 1:
         return model
-    sharding = DiTSequenceSharding(meshes)
+    sharding = sharding_class_for(model)(meshes)
     model.sequence_sharding = sharding
     model.set_attention_fn(sharding.attention)
     return model

@@ -21,6 +21,8 @@ from .groups import (
     sequence_parallel_groups_from_mesh,
     validate_sequence_parallel_mesh,
 )
+from .document_mask import BLOCK_WORK, BlockWork, DocumentMaskPlan, Tile, count_block_work, visible_pairs
+from .kernels import DEVICE_KERNELS, KERNELS, BlockKernel, select_block_kernel
 from .ring import ring_attention, zigzag_indices, zigzag_shard, zigzag_unshard
 from .ulysses import (
     gather_sequence_mask,
@@ -33,12 +35,24 @@ from .usp import (
     SequenceLayout,
     gather_sequence,
     layout_for_groups,
+    build_document_plan,
     make_sequence_layout,
     shard_sequence,
     usp_attention,
 )
 
 __all__ = [
+    "BLOCK_WORK",
+    "BlockKernel",
+    "BlockWork",
+    "DEVICE_KERNELS",
+    "DocumentMaskPlan",
+    "KERNELS",
+    "Tile",
+    "build_document_plan",
+    "count_block_work",
+    "select_block_kernel",
+    "visible_pairs",
     "COMM_COUNTER",
     "CommCounter",
     "SequenceLayout",

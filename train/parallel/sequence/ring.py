@@ -34,6 +34,7 @@ from .block_attention import (
     saved_lse_for_backward,
 )
 from .comm import RingNeighbours, all_gather_rows
+from .document_mask import BLOCK_WORK, DocumentMaskPlan, Tile
 from .groups import SequenceParallelConfigError, check_head_counts, group_rank, group_size
 
 _KV_TAG, _GRAD_TAG = 100, 200
@@ -84,77 +85,78 @@ def _block_plan(causal: bool, src: int, rank: int, seq_block: int) -> tuple[slic
     return slice(half, seq_block), full, False
 
 
-def _block_grads_as_kv(dk: torch.Tensor, dv: torch.Tensor, kv_part: slice, kv_shape) -> torch.Tensor:
-    """One block's (dK, dV) as an fp32 ``[2, B, H_kv, S_block, D]`` buffer (zeros outside kv_part)."""
-    if kv_part.start == 0 and kv_part.stop == kv_shape[3]:
-        return torch.stack((dk, dv)).float()
-    dkv = torch.zeros(kv_shape, dtype=torch.float32, device=dk.device)
-    dkv[0][:, :, kv_part] = dk
-    dkv[1][:, :, kv_part] = dv
-    return dkv
+class KeyMaskPlan:
+    """Tiles of plain (or causal zigzag) ring attention with an optional key-padding mask."""
+
+    def __init__(self, key_masks: torch.Tensor | None, causal: bool, rank: int, seq_block: int) -> None:
+        self.key_masks, self.causal, self.rank, self.seq_block = key_masks, causal, rank, seq_block
+
+    def skipped_pairs(self, src: int) -> int:
+        return 0
+
+    def tiles(self, src: int) -> list[Tile]:
+        q_part, kv_part, block_causal = _block_plan(self.causal, src, self.rank, self.seq_block)
+        mask = None if self.key_masks is None else self.key_masks[src][:, None, kv_part]
+        return [Tile(q=q_part, k=kv_part, causal=block_causal, mask=mask)]
 
 
 class _RingAttention(torch.autograd.Function):
     """q: ``[B, H, S, D]``; kv: ``[2, B, H_kv, S, D]`` (K and V stacked: one message per
-    hop, one saved tensor); ``key_masks``: ``[R, B, S]`` bool or None."""
+    hop, one saved tensor); ``plan``: which tiles of each source block to compute
+    (``KeyMaskPlan`` or ``DocumentMaskPlan``)."""
 
     @staticmethod
-    def forward(ctx, q, kv_local, key_masks, group, causal, scale, backend):
+    def forward(ctx, q, kv_local, plan, group, scale, backend):
         size, rank = group_size(group), group_rank(group)
         ring = RingNeighbours(group) if size > 1 else None
-        seq_block = q.shape[2]
-        out_acc = lse_acc = None
+        out_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse_acc = torch.full(q.shape[:3], float("-inf"), device=q.device)
         kv = kv_local
         for step in range(size):
             src = (rank - step) % size
             # Post the next hop before computing, so the transfer hides behind the math.
             pending = ring.exchange([kv], [kv], kind="ring_kv", tag=_KV_TAG) if step < size - 1 else None
-            q_part, kv_part, block_causal = _block_plan(causal, src, rank, seq_block)
-            mask = None if key_masks is None else key_masks[src][:, kv_part]
-            out_b, lse_b = block_attention_forward(
-                q[:, :, q_part], kv[0][:, :, kv_part], kv[1][:, :, kv_part],
-                causal=block_causal, key_mask=mask, scale=scale, backend=backend,
-            )
-            if out_acc is None:  # step 0 is the local block, which covers every query
-                out_acc, lse_acc = out_b.float(), lse_b
-            else:
-                merge_into(out_acc[:, :, q_part], lse_acc[:, :, q_part], out_b, lse_b)
-            del out_b, lse_b
+            tiles = plan.tiles(src)
+            BLOCK_WORK.add_step(tiles, plan.skipped_pairs(src))
+            for tile in tiles:
+                out_b, lse_b = block_attention_forward(
+                    q[:, :, tile.q], kv[0][:, :, tile.k], kv[1][:, :, tile.k],
+                    causal=tile.causal, key_mask=None, mask=tile.mask, scale=scale, backend=backend,
+                )
+                merge_into(out_acc[:, :, tile.q], lse_acc[:, :, tile.q], out_b, lse_b)
+                del out_b, lse_b
             if pending is not None:
                 (kv,) = pending.wait()
 
         out = out_acc.to(q.dtype)
-        ctx.save_for_backward(q, kv_local, out, saved_lse_for_backward(lse_acc), key_masks)
-        ctx.group, ctx.causal, ctx.scale, ctx.backend = group, causal, scale, backend
+        ctx.save_for_backward(q, kv_local, out, saved_lse_for_backward(lse_acc))
+        ctx.plan, ctx.group, ctx.scale, ctx.backend = plan, group, scale, backend
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, kv, out, lse, key_masks = ctx.saved_tensors
-        group, causal, scale, backend = ctx.group, ctx.causal, ctx.scale, ctx.backend
+        q, kv, out, lse = ctx.saved_tensors
+        plan, group, scale, backend = ctx.plan, ctx.group, ctx.scale, ctx.backend
         size, rank = group_size(group), group_rank(group)
         ring = RingNeighbours(group) if size > 1 else None
-        seq_block = q.shape[2]
         dout = dout.contiguous()
 
-        dq = None
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         incoming_dkv = None  # partial dK/dV of the current block, from the previous rank
         for step in range(size):
             src = (rank - step) % size
             pending_kv = ring.exchange([kv], [kv], kind="ring_kv", tag=_KV_TAG) if step < size - 1 else None
-            q_part, kv_part, block_causal = _block_plan(causal, src, rank, seq_block)
-            mask = None if key_masks is None else key_masks[src][:, kv_part]
-            dq_b, dk_b, dv_b = block_attention_backward(
-                dout[:, :, q_part], q[:, :, q_part], kv[0][:, :, kv_part], kv[1][:, :, kv_part],
-                out[:, :, q_part], lse[:, :, q_part].contiguous(),
-                causal=block_causal, key_mask=mask, scale=scale, backend=backend,
-            )
-            if dq is None:  # step 0 (local block) covers every query
-                dq = dq_b.float()
-            else:
-                dq[:, :, q_part] += dq_b
-            dkv = _block_grads_as_kv(dk_b, dv_b, kv_part, kv.shape)
-            del dq_b, dk_b, dv_b
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            for tile in plan.tiles(src):
+                dq_b, dk_b, dv_b = block_attention_backward(
+                    dout[:, :, tile.q], q[:, :, tile.q], kv[0][:, :, tile.k], kv[1][:, :, tile.k],
+                    out[:, :, tile.q], lse[:, :, tile.q].contiguous(),
+                    causal=tile.causal, key_mask=None, mask=tile.mask, scale=scale, backend=backend,
+                )
+                dq[:, :, tile.q] += dq_b
+                dkv[0][:, :, tile.k] += dk_b
+                dkv[1][:, :, tile.k] += dv_b
+                del dq_b, dk_b, dv_b
             if incoming_dkv is not None:
                 (partial,) = incoming_dkv.wait()
                 dkv += partial
@@ -168,7 +170,7 @@ class _RingAttention(torch.autograd.Function):
 
         if incoming_dkv is not None:
             (dkv,) = incoming_dkv.wait()  # our own block's dK/dV, summed over the ring
-        return dq.to(q.dtype), dkv.to(kv.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dkv.to(kv.dtype), None, None, None, None
 
 
 def gather_ring_key_masks(key_padding_mask: torch.Tensor | None, group: ProcessGroup | None):
@@ -205,6 +207,7 @@ def ring_attention(
     key_padding_mask: torch.Tensor | None = None,
     scale: float | None = None,
     backend: Backend = "auto",
+    document_plan: DocumentMaskPlan | None = None,
 ) -> torch.Tensor:
     """Exact attention over the ring's concatenated blocks; returns this rank's output block.
 
@@ -214,6 +217,9 @@ def ring_attention(
     key_padding_mask: ``[B, S_block]`` bool, True for real tokens; masked keys are
     invisible to every query. Needed for padded non-causal sequences; with tail padding
     and causal attention it is unnecessary (no real query looks ahead).
+    document_plan: causal attention within documents instead (``DocumentMaskPlan``, built
+    from the full document ids and every ring block's global positions, any layout);
+    ``causal`` and ``key_padding_mask`` are then ignored (the plan holds the whole mask).
     """
     check_attention_inputs(q, k, v)
     size = group_size(group)
@@ -226,9 +232,13 @@ def ring_attention(
             f"key_padding_mask must be [batch, seq] = {tuple(q.shape[:2])}, got {tuple(key_padding_mask.shape)}"
         )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    masks = gather_ring_key_masks(key_padding_mask, group)
+    if document_plan is None:
+        masks = gather_ring_key_masks(key_padding_mask, group)
+        plan = KeyMaskPlan(masks, causal, group_rank(group), q.shape[1])
+    else:
+        plan = document_plan
     # Kernels want heads before sequence; stacking K and V makes that copy for both at once.
     q_bhsd = q.transpose(1, 2).contiguous()
     kv = torch.stack((k.transpose(1, 2), v.transpose(1, 2)))
-    out = _RingAttention.apply(q_bhsd, kv, masks, group, causal, scale, backend)
+    out = _RingAttention.apply(q_bhsd, kv, plan, group, scale, backend)
     return out.transpose(1, 2)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
 from .comm import all_gather_rows
+from .document_mask import DocumentMaskPlan, pad_document_ids
 from .groups import (
     SequenceParallelConfigError,
     SequenceParallelGroups,
@@ -81,6 +82,11 @@ class SequenceLayout:
             block_len = self.padded_len // self.ring_size
             block = torch.arange(ring_rank * block_len, (ring_rank + 1) * block_len)
         return block[ulysses_rank * self.local_len : (ulysses_rank + 1) * self.local_len]
+
+    def ring_block_positions(self, ring_rank: int) -> torch.Tensor:
+        """Global positions of ring rank ``ring_rank``'s block: its U Ulysses shards in order
+        (what the Ulysses all-to-all assembles before ring attention)."""
+        return torch.cat([self.positions_of(ring_rank, u) for u in range(self.ulysses_size)])
 
     def local_positions(self, device: torch.device | str | None = None) -> torch.Tensor:
         """Position ids of the local shard (padding positions are >= seq_len)."""
@@ -186,6 +192,9 @@ def usp_attention(
     ulysses_split_sizes: Sequence[int] | None = None,
     scale: float | None = None,
     backend: str = "auto",
+    document_ids: torch.Tensor | None = None,
+    chunks_per_block: int = 2,
+    document_plan: DocumentMaskPlan | None = None,
 ) -> torch.Tensor:
     """Exact (ulysses x ring) sequence-parallel attention; returns the local output shard.
 
@@ -195,6 +204,12 @@ def usp_attention(
     are derived. Without a layout, give ``key_padding_mask`` (``[B, S_local]``, True
     = real token) and ``ulysses_split_sizes`` yourself; causal with a ring of R > 1
     then requires the zigzag layout. ``scale`` defaults to ``1/sqrt(D)``.
+
+    ``document_ids`` (``[B, seq_len]`` int, the FULL unsharded ids of a packed batch, ``-1``
+    for padding): causal attention within each document (needs ``causal=True`` and a
+    layout); ring tiles the document mask hides are skipped (see ``DocumentMaskPlan``,
+    ``chunks_per_block`` chunks per ring block). A ``document_plan`` from
+    ``build_document_plan`` may be passed instead, to reuse it across layers.
     """
     check_attention_inputs(q, k, v)
     ulysses_size, ring_size = group_size(ulysses_group), group_size(ring_group)
@@ -206,6 +221,12 @@ def usp_attention(
             key_padding_mask = layout.attention_key_mask(q.shape[0], causal, q.device)
         ulysses_split_sizes = ulysses_split_sizes or layout.ulysses_split_sizes
 
+    plan = document_plan
+    if plan is None and document_ids is not None:
+        plan = build_document_plan(document_ids, layout, causal=causal, batch_size=q.shape[0],
+                                   device=q.device, chunks_per_block=chunks_per_block)
+    if plan is not None:
+        key_padding_mask = None  # padding is document -1: the plan hides it
     k = replicate_kv_heads(k, num_heads, ulysses_size)
     v = replicate_kv_heads(v, num_heads, ulysses_size)
     q_h = sequence_to_heads(q, ulysses_group, ulysses_split_sizes)
@@ -214,9 +235,35 @@ def usp_attention(
     block_mask = gather_sequence_mask(key_padding_mask, ulysses_group, ulysses_split_sizes)
     out_h = ring_attention(
         q_h, k_h, v_h, group=ring_group, causal=causal, key_padding_mask=block_mask,
-        scale=scale, backend=backend,
+        scale=scale, backend=backend, document_plan=plan,
     )
     return heads_to_sequence(out_h, ulysses_group, _local_splits(ulysses_split_sizes, q, ulysses_group))
+
+
+def build_document_plan(
+    document_ids: torch.Tensor,
+    layout: SequenceLayout | None,
+    *,
+    causal: bool = True,
+    batch_size: int,
+    device: torch.device | str | None = None,
+    chunks_per_block: int = 2,
+) -> DocumentMaskPlan:
+    """The ring tiles of this rank for the full ``[B, seq_len]`` ``document_ids``."""
+    if layout is None or not causal:
+        raise SequenceParallelConfigError(
+            "document_ids need causal=True and the layout the inputs were sharded with"
+        )
+    if tuple(document_ids.shape) != (batch_size, layout.seq_len):
+        raise SequenceParallelConfigError(
+            f"document_ids must be the full [batch, seq] = {(batch_size, layout.seq_len)} ids, "
+            f"got {tuple(document_ids.shape)}"
+        )
+    padded = pad_document_ids(document_ids.to(device), layout.padded_len)
+    blocks = [layout.ring_block_positions(r) for r in range(layout.ring_size)]
+    if blocks[0].numel() % chunks_per_block:  # only without a ring (zigzag blocks are even)
+        chunks_per_block = 1
+    return DocumentMaskPlan(padded, blocks, layout.ring_rank, chunks_per_block)
 
 
 def _local_splits(split_sizes, q: torch.Tensor, group) -> list[int] | None:

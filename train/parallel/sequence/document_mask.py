@@ -1,0 +1,172 @@
+"""Which tiles of a ring step a causal document mask leaves to compute, and their masks.
+
+Packed sequences hold several documents; a token sees the earlier tokens of its own
+document only (``document_ids`` per global position, ``-1`` for padding, which sees
+nothing and is seen by nothing). Under ring attention, ring rank ``r`` meets the K/V block
+of every ring rank ``src`` once; each block is cut into ``chunks_per_block`` contiguous
+chunks (the two zigzag chunks by default), and for every (query chunk, key chunk) pair we
+know up front -- from the document ids and global positions, which every rank holds --
+whether any query may see any key (else the pair is skipped: no kernel call at all) and
+whether all may (then the kernel runs without a mask).
+
+A *tile* is what one kernel call computes: a query chunk against the span of key chunks
+it needs (adjacent query chunks needing the same span share one tile), with the
+visibility mask of that span, or None when everything in it is visible.
+
+``BLOCK_WORK`` counts the tiles and the query x key area the forward passes computed, so
+tests and benchmarks read the real work per rank (``count_block_work``).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .groups import SequenceParallelConfigError
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One kernel call: queries ``q`` of the local block against keys ``k`` of the source block."""
+
+    q: slice
+    k: slice
+    causal: bool  # the kernel's own top-left causal flag (square diagonal blocks)
+    mask: torch.Tensor | None  # bool [B, len(q) | 1, len(k)], True = visible; None = all visible
+
+
+@dataclass
+class BlockWork:
+    """Attention work the ring forwards did: kernel calls and query x key area."""
+
+    tiles: int = 0
+    area: int = 0
+    skipped_pairs: int = 0  # (query chunk, key chunk) pairs with no visible pair, never computed
+    per_step_area: list[int] = field(default_factory=list)
+
+    def add_step(self, tiles: list[Tile], skipped_pairs: int = 0) -> None:
+        area = sum((t.q.stop - t.q.start) * (t.k.stop - t.k.start) for t in tiles)
+        self.tiles += len(tiles)
+        self.area += area
+        self.skipped_pairs += skipped_pairs
+        self.per_step_area.append(area)
+
+    def reset(self) -> None:
+        self.tiles = self.area = self.skipped_pairs = 0
+        self.per_step_area = []
+
+
+BLOCK_WORK = BlockWork()  # process-wide, like comm.COMM_COUNTER
+
+
+@contextmanager
+def count_block_work() -> Iterator[BlockWork]:
+    """Reset the work counter, run the block, and hand back the counter to read."""
+    BLOCK_WORK.reset()
+    yield BLOCK_WORK
+
+
+def visible_pairs(document_ids: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """bool ``[B, len(q_pos), len(k_pos)]``: same document (not padding) and key not after query."""
+    q_doc = document_ids[:, q_pos][:, :, None]
+    k_doc = document_ids[:, k_pos][:, None, :]
+    causal = (k_pos[None, :] <= q_pos[:, None])[None]
+    return (q_doc == k_doc) & (k_doc >= 0) & causal
+
+
+def pad_document_ids(document_ids: torch.Tensor, padded_len: int) -> torch.Tensor:
+    """``[B, S]`` int -> ``[B, padded_len]`` with ``-1`` (padding) appended."""
+    if document_ids.dim() != 2:
+        raise SequenceParallelConfigError(
+            f"document_ids must be [batch, seq], got shape {tuple(document_ids.shape)}"
+        )
+    if document_ids.dtype.is_floating_point or document_ids.dtype == torch.bool:
+        raise SequenceParallelConfigError(f"document_ids must be an integer tensor, got {document_ids.dtype}")
+    extra = padded_len - document_ids.shape[1]
+    if extra < 0:
+        raise SequenceParallelConfigError(
+            f"document_ids has {document_ids.shape[1]} positions, more than the padded length {padded_len}"
+        )
+    if extra == 0:
+        return document_ids
+    tail = document_ids.new_full((document_ids.shape[0], extra), -1)
+    return torch.cat([document_ids, tail], dim=1)
+
+
+class DocumentMaskPlan:
+    """The tiles ring rank ``q_rank`` computes against each source block under a document mask.
+
+    ``document_ids``: ``[B, S_padded]`` (``-1`` = padding); ``block_positions[r]``: the global
+    positions, in order, of ring rank ``r``'s block (all blocks equally long). Built once per
+    attention call; every visibility decision is made here with one device-to-host copy.
+    """
+
+    def __init__(
+        self,
+        document_ids: torch.Tensor,
+        block_positions: list[torch.Tensor],
+        q_rank: int,
+        chunks_per_block: int = 2,
+    ) -> None:
+        seq_block = block_positions[0].numel()
+        if seq_block % chunks_per_block:
+            raise SequenceParallelConfigError(
+                f"ring block of {seq_block} tokens does not split into {chunks_per_block} chunks"
+            )
+        self.document_ids = document_ids
+        self.positions = [p.to(document_ids.device) for p in block_positions]
+        self.q_rank = q_rank
+        self.chunk = seq_block // chunks_per_block
+        self.num_chunks = chunks_per_block
+        self._any, self._all = self._chunk_pair_visibility()
+
+    def _chunk_positions(self, rank: int, chunk: int) -> torch.Tensor:
+        return self.positions[rank][chunk * self.chunk : (chunk + 1) * self.chunk]
+
+    def _chunk_pair_visibility(self) -> tuple[list, list]:
+        """Per source rank, [query chunk][key chunk] -> any / all visible (one host copy)."""
+        anys, alls = [], []
+        for src in range(len(self.positions)):
+            for c in range(self.num_chunks):
+                for d in range(self.num_chunks):
+                    seen = visible_pairs(self.document_ids, self._chunk_positions(self.q_rank, c),
+                                         self._chunk_positions(src, d))
+                    anys.append(seen.any())
+                    alls.append(seen.all())
+        shape = (len(self.positions), self.num_chunks, self.num_chunks)
+        return torch.stack(anys).view(shape).tolist(), torch.stack(alls).view(shape).tolist()
+
+    def skipped_pairs(self, src: int) -> int:
+        return sum(not seen for row in self._any[src] for seen in row)
+
+    def _key_span(self, src: int, c: int) -> tuple[int, int] | None:
+        needed = [d for d in range(self.num_chunks) if self._any[src][c][d]]
+        return (needed[0], needed[-1] + 1) if needed else None
+
+    def tiles(self, src: int) -> list[Tile]:
+        """The kernel calls of the step that meets ``src``'s K/V block, in query order."""
+        groups: list[tuple[int, int, tuple[int, int]]] = []  # (first q chunk, end q chunk, key span)
+        for c in range(self.num_chunks):
+            span = self._key_span(src, c)
+            if span is None:
+                continue
+            if groups and groups[-1][1] == c and groups[-1][2] == span:
+                groups[-1] = (groups[-1][0], c + 1, span)
+            else:
+                groups.append((c, c + 1, span))
+        return [self._tile(src, q0, q1, span) for q0, q1, span in groups]
+
+    def _tile(self, src: int, q0: int, q1: int, span: tuple[int, int]) -> Tile:
+        k0, k1 = span
+        q_slice = slice(q0 * self.chunk, q1 * self.chunk)
+        k_slice = slice(k0 * self.chunk, k1 * self.chunk)
+        everything = all(self._all[src][c][d] for c in range(q0, q1) for d in range(k0, k1))
+        mask = None
+        if not everything:
+            q_pos = self.positions[self.q_rank][q_slice]
+            k_pos = self.positions[src][k_slice]
+            mask = visible_pairs(self.document_ids, q_pos, k_pos)
+        return Tile(q=q_slice, k=k_slice, causal=False, mask=mask)
