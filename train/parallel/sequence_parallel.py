@@ -22,6 +22,8 @@ per-shard parameter gradients into the full-batch gradient.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from train.parallel.dims import ParallelMeshes
@@ -56,6 +58,7 @@ class _LayoutSharding:
     """``shard``/``gather`` of a model's per-token tensors over the SP ranks."""
 
     causal = False
+    attention: Callable[..., torch.Tensor]  # each style's attention fn, installed on the model
 
     def __init__(self, meshes: ParallelMeshes, *, backend: str = "auto") -> None:
         self.groups = sequence_parallel_groups_from_mesh(meshes.world)
