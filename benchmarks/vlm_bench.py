@@ -1,7 +1,9 @@
 """VLM training benchmark (CPU, short; ratios from one run).
 
-1. Step time (peak memory is not measured yet) of a tiny VLM training step with cached ViT features (read from the
-   store) vs the tiny ViT (a real SigLIP tower, frozen) run live on the images every step.
+1. Step time and peak memory of a tiny VLM training step with cached ViT features (read from the
+   store) vs the tiny ViT (a real SigLIP tower, frozen) run live on the images every step. Each
+   mode runs in a fresh process; its peak is the growth of the process's peak RSS (Linux VmHWM,
+   reset through /proc/self/clear_refs after set-up) over the steps, so set-up is not counted.
 2. Tokens/s of packed vs padded batching on long-tailed sample lengths (goal: packed >= 1.5x).
 
     PYTHONPATH=. python benchmarks/vlm_bench.py [--steps 10]
@@ -41,7 +43,19 @@ def _timed(step, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def cached_vs_live(root: Path, steps: int, batch: int = 32) -> dict:
+def _reset_peak_rss() -> int:
+    """Reset the kernel's peak-RSS mark of this process; returns the RSS now (bytes)."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_kib("VmRSS") * 1024
+
+
+def _status_kib(key: str) -> int:
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(key + ":"))
+    return int(line.split()[1])
+
+
+def one_mode(root: Path, steps: int, mode: str, batch: int = 32) -> dict:
+    """Step time and step peak memory of ``mode`` ('cached' or 'live') in this process."""
     tokenizer, vit = train_tokenizer(), tiny_vit(width=128, layers=6)  # small, but a ViT's share of the step
     url, raw = shapes_store(str(root / "shapes"), batch, seed=0, tokenizer=tokenizer, vit=vit)
     store, samples = _samples(url)
@@ -69,8 +83,27 @@ def cached_vs_live(root: Path, steps: int, batch: int = 32) -> dict:
             features = vit(pixel_values=images).last_hidden_state.to(torch.bfloat16).float().numpy()
         train([{**s, "vit_features": f} for s, f in zip(samples, features, strict=True)])
 
-    c_time, l_time = _timed(cached, steps), _timed(live, steps)
-    return {"cached_step_ms": c_time * 1e3, "live_step_ms": l_time * 1e3, "live_over_cached_time": l_time / c_time}
+    step = cached if mode == "cached" else live
+    step()  # warm-up: optimizer state and allocator pools exist before the peak is measured
+    base = _reset_peak_rss()
+    seconds = _timed(step, steps)
+    return {"step_s": seconds, "peak_bytes": _status_kib("VmHWM") * 1024 - base}
+
+
+def cached_vs_live(steps: int) -> dict:
+    """Both modes, each in a fresh process (memory freed by one must not hide the other's peak)."""
+    import json
+    import subprocess
+
+    got = {}
+    for mode in ("cached", "live"):
+        out = subprocess.run([sys.executable, __file__, "--steps", str(steps), "--mode", mode], check=True,
+                             capture_output=True, text=True).stdout
+        got[mode] = json.loads(out.strip().splitlines()[-1])
+    c, l = got["cached"], got["live"]
+    return {"cached_step_ms": c["step_s"] * 1e3, "live_step_ms": l["step_s"] * 1e3, "live_over_cached_time": l["step_s"] / c["step_s"],
+            "cached_peak_MiB": c["peak_bytes"] / 2**20, "live_peak_MiB": l["peak_bytes"] / 2**20,
+            "live_over_cached_peak": l["peak_bytes"] / max(c["peak_bytes"], 1)}
 
 
 def packed_vs_padded(root: Path, steps: int, batch: int = 32, max_tokens: int = 256) -> dict:
@@ -138,10 +171,17 @@ def _padded(adapter, batch, lengths):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--mode", choices=["cached", "live"], help=argparse.SUPPRESS)  # one mode, JSON out
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.mode:
+        import json
+
+        with tempfile.TemporaryDirectory() as tmp:
+            print(json.dumps(one_mode(Path(tmp), args.steps, args.mode)))
+        return
     with tempfile.TemporaryDirectory() as tmp:
-        for name, result in (("cached vs live ViT", cached_vs_live(Path(tmp), args.steps)),
+        for name, result in (("cached vs live ViT", cached_vs_live(args.steps)),
                              ("packed vs padded", packed_vs_padded(Path(tmp), args.steps))):
             print(name + ": " + ", ".join(f"{k} {v:.3g}" for k, v in result.items()))
 
