@@ -123,7 +123,7 @@ def run_on_ranks(case, world: int) -> None:
                 if dead:
                     reports.update({i: f"rank {i} died with exit code {procs[i].exitcode}" for i in dead})
                 elif time.monotonic() > deadline:
-                    pytest.fail(f"{case.__name__}: no result from ranks {set(range(world)) - set(reports)}")
+                    pytest.fail(f"{getattr(case, '__name__', case)}: no result from ranks {set(range(world)) - set(reports)}")
     finally:
         for p in procs:
             if p.is_alive() and (len(reports) < world or any(reports.values())):
@@ -132,7 +132,7 @@ def run_on_ranks(case, world: int) -> None:
     failures = {r: e for r, e in reports.items() if e}
     if failures:
         rank = min(failures)
-        pytest.fail(f"{case.__name__} failed on rank {rank}:\n{failures[rank]}")
+        pytest.fail(f"{getattr(case, '__name__', case)} failed on rank {rank}:\n{failures[rank]}")
 
 
 def _sp_groups(ulysses: int, ring: int, world: int):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from tests.test_vlm_train import fit, losses
 from tests.vlm_store import random_store
@@ -34,3 +36,52 @@ def test_vlm_sequence_parallel_fit_matches_one_process(store, one_process, tmp_p
         assert usp[step] == pytest.approx(one[step], rel=1e-4)
     mesh = json.loads((run / "run.json").read_text())["mesh"]
     assert (mesh["ulysses"], mesh["ring"], mesh["dp_shard"]) == (ulysses, ring, 1)
+
+
+def _gradients_under_sp(store_url: str, rank: int, world: int) -> None:
+    """The real VLM's parameter gradients of one packed micro-batch: 1 process vs ring x ulysses
+    over ``world`` ranks with the SP gradients summed (what FSDP does). The losses above cannot
+    show a wrong gradient *scale* (Adam is invariant to it), so this compares the gradients."""
+    import featstore
+    from train.config import DataSection
+    from train.models import build_model, get_model_family
+    from train.models.vlm import next_token_loss
+    from train.packing import SAMPLE_ID
+    from train.parallel.dims import ParallelDims
+    from train.parallel.sequence_parallel import apply_sequence_parallel
+
+    store = featstore.open(store_url)
+    samples = [{**store.read(i, [f for f in store.fields if store.has_field(i, f)]), SAMPLE_ID: i} for i in store.sample_ids()[:8]]
+    family = get_model_family("vlm")
+    config = family.resolve_config("tiny")
+    adapter = family.data(config, DataSection(), store)
+    batch = adapter.collate(samples, torch.device("cpu"), torch.float32)
+
+    def gradients(model) -> dict[str, torch.Tensor]:
+        terms = next_token_loss(model, batch, None, None)
+        (terms.loss_sum / terms.count).backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    torch.manual_seed(0)
+    reference_model = build_model("vlm", config, **adapter.input_sizes())
+    state = {k: t.clone() for k, t in reference_model.state_dict().items()}
+    want = gradients(reference_model)
+    model = build_model("vlm", config, **adapter.input_sizes())
+    model.load_state_dict(state)
+    apply_sequence_parallel(model, ParallelDims(world_size=world, ring=2, ulysses=world // 2).build_meshes("cpu"))
+    got = gradients(model)
+    for grad in got.values():
+        dist.all_reduce(grad)
+    assert set(got) == set(want)
+    for name, grad in got.items():
+        rel = float((grad - want[name]).norm() / want[name].norm().clamp_min(1e-12))
+        assert rel <= 1e-4, f"{name}: gradient under SP differs by {rel:.3g} (relative)"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_vlm_gradients_under_sequence_parallel_equal_one_process(store, world):
+    import functools
+
+    from tests.test_causal_usp import run_on_ranks
+
+    run_on_ranks(functools.partial(_gradients_under_sp, store), world)

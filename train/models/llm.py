@@ -188,8 +188,14 @@ class Decoder(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def hidden_states(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
-        """Final-norm hidden states [B, S, dim] of packed rows at full length."""
+    def packed_logits(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, S, vocab] of packed rows at full length.
+
+        Under sequence parallelism every layer, the head included, runs on this rank's tokens only
+        and the *logits* are gathered: the loss is then computed on the full sequence by every SP
+        rank, and since no parameter is applied after the gather, each rank's parameter gradients
+        are its own tokens' share, which FSDP sums into the full gradient (a head applied after
+        the gather would get SP times its gradient)."""
         if inputs_embeds.dim() != 3 or position_ids.shape != inputs_embeds.shape[:2] or document_ids.shape != inputs_embeds.shape[:2]:
             raise InputShapeError(
                 f"packed input must be inputs_embeds [B, S, {self.config.dim}] with position_ids and document_ids [B, S]; got "
@@ -201,10 +207,10 @@ class Decoder(nn.Module):
         cos, sin = rotary(position_ids, self.config.attention_head_dim, self.config.rope_theta)
         for block in self.blocks:
             x = block(x, cos, sin, document_ids)
-        x = self.norm(x)
+        logits = self.logits(self.norm(x))
         if self.sequence_sharding is not None:
-            x = self.sequence_sharding.gather(x, 1)
-        return x
+            logits = self.sequence_sharding.gather(logits, 1)
+        return logits
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.head_weight())
@@ -216,4 +222,4 @@ class Decoder(nn.Module):
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         if document_ids is None:
             document_ids = torch.zeros_like(input_ids, dtype=torch.int32)
-        return self.logits(self.hidden_states(self.embed_tokens(input_ids), position_ids, document_ids))
+        return self.packed_logits(self.embed_tokens(input_ids), position_ids, document_ids)

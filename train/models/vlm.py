@@ -212,5 +212,4 @@ class VLM(nn.Module):
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """Logits [B, S, vocab] of a packed batch."""
-        hidden = self.llm.hidden_states(self.inputs_embeds(batch), batch.position_ids, batch.document_ids)
-        return self.llm.logits(hidden)
+        return self.llm.packed_logits(self.inputs_embeds(batch), batch.position_ids, batch.document_ids)
