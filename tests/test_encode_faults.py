@@ -1,10 +1,9 @@
 """`mmcache encode` under faults, on a real Dask LocalCluster with real (tiny) encoders: the only
-worker killed mid-task, an input that never arrives (a FIFO), a source host that refuses the
+worker killed mid-task, an input that never arrives (an HTTP source that stalls), a source host that refuses the
 connection, rejected inputs that become readable later."""
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -40,28 +39,39 @@ def _images(media: Path) -> list[Path]:
     return sorted(media.glob("media/*.png"))
 
 
-def _open_for_writing(fifo: Path, deadline: float) -> int:
-    """Wait until a reader (the encode task) has the FIFO open; then open its writing end."""
-    while time.time() < deadline:
-        try:
-            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-        except OSError as exc:
-            if exc.errno != errno.ENXIO:  # ENXIO: nobody reads it yet
-                raise
-            time.sleep(0.02)
-    raise AssertionError(f"no encode task opened {fifo} in time")
+class StallingServer:
+    """An HTTP source on 127.0.0.1 whose files never arrive: every request waits (bounded) until
+    ``release()``, then gets a 404. ``requested`` is set once an encode task asked for one. (A
+    FIFO no longer works as a stuck input: only regular local files are opened.)"""
 
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-def _release_readers(fifo: Path) -> None:
-    """Let decode threads still blocked opening the FIFO go (they see EOF), so workers stay clean."""
-    for _ in range(50):
-        try:
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-        except OSError as exc:
-            if exc.errno != errno.ENXIO:
-                raise
-            return
-        time.sleep(0.02)
+        self.requested, self.released = threading.Event(), threading.Event()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _stall(self) -> None:
+                outer.requested.set()
+                outer.released.wait(120)
+                self.send_error(404)
+
+            do_GET = do_HEAD = _stall
+
+            def log_message(self, *args) -> None:  # keep the test output clean
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/{name}"
+
+    def release(self) -> None:
+        self.released.set()
+        self.server.shutdown()
+        self.server.server_close()
 
 
 def _in_thread(fn):
@@ -82,25 +92,27 @@ def _in_thread(fn):
 def test_killing_the_only_worker_mid_task_finishes_the_job(media, tmp_path, cluster):
     """An OOM kill on a one-GPU machine: the task is resubmitted to the nanny's restarted worker
     (not pinned to the dead one's address) and the job finishes with every sample once. (The
-    killed task's input is a FIFO nobody writes: the sync point, then a stuck input.)"""
+    killed task's input is an HTTP file that never arrives: the sync point, then a stuck input.)"""
     root = tmp_path / "in"
     shutil.copytree(media / "media", root / "media")
-    fifo = root / "slow.png"
-    os.mkfifo(fifo)
+    server = StallingServer()
+    slow = server.url("slow.png")
     rows = [{"path": f"media/{p.name}", "caption": f"image {i}"} for i, p in enumerate(_images(media))]
-    manifest = write_manifest(root / "manifest.jsonl", rows + [{"path": "slow.png", "caption": "arrives late"}])
+    manifest = write_manifest(root / "manifest.jsonl", rows + [{"path": slow, "caption": "arrives late"}])
     out = tmp_path / "store"
     address, client = cluster
     (pid,) = client.run(os.getpid).values()
-    thread, result, errors = _in_thread(lambda: encode(tiny_config("run.samples_per_task=1", "run.task_timeout=3"), manifest, out, (address,)))
+    config = tiny_config("run.samples_per_task=1", "run.task_timeout=3", "data.allow_outside_root=true")
+    thread, result, errors = _in_thread(lambda: encode(config, manifest, out, (address,)))
     deadline = time.time() + 150
-    fd = _open_for_writing(fifo, deadline)  # the only worker is now inside the FIFO's task
-    os.kill(pid, 9)
-    os.close(fd)
-    # The task runs again on the nanny's restarted worker, where its input never arrives: the
-    # task deadline turns it into a reject, and the job finishes.
-    thread.join(max(1.0, deadline - time.time()))
-    _release_readers(fifo)
+    try:
+        assert server.requested.wait(150), f"no encode task asked for {slow} in time"
+        os.kill(pid, 9)  # the only worker is now inside the stuck input's task
+        # The task runs again on the nanny's restarted worker, where its input never arrives:
+        # the task deadline turns it into a reject, and the job finishes.
+        thread.join(max(1.0, deadline - time.time()))
+    finally:
+        server.release()
     assert not thread.is_alive(), "the job hung after its only worker was killed"
     assert not errors, errors
     assert result[0].samples_written == len(rows) and result[0].rejected == 1
@@ -114,18 +126,18 @@ def test_killing_the_only_worker_mid_task_finishes_the_job(media, tmp_path, clus
 def test_stuck_input_becomes_a_reject_after_task_timeout(media, tmp_path, cluster):
     root = tmp_path / "in"
     shutil.copytree(media / "media", root / "media")
-    fifo = root / "never.png"
-    os.mkfifo(fifo)
-    rows = [{"path": f"media/{_images(media)[0].name}", "caption": "fine"}, {"path": "never.png", "caption": "never written"}]
+    server = StallingServer()
+    never = server.url("never.png")
+    rows = [{"path": f"media/{_images(media)[0].name}", "caption": "fine"}, {"path": never, "caption": "never sent"}]
     manifest = write_manifest(root / "manifest.jsonl", rows)
     out = tmp_path / "store"
     try:
-        summary = encode(tiny_config("run.task_timeout=2"), manifest, out, cluster)
+        summary = encode(tiny_config("run.task_timeout=2", "data.allow_outside_root=true"), manifest, out, cluster)
     finally:
-        _release_readers(fifo)
+        server.release()
     assert summary.samples_written == 1 and summary.rejected == 1
     (reject,) = featstore.open(str(out)).rejects.to_pylist()
-    assert reject["source"] == "never.png" and "run.task_timeout=2s" in reject["reason"]
+    assert reject["source"] == never and "run.task_timeout=2s" in reject["reason"]
 
 
 def test_refused_connection_fails_the_task_instead_of_a_reject(media, tmp_path, cluster):

@@ -14,7 +14,6 @@ import pytest
 from click.testing import CliRunner
 
 import featstore
-from featstore import format as fmt
 from featstore.cli import cli
 from featstore.secrets import redact, redact_url
 from featstore.storage import FsspecStorage, RetryPolicy
@@ -125,8 +124,9 @@ def test_deadline_holds_with_production_lower_layers(s3_bucket, proxy, monkeypat
     monkeypatch.setattr(FsspecStorage, "retry", policy)
     url = f"{s3_bucket}/store"
     samples = write_store(url, {}, n=6)
-    shard = featstore.open(url).index.column("shard")[0].as_py()
-    key = f"{fmt.SHARDS_DIR}/{shard}/latent/c/0"
+    clean = featstore.open(url)
+    shard = clean.index.column("shard")[0].as_py()
+    key = clean.shards[shard].data_key("latent")  # where the commit record says the data is
     hits = requests_to(proxy, key)
     proxy.stall_s = 5.0
     proxy.rules.append(lambda method, path: "stall" if path.split("?")[0].endswith(key) else None)
