@@ -168,39 +168,33 @@ class LocalStorage(Storage):
         finally:
             self._release(entry)
 
-    def write_atomic(self, key: str, data: bytes) -> None:
-        path = self._path(key)
+    @staticmethod
+    def _durable_temp(path: Path, parts: Iterable[Any]) -> Path:
+        """``parts`` written to a temporary file beside ``path`` and fsynced: data must be durable
+        before the index part that commits it is, and is published only by a rename or link."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-
-    def write_parts(self, key: str, parts: Iterable[Any]) -> None:
-        path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._forget(key)
-        # Written beside and renamed over: bytes a reader may already hold open (a retried task
-        # rewriting its shard) are never truncated under it.
         tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
         with open(tmp, "wb") as fh:
             for part in parts:
                 fh.write(part)
             fh.flush()
-            # Data must be durable before the index part that commits it is.
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        return tmp
+
+    def write_atomic(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        os.replace(self._durable_temp(path, [data]), path)
+
+    def write_parts(self, key: str, parts: Iterable[Any]) -> None:
+        path = self._path(key)
+        self._forget(key)
+        # Written beside and renamed over: bytes a reader may already hold open (a retried task
+        # rewriting its shard) are never truncated under it.
+        os.replace(self._durable_temp(path, parts), path)
 
     def write_new(self, key: str, data: bytes) -> bool:
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+        tmp = self._durable_temp(path, [data])
         try:
             # link() publishes the whole file under its name, and fails if the name is taken
             # (rename would silently replace the other writer's file).
