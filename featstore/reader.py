@@ -28,6 +28,7 @@ from featstore import manifest as manifests
 from featstore.errors import CorruptionError, MissingFieldError, NotAStoreError, ReadOnlyError, SchemaError
 from featstore.snapshot import ShardInfo, load_snapshot
 from featstore.storage import Storage, open_storage
+from featstore.tensors import in_format
 
 
 class Store:
@@ -257,9 +258,10 @@ class Store:
             return fields
         return [f for f in self.fields if self._holder[f][row] >= 0]
 
-    def read(self, sample_id: str, fields: Sequence[str] | None = None) -> dict[str, np.ndarray]:
-        """One sample, exactly as written (dtype and shape)."""
-        return self.read_row(self.row(sample_id), fields)
+    def read(self, sample_id: str, fields: Sequence[str] | None = None, *, format: str = "numpy") -> dict[str, Any]:
+        """One sample, exactly as written (dtype and shape); ``format="torch"`` gives tensors
+        sharing the read buffers (bfloat16 stays bfloat16)."""
+        return in_format(self.read_row(self.row(sample_id), fields), format)
 
     def read_row(self, row: int, fields: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """The sample whose row is ``row``: ``fields``, or every field it has."""

@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 from featstore import format as fmt
 from featstore.errors import DuplicateSampleError, SchemaError, ShardCommittedError
 from featstore.storage import Storage
+from featstore.tensors import as_array
 
 if TYPE_CHECKING:
     from featstore.reader import Store
@@ -102,7 +103,7 @@ class StoreWriter:
         self._rejects.append({"source": str(source), "reason": str(reason), **meta})
 
     def _check_array(self, sample_id: str, spec: fmt.FieldSpec, value: Any) -> np.ndarray:
-        array = np.asarray(value)
+        array = as_array(value)
         if array.dtype != spec.numpy_dtype:
             raise SchemaError(
                 f"sample {sample_id!r} field {spec.name!r}: dtype {array.dtype} but the store holds "

@@ -1,0 +1,63 @@
+"""torch tensors in and out of a torch-free store.
+
+featstore never imports torch: a tensor handed to the writer means torch is already imported
+by the caller, so it is taken from ``sys.modules``; a reader asked for tensors imports it then.
+bfloat16 crosses through its raw 16-bit pattern, because numpy has no bfloat16 of its own and
+``torch.from_numpy`` / ``tensor.numpy()`` reject ``ml_dtypes.bfloat16``; that view costs no copy.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from featstore.errors import SchemaError
+
+_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+FORMATS = ("numpy", "torch")
+
+
+def is_torch_tensor(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def tensor_to_numpy(value: Any) -> np.ndarray:
+    """A numpy view of a tensor's bytes on the CPU (copied from an accelerator; a tensor that
+    needs gradients is detached: the store keeps values, not graphs)."""
+    torch = sys.modules["torch"]
+    tensor = value.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    tensor = tensor.contiguous()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(_BFLOAT16)
+    try:
+        return tensor.numpy()
+    except TypeError as err:  # e.g. complex32, float8: dtypes no store field can hold
+        raise SchemaError(f"a tensor of dtype {tensor.dtype} cannot be stored ({err})") from None
+
+
+def as_array(value: Any) -> np.ndarray:
+    """What the writer stores for ``value``: a numpy array, a torch tensor, or anything numpy takes."""
+    return tensor_to_numpy(value) if is_torch_tensor(value) else np.asarray(value)
+
+
+def numpy_to_tensor(array: np.ndarray) -> Any:
+    """A torch tensor sharing ``array``'s memory, bfloat16 kept as bfloat16."""
+    import torch
+
+    if array.dtype == _BFLOAT16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def in_format(sample: dict[str, np.ndarray], format: str) -> dict[str, Any]:
+    if format == "numpy":
+        return sample
+    if format == "torch":
+        return {name: numpy_to_tensor(array) for name, array in sample.items()}
+    raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
