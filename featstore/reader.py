@@ -3,18 +3,19 @@
 ``Store`` takes one snapshot of the committed shards when it opens (the index parts listed then)
 and serves every read from it, so a reader of a store that is still growing sees one consistent
 set of shards. A sample read is, per field, one ranged read computed from the zarr shard index
-(``os.preadv`` locally, ``cat_ranges`` on fsspec), checked against the CRC-32C in the index.
+(``os.preadv`` locally, ``cat_ranges`` on fsspec), checked against the CRC-32C in the index;
+a sample is found by id (``read``) or by its position in the snapshot (``read_at``, ``store[i]``).
+Full scans read whole blocks of shards instead (featstore.scan).
 """
 
 from __future__ import annotations
 
 import io
-import math
+import operator
 import os
 import threading
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 import pyarrow as pa
@@ -26,6 +27,8 @@ from featstore import manifest as manifests
 # Arrow's thread pools can abort the interpreter at exit (apache/arrow#34314); index parts are
 # small, so every Parquet read and write here is single-threaded.
 from featstore.errors import CorruptionError, MissingFieldError, NotAStoreError, ReadOnlyError, SchemaError
+from featstore.sample import Sample
+from featstore.scan import DEFAULT_READAHEAD_BYTES, scan_samples
 from featstore.snapshot import ShardInfo, load_snapshot
 from featstore.storage import Storage, open_storage
 from featstore.tensors import in_format
@@ -258,10 +261,90 @@ class Store:
             return fields
         return [f for f in self.fields if self._holder[f][row] >= 0]
 
-    def read(self, sample_id: str, fields: Sequence[str] | None = None, *, format: str = "numpy") -> dict[str, Any]:
-        """One sample, exactly as written (dtype and shape); ``format="torch"`` gives tensors
-        sharing the read buffers (bfloat16 stays bfloat16)."""
-        return in_format(self.read_row(self.row(sample_id), fields), format)
+    @overload
+    def read(self, sample_id: str, fields: Sequence[str] | None = None, *, format: str = "numpy", with_meta: Literal[False] = False) -> dict[str, Any]: ...
+    @overload
+    def read(self, sample_id: str, fields: Sequence[str] | None = None, *, format: str = "numpy", with_meta: Literal[True]) -> Sample: ...
+
+    def read(self, sample_id: str, fields: Sequence[str] | None = None, *, format: str = "numpy", with_meta: bool = False) -> dict[str, Any] | Sample:
+        """One sample by id, exactly as written (dtype and shape): ``fields``, or every field it
+        has. ``format="torch"`` gives tensors sharing the read buffers (bfloat16 stays
+        bfloat16); ``with_meta=True`` a ``Sample`` that also carries its id and metadata."""
+        row = self.row(sample_id)
+        arrays = in_format(self.read_row(row, fields), format)
+        return Sample(self._ids[row], arrays, self._meta_of(row)) if with_meta else arrays
+
+    # ---- by position ----------------------------------------------------------------------
+    # A sample's position is its place in the snapshot's order: that of sample_ids(), scan()
+    # and the index's first rows (shard commit order, then the order within the shard).
+    def id_at(self, position: int) -> str:
+        """The id of the sample at ``position`` (negative counts from the end)."""
+        return self._ids[self._row_at(position)]
+
+    @overload
+    def read_at(self, position: int, fields: Sequence[str] | None = None, *, format: str = "numpy", with_meta: Literal[False] = False) -> dict[str, Any]: ...
+    @overload
+    def read_at(self, position: int, fields: Sequence[str] | None = None, *, format: str = "numpy", with_meta: Literal[True]) -> Sample: ...
+
+    def read_at(self, position: int, fields: Sequence[str] | None = None, *, format: str = "numpy", with_meta: bool = False) -> dict[str, Any] | Sample:
+        """The sample at ``position`` (``0 <= position < len(store)``, or negative from the end),
+        as ``read(store.id_at(position), ...)`` gives it; IndexError out of range."""
+        row = self._row_at(position)
+        arrays = in_format(self.read_row(row, fields), format)
+        return Sample(self._ids[row], arrays, self._meta_of(row)) if with_meta else arrays
+
+    def __getitem__(self, key: int | str) -> dict[str, Any]:
+        """``store[i]`` is ``read_at(i)``, ``store["id"]`` is ``read("id")``: every field, numpy.
+        With ``len()`` this makes a store a map-style dataset."""
+        if isinstance(key, str):
+            return self.read(key)
+        return self.read_at(key)
+
+    def _row_at(self, position: int) -> int:
+        if isinstance(position, (bool, np.bool_)) or not hasattr(position, "__index__"):
+            raise TypeError(f"a store is indexed by position (an int) or by sample id (a str), not {type(position).__name__}")
+        index = operator.index(position)
+        n = len(self._row_of)
+        if not -n <= index < n:
+            held = f"holds {n} samples (positions 0..{n - 1}, or -{n}..-1 from the end)" if n else "holds no samples"
+            raise IndexError(f"position {index} is out of range: {self.url} {held}")
+        index %= n
+        if self._dense:
+            return index  # every sample is one row, in order
+        rows = self.__dict__.get("_first_rows")
+        if rows is None:
+            rows = self._first_rows = np.fromiter(self._row_of.values(), dtype=np.int64, count=n)
+        return int(rows[index])
+
+    # ---- metadata -------------------------------------------------------------------------
+    @property
+    def meta_columns(self) -> list[str]:
+        """The index columns that hold per-sample metadata (caption, provenance, ...): every
+        column except ``id``, ``shard`` and the fields' ``<field>.offset/.shape/.crc32c``."""
+        return [c for c in self.index.column_names if "." not in c and c not in fmt.RESERVED_COLUMNS]
+
+    def meta(self, sample_id: str) -> dict[str, Any]:
+        """What the writer recorded for this sample with ``add(..., meta=...)``; keys it did not
+        set are absent. A sample whose fields were added by later shards has their rows' keys
+        too (its first row's value wins where both have one)."""
+        return self._meta_of(self.row(sample_id))
+
+    def _meta_of(self, row: int) -> dict[str, Any]:
+        columns = self.__dict__.get("_meta_lists")
+        if columns is None:
+            # Once per store, as Python lists: a per-row pyarrow scalar lookup costs microseconds
+            # per key, and a training loop may ask for every sample's metadata.
+            columns = self._meta_lists = {c: self.index.column(c).to_pylist() for c in self.meta_columns}
+        rows = [row]
+        if not self._dense:
+            rows += sorted({int(self._holder[f][row]) for f in self.fields if self._holder[f][row] > row})
+        meta: dict[str, Any] = {}
+        for name, values in columns.items():
+            for r in rows:
+                if values[r] is not None:
+                    meta[name] = values[r]
+                    break
+        return meta
 
     def read_row(self, row: int, fields: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """The sample whose row is ``row``: ``fields``, or every field it has."""
@@ -314,88 +397,35 @@ class Store:
                         raise CorruptionError(f"{self.url}: sample {self._ids[row]!r} field {name!r} in shard {self._shard_of[row]!r} fails its checksum")
         return samples
 
-    def iter_shard(self, shard: str, fields: Sequence[str] | None = None) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
-        """Every sample of one shard with the shard's fields (or ``fields``, which it must hold),
-        from one large read per field (the fast full-scan path)."""
+    def iter_shard(self, shard: str, fields: Sequence[str] | None = None, *, readahead_bytes: int = DEFAULT_READAHEAD_BYTES) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
+        """Every row of one shard with the shard's fields (or ``fields``, which it must hold), read
+        in large blocks as ``scan`` does (see ``scan`` for who owns the arrays)."""
         held = self.shards[shard].layouts
         if fields and self.shards[shard].num_samples and (absent := [f for f in fields if f not in held]):
             raise SchemaError(f"{self.url}: shard {shard!r} holds {sorted(held)}, not {absent}")
-        return self._samples_of(shard, self._read_shard(shard, fields), whole=False)
+        return scan_samples(self, [shard], fields, whole=False, readahead_bytes=readahead_bytes)
 
-    def _read_shard(self, shard: str, fields: Sequence[str] | None) -> dict[str, np.ndarray]:
-        """Each field's whole element run of ``shard``, flat, in one read per field (the fields
-        the shard holds, of ``fields`` if given)."""
-        specs = self.fields
-        layouts = self.shards[shard].layouts
-        buffers = {}
-        for name in fields or specs:
-            if name not in layouts:
-                continue
-            spec = specs[name]
-            buf = np.empty(layouts[name].elements * np.dtype(spec.zarr_dtype).itemsize, dtype=np.uint8)
-            if buf.size:
-                self.storage.read_ranges(self.shards[shard].data_key(name), self._ranges(shard, spec, 0, layouts[name].elements), buf)
-            buffers[name] = buf.view(spec.numpy_dtype)
-        return buffers
+    @overload
+    def scan(self, fields: Sequence[str] | None = None, *, readahead_bytes: int = ..., format: str = ..., with_meta: Literal[False] = False) -> Iterator[tuple[str, dict[str, Any]]]: ...
+    @overload
+    def scan(self, fields: Sequence[str] | None = None, *, readahead_bytes: int = ..., format: str = ..., with_meta: Literal[True]) -> Iterator[tuple[str, Sample]]: ...
 
-    def _samples_of(self, shard: str, buffers: dict[str, np.ndarray], *, whole: bool, fields: Sequence[str] | None = None) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
-        """The samples of ``shard`` from its field buffers. ``whole``: only samples whose first
-        row is here, with ``fields`` (default: all they have); fields held by other shards (added
-        to the store later) are read sample by sample."""
-        rows = self._shard_rows[shard]
-        # Per-field columns of this shard as plain lists: the loop below runs once per sample.
-        columns = {
-            name: (flat, self._shapes[name][rows.start : rows.stop], self._offsets[name][rows.start : rows.stop].tolist(), self._crcs[name][rows.start : rows.stop].tolist())
-            for name, flat in buffers.items()
-        }
-        # A dense store's shard has every field of every sample it lists: nothing to join.
-        whole = whole and not (self._dense and all(f in buffers for f in fields or self.fields))
-        elsewhere: dict[int, dict[str, np.ndarray]] = {}
-        if whole:
-            # Fields of this shard's samples that other shards hold: one batched read per field set.
-            wanted: dict[tuple[str, ...], list[int]] = {}
-            for row in rows:
-                if self._row_of[self._ids[row]] == row:
-                    names = tuple(f for f in self._fields_to_read(row, fields) if f not in buffers)
-                    if names:
-                        wanted.setdefault(names, []).append(row)
-            for names, group in wanted.items():
-                elsewhere.update(zip(group, self.read_rows(group, list(names)), strict=True))
-        for i, row in enumerate(rows):
-            sample_id = self._ids[row]
-            if whole and self._row_of[sample_id] != row:
-                continue  # this row adds fields to a sample listed earlier: yielded there
-            sample = {}
-            for name, (flat, shapes, offsets, crcs) in columns.items():
-                shape, start = shapes[i], offsets[i]
-                array = flat[start : start + math.prod(shape)].reshape(shape)
-                if self.verify_reads and fmt.crc32c(array) != crcs[i]:
-                    raise CorruptionError(f"{self.url}: sample {sample_id!r} field {name!r} in shard {shard!r} fails its checksum")
-                sample[name] = array
-            sample.update(elsewhere.get(row, {}))
-            yield sample_id, sample
+    def scan(self, fields: Sequence[str] | None = None, *, readahead_bytes: int = DEFAULT_READAHEAD_BYTES, format: str = "numpy", with_meta: bool = False) -> Iterator[tuple[str, Any]]:
+        """Every sample once, in position order, as ``(id, sample)`` with ``fields`` (default:
+        every field it has), CRC-checked, the same arrays per-sample reads give.
 
-    def scan(self, fields: Sequence[str] | None = None, readahead: int = 1) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
-        """Every sample once, shard by shard, with ``fields`` (default: every field it has). The
-        next ``readahead`` shards' bytes are read on a background thread (I/O releases the GIL)
-        while this thread checks and hands out the current one; memory is bounded by
-        ``readahead + 1`` shards. 0 reads in this thread."""
-        names = list(self.shards)
-        if readahead <= 0 or len(names) < 2:
-            for shard in names:
-                yield from self._samples_of(shard, self._read_shard(shard, fields), whole=True, fields=fields)
-            return
-        with ThreadPoolExecutor(1, thread_name_prefix="featstore-readahead") as pool:
-            ahead = [pool.submit(self._read_shard, s, fields) for s in names[:readahead]]
-            try:
-                for i, shard in enumerate(names):
-                    buffers = ahead.pop(0).result()
-                    if i + readahead < len(names):
-                        ahead.append(pool.submit(self._read_shard, names[i + readahead], fields))
-                    yield from self._samples_of(shard, buffers, whole=True, fields=fields)
-            finally:
-                for future in ahead:
-                    future.cancel()
+        Shards are read in sequential blocks of ~16 MiB (memory-mapped locally, one batched
+        ranged read per block elsewhere) loaded and checked on background threads up to
+        ``readahead_bytes`` ahead (0: all in this thread). The arrays view their block without a
+        copy; the store never reuses or overwrites a block, so a sample stays valid and unchanged
+        for as long as it is held (and holds its block: copy it to keep only it)."""
+        for field in fields or ():
+            if field not in self.fields:
+                raise SchemaError(f"{self.url} has no field {field!r} (fields: {sorted(self.fields)})")
+        in_format({}, format)  # an unknown format fails before any read
+        for sample_id, arrays in scan_samples(self, list(self.shards), fields, whole=True, readahead_bytes=readahead_bytes):
+            arrays = in_format(arrays, format)
+            yield sample_id, (Sample(sample_id, arrays, self._meta_of(self._row_of[sample_id])) if with_meta else arrays)
 
     def _ranges(self, shard: str, spec: fmt.FieldSpec, start: int, count: int) -> list[tuple[int, int]]:
         layout = self.shards[shard].layouts[spec.name]

@@ -1,7 +1,8 @@
 """A small key/value storage layer under the feature store: local disk or any fsspec URL.
 
 Two implementations of one interface, chosen from the URL. Local paths go straight to the OS
-(``os.preadv`` into caller-owned buffers, write-to-temp + ``os.replace`` for atomic commits),
+(``os.preadv`` into caller-owned buffers, ``mmap`` for full scans, write-to-temp +
+``os.replace`` for atomic commits),
 because per-call overhead, not bandwidth, decides small reads. Everything else (``memory://``,
 ``s3://``, ...) goes through fsspec, whose single-object PUTs are atomic and whose
 ``cat_ranges`` batches many ranged reads into few concurrent requests.
@@ -13,6 +14,7 @@ persists fails with a ``StorageError`` naming the object. Messages never carry c
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import uuid
@@ -55,6 +57,11 @@ class Storage:
         out = np.empty(end - start, dtype=np.uint8)
         self.read_ranges(key, [(start, end)], out)
         return out.tobytes()
+
+    def map_object(self, key: str, nbytes: int) -> np.ndarray | None:
+        """The whole object (of ``nbytes``, from its commit record) as a flat uint8 array backed by
+        the OS page cache, or None where objects cannot be mapped (then callers read ranges)."""
+        return None
 
     def write_atomic(self, key: str, data: bytes) -> None:
         """Publish ``data`` under ``key`` so that readers see all of it or nothing."""
@@ -167,6 +174,25 @@ class LocalStorage(Storage):
                 pos += want
         finally:
             self._release(entry)
+
+    def map_object(self, key: str, nbytes: int) -> np.ndarray | None:
+        # Copy-on-write (MAP_PRIVATE): arrays viewing the map are writable like any read's, and a
+        # write never reaches the file. The map lives as long as an array views it. Committed
+        # objects are never truncated (writers publish by rename), so checking the size once
+        # here keeps a short file from faulting (SIGBUS) later: it is refused as truncated.
+        if nbytes == 0:
+            return np.empty(0, dtype=np.uint8)
+        entry = self._acquire(key)
+        try:
+            size = os.fstat(entry[0]).st_size
+            if size < nbytes:
+                raise CorruptionError(f"{self._path(key)}: expected {nbytes} bytes, found {size} (truncated)")
+            mapped = mmap.mmap(entry[0], nbytes, access=mmap.ACCESS_COPY)
+        finally:
+            self._release(entry)
+        if hasattr(mapped, "madvise"):
+            mapped.madvise(mmap.MADV_SEQUENTIAL)  # a larger kernel read-ahead for a cold scan
+        return np.frombuffer(mapped, dtype=np.uint8)
 
     @staticmethod
     def _durable_temp(path: Path, parts: Iterable[Any]) -> Path:

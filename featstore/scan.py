@@ -1,0 +1,252 @@
+"""Full scans: shards read in large sequential blocks that their samples view without a copy.
+
+A shard's rows are cut into blocks of about ``BLOCK_BYTES`` (at sample boundaries; one sample
+bigger than that is a block of its own). Per field, a block's samples are one contiguous run of
+the field's object, so a block costs one sequential read per field:
+
+* locally the object is memory-mapped (copy-on-write), so the page cache *is* the buffer: no
+  read into a buffer of ours, no copy; a cold scan is told to read ahead sequentially;
+* elsewhere (object stores, ``memory://``, a cache over either) the block's ranges of every
+  field are fetched in one batched ``read_into`` (concurrent requests) into one new buffer.
+
+Blocks are loaded and CRC-checked on background threads, up to ``readahead_bytes`` ahead of the
+consumer: page faults, preadv and google_crc32c release the GIL, so the checks run beside the
+caller's work at memory speed, and the caller's thread only cuts views.
+
+Ownership rule: a block's buffer is never reused or written by the store. A yielded array views
+its block and keeps it alive (and nothing else does): hold samples as long as you like, they
+never change under you; they are writable, and a write never reaches the file or another
+sample's bytes. Holding one sample holds its block (locally only address space, since the pages
+are the page cache's; elsewhere up to ``BLOCK_BYTES`` of memory): ``np.array(x)`` keeps just it.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import google_crc32c
+import numpy as np
+
+from featstore.errors import CorruptionError
+
+if TYPE_CHECKING:
+    from featstore.reader import Store
+
+# Large enough that per-read costs vanish (and an object store's per-request latency), small
+# enough that a remote block in memory and a checked-but-unconsumed run stay modest.
+BLOCK_BYTES = 16 << 20
+DEFAULT_READAHEAD_BYTES = 128 << 20
+
+
+@dataclass
+class _Block:
+    shard: str
+    rows: range                      # index rows of the shard, in order
+    fields: dict[str, tuple[int, int]]  # field -> element range [lo, hi) of the block's samples
+    nbytes: int
+
+
+@dataclass
+class _Loaded:
+    block: _Block
+    flat: dict[str, np.ndarray]      # field -> uint8 bytes of elements [lo, hi)
+    elsewhere: dict[int, dict[str, np.ndarray]]  # row -> fields held by other shards
+    bad: tuple[int, str] | None      # (row, field) of the first sample failing its checksum
+
+
+def plan_blocks(store: Store, shard: str, fields: Sequence[str] | None, block_bytes: int | None = None) -> Iterator[_Block]:
+    """The blocks of ``shard`` with the fields it holds (of ``fields``, if given)."""
+    block_bytes = block_bytes or BLOCK_BYTES
+    held = store.shards[shard].layouts
+    specs = store.fields
+    names = [f for f in (fields or specs) if f in held]
+    rows = store._shard_rows[shard]
+    sizes = {f: [math.prod(s) for s in store._shapes[f][rows.start : rows.stop]] for f in names}
+    offsets = {f: store._offsets[f][rows.start : rows.stop].tolist() for f in names}
+    itemsize = {f: np.dtype(specs[f].zarr_dtype).itemsize for f in names}
+    start, nbytes = 0, 0
+    for i in range(len(rows)):
+        nbytes += sum(sizes[f][i] * itemsize[f] for f in names)
+        if nbytes >= block_bytes or i == len(rows) - 1:
+            span = range(start, i + 1)
+            ranges = {f: (min(offsets[f][j] for j in span), max(offsets[f][j] + sizes[f][j] for j in span)) for f in names}
+            yield _Block(shard, range(rows.start + start, rows.start + i + 1), ranges, nbytes)
+            start, nbytes = i + 1, 0
+
+
+class Scanner:
+    """Loads blocks for one scan of ``store`` and turns them into samples."""
+
+    def __init__(self, store: Store, fields: Sequence[str] | None, *, whole: bool) -> None:
+        self.store = store
+        self.fields = fields
+        # whole: a sample whose fields live in several shards is yielded once, with every field
+        # it has (or ``fields``), at its first row; otherwise each row with this shard's fields.
+        self.whole = whole and not (store._dense and all(f in store.fields for f in fields or ()))
+        self._maps: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+
+    # ---- loading (background threads) -----------------------------------------------------
+    def load(self, block: _Block) -> _Loaded:
+        store = self.store
+        info = store.shards[block.shard]
+        specs = store.fields
+        flat: dict[str, np.ndarray] = {}
+        requests = []
+        for name, (lo, hi) in block.fields.items():
+            spec = specs[name]
+            itemsize = np.dtype(spec.zarr_dtype).itemsize
+            ranges = store._ranges(block.shard, spec, lo, hi - lo)
+            key = info.data_key(name)
+            mapped = self._map(block.shard, name, key, info.objects[key]["nbytes"])
+            if mapped is not None and len(ranges) <= 1:
+                flat[name] = mapped[ranges[0][0] : ranges[0][1]] if ranges else mapped[:0]
+            elif mapped is not None:  # inner chunks not back to back (not what our writer makes)
+                flat[name] = np.concatenate([mapped[a:b] for a, b in ranges])
+            else:
+                flat[name] = np.empty((hi - lo) * itemsize, dtype=np.uint8)
+                requests.append((key, ranges, flat[name]))
+        if requests:
+            store.storage.read_into(requests)
+        bad = self._check(block, flat) if store.verify_reads else None
+        return _Loaded(block, flat, self._elsewhere(block, flat), bad)
+
+    def will_need(self, block: _Block) -> None:
+        """Start reading a local block's pages from disk (asynchronously) as it is queued, so a
+        cold scan keeps ``readahead_bytes`` of requests in flight instead of a page fault's worth."""
+        if self.store.storage.is_remote:
+            return
+        info = self.store.shards[block.shard]
+        for name, (lo, hi) in block.fields.items():
+            key = info.data_key(name)
+            mapped = self._map(block.shard, name, key, info.objects[key]["nbytes"])
+            ranges = self.store._ranges(block.shard, self.store.fields[name], lo, hi - lo)
+            if mapped is not None and ranges:
+                _will_need(mapped, ranges[0][0], ranges[-1][1])
+
+    def _map(self, shard: str, field: str, key: str, nbytes: int) -> np.ndarray | None:
+        if self.store.storage.is_remote:
+            return None
+        with self._lock:
+            mapped = self._maps.get((shard, field))
+            if mapped is None:
+                mapped = self.store.storage.map_object(key, nbytes)
+                if mapped is None:
+                    return None
+                self._maps[(shard, field)] = mapped
+                # Only the objects being loaded stay mapped here; samples keep their own maps alive.
+                while len(self._maps) > 8:
+                    self._maps.popitem(last=False)
+            return mapped
+
+    def _check(self, block: _Block, flat: dict[str, np.ndarray]) -> tuple[int, str] | None:
+        store = self.store
+        for name, (lo, _) in block.fields.items():
+            data, shapes = flat[name], store._shapes[name]
+            itemsize = np.dtype(store.fields[name].zarr_dtype).itemsize
+            offsets, crcs = store._offsets[name], store._crcs[name]
+            for row in block.rows:
+                at = (int(offsets[row]) - lo) * itemsize
+                if google_crc32c.extend(0, data[at : at + math.prod(shapes[row]) * itemsize]) != crcs[row]:
+                    return row, name
+        return None
+
+    def _elsewhere(self, block: _Block, flat: dict[str, np.ndarray]) -> dict[int, dict[str, np.ndarray]]:
+        """Fields of the block's samples that other shards hold (added to the store later)."""
+        if not self.whole:
+            return {}
+        store = self.store
+        wanted: dict[tuple[str, ...], list[int]] = {}
+        for row in block.rows:
+            if store._row_of[store._ids[row]] == row:
+                names = tuple(f for f in store._fields_to_read(row, self.fields) if f not in flat)
+                if names:
+                    wanted.setdefault(names, []).append(row)
+        out: dict[int, dict[str, np.ndarray]] = {}
+        for names, group in wanted.items():
+            out.update(zip(group, store.read_rows(group, list(names)), strict=True))
+        return out
+
+    # ---- handing out (the caller's thread) -------------------------------------------------
+    def samples(self, loaded: _Loaded) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
+        store, block = self.store, loaded.block
+        specs = store.fields
+        views = []
+        for name, (lo, _) in block.fields.items():
+            dtype = specs[name].numpy_dtype
+            views.append((name, loaded.flat[name], dtype, dtype.itemsize, lo, store._offsets[name], store._shapes[name]))
+        for row in block.rows:
+            sample_id = store._ids[row]
+            if self.whole and store._row_of[sample_id] != row:
+                continue  # this row adds fields to a sample listed earlier: yielded there
+            if loaded.bad is not None and loaded.bad[0] == row:
+                key = store.shards[block.shard].data_key(loaded.bad[1])
+                raise CorruptionError(
+                    f"{store.url}: sample {sample_id!r} field {loaded.bad[1]!r} in shard {block.shard!r} fails its checksum "
+                    f"(object {key}); run `mmcache verify {store.url}` for a full report"
+                )
+            sample = {}
+            for name, data, dtype, itemsize, lo, offsets, shapes in views:
+                shape = shapes[row]
+                at = (int(offsets[row]) - lo) * itemsize
+                sample[name] = data[at : at + math.prod(shape) * itemsize].view(dtype).reshape(shape)
+            if loaded.elsewhere:
+                sample.update(loaded.elsewhere.get(row, {}))
+            yield sample_id, sample
+
+
+def _will_need(mapped: np.ndarray, start: int, end: int) -> None:
+    """Ask the kernel to read a mapped range now, asynchronously, in large requests: a cold scan
+    otherwise faults page by page, each fault reading only the kernel's small read-ahead."""
+    madvise = getattr(mapped.base, "madvise", None)
+    if madvise is not None and end > start:
+        aligned = start - start % mmap.PAGESIZE
+        madvise(mmap.MADV_WILLNEED, aligned, end - aligned)
+
+
+def pipelined(blocks: Iterator[_Block], load: Callable[[_Block], _Loaded], readahead_bytes: int, workers: int,
+              queued: Callable[[_Block], None] = lambda block: None) -> Iterator[_Loaded]:
+    """``load`` of each block in order, up to ``readahead_bytes`` of blocks ahead of the one the
+    caller holds (always at least one), on ``workers`` threads; 0 loads in the caller's thread.
+    ``queued`` is told of each block as it is queued."""
+    if readahead_bytes <= 0:
+        yield from map(load, blocks)
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="featstore-scan") as pool:
+        ahead: deque[tuple[int, Future[_Loaded]]] = deque()
+        in_flight = 0
+        pending = iter(blocks)
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and (not ahead or in_flight < readahead_bytes):
+                    block = next(pending, None)
+                    if block is None:
+                        exhausted = True
+                        break
+                    queued(block)
+                    ahead.append((block.nbytes, pool.submit(load, block)))
+                    in_flight += block.nbytes
+                if not ahead:
+                    return
+                nbytes, future = ahead.popleft()
+                in_flight -= nbytes
+                yield future.result()
+        finally:
+            for _, future in ahead:
+                future.cancel()
+
+
+def scan_samples(store: Store, shards: Sequence[str], fields: Sequence[str] | None, *, whole: bool, readahead_bytes: int, block_bytes: int | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+    scanner = Scanner(store, fields, whole=whole)
+    blocks = (b for shard in shards for b in plan_blocks(store, shard, fields, block_bytes))
+    workers = 4 if store.storage.is_remote else 2
+    for loaded in pipelined(blocks, scanner.load, readahead_bytes, workers, scanner.will_need):
+        yield from scanner.samples(loaded)

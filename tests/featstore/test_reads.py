@@ -1,0 +1,215 @@
+"""Block scans, reads by position and metadata with samples, on local disk, memory:// and S3.
+
+Scans read shards in blocks (featstore.scan); BLOCK_BYTES is lowered here so that these small
+stores have many blocks per shard and many shards, as a real store of MB-sized samples has.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+import featstore
+from featstore import scan as scan_module
+from featstore.errors import CorruptionError, MissingFieldError, SchemaError
+from featstore.sample import Sample
+from tests.featstore.conformance import FIELDS, assert_same, ragged_samples
+
+BACKENDS = ["local", "memory", "s3"]
+
+
+def _url(backend: str, request, tmp_path) -> str:
+    if backend == "local":
+        return str(tmp_path / "store")
+    if backend == "memory":
+        return f"memory://reads-{uuid.uuid4().hex[:8]}"
+    return f"{request.getfixturevalue('s3_bucket')}/store"
+
+
+@pytest.fixture(params=BACKENDS)
+def url(request, tmp_path) -> str:
+    return _url(request.param, request, tmp_path)
+
+
+# Read-ahead in the caller's thread, a window of about two blocks, and the default; the object
+# stores (slower per test) with the default only.
+READAHEAD = [("local", 0), ("local", 1500), ("local", None), ("memory", 0), ("memory", None), ("s3", None)]
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(scan_module, "BLOCK_BYTES", 700)
+
+
+def _write(url: str, n: int = 30, shard_bytes: int = 1800) -> list:
+    samples = ragged_samples(n, seed=3)
+    with featstore.create(url, fields=FIELDS, shard_bytes=shard_bytes) as writer:
+        for sample_id, arrays, meta in samples:
+            writer.add(sample_id, arrays, meta)
+    return samples
+
+
+@pytest.mark.parametrize(("backend", "readahead_bytes"), READAHEAD)
+def test_scan_equals_per_sample_reads_and_holds_its_samples(backend, readahead_bytes, request, tmp_path):
+    url = _url(backend, request, tmp_path)
+    readahead_bytes = scan_module.DEFAULT_READAHEAD_BYTES if readahead_bytes is None else readahead_bytes
+    samples = _write(url, n=14 if backend == "s3" else 30)  # every request to moto costs ~10-50 ms
+    store = featstore.open(url)
+    assert len(store.shards) >= 3 and any(len(list(scan_module.plan_blocks(store, s, None))) > 2 for s in store.shards)
+    # Every sample is held until the end: a block reused or overwritten by a later read would
+    # show here as a changed earlier sample.
+    scanned = list(store.scan(readahead_bytes=readahead_bytes))
+    assert [sid for sid, _ in scanned] == store.sample_ids() == [s[0] for s in samples]
+    rereads = store.read_rows([store.row(s[0]) for s in samples])  # per sample (batched remotely)
+    for (sid, arrays, _), (_, got), reread in zip(samples, scanned, rereads, strict=True):
+        for name in FIELDS:
+            assert_same(got[name], arrays[name])
+            assert_same(got[name], reread[name])
+    per_shard = [pair for shard in store.shards for pair in store.iter_shard(shard, readahead_bytes=readahead_bytes)]
+    assert [sid for sid, _ in per_shard] == store.sample_ids()
+    for (_, a), (_, b) in zip(per_shard, scanned, strict=True):
+        assert_same(a["latent"], b["latent"])
+
+
+def test_a_sample_written_to_does_not_change_the_store_or_its_neighbours(tmp_path):
+    url = str(tmp_path / "store")
+    samples = _write(url)
+    store = featstore.open(url)
+    scanned = list(store.scan(["text"]))
+    first, second = scanned[0][1]["text"], scanned[1][1]["text"]
+    first[...] = 7  # writable (copy-on-write locally): the mapping's file is untouched
+    assert_same(second, samples[1][1]["text"])
+    assert_same(store.read(samples[0][0])["text"], samples[0][1]["text"])
+    assert_same(dict(featstore.open(url).scan(["text"]))[samples[0][0]]["text"], samples[0][1]["text"])
+
+
+def _corrupt(store, sample_id: str, field: str) -> str:
+    """Flip one byte of a sample's bytes in its shard's data object; returns the shard."""
+    row = store.row(sample_id)
+    shard = store.index.column("shard")[row].as_py()
+    key = store.shards[shard].data_key(field)
+    data = bytearray(store.storage.read(key))
+    itemsize = np.dtype(store.fields[field].zarr_dtype).itemsize
+    data[int(store.index.column(f"{field}.offset")[row].as_py()) * itemsize + 1] ^= 0x10
+    store.storage.write_atomic(key, bytes(data))
+    return shard
+
+
+@pytest.mark.parametrize(("backend", "readahead_bytes"), [p for p in READAHEAD if p[1] != 1500])
+def test_scan_detects_a_flipped_byte_naming_shard_and_sample(backend, readahead_bytes, request, tmp_path):
+    url = _url(backend, request, tmp_path)
+    readahead_bytes = scan_module.DEFAULT_READAHEAD_BYTES if readahead_bytes is None else readahead_bytes
+    samples = _write(url, n=20)
+    victim = samples[17][0]
+    shard = _corrupt(featstore.open(url), victim, "latent")
+    store = featstore.open(url)
+    seen = []
+    with pytest.raises(CorruptionError, match=rf"sample '{victim}' field 'latent' in shard '{shard}' fails its checksum"):
+        for sid, _ in store.scan(readahead_bytes=readahead_bytes):
+            seen.append(sid)
+    assert seen == [s[0] for s in samples[:17]]  # every sample before the damaged one, then the error
+    with pytest.raises(CorruptionError, match=victim):
+        list(store.iter_shard(shard))
+    unchecked = featstore.open(url, verify_reads=False)
+    assert len(list(unchecked.scan())) == len(samples)
+
+
+def test_truncated_local_object_is_an_error_not_a_crash(tmp_path):
+    url = str(tmp_path / "store")
+    _write(url)
+    store = featstore.open(url)
+    shard = next(iter(store.shards))
+    path = tmp_path / "store" / store.shards[shard].data_key("text")
+    path.write_bytes(path.read_bytes()[:100])  # a mapping past the end would SIGBUS
+    with pytest.raises(CorruptionError, match="truncated"):
+        list(featstore.open(url).scan())
+
+
+def test_read_by_position_equals_read_by_id_in_snapshot_order(url):
+    samples = _write(url, n=8)
+    store = featstore.open(url)
+    ids = store.sample_ids()
+    for position, sample_id in enumerate(ids):
+        assert store.id_at(position) == sample_id == store.id_at(position - len(ids))
+        by_id, by_position = store.read(sample_id), store.read_at(position)
+        assert_same(by_position["latent"], by_id["latent"])
+        assert_same(store[position]["text"], by_id["text"])
+        assert_same(store[np.int64(position)]["text"], by_id["text"])
+        assert_same(store[sample_id]["latent"], by_id["latent"])
+    assert_same(store[-1]["latent"], samples[-1][1]["latent"])
+    assert list(store.read_at(0, ["text"])) == ["text"]
+    for bad in (len(ids), -len(ids) - 1):
+        with pytest.raises(IndexError, match=rf"position {bad} is out of range: .* holds 8 samples \(positions 0..7"):
+            store.read_at(bad)
+    for bad in (1.0, True, None):
+        with pytest.raises(TypeError, match="indexed by position"):
+            store[bad]
+    with pytest.raises(KeyError, match="nope"):
+        store["nope"]
+
+
+def test_positions_and_metadata_when_fields_were_added_later(tmp_path):
+    url = str(tmp_path / "store")
+    samples = _write(url, n=8)
+    store = featstore.open(url, mode="a")
+    store.add_fields({"vit": "float32"})
+    rng = np.random.default_rng(5)
+    vit = {sid: rng.standard_normal((2, 3), dtype=np.float32) for sid, _, _ in samples[2:6]}
+    with store.writer(fields=["vit"], shard_prefix="0000") as writer:
+        for sid, array in vit.items():
+            writer.add(sid, {"vit": array}, {"vit_source": f"image of {sid}", "caption": "later, ignored"})
+    after = featstore.open(url)
+    assert after.index.num_rows == 12 and len(after) == 8
+    assert [after.id_at(i) for i in range(8)] == after.sample_ids() == [s[0] for s in samples]
+    for i, (sid, arrays, meta) in enumerate(samples):
+        got = after.read_at(i, with_meta=True)
+        assert got.id == sid and set(got) == ({"latent", "text", "vit"} if sid in vit else {"latent", "text"})
+        assert_same(got["latent"], arrays["latent"])
+        # The first row's caption wins; the added field's own metadata comes along.
+        assert got.meta == ({**meta, "vit_source": f"image of {sid}"} if sid in vit else meta)
+    with pytest.raises(IndexError):
+        after.read_at(8)
+    scanned = list(after.scan(with_meta=True))
+    assert [s.meta for _, s in scanned] == [after.meta(sid) for sid in after.sample_ids()]
+    with pytest.raises(MissingFieldError):
+        list(after.scan(["vit"]))
+
+
+def test_metadata_comes_with_a_sample(url):
+    samples = _write(url, n=10)
+    store = featstore.open(url)
+    assert store.meta_columns == ["caption", "frames"]
+    sample_id, arrays, meta = samples[4]
+    got = store.read(sample_id, with_meta=True)
+    assert isinstance(got, Sample) and got.id == sample_id and got.meta == meta == store.meta(sample_id)
+    assert dict(got).keys() == arrays.keys() and len(got) == 2
+    assert_same(got["latent"], arrays["latent"])
+    assert store.read(sample_id).keys() == arrays.keys()  # without it, the plain dict as before
+    as_torch = store.read_at(4, ["latent"], format="torch", with_meta=True)
+    assert as_torch["latent"].dtype == torch.bfloat16 and as_torch.meta["caption"] == "caption 4"
+    for (sid, s), (want_id, _, want_meta) in zip(store.scan(["text"], with_meta=True), samples, strict=True):
+        assert sid == s.id == want_id and s.meta == want_meta and list(s) == ["text"]
+
+
+def test_metadata_keys_a_sample_did_not_set_are_absent(tmp_path):
+    url = str(tmp_path / "store")
+    with featstore.create(url, fields={"x": "int8"}) as writer:
+        writer.add("a", {"x": np.zeros(2, np.int8)}, {"caption": "one", "source": "s3://b/a.jpg"})
+        writer.add("b", {"x": np.zeros(1, np.int8)})
+    store = featstore.open(url)
+    assert store.meta("a") == {"caption": "one", "source": "s3://b/a.jpg"} and store.meta("b") == {}
+
+
+def test_scan_refuses_unknown_fields_and_formats_before_reading(tmp_path):
+    url = str(tmp_path / "store")
+    _write(url, n=3)
+    store = featstore.open(url)
+    with pytest.raises(SchemaError, match="no field 'nope'"):
+        next(store.scan(["nope"]))
+    with pytest.raises(ValueError, match="format must be one of"):
+        next(store.scan(format="jax"))
+    got = dict(store.scan(format="torch"))
+    assert all(t["latent"].dtype == torch.bfloat16 for t in got.values())
