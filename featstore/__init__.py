@@ -5,6 +5,8 @@
         w.add("sample-0", {"latent": latent, "text": text}, meta={"caption": "a cat"})
     s = featstore.open("./st")
     s.read("sample-0")          # {"latent": np.ndarray[bfloat16], "text": ...}, exact
+    s[0], s.read_at(-1)         # by position in the snapshot's order
+    s.read("sample-0", with_meta=True).meta["caption"]  # a Sample: the arrays, .id, .meta
     s.index                     # pyarrow.Table, one row per sample (per shard it has fields in)
 
 This package imports neither torch nor dask: anything that reads numpy can use it.
@@ -33,6 +35,7 @@ from featstore.errors import (
 from featstore.copy import copy_store
 from featstore.format import FORMAT_VERSION, FieldSpec
 from featstore.reader import Store, create_store, open_store
+from featstore.sample import Sample
 from featstore.writer import StoreWriter
 
 __all__ = [
@@ -48,6 +51,7 @@ __all__ = [
     "MissingFieldError",
     "NotAStoreError",
     "ReadOnlyError",
+    "Sample",
     "SchemaError",
     "SnapshotError",
     "StorageError",

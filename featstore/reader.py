@@ -300,6 +300,10 @@ class Store:
             return self.read(key)
         return self.read_at(key)
 
+    def __iter__(self) -> Iterator[Any]:
+        # Without this, __getitem__ + __len__ would make `for x in store` a loop of single reads.
+        raise TypeError("a Store is not iterated directly: use store.scan() for (id, sample) pairs, or store.sample_ids()")
+
     def _row_at(self, position: int) -> int:
         if isinstance(position, (bool, np.bool_)) or not hasattr(position, "__index__"):
             raise TypeError(f"a store is indexed by position (an int) or by sample id (a str), not {type(position).__name__}")

@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 # enough that a remote block in memory and a checked-but-unconsumed run stay modest.
 BLOCK_BYTES = 16 << 20
 DEFAULT_READAHEAD_BYTES = 128 << 20
+# Blocks whose samples average at least this are CRC-checked on the loading threads.
+CHECK_AHEAD_BYTES = 256 << 10
 
 
 @dataclass
@@ -59,6 +61,7 @@ class _Loaded:
     flat: dict[str, np.ndarray]      # field -> uint8 bytes of elements [lo, hi)
     elsewhere: dict[int, dict[str, np.ndarray]]  # row -> fields held by other shards
     bad: tuple[int, str] | None      # (row, field) of the first sample failing its checksum
+    checked: bool                    # checksums checked (else the consumer checks each sample)
 
 
 def plan_blocks(store: Store, shard: str, fields: Sequence[str] | None, block_bytes: int | None = None) -> Iterator[_Block]:
@@ -115,8 +118,15 @@ class Scanner:
                 requests.append((key, ranges, flat[name]))
         if requests:
             store.storage.read_into(requests)
-        bad = self._check(block, flat) if store.verify_reads else None
-        return _Loaded(block, flat, self._elsewhere(block, flat), bad)
+        # Large samples are checked here, beside the consumer: the GIL is released for each long
+        # CRC. Small ones are checked as they are handed out: here, thousands of short calls
+        # would pass the GIL back and forth with the consumer's loop, which costs more.
+        checked = store.verify_reads and block.nbytes >= CHECK_AHEAD_BYTES * len(block.rows)
+        bad = self._check(block, flat) if checked else None
+        if not checked:
+            for array in flat.values():
+                _populate(array)
+        return _Loaded(block, flat, self._elsewhere(block, flat), bad, checked)
 
     def will_need(self, block: _Block) -> None:
         """Start reading a local block's pages from disk (asynchronously) as it is queued, so a
@@ -146,17 +156,31 @@ class Scanner:
                     self._maps.popitem(last=False)
             return mapped
 
+    def _yielded(self, block: _Block) -> list[int]:
+        if not self.whole:
+            return list(block.rows)
+        ids, first = self.store._ids, self.store._row_of
+        return [row for row in block.rows if first[ids[row]] == row]
+
     def _check(self, block: _Block, flat: dict[str, np.ndarray]) -> tuple[int, str] | None:
+        """The first (row, field) that fails its CRC-32C, of the rows this scan yields (rows it
+        skips are duplicates readers ignore, or fields read for their sample from here anyway,
+        with their own check, by ``_elsewhere``)."""
         store = self.store
+        rows = self._yielded(block)
+        bad: tuple[int, str] | None = None
         for name, (lo, _) in block.fields.items():
             data, shapes = flat[name], store._shapes[name]
             itemsize = np.dtype(store.fields[name].zarr_dtype).itemsize
             offsets, crcs = store._offsets[name], store._crcs[name]
-            for row in block.rows:
+            for row in rows:
+                if bad is not None and row >= bad[0]:
+                    break
                 at = (int(offsets[row]) - lo) * itemsize
                 if google_crc32c.extend(0, data[at : at + math.prod(shapes[row]) * itemsize]) != crcs[row]:
-                    return row, name
-        return None
+                    bad = (row, name)
+                    break
+        return bad
 
     def _elsewhere(self, block: _Block, flat: dict[str, np.ndarray]) -> dict[int, dict[str, np.ndarray]]:
         """Fields of the block's samples that other shards hold (added to the store later)."""
@@ -178,35 +202,73 @@ class Scanner:
     def samples(self, loaded: _Loaded) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
         store, block = self.store, loaded.block
         specs = store.fields
+        first, stop = block.rows.start, block.rows.stop
+        # Per-field columns of the block as plain lists: the loop below runs once per sample.
         views = []
         for name, (lo, _) in block.fields.items():
             dtype = specs[name].numpy_dtype
-            views.append((name, loaded.flat[name], dtype, dtype.itemsize, lo, store._offsets[name], store._shapes[name]))
-        for row in block.rows:
+            views.append((name, loaded.flat[name], dtype, dtype.itemsize, lo, store._offsets[name][first:stop].tolist(),
+                          store._shapes[name][first:stop], store._crcs[name][first:stop].tolist()))
+        check_here = store.verify_reads and not loaded.checked
+        for i, row in enumerate(block.rows):
             sample_id = store._ids[row]
             if self.whole and store._row_of[sample_id] != row:
                 continue  # this row adds fields to a sample listed earlier: yielded there
             if loaded.bad is not None and loaded.bad[0] == row:
-                key = store.shards[block.shard].data_key(loaded.bad[1])
-                raise CorruptionError(
-                    f"{store.url}: sample {sample_id!r} field {loaded.bad[1]!r} in shard {block.shard!r} fails its checksum "
-                    f"(object {key}); run `mmcache verify {store.url}` for a full report"
-                )
+                raise self._corrupt(block.shard, sample_id, loaded.bad[1])
             sample = {}
-            for name, data, dtype, itemsize, lo, offsets, shapes in views:
-                shape = shapes[row]
-                at = (int(offsets[row]) - lo) * itemsize
-                sample[name] = data[at : at + math.prod(shape) * itemsize].view(dtype).reshape(shape)
+            for name, data, dtype, itemsize, lo, offsets, shapes, crcs in views:
+                shape = shapes[i]
+                at = (offsets[i] - lo) * itemsize
+                raw = data[at : at + math.prod(shape) * itemsize]
+                if check_here and google_crc32c.extend(0, raw) != crcs[i]:
+                    raise self._corrupt(block.shard, sample_id, name)
+                sample[name] = raw.view(dtype).reshape(shape)
             if loaded.elsewhere:
                 sample.update(loaded.elsewhere.get(row, {}))
             yield sample_id, sample
+
+    def _corrupt(self, shard: str, sample_id: str, field: str) -> CorruptionError:
+        store = self.store
+        return CorruptionError(
+            f"{store.url}: sample {sample_id!r} field {field!r} in shard {shard!r} fails its checksum "
+            f"(object {store.shards[shard].data_key(field)}); run `mmcache verify {store.url}` for a full report"
+        )
+
+
+def _populate(view: np.ndarray) -> None:
+    """Map a mapped block's pages in now, on this (loading) thread, in one call, rather than
+    one page fault after another on the consumer's (Linux 5.14+; elsewhere a no-op)."""
+    owner, mapping = _mapping_of(view)
+    if mapping is None or not view.size:
+        return
+    madvise = mapping.madvise
+    start = view.__array_interface__["data"][0] - owner.__array_interface__["data"][0]
+    aligned = start - start % mmap.PAGESIZE
+    try:
+        madvise(_MADV_POPULATE_READ, aligned, start + view.size - aligned)
+    except OSError:
+        pass  # an older kernel: the consumer's page faults do the same, a page at a time
+
+
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux's value; Python 3.11 lacks the name
+
+
+def _mapping_of(view: np.ndarray) -> tuple[np.ndarray, mmap.mmap | None]:
+    """(the array over the whole mapping, the mmap) that ``view`` is a view of, if it is one."""
+    owner = view
+    while isinstance(owner.base, np.ndarray):
+        owner = owner.base
+    exporter = owner.base.obj if isinstance(owner.base, memoryview) else owner.base  # numpy 2 wraps it
+    return owner, exporter if isinstance(exporter, mmap.mmap) else None
 
 
 def _will_need(mapped: np.ndarray, start: int, end: int) -> None:
     """Ask the kernel to read a mapped range now, asynchronously, in large requests: a cold scan
     otherwise faults page by page, each fault reading only the kernel's small read-ahead."""
-    madvise = getattr(mapped.base, "madvise", None)
-    if madvise is not None and end > start:
+    mapping = _mapping_of(mapped)[1]
+    if mapping is not None and end > start:
+        madvise = mapping.madvise
         aligned = start - start % mmap.PAGESIZE
         madvise(mmap.MADV_WILLNEED, aligned, end - aligned)
 

@@ -149,6 +149,8 @@ def test_read_by_position_equals_read_by_id_in_snapshot_order(url):
             store[bad]
     with pytest.raises(KeyError, match="nope"):
         store["nope"]
+    with pytest.raises(TypeError, match="store.scan()"):
+        list(store)
 
 
 def test_positions_and_metadata_when_fields_were_added_later(tmp_path):
