@@ -351,7 +351,9 @@ class Store:
         return meta
 
     def read_row(self, row: int, fields: Sequence[str] | None = None) -> dict[str, np.ndarray]:
-        """The sample whose row is ``row``: ``fields``, or every field it has."""
+        """The sample whose index row is ``row`` (``store.row(id)``, a row of ``store.index``):
+        ``fields``, or every field it has. Not a position: where fields were added to a store
+        later, a sample has several index rows; ``read_at`` takes positions."""
         specs = self.fields
         out = {}
         first = row

@@ -5,7 +5,9 @@ bigger than that is a block of its own). Per field, a block's samples are one co
 the field's object, so a block costs one sequential read per field:
 
 * locally the object is memory-mapped (copy-on-write), so the page cache *is* the buffer: no
-  read into a buffer of ours, no copy; a cold scan is told to read ahead sequentially;
+  read into a buffer of ours, no copy; a cold scan is told to read ahead sequentially. (The
+  price: a disk that fails a read under a mapping raises SIGBUS, not OSError. A file shorter
+  than its commit record says is refused before it is mapped.)
 * elsewhere (object stores, ``memory://``, a cache over either) the block's ranges of every
   field are fetched in one batched ``read_into`` (concurrent requests) into one new buffer.
 
@@ -23,6 +25,7 @@ are the page cache's; elsewhere up to ``BLOCK_BYTES`` of memory): ``np.array(x)`
 from __future__ import annotations
 
 import math
+import os
 import mmap
 import threading
 from collections import OrderedDict, deque
@@ -309,6 +312,7 @@ def pipelined(blocks: Iterator[_Block], load: Callable[[_Block], _Loaded], reada
 def scan_samples(store: Store, shards: Sequence[str], fields: Sequence[str] | None, *, whole: bool, readahead_bytes: int, block_bytes: int | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
     scanner = Scanner(store, fields, whole=whole)
     blocks = (b for shard in shards for b in plan_blocks(store, shard, fields, block_bytes))
-    workers = 4 if store.storage.is_remote else 2
+    # Remote: requests in flight. Local: threads checking CRCs (one per core, a few at most).
+    workers = 4 if store.storage.is_remote else max(2, min(4, os.cpu_count() or 2))
     for loaded in pipelined(blocks, scanner.load, readahead_bytes, workers, scanner.will_need):
         yield from scanner.samples(loaded)

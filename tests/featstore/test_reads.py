@@ -117,6 +117,24 @@ def test_scan_detects_a_flipped_byte_naming_shard_and_sample(backend, readahead_
     assert len(list(unchecked.scan())) == len(samples)
 
 
+@pytest.mark.parametrize("where", ["loading threads", "consumer"])
+def test_both_places_a_checksum_is_checked_catch_a_flipped_byte(where, tmp_path, monkeypatch):
+    # Blocks of large samples are checked where they are loaded, blocks of small ones as each
+    # sample is handed out; the threshold moves every block of this store to one or the other.
+    monkeypatch.setattr(scan_module, "CHECK_AHEAD_BYTES", 0 if where == "loading threads" else 1 << 40)
+    url = str(tmp_path / "store")
+    samples = _write(url, n=20)
+    clean = featstore.open(url)
+    for (_, got), (_, arrays, _) in zip(clean.scan(), samples, strict=True):
+        assert_same(got["text"], arrays["text"])
+    shard = _corrupt(clean, samples[11][0], "text")
+    seen = []
+    with pytest.raises(CorruptionError, match=rf"sample '{samples[11][0]}' field 'text' in shard '{shard}'"):
+        for sid, _ in featstore.open(url).scan():
+            seen.append(sid)
+    assert seen == [s[0] for s in samples[:11]]
+
+
 def test_truncated_local_object_is_an_error_not_a_crash(tmp_path):
     url = str(tmp_path / "store")
     _write(url)
