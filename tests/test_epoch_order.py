@@ -211,22 +211,22 @@ def records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_fit_from_s3_reports_the_cache_per_epoch_and_ranks_agree(s3_store, tmp_path):
+def test_fit_from_s3_on_two_ranks_reports_the_cache_per_epoch(s3_store, tmp_path):
+    # Two ranks sharing one cache directory (the ranks of a node): the counters are summed over
+    # them, so the epoch record is what the node downloaded. (That the ranks train on the same
+    # global batches as one process is test_same_batches_at_any_world_size_and_after_a_resume
+    # plus test_train's parity tests, which hold for any order the stream hands out.)
     bound = sum(shard_read_bytes(featstore.open(s3_store), ["latent", "text_emb"])) // 4
     epoch = SHARDS * PER_SHARD // 8
-    steps = ["--steps", str(epoch + 2)]
-    one = mmtrain_fit(s3_store, tmp_path / "one", *steps, "--cache-dir", str(tmp_path / "c1"), "--set", f"data.cache_bytes={bound}")
-    assert "windows of 3 shard(s)" in one.stdout and "epoch 0: downloaded" in one.stdout
-    info = json.loads((tmp_path / "one" / "run.json").read_text())
-    assert info["data_order"] == {"shuffle_window": 3, "shards": SHARDS}
-    summary = [r["epoch_cache"] for r in records(tmp_path / "one") if "epoch_cache" in r]
+    run = tmp_path / "run"
+    result = mmtrain_fit(s3_store, run, "--steps", str(epoch + 2), "--cache-dir", str(tmp_path / "cache"), "--set", f"data.cache_bytes={bound}", nproc=2)
+    assert "windows of 3 shard(s)" in result.stdout and "epoch 0: downloaded" in result.stdout
+    info = json.loads((run / "run.json").read_text())
+    assert info["data_order"] == {"shuffle_window": 3, "shards": SHARDS} and info["world_size"] == 2
+    rows = records(run)
+    assert len(rows) == epoch + 2 and all("cache_bytes_downloaded" in r for r in rows)
+    summary = [r["epoch_cache"] for r in rows if "epoch_cache" in r]
     assert len(summary) == 1 and summary[0]["epoch"] == 0 and summary[0]["steps"] == epoch
+    # Both ranks' reads: the epoch's samples once (plus each rank's own copy of the chunk indexes).
+    assert summary[0]["store_bytes"] <= summary[0]["bytes_read"] <= 1.01 * summary[0]["store_bytes"]
     assert summary[0]["download_ratio"] <= 1.3 and summary[0]["hit_rate"] > 0.5
-    # Two ranks sharing one cache directory: the same losses (same batches) and, summed over
-    # the ranks, the same bytes downloaded per epoch as one process.
-    two = tmp_path / "two"
-    mmtrain_fit(s3_store, two, *steps, "--cache-dir", str(tmp_path / "c2"), "--set", f"data.cache_bytes={bound}", nproc=2)
-    for a, b in zip(records(tmp_path / "one"), records(two), strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
-    summary2 = next(r["epoch_cache"] for r in records(two) if "epoch_cache" in r)
-    assert summary2["download_ratio"] <= 1.3
