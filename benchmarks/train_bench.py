@@ -376,37 +376,16 @@ def zero3_state(store: str, work: Path, world: int) -> dict:
 # ---- part 5: a store bigger than the cache -------------------------------------------------------
 
 
-def write_big_store(url: str, shards: int, per_shard: int) -> None:
-    """DiT-shaped features: 16x1x32x32 bf16 latents (two shapes), ragged 64-wide text states."""
-    import ml_dtypes
-    import numpy as np
-
-    import featstore
-
-    rng = np.random.default_rng(0)
-    fields = {"latent": {"dtype": "bfloat16", "ndim": 4, "meta": {"latent_channels": 16, "scaling_factor": 1.0}},
-              "text_emb": {"dtype": "bfloat16", "ndim": 2, "meta": {"hidden_size": 64}}}
-    writer = featstore.create(url, fields=fields, shard_bytes=10**12)
-    for i in range(shards * per_shard):
-        h, w = (32, 32) if i % 4 else (16, 64)
-        writer.add(f"s{i:05d}", {
-            "latent": rng.standard_normal((16, 1, h, w), dtype=np.float32).astype(ml_dtypes.bfloat16),
-            "text_emb": rng.standard_normal((int(rng.integers(8, 40)), 64), dtype=np.float32).astype(ml_dtypes.bfloat16),
-        })
-        if i % per_shard == per_shard - 1:
-            writer.commit(f"shard-{i // per_shard:04d}")
-    writer.close()
-
-
 def cache_bench(work: Path, threads: int, shards: int = 48, per_shard: int = 16) -> dict:
     import featstore
     from tests.s3_server import S3Server
+    from tests.test_epoch_order import write_store
     from train.order import shard_read_bytes
 
     server = S3Server()
     try:
         local = str(work / "big-store")
-        write_big_store(local, shards, per_shard)
+        write_store(local, shards, per_shard, channels=16, side=32, text_dim=64, max_text=40)
         remote = f"{server.make_bucket()}/big-store"
         featstore.copy_store(local, remote, dst_options={"endpoint_url": server.endpoint, "key": server.env()["AWS_ACCESS_KEY_ID"], "secret": server.env()["AWS_SECRET_ACCESS_KEY"]})
         store_bytes = sum(shard_read_bytes(featstore.open(local), ["latent", "text_emb"]))

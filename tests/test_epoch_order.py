@@ -29,24 +29,24 @@ from train.packing import SAMPLE_ID
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[1]
 SHARDS, PER_SHARD = 32, 8
-FIELDS = {
-    "latent": {"dtype": "bfloat16", "ndim": 4, "meta": {"latent_channels": 4, "scaling_factor": 1.0}},
-    "text_emb": {"dtype": "bfloat16", "ndim": 2, "meta": {"hidden_size": 16}},
-}
 
 
-def write_store(url: str) -> None:
-    """SHARDS shards of PER_SHARD DiT-shaped samples (two latent shapes, ragged texts)."""
+def write_store(url: str, shards: int = SHARDS, per_shard: int = PER_SHARD, *, channels: int = 4, side: int = 16, text_dim: int = 16,
+                max_text: int = 10) -> None:
+    """``shards`` shards of ``per_shard`` DiT-shaped samples: latents channels x 1 x side x side
+    (and a wide shape every third sample), ragged text states (benchmarks/train_bench.py too)."""
     rng = np.random.default_rng(0)
-    writer = featstore.create(url, fields=FIELDS, shard_bytes=10**9)
-    for i in range(SHARDS * PER_SHARD):
-        h, w = (16, 16) if i % 3 else (8, 32)
-        writer.add(f"s{i:04d}", {
-            "latent": rng.standard_normal((4, 1, h, w), dtype=np.float32).astype(ml_dtypes.bfloat16),
-            "text_emb": rng.standard_normal((int(rng.integers(3, 10)), 16), dtype=np.float32).astype(ml_dtypes.bfloat16),
+    fields = {"latent": {"dtype": "bfloat16", "ndim": 4, "meta": {"latent_channels": channels, "scaling_factor": 1.0}},
+              "text_emb": {"dtype": "bfloat16", "ndim": 2, "meta": {"hidden_size": text_dim}}}
+    writer = featstore.create(url, fields=fields, shard_bytes=10**12)
+    for i in range(shards * per_shard):
+        h, w = (side, side) if i % 3 else (side // 2, side * 2)
+        writer.add(f"s{i:05d}", {
+            "latent": rng.standard_normal((channels, 1, h, w), dtype=np.float32).astype(ml_dtypes.bfloat16),
+            "text_emb": rng.standard_normal((int(rng.integers(3, max_text)), text_dim), dtype=np.float32).astype(ml_dtypes.bfloat16),
         })
-        if i % PER_SHARD == PER_SHARD - 1:
-            writer.commit(f"shard-{i // PER_SHARD:03d}")
+        if i % per_shard == per_shard - 1:
+            writer.commit(f"shard-{i // per_shard:04d}")
     writer.close()
 
 
