@@ -120,6 +120,9 @@ def test_window_from_the_cache_size_and_kept_on_resume(local_store):
     assert auto_window(int(sum(sizes) * 10), sizes) is None  # the store fits twice over
     assert auto_window(int(8 * mean), sizes) == 3  # two windows of 3 under 90% of 8 shards
     assert auto_window(int(mean), sizes) == 1
+    # Room is kept for the steps in flight: here 3 shards' worth of samples.
+    assert auto_window(int(8 * mean), sizes, in_flight_bytes=3 * mean) == 2
+    assert auto_window(int(2 * mean), sizes, in_flight_bytes=3 * mean) == 1  # too small: the trainer warns
     assert resolve_window(None, int(8 * mean), sizes, None) == 3
     assert resolve_window(5, int(8 * mean), sizes, None) == 5
     assert resolve_window(SHARDS, None, sizes, None) is None
@@ -220,9 +223,10 @@ def test_fit_from_s3_on_two_ranks_reports_the_cache_per_epoch(s3_store, tmp_path
     epoch = SHARDS * PER_SHARD // 8
     run = tmp_path / "run"
     result = mmtrain_fit(s3_store, run, "--steps", str(epoch + 2), "--cache-dir", str(tmp_path / "cache"), "--set", f"data.cache_bytes={bound}", nproc=2)
-    assert "windows of 3 shard(s)" in result.stdout and "epoch 0: downloaded" in result.stdout
+    # Cache: 8 shards' worth; 90% of it less 3 global batches of 8 (3 shards) leaves two windows of 2.
+    assert "windows of 2 shard(s)" in result.stdout and "epoch 0: downloaded" in result.stdout and "warning" not in result.stdout
     info = json.loads((run / "run.json").read_text())
-    assert info["data_order"] == {"shuffle_window": 3, "shards": SHARDS} and info["world_size"] == 2
+    assert info["data_order"] == {"shuffle_window": 2, "shards": SHARDS} and info["world_size"] == 2
     rows = records(run)
     assert len(rows) == epoch + 2 and all("cache_bytes_downloaded" in r for r in rows)
     summary = [r["epoch_cache"] for r in rows if "epoch_cache" in r]

@@ -71,18 +71,22 @@ def shard_read_bytes(store: featstore.Store, fields: Sequence[str]) -> list[int]
     return out
 
 
-def auto_window(cache_bytes: int | None, shard_bytes: Sequence[int]) -> int | None:
-    """Shards per window so that two windows fit under the cache's low-water mark: one being
-    read while the next arrives (a step spans two windows and the reader runs ahead). None (a
-    global permutation) without a cache bound, or when the whole store fits that way."""
+def auto_window(cache_bytes: int | None, shard_bytes: Sequence[int], in_flight_bytes: float = 0.0) -> int | None:
+    """Shards per window so that two windows fit under the cache's low-water mark beside the
+    steps in flight (``in_flight_bytes``: what the reader may need at once besides, e.g. the
+    global batches read ahead; a big step spans several windows): one window being read while
+    the next arrives. At least 1; None (a global permutation) without a cache bound, or when the
+    whole store fits that way."""
     sizes = [b for b in shard_bytes if b > 0]
     if cache_bytes is None or not sizes:
         return None
-    window = max(1, math.floor(LOW_WATER * cache_bytes / (2 * (sum(sizes) / len(sizes)))))
+    room = LOW_WATER * cache_bytes - in_flight_bytes
+    window = max(1, math.floor(room / (2 * (sum(sizes) / len(sizes)))))
     return None if window >= len(sizes) else window
 
 
-def resolve_window(setting: int | None, cache_bytes: int | None, shard_bytes: Sequence[int], recorded: dict | None) -> int | None:
+def resolve_window(setting: int | None, cache_bytes: int | None, shard_bytes: Sequence[int], recorded: dict | None,
+                   in_flight_bytes: float = 0.0) -> int | None:
     """The run's window: ``data.shuffle_window`` when set, else what a resumed run recorded (so
     resuming with another cache size keeps the order), else sized from ``data.cache_bytes``.
     None is the global permutation. ``recorded``: run.json's ``data_order`` (``{}`` for a run
@@ -101,4 +105,4 @@ def resolve_window(setting: int | None, cache_bytes: int | None, shard_bytes: Se
         return window
     if recorded is not None:
         return recorded.get("shuffle_window")
-    return auto_window(cache_bytes, shard_bytes)
+    return auto_window(cache_bytes, shard_bytes, in_flight_bytes)

@@ -177,8 +177,11 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
     dim = getattr(model_config, "dim", 64)
     # The epoch order's window, from the config and the snapshot alone (never the world size).
     shard_bytes = shard_read_bytes(store, fields)
+    # Besides two windows the cache holds what the ranks read at once: up to prefetch + 1 global
+    # batches (the ranks' readers run up to prefetch steps apart), which may span windows.
+    in_flight = (config.data.prefetch + 1) * config.data.global_batch * sum(shard_bytes) / max(len(store), 1)
     window = resolve_window(config.data.shuffle_window, config.data.cache_bytes, shard_bytes,
-                            None if before is None else before.get("data_order", {}))
+                            None if before is None else before.get("data_order", {}), in_flight)
     stream = FeatureStream(
         store, data=data_adapter, global_batch=config.data.global_batch, seed=config.seed,
         dp_size=dims.dp_size, dp_rank=meshes.dp_rank, balance=config.balance, cost=config.balance.cost_model(dim),
@@ -189,6 +192,11 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
         log(f"epoch order: {'a global shuffle' if window is None else f'shards shuffled, then samples within windows of {window} shard(s)'}"
             f" ({stream.order.num_shards} shard(s), {sum(shard_bytes) / 2**20:.1f} MiB read per epoch)")
         cache = stream.cache
+        mean_shard = sum(shard_bytes) / max(1, sum(1 for b in shard_bytes if b))
+        if cache is not None and window is not None and LOW_WATER * cache.max_bytes < in_flight + 2 * mean_shard:
+            log(f"warning: the cache ({cache.max_bytes / 2**20:.1f} MiB) holds less than {config.data.prefetch + 1} global batches "
+                f"({in_flight / 2**20:.1f} MiB) and two shards ({2 * mean_shard / 2**20:.1f} MiB): objects are evicted before "
+                "their samples are read and downloaded again. Raise data.cache_bytes, or lower data.global_batch / data.prefetch")
         if cache is not None and window is None and config.data.cache_bytes is None and sum(shard_bytes) > LOW_WATER * cache.max_bytes:
             log(f"warning: the store ({sum(shard_bytes) / 2**30:.2f} GiB) does not fit the cache ({cache.max_bytes / 2**30:.2f} GiB) and the "
                 "order is a global shuffle: each epoch downloads it several times. Set data.cache_bytes (the order then fits it) or data.shuffle_window")
