@@ -420,7 +420,7 @@ def cache_rows(c: dict) -> list[tuple[str, str, str, bool | None]]:
     w, g, loc = c["windowed"], c["global"], c["local"]
     return [
         ("[5] store / cache (data.cache_bytes)", f"{c['store_bytes'] / mib:.1f} / {c['cache_bytes'] / mib:.1f} MiB, {c['shards']} shards", "cache = store / 4", None),
-        ("[5] epoch order window (data.shuffle_window unset)", f"{w['window']} shards", "two windows fit the cache", None),
+        ("[5] epoch order window (data.shuffle_window unset)", f"{w['window']} shards", "2 windows + 3 batches fit", None),
         ("[5] epoch bytes downloaded / store (windowed)", f"{w['epoch']['download_ratio']:.3f}", "<= 1.3", w["epoch"]["download_ratio"] <= 1.3),
         ("[5]   global shuffle, same cache (baseline)", f"{g['epoch']['download_ratio']:.3f}", "report", None),
         ("[5]   cache hit rate windowed / global", f"{w['epoch']['hit_rate']:.1%} / {g['epoch']['hit_rate']:.1%}", "", None),

@@ -40,8 +40,9 @@ class DataSection:
     cache_bytes: int | str | None = None
     # The epoch order shuffles the shards, then the samples within windows of this many shards,
     # so a cache smaller than the store downloads each object once per epoch. Unset: sized from
-    # data.cache_bytes so that two windows fit in it (a global shuffle without cache_bytes, or
-    # when the store fits). A number >= the shard count is a global shuffle. See train.order.
+    # data.cache_bytes so that two windows fit in it beside prefetch + 1 global batches (a global
+    # shuffle without cache_bytes, or when the store fits). A number >= the shard count is a
+    # global shuffle. See train.order.
     shuffle_window: int | None = None
 
     def __post_init__(self) -> None:
