@@ -109,7 +109,7 @@ def bench_reads(local: str, remote: str, payload: int, repeat: int, workdir: Pat
     batched_epoch(cached, order)
     out["epoch1_cached_MBps"] = payload / (time.perf_counter() - t0) / MB
     out["epoch2_cached_MBps"] = payload / best(lambda: batched_epoch(cached, order), repeat) / MB
-    assert cached.storage.stats["downloads"] == len(objects) and cached.storage.stats["uncached_reads"] == 0
+    assert cached.storage.stats()["downloads"] == len(objects) and cached.storage.stats()["uncached_reads"] == 0
     plain_local = featstore.open(local)
     batched_epoch(plain_local, order)  # warm the page cache, like the cache entries are
     out["local_MBps"] = payload / best(lambda: batched_epoch(plain_local, order), repeat) / MB

@@ -35,6 +35,14 @@ by 10x from step to step).
    max(heaviest sample, mean load) / mean load: no partition of that batch can do better.
 4. ZeRO-3 state: ``torchrun --standalone --nproc-per-node N mmtrain fit --steps 1`` for N = 1, 2, 4;
    per-rank param + grad + optimizer bytes from RUN_DIR/run.json vs 16*Psi/N (fp32 AdamW).
+5. A store bigger than the cache (``--only cache`` runs just this part): ``mmtrain fit`` of the
+   tiny DiT from S3 (moto over loopback HTTP, in this process; the trainer is its own process)
+   through ``--cache-dir`` bounded to a quarter of the store (``data.cache_bytes``), one epoch
+   plus two steps, with the default (shard-aware, windowed) order and, as the baseline in the
+   same run, a global shuffle (``data.shuffle_window`` = every shard). From metrics.jsonl's
+   per-epoch ``epoch_cache`` record (the cache's own counters): bytes downloaded in the epoch /
+   bytes the epoch reads (goal <= 1.3), hit rate, and data wait / step time (goal < 2%); a
+   third run from the local copy of the store gives the data wait without S3.
 """
 
 from __future__ import annotations
@@ -365,6 +373,64 @@ def zero3_state(store: str, work: Path, world: int) -> dict:
             "ratio_max": max(per_rank) / ideal, "ratio_min": min(per_rank) / ideal, "ratio_mean": statistics.mean(per_rank) / ideal}
 
 
+# ---- part 5: a store bigger than the cache -------------------------------------------------------
+
+
+def cache_bench(work: Path, threads: int, shards: int = 48, per_shard: int = 16) -> dict:
+    import featstore
+    from tests.s3_server import S3Server
+    from tests.test_epoch_order import write_store
+    from train.order import shard_read_bytes
+
+    server = S3Server()
+    try:
+        local = str(work / "big-store")
+        write_store(local, shards, per_shard, channels=16, side=32, text_dim=64, max_text=40)
+        remote = f"{server.make_bucket()}/big-store"
+        featstore.copy_store(local, remote, dst_options={"endpoint_url": server.endpoint, "key": server.env()["AWS_ACCESS_KEY_ID"], "secret": server.env()["AWS_SECRET_ACCESS_KEY"]})
+        store_bytes = sum(shard_read_bytes(featstore.open(local), ["latent", "text_emb"]))
+        bound = store_bytes // 4
+        epoch = shards * per_shard // 8  # tiny-dit: global batch 8
+        env = {**os.environ, **server.env(), "OMP_NUM_THREADS": str(threads)}
+        out: dict = {"store_bytes": store_bytes, "cache_bytes": bound, "shards": shards, "steps": epoch + 2}
+        runs = {"windowed": (remote, []), "global": (remote, ["--set", f"data.shuffle_window={shards}"]), "local": (local, [])}
+        for name, (features, extra) in runs.items():
+            run = work / f"run-cache-{name}"
+            cmd = [str(BIN / "mmtrain"), "fit", "--config", TRAIN_PRESET, "--features", features, "--out", str(run), "--steps", str(epoch + 2),
+                   "--set", "checkpoint.every=0", "--set", "log_every=1000", "--cache-dir", str(work / f"cache-{name}"),
+                   "--set", f"data.cache_bytes={bound}", *extra]
+            t0 = time.perf_counter()
+            result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+            if result.returncode != 0:
+                raise SystemExit(f"mmtrain fit ({name}) failed:\n{result.stdout}\n{result.stderr}")
+            records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            waits, times = [r["data_wait_s"] for r in records], [r["step_time_s"] for r in records]
+            summary = next((r["epoch_cache"] for r in records if "epoch_cache" in r), None)
+            out[name] = {"epoch": summary, "wait_all": sum(waits) / sum(times), "wait_after_1": sum(waits[1:]) / sum(times[1:]),
+                         "step_ms": 1e3 * statistics.median(times), "window": json.loads((run / "run.json").read_text())["data_order"]["shuffle_window"]}
+            ratio = f", downloaded {summary['download_ratio']:.2f}x the store, hit rate {summary['hit_rate']:.1%}" if summary else ""
+            log(f"cache [{name}] {len(records)} steps in {time.perf_counter() - t0:.0f}s: wait/step {out[name]['wait_all']:.2%}{ratio}")
+        return out
+    finally:
+        server.stop()
+
+
+def cache_rows(c: dict) -> list[tuple[str, str, str, bool | None]]:
+    mib = 2**20
+    w, g, loc = c["windowed"], c["global"], c["local"]
+    return [
+        ("[5] store / cache (data.cache_bytes)", f"{c['store_bytes'] / mib:.1f} / {c['cache_bytes'] / mib:.1f} MiB, {c['shards']} shards", "cache = store / 4", None),
+        ("[5] epoch order window (data.shuffle_window unset)", f"{w['window']} shards", "2 windows + 3 batches fit", None),
+        ("[5] epoch bytes downloaded / store (windowed)", f"{w['epoch']['download_ratio']:.3f}", "<= 1.3", w["epoch"]["download_ratio"] <= 1.3),
+        ("[5]   global shuffle, same cache (baseline)", f"{g['epoch']['download_ratio']:.3f}", "report", None),
+        ("[5]   cache hit rate windowed / global", f"{w['epoch']['hit_rate']:.1%} / {g['epoch']['hit_rate']:.1%}", "", None),
+        ("[5] data wait / step time, S3 windowed (epoch 0)", f"{w['epoch']['data_wait_share']:.2%}", "< 2%", w["epoch"]["data_wait_share"] < 0.02),
+        ("[5]   all steps / steps 2..", f"{w['wait_all']:.2%} / {w['wait_after_1']:.2%}", "", None),
+        ("[5]   global shuffle from S3; local store", f"{g['wait_after_1']:.2%}; {loc['wait_after_1']:.2%}", "", None),
+        ("[5]   median step (windowed, global, local)", f"{w['step_ms']:.0f} / {g['step_ms']:.0f} / {loc['step_ms']:.0f} ms", "", None),
+    ]
+
+
 # ---- the table ----------------------------------------------------------------------------------
 
 
@@ -388,6 +454,7 @@ def main() -> None:
     parser.add_argument("--no-large", action="store_true", help="skip the taef2 256px variant")
     parser.add_argument("--wait-steps", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per training process (1: stable timings on a shared 2-core box)")
+    parser.add_argument("--only", choices=["cache"], help="run one part alone (cache: part 5)")
     parser.add_argument("--child", choices=["cached", "live"], help=argparse.SUPPRESS)
     parser.add_argument("--store", help=argparse.SUPPRESS)
     parser.add_argument("--preset", help=argparse.SUPPRESS)
@@ -404,6 +471,15 @@ def main() -> None:
     load_start = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="train-bench-", dir=args.dir))
     log(f"work folder {work}; {os.cpu_count()} CPU(s), python {sys.version.split()[0]}")
+    if args.only == "cache":
+        try:
+            rows = cache_rows(cache_bench(work, args.threads))
+        finally:
+            if not args.keep:
+                shutil.rmtree(work, ignore_errors=True)
+        print(f"\nmachine: {os.cpu_count()} CPU(s); load average at start {load_start[0]:.2f}, at end {os.getloadavg()[0]:.2f}")
+        print_table(rows)
+        return
     try:
         sets = encode_sets(large=not args.no_large)
         build_stores(work, sets)
@@ -416,6 +492,7 @@ def main() -> None:
         for world in (1, 2, 4):
             zero.append(zero3_state(sets[0]["store"], work, world))
             log(f"ZeRO-3 N={world}: per rank {zero[-1]['per_rank']} bytes, 16Psi/N = {zero[-1]['ideal']:.0f}")
+        cache = cache_bench(work, args.threads)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -449,6 +526,7 @@ def main() -> None:
     for z in zero:
         rows.append((f"[4] ZeRO-3 N={z['world']} (Psi={z['psi']}) per-rank bytes / (16Psi/N)",
                      f"max {z['ratio_max']:.4f} min {z['ratio_min']:.4f}", "~1.00 (<= 1.05)", z["ratio_max"] <= 1.05))
+    rows += cache_rows(cache)
     print()
     print(f"machine: {os.cpu_count()} CPU(s), {args.threads} torch thread(s) per training process; load average at start {load_start[0]:.2f}, at end {os.getloadavg()[0]:.2f} (other work on the machine inflates wall times)")
     print_table(rows)

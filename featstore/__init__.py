@@ -104,6 +104,7 @@ def open(  # noqa: A001 - mirrors zarr.open / fsspec.open
     with damaged index parts, leaving those shards out (listed in ``Store.damaged``).
     ``cache_dir`` keeps a local, verified read-through copy of a remote store's objects there,
     bounded by ``cache_bytes`` (default: most of that disk's free space); several processes may
-    share it. ``shards`` opens exactly that snapshot (e.g. the one a run started with)."""
+    share it, objects too large for it are read by byte ranges, and ``store.storage.stats()``
+    counts its hits and the bytes downloaded. ``shards`` opens exactly that snapshot (e.g. the one a run started with)."""
     return open_store(url, storage_options, mode=mode, verify_reads=verify_reads, strict=strict,
                       cache_dir=cache_dir, cache_bytes=cache_bytes, shards=shards)

@@ -14,14 +14,25 @@ Correct by construction rather than by invalidation:
   entries (by mtime, refreshed on use) are evicted under an exclusive lock file, so several
   processes (the ranks of one node) can share a directory. An in-flight download reserves its
   size by its temporary file's name, so concurrent downloads do not overrun the bound. A
-  process still reading an evicted entry keeps its open descriptor (POSIX unlink semantics).
+  process still reading an evicted entry keeps its open descriptor (POSIX unlink semantics)
+  for that read; the next read of it sees the entry gone (no link left) and fetches it again,
+  so evicted bytes do not linger on disk behind open descriptors.
 * The bytes held are a running total in a small ledger file, updated under that lock, so a
   download costs O(1) bookkeeping. The directory is scanned only when the ledger says the bound
   is reached (eviction then frees down to ``LOW_WATER`` of the bound, so the next downloads do
   not scan again) or is unreadable; a scan recomputes the truth, which also absorbs what a
   crashed process left behind.
-* An object larger than the whole cache, or a local disk error, falls back to ranged reads from
-  the remote store: the cache can make reads faster, never make them fail or wrong.
+* An object that will not fit, or a local disk error, is read by byte ranges from the remote
+  store (``cat_ranges``: only the bytes asked for, nothing stored): the cache can make reads
+  faster, never make them fail or wrong. "Will not fit" is: two objects of its size do not fit
+  under the low-water mark (``admits``). A reader going through a store shard by shard (the
+  trainer's shard-aware order) needs one object to stay while the next arrives; a bigger one
+  would be evicted before its samples are all read and downloaded again, so fetching only the
+  samples' own bytes moves fewer bytes.
+* ``stats()`` counts what actually moved: requests served from a copy already here (hits),
+  after downloading it whole (misses) or by ranges from the store (uncached), and the bytes
+  received from the store (the downloaded files' sizes plus the ranges read), so a trainer can
+  report its hit rate and bytes downloaded per epoch.
 """
 
 from __future__ import annotations
@@ -56,6 +67,7 @@ STALE_PART_SECONDS = 3600   # temporary files older than this belong to a dead p
 TOUCH_SECONDS = 30          # refresh an entry's mtime (its LRU age) at most this often
 LOW_WATER = 0.9             # an eviction frees down to this share of the bound
 _CHUNK = 8 << 20
+STATS = ("requests", "hits", "misses", "uncached_reads", "downloads", "bytes_downloaded", "bytes_read", "other_bytes")
 
 
 class CachingStorage(Storage):
@@ -86,12 +98,30 @@ class CachingStorage(Storage):
         self._touched: dict[str, float] = {}
         self._lock = threading.Lock()
         self._key_locks: dict[str, threading.Lock] = {}
-        self.stats = {"hits": 0, "downloads": 0, "bytes_downloaded": 0, "uncached_reads": 0}
+        self._stats = dict.fromkeys(STATS, 0)
 
     def _count(self, **increments: int) -> None:
         with self._lock:  # the fetch threads of one reader update these together
             for name, value in increments.items():
-                self.stats[name] += value
+                self._stats[name] += value
+
+    def stats(self) -> dict[str, float]:
+        """Counters since this cache was opened (this process only), and the hit rate:
+
+        ``requests`` reads of committed objects (one per object per sample field read);
+        ``hits`` of them served from a copy already here, ``misses`` after downloading the
+        object whole, ``uncached_reads`` by byte ranges from the store; ``downloads`` whole
+        objects fetched; ``bytes_downloaded`` bytes received for committed objects (whole or
+        ranged); ``bytes_read`` bytes handed to readers; ``other_bytes`` manifest and index
+        parts read through; ``hit_rate`` hits / requests."""
+        with self._lock:
+            out: dict[str, float] = dict(self._stats)
+        out["hit_rate"] = out["hits"] / out["requests"] if out["requests"] else 0.0
+        return out
+
+    def admits(self, nbytes: int) -> bool:
+        """Whether an object of ``nbytes`` is downloaded whole (else it is read by ranges)."""
+        return 2 * nbytes <= LOW_WATER * self.max_bytes
 
     # ---- what may be cached -------------------------------------------------------------
     def known_objects(self, objects: dict[str, dict[str, int]]) -> None:
@@ -107,7 +137,9 @@ class CachingStorage(Storage):
     # ---- reads --------------------------------------------------------------------------
     def read(self, key: str) -> bytes:
         if key not in self._known:
-            return self.remote.read(key)
+            data = self.remote.read(key)
+            self._count(other_bytes=len(data))
+            return data
         out = np.empty(self._known[key][0], dtype=np.uint8)
         self.read_into([(key, [(0, out.size)], out)])
         return out.tobytes()
@@ -118,61 +150,88 @@ class CachingStorage(Storage):
     def read_into(self, requests: Sequence[ReadRequest]) -> None:
         keys = list(dict.fromkeys(key for key, _, _ in requests if key in self._known))
         missing = [k for k in keys if k not in self._handles]
+        # How the first request of each key fetched in advance was served (later ones are hits).
+        fetched: dict[str, str] = {}
         if len(missing) > 1:  # fetch what a batch needs concurrently
             with ThreadPoolExecutor(min(self.FETCH_THREADS, len(missing)), thread_name_prefix="cache-fetch") as pool:
-                for handle in pool.map(self._acquire, missing):
+                for key, (handle, outcome) in zip(missing, pool.map(self._acquire, missing), strict=True):
                     self._release(handle)
-        remote = []
+                    if outcome == "miss":
+                        fetched[key] = outcome
+        remote, counts = [], dict.fromkeys(("requests", "hits", "misses", "uncached_reads", "bytes_read", "bytes_downloaded", "other_bytes"), 0)
         for key, ranges, out in requests:
-            handle = self._acquire(key) if key in self._known else None
+            nbytes = sum(end - start for start, end in ranges)
+            if key not in self._known:  # not a committed object: nothing to cache it by
+                remote.append((key, ranges, out))
+                counts["other_bytes"] += nbytes
+                continue
+            handle, outcome = self._acquire(key)
+            outcome = fetched.pop(key, outcome)
+            counts["requests"] += 1
+            counts["bytes_read"] += nbytes
             if handle is None:
                 remote.append((key, ranges, out))
+                counts["uncached_reads"] += 1
+                counts["bytes_downloaded"] += nbytes
                 continue
+            counts["hits" if outcome == "hit" else "misses"] += 1
             try:
                 _pread(handle.fd, ranges, out, f"{self.url}/{key}")
             finally:
                 self._release(handle)
         if remote:
-            self._count(uncached_reads=len(remote))
+            # cat_ranges: every range comes back whole (a short one raises), so the bytes
+            # received are the bytes asked for.
             self.remote.read_into(remote)
+        self._count(**counts)
 
-    def _acquire(self, key: str) -> _Handle | None:
-        """The open, verified local copy of ``key`` (fetched if needed), held until released;
-        None when it cannot be cached (larger than the cache, or a local disk error)."""
+    def _acquire(self, key: str) -> tuple[_Handle | None, str]:
+        """The open, verified local copy of ``key`` (fetched if needed), held until released, and
+        how it was found: "hit" (here already) or "miss" (downloaded now); (None, "uncached")
+        when it is not cached (it will not fit, no room now, or a local disk error)."""
         with self._lock:
             handle = self._handles.get(key)
+            if handle is not None and _unlinked(handle.fd):
+                # Evicted (by any process) since it was opened: reads already holding it finish
+                # on it, new ones fetch it again. Reading on from the descriptor would keep the
+                # evicted bytes on disk, outside the bound, for as long as it stays open.
+                del self._handles[key]
+                handle.retired = True
+                if handle.refs == 0:
+                    os.close(handle.fd)
+                handle = None
             if handle is not None:
                 self._handles.move_to_end(key)
                 handle.refs += 1
-                self.stats["hits"] += 1  # under self._lock
                 self._touch(key)
-                return handle
+                return handle, "hit"
             key_lock = self._key_locks.setdefault(key, threading.Lock())
         nbytes, crc = self._known[key]
-        if nbytes > self.max_bytes:
-            return None
+        if not self.admits(nbytes):
+            return None, "uncached"
         with key_lock:  # one fetch per object per process...
             with self._lock:
                 if key in self._handles:
                     handle = self._handles[key]
                     handle.refs += 1
-                    return handle
+                    return handle, "hit"
             name = self._entry_name(key)
             path = self._entry_path(name)
+            outcome = "hit"
             try:
                 fd = self._open_verified(path, nbytes, crc)
                 if fd is None:
                     with _flock(self.root / "locks" / name):  # ...and per cache directory
                         fd = self._open_verified(path, nbytes, crc)
                         if fd is None:
-                            fd = self._fetch(key, name, path, nbytes, crc)
+                            fd, outcome = self._fetch(key, name, path, nbytes, crc), "miss"
                 if fd is None:
-                    return None
+                    return None, "uncached"
             except FileNotFoundError:
                 raise
             except OSError as exc:  # the local disk (full, read-only, ...): read remotely instead
                 log.warning("cache %s: %s; reading %s/%s from the store instead", self.root, exc, self.url, key)
-                return None
+                return None, "uncached"
             handle = _Handle(fd)
             with self._lock:
                 self._handles[key] = handle
@@ -182,7 +241,7 @@ class CachingStorage(Storage):
                     old.retired = True
                     if old.refs == 0:
                         os.close(old.fd)
-            return handle
+            return handle, outcome
 
     def _release(self, handle: _Handle | None) -> None:
         if handle is None:
@@ -236,13 +295,14 @@ class CachingStorage(Storage):
                     part.write_bytes(self.remote.read(key))
                 fd = os.open(part, os.O_RDONLY)
                 size = os.fstat(fd).st_size
+                self._count(bytes_downloaded=size)  # what arrived, checked or not
                 if size == nbytes and _file_crc(fd, nbytes) == crc:
                     path.parent.mkdir(parents=True, exist_ok=True)
                     # Under the directory's lock: a scan lists objects/ then tmp/, and must not
                     # miss a reservation that turns into an entry between the two.
                     with _flock(self.root / "lock"):
                         os.replace(part, path)  # the entry appears whole and verified, or not at all
-                    self._count(downloads=1, bytes_downloaded=nbytes)
+                    self._count(downloads=1)
                     return fd  # the reservation is now the entry: the ledger already counts it
                 os.close(fd)
             finally:
@@ -401,6 +461,14 @@ def _pread(fd: int, ranges: Sequence[tuple[int, int]], out: np.ndarray, where: s
         if got != want:
             raise CorruptionError(f"{where}: expected {want} bytes at offset {start}, got {got} (truncated cache entry)")
         pos += want
+
+
+def _unlinked(fd: int) -> bool:
+    """True when the file open as ``fd`` has no name left (its entry was evicted)."""
+    try:
+        return os.fstat(fd).st_nlink == 0
+    except OSError:
+        return True
 
 
 def _file_crc(fd: int, nbytes: int) -> int:

@@ -82,6 +82,7 @@ class FaultProxy:
         self.deny_writes = False
         self.counts: Counter[str] = Counter()
         self.requests = 0
+        self.bytes_down = 0  # bytes the upstream answered (HTTP heads and bodies) forwarded to clients
         self.methods: Counter[str] = Counter()
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
@@ -175,7 +176,9 @@ class FaultProxy:
                 return
             upstream = socket.create_connection(self.upstream, timeout=30)
             upstream.sendall(_force_close(head) + rest)
-            _pump(client, upstream, cut=kind == "cut")
+            sent = _pump(client, upstream, cut=kind == "cut")
+            with self._lock:
+                self.bytes_down += sent
         except OSError:
             pass
         finally:
@@ -214,24 +217,24 @@ def _drain(sock: socket.socket, nbytes: int) -> None:
         nbytes -= len(chunk)
 
 
-def _pump(client: socket.socket, upstream: socket.socket, cut: bool) -> None:
-    """Copy bytes both ways until the server closes. ``cut``: forward only part of the answer,
-    then reset the connection (a response cut short mid-body)."""
+def _pump(client: socket.socket, upstream: socket.socket, cut: bool) -> int:
+    """Copy bytes both ways until the server closes; the bytes forwarded to the client. ``cut``:
+    forward only part of the answer, then reset the connection (a response cut short mid-body)."""
     sent_back = 0
     open_up = True
     while True:
         readable, _, _ = select.select([client, upstream] if open_up else [upstream], [], [], 30)
         if not readable:
-            return
+            return sent_back
         for sock in readable:
             chunk = sock.recv(1 << 16)
             if sock is upstream:
                 if not chunk:
-                    return
+                    return sent_back
                 if cut:
                     client.sendall(chunk[: max(1, len(chunk) // 2)])
                     client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                    return
+                    return sent_back + max(1, len(chunk) // 2)
                 client.sendall(chunk)
                 sent_back += len(chunk)
             else:

@@ -38,10 +38,18 @@ class DataSection:
     # "50GiB"; default: most of that disk's free space). Ignored for a local store.
     cache_dir: str | None = None
     cache_bytes: int | str | None = None
+    # The epoch order shuffles the shards, then the samples within windows of this many shards,
+    # so a cache smaller than the store downloads each object once per epoch. Unset: sized from
+    # data.cache_bytes so that two windows fit in it beside prefetch + 1 global batches (a global
+    # shuffle without cache_bytes, or when the store fits). A number >= the shard count is a
+    # global shuffle. See train.order.
+    shuffle_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.prefetch < 0 or self.max_tokens < 1:
             raise ConfigError("data.global_batch and data.max_tokens must be >= 1 and data.prefetch >= 0")
+        if self.shuffle_window is not None and (isinstance(self.shuffle_window, bool) or self.shuffle_window < 1):
+            raise ConfigError(f"data.shuffle_window must be a number of shards >= 1 (or unset: sized from data.cache_bytes), got {self.shuffle_window!r}")
         if self.cache_bytes is not None:
             from featstore.cache import parse_size
 

@@ -1,7 +1,8 @@
 """Streaming cached features into training steps.
 
 The global batch of step ``s`` is a function of the seed and ``s`` only — a per-epoch permutation
-of the store's samples, cut into consecutive batches — never of the world size. Every rank
+of the store's samples (shard-aware: ``train.order``), cut into consecutive batches — never of
+the world size. Every rank
 computes the same balanced plan for it from the index alone (shapes are in the index, so no data
 is read to plan), then reads only its own samples, in a background thread a few steps ahead. The
 data position to checkpoint is therefore just the step.
@@ -23,7 +24,9 @@ import torch
 
 import featstore
 from featstore.errors import ConfigError, FingerprintMismatchError
+from featstore.cache import CachingStorage
 from train.balance import MicroBatch, imbalance, plan_global_batch
+from train.order import EpochOrder, shard_positions
 from train.packing import SAMPLE_ID
 
 
@@ -36,6 +39,9 @@ class StepData:
     tokens: int
     imbalance: float
     wait_s: float = 0.0
+    # What reading this step cost the local cache (counter deltas of CachingStorage.stats()),
+    # None when the store is read without one.
+    cache: dict[str, float] | None = None
 
 
 def open_features(url: str, storage_options: dict[str, Any] | None, *, cache_dir: str | None = None,
@@ -102,7 +108,8 @@ class FeatureStream:
     dict of its fields plus its id under ``train.packing.SAMPLE_ID``, for error messages."""
 
     def __init__(self, store: featstore.Store, *, data, global_batch: int, seed: int,
-                 dp_size: int, dp_rank: int, balance, cost, tokens_per_sample, repeat: bool = False) -> None:
+                 dp_size: int, dp_rank: int, balance, cost, tokens_per_sample, repeat: bool = False,
+                 window: int | None = None) -> None:
         # A store may hold a field for only some samples (one added after they were encoded).
         required = list(data.required_fields)
         ids = store.sample_ids(with_fields=required)
@@ -136,6 +143,9 @@ class FeatureStream:
         optional = [f for f in data.optional_fields if f in store.fields]
         # Which optional fields each sample has (e.g. an image): read exactly those.
         self.extra = [tuple(f for f in optional if store.has_field(i, f)) for i in ids] if optional else None
+        # window: shards per window of the epoch order (None: a global shuffle), see train.order.
+        self.order = EpochOrder(seed, shard_positions(store, self.rows), window)
+        self.cache = store.storage if isinstance(store.storage, CachingStorage) else None
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         # One permutation per epoch, kept while steps fall in it (a step spans at most two).
@@ -143,7 +153,7 @@ class FeatureStream:
         if epoch not in cached:
             if len(cached) > 2:
                 cached.clear()
-            cached[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+            cached[epoch] = self.order(epoch)
         return cached[epoch]
 
     def global_indices(self, step: int) -> list[int]:
@@ -165,10 +175,21 @@ class FeatureStream:
         parts = [[j for mb in rank_plan if mb.loss_scale for j in mb.indices] for rank_plan in plan]
         # All of this rank's samples of the step in one batched read (concurrent requests on
         # an object store), then handed out to the micro-batches.
+        # Only this thread reads through the store, so the counters' change is this step's cost.
+        before = self.cache.stats() if self.cache is not None else None
         read = iter(self.read([indices[j] for mb in plan[self.dp_rank] for j in mb.indices]))
+        cache = None
+        if self.cache is not None and before is not None:
+            after = self.cache.stats()
+            cache = {k: after[k] - before[k] for k in after if k != "hit_rate"}
         mine = [(mb, [next(read) for _ in mb.indices]) for mb in plan[self.dp_rank]]
         return StepData(step=step, micro_batches=mine, global_indices=indices,
-                        samples=len(indices), tokens=sum(tokens), imbalance=imbalance(costs, parts))
+                        samples=len(indices), tokens=sum(tokens), imbalance=imbalance(costs, parts), cache=cache)
+
+    def epoch_of(self, step: int) -> tuple[int, bool]:
+        """The epoch step ``step`` starts in, and whether the step finishes it."""
+        first, end = step * self.global_batch, (step + 1) * self.global_batch
+        return first // self.num_samples, end // self.num_samples > first // self.num_samples
 
     def read(self, positions: list[int]) -> list[dict[str, Any]]:
         """The samples at stream positions ``positions``: required fields, the optional ones each

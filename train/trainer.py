@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import featstore
+from featstore.cache import LOW_WATER
 from featstore.config import to_dict
 from featstore.errors import ConfigError
 from train.checkpoint import export_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -29,6 +30,7 @@ from train.config import TrainConfig
 from train.data import FeatureStream, check_fingerprints, latent_normalisation, open_features, snapshot_digest
 from train.models import count_parameters, get_model_family
 from train.objective import sample_generators
+from train.order import resolve_window, shard_read_bytes
 from train.parallel.dims import MESH_DIMS, ParallelDims, device_and_backend
 from train.parallel.fsdp import apply_fsdp, local_state_bytes
 from train.parallel.sequence_parallel import apply_sequence_parallel
@@ -173,11 +175,32 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
             log(f"resumed from {found[1]} at step {start} (world size {world})")
     stop = steps if steps is not None else o.total_steps
     dim = getattr(model_config, "dim", 64)
+    # The epoch order's window, from the config and the snapshot alone (never the world size).
+    shard_bytes = shard_read_bytes(store, fields)
+    # Besides two windows the cache holds what the ranks read at once: up to prefetch + 1 global
+    # batches (the ranks' readers run up to prefetch steps apart), which may span windows.
+    in_flight = (config.data.prefetch + 1) * config.data.global_batch * sum(shard_bytes) / max(len(store), 1)
+    window = resolve_window(config.data.shuffle_window, config.data.cache_bytes, shard_bytes,
+                            None if before is None else before.get("data_order", {}), in_flight)
     stream = FeatureStream(
         store, data=data_adapter, global_batch=config.data.global_batch, seed=config.seed,
         dp_size=dims.dp_size, dp_rank=meshes.dp_rank, balance=config.balance, cost=config.balance.cost_model(dim),
-        tokens_per_sample=lambda shape: family.tokens_per_sample(model_config, shape), repeat=config.data.repeat,
+        tokens_per_sample=lambda shape: family.tokens_per_sample(model_config, shape), repeat=config.data.repeat, window=window,
     )
+    data_order = {"shuffle_window": window, "shards": stream.order.num_shards}
+    if rank == 0:
+        log(f"epoch order: {'a global shuffle' if window is None else f'shards shuffled, then samples within windows of {window} shard(s)'}"
+            f" ({stream.order.num_shards} shard(s), {sum(shard_bytes) / 2**20:.1f} MiB read per epoch)")
+        cache = stream.cache
+        mean_shard = sum(shard_bytes) / max(1, sum(1 for b in shard_bytes if b))
+        if cache is not None and window is not None and LOW_WATER * cache.max_bytes < in_flight + 2 * mean_shard:
+            log(f"warning: the cache ({cache.max_bytes / 2**20:.1f} MiB) holds less than {config.data.prefetch + 1} global batches "
+                f"({in_flight / 2**20:.1f} MiB) and two shards ({2 * mean_shard / 2**20:.1f} MiB): objects are evicted before "
+                "their samples are read and downloaded again. Raise data.cache_bytes, or lower data.global_batch / data.prefetch")
+        if cache is not None and window is None and config.data.cache_bytes is None and sum(shard_bytes) > LOW_WATER * cache.max_bytes:
+            log(f"warning: the store ({sum(shard_bytes) / 2**30:.2f} GiB) does not fit the cache ({cache.max_bytes / 2**30:.2f} GiB) and the "
+                "order is a global shuffle: each epoch downloads it several times. Set data.cache_bytes (the order then fits it) or data.shuffle_window")
+    epoch_cache = EpochCacheStats(stream, store_bytes=sum(shard_bytes), device=device) if stream.cache is not None else None
     if stream.skipped:
         log(f"training on {stream.num_samples} of the {len(store)} samples: {stream.skipped} lack {' or '.join(map(repr, data_adapter.required_fields))}")
     dtype = torch.float32
@@ -197,7 +220,7 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
             optimizer.step()
             step = data.step + 1
             if step == start + 1:  # after the first step: optimizer state and gradients exist
-                _write_run_json(run, config, dims, fingerprints, num_params, model, optimizer, store, sizes, rank)
+                _write_run_json(run, config, dims, fingerprints, num_params, model, optimizer, store, sizes, rank, data_order)
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             loss = loss_sum / max(count, 1)
@@ -207,6 +230,8 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
                 "step_time_s": time.perf_counter() - t0 + data.wait_s, "data_wait_s": data.wait_s,
                 "peak_mem_bytes": _peak_memory(device), "imbalance": data.imbalance,
             }
+            if epoch_cache is not None:
+                record.update(epoch_cache.add(data, record["step_time_s"]))
             if metrics_file:
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
@@ -215,6 +240,10 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
                         board.add_scalar(key, record[key], step)
                 if step % config.log_every == 0 or step == stop:
                     log(f"step {step:5d}  loss {loss:.4f}  lr {lr:.2e}  {record['step_time_s'] * 1000:6.0f} ms  wait {data.wait_s * 1000:4.0f} ms  imbalance {data.imbalance:.2f}")
+                if "epoch_cache" in record:
+                    e = record["epoch_cache"]
+                    log(f"epoch {e['epoch']}: downloaded {e['bytes_downloaded'] / 2**20:.1f} MiB = {e['download_ratio']:.2f}x the {e['store_bytes'] / 2**20:.1f} MiB read, "
+                        f"cache hit rate {e['hit_rate']:.1%}, data wait {e['data_wait_share']:.2%} of step time ({e['steps']} steps)")
             if config.checkpoint.every and step % config.checkpoint.every == 0 and step != stop:
                 save_checkpoint(run, step, model, optimizer, scheduler, config.checkpoint.keep)
         if stop > start:
@@ -272,7 +301,48 @@ def _peak_memory(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-def _write_run_json(run: Path, config, dims, fingerprints, num_params, model, optimizer, store, sizes, rank) -> None:
+class EpochCacheStats:
+    """What the local cache cost per epoch, summed over the ranks (a step's reads are counted by
+    the reader thread as it makes them, so prefetching ahead does not shift them between steps).
+    Every rank calls ``add`` at every step; the step that finishes an epoch sums the counters over
+    all ranks (one small all-reduce per epoch) and returns the ``epoch_cache`` record."""
+
+    KEYS = ("requests", "hits", "bytes_downloaded", "bytes_read")
+
+    def __init__(self, stream: FeatureStream, *, store_bytes: int, device: torch.device) -> None:
+        self.stream, self.store_bytes, self.device = stream, store_bytes, device
+        self.totals = dict.fromkeys(self.KEYS, 0.0)
+        self.wait_s = self.step_s = 0.0
+        self.steps = 0
+
+    def add(self, data, step_time_s: float) -> dict[str, Any]:
+        for key in self.KEYS:
+            self.totals[key] += (data.cache or {}).get(key, 0)
+        self.wait_s += data.wait_s
+        self.step_s += step_time_s
+        self.steps += 1
+        out: dict[str, Any] = {"cache_bytes_downloaded": int((data.cache or {}).get("bytes_downloaded", 0))}
+        epoch, finished = self.stream.epoch_of(data.step)
+        if not finished:
+            return out
+        mine = torch.tensor([self.totals[k] for k in self.KEYS] + [self.wait_s, self.step_s], dtype=torch.float64, device=self.device)
+        dist.all_reduce(mine)
+        summed = dict(zip(self.KEYS, mine.cpu().tolist()[: len(self.KEYS)]))
+        wait, step_s = (float(v) for v in mine.cpu().tolist()[len(self.KEYS):])
+        out["epoch_cache"] = {
+            "epoch": epoch, "steps": self.steps, "store_bytes": self.store_bytes,
+            "bytes_downloaded": int(summed["bytes_downloaded"]), "bytes_read": int(summed["bytes_read"]),
+            "download_ratio": summed["bytes_downloaded"] / max(self.store_bytes, 1),
+            "hit_rate": summed["hits"] / summed["requests"] if summed["requests"] else 0.0,
+            "data_wait_share": wait / step_s if step_s > 0 else 0.0,
+        }
+        self.totals = dict.fromkeys(self.KEYS, 0.0)
+        self.wait_s = self.step_s = 0.0
+        self.steps = 0
+        return out
+
+
+def _write_run_json(run: Path, config, dims, fingerprints, num_params, model, optimizer, store, sizes, rank, data_order) -> None:
     held = local_state_bytes(model, optimizer)
     grads = sum((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).numel() * p.element_size() for p in model.parameters() if p.grad is not None)
     snapshot = snapshot_digest(list(store.shards))
@@ -292,6 +362,8 @@ def _write_run_json(run: Path, config, dims, fingerprints, num_params, model, op
         "world_size": dims.world_size,
         # The snapshot the run trains on; --resume reopens exactly these shards.
         "store": {"url": store.url, "samples": len(store), "shards": sorted(store.shards), "snapshot": snapshot},
+        # The epoch order's window (None: global shuffle); --resume keeps it.
+        "data_order": data_order,
         "fingerprints": fingerprints,
         "input_sizes": sizes,
         "parameters": num_params,

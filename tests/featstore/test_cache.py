@@ -47,16 +47,16 @@ def test_second_read_is_served_locally(s3_server, s3_bucket, tmp_path):
     cache = tmp_path / "cache"
     first = featstore.open(url, cache_dir=cache)
     read_all(first, samples)
-    assert first.storage.stats["downloads"] == 8  # 4 shards x 2 fields, each fetched once
+    assert first.storage.stats()["downloads"] == 8  # 4 shards x 2 fields, each fetched once
     read_all(first, samples)
-    assert first.storage.stats["downloads"] == 8
+    assert first.storage.stats()["downloads"] == 8
     # A new reader (another run) with the data objects unreachable: everything comes from disk.
     with FaultProxy((s3_server.host, s3_server.port), lifetime=60) as proxy:
         proxy.rules.append(lambda method, path: "503" if "/shards/" in path else None)
         second = featstore.open(url, {"endpoint_url": proxy.endpoint, "skip_instance_cache": True}, cache_dir=cache)
         read_all(second, samples)
         assert dict(second.scan()).keys() == {s[0] for s in samples}
-        assert second.storage.stats["downloads"] == 0 and proxy.counts["503"] == 0
+        assert second.storage.stats()["downloads"] == 0 and proxy.counts["503"] == 0
 
 
 def test_size_bound_lru_and_objects_too_large(s3_bucket, tmp_path):
@@ -70,10 +70,10 @@ def test_size_bound_lru_and_objects_too_large(s3_bucket, tmp_path):
     for sample_id, arrays, _ in samples:
         assert_same(cached.read(sample_id)["latent"], arrays["latent"])
         assert sum(p.stat().st_size for p in entries(cache)) <= bound
-    assert cached.storage.stats["downloads"] > len(entries(cache))  # older entries were evicted
+    assert cached.storage.stats()["downloads"] > len(entries(cache))  # older entries were evicted
     tiny = featstore.open(url, cache_dir=tmp_path / "tiny", cache_bytes=sizes[0] - 1)
     read_all(tiny, samples)  # nothing fits: ranged reads from the store, still exact
-    assert tiny.storage.stats["uncached_reads"] > 0 and entries(tmp_path / "tiny") == []
+    assert tiny.storage.stats()["uncached_reads"] > 0 and entries(tmp_path / "tiny") == []
 
 
 def test_never_stale_never_corrupt(s3_bucket, tmp_path):
@@ -94,7 +94,7 @@ def test_never_stale_never_corrupt(s3_bucket, tmp_path):
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
     read_all(reader, new)
-    assert reader.storage.stats["downloads"] == 1 and victim.read_bytes() != bytes(data)
+    assert reader.storage.stats()["downloads"] == 1 and victim.read_bytes() != bytes(data)
 
 
 def test_corrupted_remote_object_is_refused_and_not_cached(s3_bucket, tmp_path):
@@ -156,7 +156,7 @@ def test_counters_and_size_accounting_under_threads(s3_bucket, tmp_path):
     with ThreadPoolExecutor(8) as pool:  # readers of one store on many threads, as a loader runs them
         for _ in pool.map(lambda _: read_all(store, samples), range(rounds)):
             pass
-    stats = store.storage.stats
+    stats = store.storage.stats()
     assert stats["downloads"] == len(objects) and stats["bytes_downloaded"] == sum(objects.values())
     # Every later acquisition of an object is a hit: per round, one per (sample, field) read.
     assert stats["hits"] > 0 and stats["uncached_reads"] == 0
@@ -180,7 +180,7 @@ def test_bound_and_running_total_hold_under_concurrent_fetches(s3_bucket, tmp_pa
     for _ in range(3):  # three runs, each a new reader sharing the directory
         cached = featstore.open(url, cache_dir=tmp_path / "cache", cache_bytes=bound)
         read_all(cached, samples)
-        downloads += cached.storage.stats["downloads"]
+        downloads += cached.storage.stats()["downloads"]
         held = sum(p.stat().st_size for p in entries(tmp_path / "cache"))
         assert held <= bound and int((tmp_path / "cache" / LAYOUT / "usage").read_text()) == held
     assert len(entries(tmp_path / "cache")) < len(sizes) and downloads > len(sizes)  # it evicted and fetched again

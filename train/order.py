@@ -1,0 +1,108 @@
+"""The order a run visits its samples in: one permutation per epoch, aware of shards.
+
+A global permutation reads every shard a little at every step. From an object store through a
+local cache smaller than the store, that evicts each shard's objects long before their samples
+are all read, so an epoch downloads the store several times over. The windowed order instead
+shuffles the shards, cuts them into windows of ``window`` shards, and shuffles the samples
+within each window: at any time the run reads one window (and, at its end, the start of the
+next), so each object is downloaded once per epoch when two windows fit in the cache.
+
+Either order is a pure function of (seed, epoch, the snapshot's shards, window): never of the
+world size or the rank, so every rank computes the same global batches and a resumed run goes on
+with the very samples it would have seen. ``window=None`` (or a window of every shard) is the
+plain global permutation, bit for bit the order of runs that predate windows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+import featstore
+from featstore.cache import LOW_WATER
+from featstore.errors import ConfigError
+
+
+class EpochOrder:
+    """``order(epoch)``: a permutation of the stream's positions ``0..len(shard_of)-1``."""
+
+    def __init__(self, seed: int, shard_of: np.ndarray, window: int | None) -> None:
+        if window is not None and window < 1:
+            raise ConfigError(f"data.shuffle_window must be >= 1 shard (or unset), got {window}")
+        self.seed = seed
+        self.num_samples = len(shard_of)
+        # Positions grouped by shard, each group ascending (a stable sort): the input of the
+        # per-window shuffle must not depend on anything but the snapshot.
+        by = np.argsort(shard_of, kind="stable")
+        present, starts = np.unique(shard_of[by], return_index=True)
+        self.groups = np.split(by, starts[1:]) if len(by) else []
+        self.num_shards = len(present)
+        self.window = None if window is None or window >= self.num_shards else window
+
+    def __call__(self, epoch: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, epoch])
+        if self.window is None:
+            return rng.permutation(self.num_samples)
+        shards = rng.permutation(self.num_shards)
+        # Windows of near-equal shard counts (none above ``window``): the last is not a stub.
+        windows = np.array_split(shards, math.ceil(self.num_shards / self.window))
+        return np.concatenate([rng.permutation(np.concatenate([self.groups[k] for k in w])) for w in windows])
+
+
+def shard_positions(store: featstore.Store, rows: np.ndarray) -> np.ndarray:
+    """For each index row in ``rows`` (a stream's samples), the number of its shard among the
+    snapshot's shards sorted by name (the same on every rank and on resume)."""
+    names = pa.array(sorted(store.shards), pa.string())
+    column = store.index.column("shard").cast(pa.string())
+    numbers = pc.index_in(column, value_set=names).to_numpy(zero_copy_only=False)
+    return np.asarray(numbers, dtype=np.int64)[rows]
+
+
+def shard_read_bytes(store: featstore.Store, fields: Sequence[str]) -> list[int]:
+    """Bytes of the objects a stream reading ``fields`` fetches from each shard."""
+    out = []
+    for info in store.shards.values():
+        keys = [info.data_key(f) for f in fields if f in info.layouts]
+        out.append(sum(int(info.objects[k]["nbytes"]) for k in keys if k in info.objects))
+    return out
+
+
+def auto_window(cache_bytes: int | None, shard_bytes: Sequence[int], in_flight_bytes: float = 0.0) -> int | None:
+    """Shards per window so that two windows fit under the cache's low-water mark beside the
+    steps in flight (``in_flight_bytes``: what the reader may need at once besides, e.g. the
+    global batches read ahead; a big step spans several windows): one window being read while
+    the next arrives. At least 1; None (a global permutation) without a cache bound, or when the
+    whole store fits that way."""
+    sizes = [b for b in shard_bytes if b > 0]
+    if cache_bytes is None or not sizes:
+        return None
+    room = LOW_WATER * cache_bytes - in_flight_bytes
+    window = max(1, math.floor(room / (2 * (sum(sizes) / len(sizes)))))
+    return None if window >= len(sizes) else window
+
+
+def resolve_window(setting: int | None, cache_bytes: int | None, shard_bytes: Sequence[int], recorded: dict | None,
+                   in_flight_bytes: float = 0.0) -> int | None:
+    """The run's window: ``data.shuffle_window`` when set, else what a resumed run recorded (so
+    resuming with another cache size keeps the order), else sized from ``data.cache_bytes``.
+    None is the global permutation. ``recorded``: run.json's ``data_order`` (``{}`` for a run
+    that predates windows: it used the global permutation)."""
+    count = sum(1 for b in shard_bytes if b > 0)
+    if setting is not None:
+        if setting < 1:
+            raise ConfigError(f"data.shuffle_window must be >= 1 shard (or unset), got {setting}")
+        window = None if setting >= count else setting
+        if recorded is not None and recorded.get("shuffle_window") != window:
+            raise ConfigError(
+                f"--resume: data.shuffle_window resolves to {window} shards, but the run started with "
+                f"{recorded.get('shuffle_window')} (None: a global shuffle); leave it unset to keep the run's order, "
+                "or train into a new --out"
+            )
+        return window
+    if recorded is not None:
+        return recorded.get("shuffle_window")
+    return auto_window(cache_bytes, shard_bytes, in_flight_bytes)
