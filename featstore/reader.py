@@ -147,7 +147,8 @@ class Store:
 
     def assume_checked(self, shards: Sequence[str]) -> None:
         """Tell a writer's store (opened without its index) which shards its producer already
-        planned around, so ``refresh_committed`` need not read them."""
+        planned around, or knows to hold none of this writer's samples, so ``refresh_committed``
+        need not read them."""
         self._rechecked.update(shards)
 
     def refresh_committed(self) -> set[str]:

@@ -2,7 +2,8 @@
 
 ``S3Server`` runs ``moto.server.ThreadedMotoServer`` on a free loopback port, and can record the
 requests it answers (``recording()``: method, key, query, start and end time), so a test counts
-what a client really sends over HTTP. ``FaultProxy``
+what a client really sends over HTTP; ``latency`` adds a delay to every answer, as a distant
+object store has (and so requests sent concurrently surely overlap). ``FaultProxy``
 sits between a client and that server and, for a share of requests (and/or every N-th), answers 503 SlowDown,
 resets or drops the connection, cuts a response short, or stalls until the client times out;
 rules can make a fault persistent (every request to one object) or refuse writes (a read-only
@@ -48,6 +49,7 @@ class Request:
     query: str
     start: float
     end: float
+    if_none_match: str | None  # the header of a conditional PUT (create only if absent)
 
 
 def rounds(requests: list[Request]) -> int:
@@ -73,23 +75,36 @@ class S3Server:
         self.endpoint = f"http://{host}:{port}"
         self._records: list[list[Request]] = []
         self._lock = threading.Lock()
+        self.latency = 0.0  # seconds added before every answer
         # Every request passes through this wrapper of moto's WSGI app on its way in and out.
         wsgi = self._server._server
         app = wsgi.app
 
         def recorded(environ, start_response):
             start = time.perf_counter()
+            if self.latency:
+                time.sleep(self.latency)
             try:
                 return app(environ, start_response)
             finally:
                 if self._records:
                     bucket, _, key = unquote(environ.get("PATH_INFO", "")).lstrip("/").partition("/")
-                    req = Request(environ["REQUEST_METHOD"], bucket, key, unquote(environ.get("QUERY_STRING", "")), start, time.perf_counter())
+                    req = Request(environ["REQUEST_METHOD"], bucket, key, unquote(environ.get("QUERY_STRING", "")), start, time.perf_counter(),
+                                  environ.get("HTTP_IF_NONE_MATCH"))
                     with self._lock:
                         for record in self._records:
                             record.append(req)
 
         wsgi.app = recorded
+
+    @contextmanager
+    def slowed(self, latency: float) -> Iterator[None]:
+        """Every answer ``latency`` seconds late while the block runs."""
+        self.latency = latency
+        try:
+            yield
+        finally:
+            self.latency = 0.0
 
     @contextmanager
     def recording(self) -> Iterator[list[Request]]:
