@@ -156,7 +156,7 @@ class Store:
         and note their samples, so that a writer's duplicate checks see them. Only a shard's ids
         and fields are kept: the read snapshot itself does not change. Returns the name of every
         shard committed now (one listing answers both questions)."""
-        from featstore.snapshot import parse_index_part, read_parts
+        from featstore.snapshot import _read_parts, parse_index_part
 
         committed, new = set(), []
         for entry in self.storage.list_dir(fmt.INDEX_DIR):
@@ -166,7 +166,7 @@ class Store:
             committed.add(parsed[0])
             if parsed[0] not in self.shards and parsed[0] not in self._rechecked:
                 new.append((f"{fmt.INDEX_DIR}/{entry}", parsed))
-        for (key, parsed), raw in zip(new, read_parts(self.storage, [k for k, _ in new]), strict=True):
+        for (key, parsed), raw in zip(new, _read_parts(self.storage, [k for k, _ in new]), strict=True):
             table, info = parse_index_part(raw, parsed[0], key, self.url, parsed[1])
             self.note_committed(info.name, table.column("id").to_pylist(), list(info.layouts))
             self._rechecked.add(info.name)

@@ -78,7 +78,7 @@ def load_snapshot(storage: Storage, fields: list[str], *, strict: bool, list_par
             continue  # committed after the snapshot was taken
         parts.append((entry, *parsed))
     parsed_parts = []
-    for (entry, name, crc), raw in zip(parts, read_parts(storage, [f"{fmt.INDEX_DIR}/{p[0]}" for p in parts]), strict=True):
+    for (entry, name, crc), raw in zip(parts, _read_parts(storage, [f"{fmt.INDEX_DIR}/{p[0]}" for p in parts]), strict=True):
         key = f"{fmt.INDEX_DIR}/{entry}"
         try:
             if name in shards:
@@ -146,7 +146,7 @@ def _locate_fields(ids: list[str], shards: dict[str, ShardInfo], shard_rows: dic
     return row_of, holder, False, duplicates
 
 
-def read_parts(storage: Storage, keys: list[str]) -> Iterator[bytes]:
+def _read_parts(storage: Storage, keys: list[str]) -> Iterator[bytes]:
     """Index parts in order; from an object store many at once (one request each)."""
     if not storage.is_remote or len(keys) < 2:
         return (storage.read(key) for key in keys)
