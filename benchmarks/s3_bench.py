@@ -1,6 +1,6 @@
 """Dataset sharing through S3, measured against baselines in one run (by hand, not a test).
 
-    python benchmarks/s3_bench.py [--mb 160] [--repeat 3] [--no-encode]
+    python benchmarks/s3_bench.py [--mb 160] [--repeat 3] [--no-encode] [--writes-only]
 
 A real S3 endpoint over HTTP on 127.0.0.1 (moto's ThreadedMotoServer; needs `pip install -e .[dev]`).
 Payload: ragged bf16 latents 16xTxHxW + fp16 text embeddings Lx1024 (random bits, no inf/NaN),
@@ -16,6 +16,11 @@ about --mb MB, in shards of 16 MiB, written locally then `copy`-ed to s3.
 3. encode: ``mmcache encode`` (tiny encoders, a 2-worker LocalCluster already warm; 48 generated
    images and videos, 8 per task = per shard) to local disk vs to s3 (samples/s). The tiny
    encoders take milliseconds, so this shows the per-shard cost of S3 requests at its worst.
+   Also the requests the server answered per committed shard (counted by the server itself).
+4. write: ``StoreWriter`` commits of small shards (16 samples of 3 fields, ~40 KB each) to local
+   disk vs to s3, shards/s, with the requests per commit; again with 20 ms added to every answer
+   of the server (an object store farther away), where the round trips of a commit are counted.
+   ``--writes-only`` runs 3 and 4 only.
 
 The moto server runs in this process (Python, GIL shared with the client), so absolute s3 figures
 are far below a real object store; the ratios compare like with like. MB = 10^6 bytes of payload.
@@ -119,7 +124,46 @@ def bench_reads(local: str, remote: str, payload: int, repeat: int, workdir: Pat
     return out
 
 
-def bench_encode(bucket: str, workdir: Path, repeat: int) -> dict[str, float]:
+def write_shards(url: str, shards: int, seed: int = 0) -> float:
+    """Seconds to commit ``shards`` small shards of 16 samples x 3 fields (the writer's own path)."""
+    rng = np.random.default_rng(seed)
+    fields = {"latent": {"dtype": "bfloat16", "ndim": 4}, "text": {"dtype": "float16", "ndim": 2}, "ids": {"dtype": "int32", "ndim": 1}}
+    featstore.create(url, fields=fields).close()
+    samples = [{"latent": rng.standard_normal((4, 1, 32, 32)).astype(ml_dtypes.bfloat16), "text": rng.standard_normal((64, 256)).astype(np.float16),
+                "ids": rng.integers(0, 1000, 64, dtype=np.int32)} for _ in range(16)]
+    t0 = time.perf_counter()
+    with featstore.append(url, shard_bytes=1 << 40) as writer:
+        for shard in range(shards):
+            for i, arrays in enumerate(samples):
+                writer.add(f"s{shard}-{i}", arrays, {"caption": f"sample {i}"})
+            writer.commit(f"w-{shard:04d}")
+    return time.perf_counter() - t0
+
+
+def bench_writes(server, bucket: str, workdir: Path, repeat: int, shards: int = 24) -> dict[str, float]:
+    from tests.s3_server import rounds
+
+    local, remote, per_shard, depth, slow = [], [], [], [], []
+    for i in range(repeat):
+        local.append(write_shards(str(workdir / f"w-local-{i}"), shards))
+        with server.recording() as requests:
+            remote.append(write_shards(f"{bucket}/w-{i}", shards))
+        per_shard.append(len(requests) / shards)
+        # The same with 20 ms added to every answer, as from an object store in another
+        # building: what sequential round trips cost there (and, with requests that surely
+        # overlap when sent together, the round trips of the last commit).
+        with server.slowed(0.02), server.recording() as requests:
+            slow.append(write_shards(f"{bucket}/w-slow-{i}", 8))
+        commits = [r for r in requests if r.method == "PUT" and "/index/w-" in r.key]
+        depth.append(rounds([r for r in requests if r.start > max(c.end for c in commits[:-1])]))
+    slow_best = min(slow)
+    return {"write_s3_20ms_shards_per_s": 8 / slow_best, "write_s3_20ms_vs_local": (min(local) / shards) / (slow_best / 8),
+            "write_local_shards_per_s": shards / min(local), "write_s3_shards_per_s": shards / min(remote),
+            "write_s3_vs_local": min(local) / min(remote), "write_s3_requests_per_shard": min(per_shard),
+            "write_s3_rounds_per_commit": min(depth)}
+
+
+def bench_encode(server, bucket: str, workdir: Path, repeat: int) -> dict[str, float]:
     from distributed import Client, LocalCluster
 
     from featstore.config import load_config
@@ -137,10 +181,13 @@ def bench_encode(bucket: str, workdir: Path, repeat: int) -> dict[str, float]:
             return summary.samples_written / summary.seconds
 
         encode(str(workdir / "warmup"))  # encoders load once per worker
-        local, remote = [], []
+        local, remote, per_shard = [], [], []
         for i in range(repeat):
             local.append(encode(str(workdir / f"enc-local-{i}")))
-            remote.append(encode(f"{bucket}/enc-{i}"))
+            with server.recording() as requests:
+                remote.append(encode(f"{bucket}/enc-{i}"))
+            per_shard.append(len(requests) / len(featstore.open(f"{bucket}/enc-{i}").shards))
+    out["encode_s3_requests_per_shard"] = min(per_shard)
     out["encode_local_samples_per_s"] = max(local)
     out["encode_s3_samples_per_s"] = max(remote)
     out["encode_s3_vs_local"] = out["encode_s3_samples_per_s"] / out["encode_local_samples_per_s"]
@@ -152,6 +199,7 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=160)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--no-encode", action="store_true")
+    parser.add_argument("--writes-only", action="store_true", help="only the encode and write comparisons")
     args = parser.parse_args()
 
     from tests.s3_server import S3Server
@@ -161,38 +209,56 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="s3bench-"))
     try:
         bucket = server.make_bucket("bench")
-        local, remote = str(workdir / "store"), f"{bucket}/store"
-        n, payload = make_store(local, args.mb * MB)
-        copied = featstore.copy_store(local, remote)
-        results: dict[str, float] = {"samples": n, "payload_MB": payload / MB, "copy_to_s3_MBps": copied.bytes_copied / copied.seconds / MB}
-        results.update(bench_reads(local, remote, payload, args.repeat, workdir))
+        results: dict[str, float] = {}
+        rows: list[tuple[str, str]] = []
+        if not args.writes_only:
+            rows += reads_section(bucket, workdir, args, results)
         if not args.no_encode:
-            results.update(bench_encode(bucket, workdir, args.repeat))
-        print(f"{n} samples, {payload / MB:.0f} MB payload, {len(featstore.open(remote).shards)} shards; moto S3 on {server.endpoint}")
-        rows = [
-            ("streaming read: Store.scan() from s3", f"{results['scan_MBps']:8.1f} MB/s"),
-            ("  plain s3fs cat_file, one by one", f"{results['s3fs_sequential_MBps']:8.1f} MB/s"),
-            ("  plain s3fs cat, all at once", f"{results['s3fs_concurrent_MBps']:8.1f} MB/s"),
-            ("  ratio store / best s3fs (goal >= 0.8)", f"{results['scan_vs_s3fs']:8.2f} x"),
-            ("random batched reads, s3 without cache", f"{results['epoch_uncached_s3_MBps']:8.1f} MB/s"),
-            ("  epoch 1 through --cache-dir (cold)", f"{results['epoch1_cached_MBps']:8.1f} MB/s"),
-            ("  epoch 2 through --cache-dir", f"{results['epoch2_cached_MBps']:8.1f} MB/s"),
-            ("  local store (warm page cache)", f"{results['local_MBps']:8.1f} MB/s"),
-            ("  ratio epoch 2 / local (goal >= 0.8)", f"{results['epoch2_vs_local']:8.2f} x"),
-            ("copy local -> s3", f"{results['copy_to_s3_MBps']:8.1f} MB/s"),
-        ]
-        if not args.no_encode:
+            results.update(bench_encode(server, bucket, workdir, args.repeat))
             rows += [
                 ("encode to local disk", f"{results['encode_local_samples_per_s']:8.2f} samples/s"),
                 ("encode to s3", f"{results['encode_s3_samples_per_s']:8.2f} samples/s"),
-                ("  ratio s3 / local", f"{results['encode_s3_vs_local']:8.2f} x"),
+                ("  ratio s3 / local (goal >= 0.85)", f"{results['encode_s3_vs_local']:8.2f} x"),
+                ("  s3 requests per shard (whole task)", f"{results['encode_s3_requests_per_shard']:8.1f}"),
             ]
+        results.update(bench_writes(server, bucket, workdir, args.repeat))
+        rows += [
+            ("write: commits of small shards, local", f"{results['write_local_shards_per_s']:8.2f} shards/s"),
+            ("  the same to s3", f"{results['write_s3_shards_per_s']:8.2f} shards/s"),
+            ("  ratio s3 / local", f"{results['write_s3_vs_local']:8.2f} x"),
+            ("  s3 requests per shard", f"{results['write_s3_requests_per_shard']:8.1f}"),
+            ("  s3 round trips of one commit (20 ms)", f"{results['write_s3_rounds_per_commit']:8.0f}"),
+            ("  s3 with 20 ms per answer", f"{results['write_s3_20ms_shards_per_s']:8.2f} shards/s"),
+            ("  ratio s3 (20 ms) / local", f"{results['write_s3_20ms_vs_local']:8.2f} x"),
+        ]
+        print(f"moto S3 on {server.endpoint}")
         for label, value in rows:
             print(f"{label:44s} {value}")
         print(json.dumps({k: round(v, 3) for k, v in results.items()}))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         server.stop()
+
+
+def reads_section(bucket: str, workdir: Path, args: argparse.Namespace, results: dict[str, float]) -> list[tuple[str, str]]:
+    local, remote = str(workdir / "store"), f"{bucket}/store"
+    n, payload = make_store(local, args.mb * MB)
+    copied = featstore.copy_store(local, remote)
+    results.update({"samples": n, "payload_MB": payload / MB, "copy_to_s3_MBps": copied.bytes_copied / copied.seconds / MB})
+    results.update(bench_reads(local, remote, payload, args.repeat, workdir))
+    print(f"{n} samples, {payload / MB:.0f} MB payload, {len(featstore.open(remote).shards)} shards")
+    return [
+        ("streaming read: Store.scan() from s3", f"{results['scan_MBps']:8.1f} MB/s"),
+        ("  plain s3fs cat_file, one by one", f"{results['s3fs_sequential_MBps']:8.1f} MB/s"),
+        ("  plain s3fs cat, all at once", f"{results['s3fs_concurrent_MBps']:8.1f} MB/s"),
+        ("  ratio store / best s3fs (goal >= 0.8)", f"{results['scan_vs_s3fs']:8.2f} x"),
+        ("random batched reads, s3 without cache", f"{results['epoch_uncached_s3_MBps']:8.1f} MB/s"),
+        ("  epoch 1 through --cache-dir (cold)", f"{results['epoch1_cached_MBps']:8.1f} MB/s"),
+        ("  epoch 2 through --cache-dir", f"{results['epoch2_cached_MBps']:8.1f} MB/s"),
+        ("  local store (warm page cache)", f"{results['local_MBps']:8.1f} MB/s"),
+        ("  ratio epoch 2 / local (goal >= 0.8)", f"{results['epoch2_vs_local']:8.2f} x"),
+        ("copy local -> s3", f"{results['copy_to_s3_MBps']:8.1f} MB/s"),
+    ]
 
 
 if __name__ == "__main__":

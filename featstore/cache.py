@@ -394,6 +394,9 @@ class CachingStorage(Storage):
     def write_parts(self, key: str, parts: Iterable[Any]) -> None:
         self.remote.write_parts(key, parts)
 
+    def write_many(self, objects: Sequence[tuple[str, Sequence[Any]]]) -> None:
+        self.remote.write_many(objects)
+
     def write_new(self, key: str, data: bytes) -> bool:
         return self.remote.write_new(key, data)
 

@@ -150,23 +150,30 @@ class Store:
 
     def assume_checked(self, shards: Sequence[str]) -> None:
         """Tell a writer's store (opened without its index) which shards its producer already
-        planned around, so ``refresh_committed`` need not read them."""
+        planned around, or knows to hold none of this writer's samples, so ``refresh_committed``
+        need not read them."""
         self._rechecked.update(shards)
 
-    def refresh_committed(self) -> None:
+    def refresh_committed(self) -> set[str]:
         """Read the index parts committed since this snapshot (and not read by an earlier call)
         and note their samples, so that a writer's duplicate checks see them. Only a shard's ids
-        and fields are kept: the read snapshot itself does not change."""
-        from featstore.snapshot import parse_index_part
+        and fields are kept: the read snapshot itself does not change. Returns the name of every
+        shard committed now (one listing answers both questions)."""
+        from featstore.snapshot import _read_parts, parse_index_part
 
+        committed, new = set(), []
         for entry in self.storage.list_dir(fmt.INDEX_DIR):
             parsed = fmt.parse_index_part_name(entry)
-            if parsed is None or parsed[0] in self.shards or parsed[0] in self._rechecked:
+            if parsed is None:
                 continue
-            key = f"{fmt.INDEX_DIR}/{entry}"
-            table, info = parse_index_part(self.storage.read(key), parsed[0], key, self.url, parsed[1])
+            committed.add(parsed[0])
+            if parsed[0] not in self.shards and parsed[0] not in self._rechecked:
+                new.append((f"{fmt.INDEX_DIR}/{entry}", parsed))
+        for (key, parsed), raw in zip(new, _read_parts(self.storage, [k for k, _ in new]), strict=True):
+            table, info = parse_index_part(raw, parsed[0], key, self.url, parsed[1])
             self.note_committed(info.name, table.column("id").to_pylist(), list(info.layouts))
             self._rechecked.add(info.name)
+        return committed
 
     def note_committed(self, shard: str, sample_ids: list[str], fields: Sequence[str] | None = None) -> None:
         """Called by a writer of this store after a commit, so its duplicate checks see new ids.

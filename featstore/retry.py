@@ -14,11 +14,12 @@ deadline are what happens. Options a user sets explicitly (``config_kwargs``) ar
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -127,31 +128,51 @@ def with_retries(fn: Callable[[], T], what: str | Callable[[], str], op: str, po
     policy = policy or RetryPolicy()
     start = time.monotonic()
     attempt = 0
+    while True:
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - classified by _backoff, which raises what is final
+            attempt += 1
+            time.sleep(_backoff(exc, attempt, start, what, op, policy))
+
+
+async def with_retries_async(fn: Callable[[], Awaitable[T]], what: str | Callable[[], str], op: str, policy: RetryPolicy | None = None) -> T:
+    """``with_retries`` for a coroutine (one request of a concurrent batch): the same faults are
+    retried and the same errors raised, and the backoff sleeps without blocking the others."""
+    policy = policy or RetryPolicy()
+    start = time.monotonic()
+    attempt = 0
+    while True:
+        try:
+            return await fn()
+        except Exception as exc:  # noqa: BLE001 - classified by _backoff, which raises what is final
+            attempt += 1
+            await asyncio.sleep(_backoff(exc, attempt, start, what, op, policy))
+
+
+def _backoff(exc: Exception, attempt: int, start: float, what: str | Callable[[], str], op: str, policy: RetryPolicy) -> float:
+    """Seconds to wait before trying again after ``exc`` (the ``attempt``-th failure), or raise
+    what the caller should see when there is no retrying it."""
 
     def name() -> str:
         return secrets.redact(what() if callable(what) else what)
 
-    while True:
-        try:
-            return fn()
-        except (FeatstoreError, IsADirectoryError, NotADirectoryError, FileExistsError):
-            raise
-        except FileNotFoundError:
-            raise FileNotFoundError(errno.ENOENT, f"{op}: no such object", name()) from None
-        except PermissionError as exc:
-            raise StorageError(f"{name()}: {op} was denied ({describe(exc)}); check the credentials and the bucket's permissions") from None
-        except Exception as exc:  # noqa: BLE001 - classified below
-            attempt += 1
-            elapsed = time.monotonic() - start
-            if not is_transient(exc):
-                if isinstance(exc, OSError) or type(exc).__module__.split(".")[0] in _CLIENT_MODULES:
-                    raise StorageError(f"{name()}: {op} failed: {describe(exc)}") from None
-                raise  # not an I/O problem: a bug, which must show as one
-            if attempt >= policy.attempts or elapsed >= policy.deadline:
-                raise StorageError(
-                    f"{name()}: {op} failed {attempt} time(s) over {elapsed:.1f}s, last with {describe(exc)}; "
-                    "the object store is unreachable or overloaded: try again later"
-                ) from None
-            delay = min(policy.max_delay, policy.base_delay * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
-            log.info("%s: %s failed (%s); retry %d in %.2fs", name(), op, describe(exc), attempt, delay)
-            time.sleep(delay)
+    if isinstance(exc, (FeatstoreError, IsADirectoryError, NotADirectoryError, FileExistsError)):
+        raise exc
+    if isinstance(exc, FileNotFoundError):
+        raise FileNotFoundError(errno.ENOENT, f"{op}: no such object", name()) from None
+    if isinstance(exc, PermissionError):
+        raise StorageError(f"{name()}: {op} was denied ({describe(exc)}); check the credentials and the bucket's permissions") from None
+    elapsed = time.monotonic() - start
+    if not is_transient(exc):
+        if isinstance(exc, OSError) or type(exc).__module__.split(".")[0] in _CLIENT_MODULES:
+            raise StorageError(f"{name()}: {op} failed: {describe(exc)}") from None
+        raise exc  # not an I/O problem: a bug, which must show as one
+    if attempt >= policy.attempts or elapsed >= policy.deadline:
+        raise StorageError(
+            f"{name()}: {op} failed {attempt} time(s) over {elapsed:.1f}s, last with {describe(exc)}; "
+            "the object store is unreachable or overloaded: try again later"
+        ) from None
+    delay = min(policy.max_delay, policy.base_delay * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+    log.info("%s: %s failed (%s); retry %d in %.2fs", name(), op, describe(exc), attempt, delay)
+    return delay

@@ -10,16 +10,23 @@ because per-call overhead, not bandwidth, decides small reads. Everything else (
 Remote operations are retried (``featstore.retry``): a transient fault (HTTP 5xx, throttling,
 connection reset or refused, timeout, a body cut short) is tried again with backoff, and one that
 persists fails with a ``StorageError`` naming the object. Messages never carry credentials.
+
+Writes to an object store are batched (``write_many``): a shard's data objects go up at once, as
+concurrent requests on fsspec's event loop, large ones in parts (S3 multipart upload) that are
+each retried on their own, so a commit costs a few round trips whatever its number of objects.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import mmap
 import os
 import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,10 +34,11 @@ import numpy as np
 
 from featstore import secrets
 from featstore.errors import CorruptionError
-from featstore.retry import RetryPolicy, describe, is_transient, remote_filesystem, with_retries
+from featstore.retry import RetryPolicy, describe, is_transient, remote_filesystem, with_retries, with_retries_async
 
-__all__ = ["FsspecStorage", "LocalStorage", "RetryPolicy", "Storage", "open_storage", "with_retries"]
+__all__ = ["FsspecStorage", "LocalStorage", "RetryPolicy", "Storage", "UploadPolicy", "open_storage", "with_retries"]
 T = TypeVar("T")
+log = logging.getLogger("featstore.storage")
 
 # (key, byte ranges, flat uint8 buffer the ranges fill, back to back)
 ReadRequest = tuple[str, Sequence[tuple[int, int]], np.ndarray]
@@ -70,6 +78,13 @@ class Storage:
     def write_parts(self, key: str, parts: Iterable[Any]) -> None:
         """Write a large object from buffers without joining them first (need not be atomic)."""
         raise NotImplementedError
+
+    def write_many(self, objects: Sequence[tuple[str, Sequence[Any]]]) -> None:
+        """Write several objects, each from its buffers as ``write_parts`` does, and return once
+        all are written; remote backends upload them concurrently. On failure some may be written
+        and others not (callers only ever batch objects that nothing names yet)."""
+        for key, parts in objects:
+            self.write_parts(key, parts)
 
     def write_new(self, key: str, data: bytes) -> bool:
         """Create ``key`` holding ``data`` only if it does not exist yet, atomically: of writers
@@ -269,8 +284,19 @@ class LocalStorage(Storage):
             self._fds.clear()
 
 
+@dataclass(frozen=True)
+class UploadPolicy:
+    """How ``FsspecStorage.write_many`` uploads. The requests in flight at once come from the
+    filesystem's own ``max_concurrency`` (an s3fs storage option, default 10) when it has one."""
+
+    concurrency: int = 10             # requests in flight at once, per batch
+    part_bytes: int = 16 << 20        # multipart part size (S3 needs at least 5 MiB)
+    multipart_above: int = 32 << 20   # objects larger than this go up in parts
+
+
 class FsspecStorage(Storage):
     retry = RetryPolicy()
+    uploads = UploadPolicy()
 
     def __init__(self, url: str, storage_options: dict[str, Any]) -> None:
         secrets.register(storage_options)
@@ -282,6 +308,9 @@ class FsspecStorage(Storage):
 
             raise ConfigError(f"cannot open {secrets.redact_url(url)}: {describe(exc)}") from None
         self.root = root.rstrip("/")
+        # s3fs: its async internals (listing without a probe of the parent, multipart calls)
+        # save round trips; any other filesystem goes through fsspec's public API only.
+        self._s3 = hasattr(self.fs, "_call_s3") and hasattr(self.fs, "_lsdir")
         protocol = self.fs.protocol[0] if isinstance(self.fs.protocol, tuple) else self.fs.protocol
         self.url = secrets.redact_url(f"{protocol}://{self.root.removeprefix('/')}" if protocol != "memory" else f"memory://{self.root}")
 
@@ -299,7 +328,10 @@ class FsspecStorage(Storage):
         return with_retries(fn, self._where(key), op, self.retry)
 
     def read(self, key: str) -> bytes:
-        return self._call("read", key, lambda: self.fs.cat_file(self._path(key)))
+        # One GET: s3fs would first ask for the size (a HEAD per read) to fetch large objects
+        # in concurrent ranges, which the objects read whole here (manifest, index parts) are not.
+        kwargs = {"max_concurrency": 1} if self._s3 else {}
+        return self._call("read", key, lambda: self.fs.cat_file(self._path(key), **kwargs))
 
     def read_ranges(self, key: str, ranges: Sequence[tuple[int, int]], out: np.ndarray) -> None:
         self.read_into([(key, ranges, out)])
@@ -395,6 +427,79 @@ class FsspecStorage(Storage):
 
         self._call("write", key, write)
 
+    def write_many(self, objects: Sequence[tuple[str, Sequence[Any]]]) -> None:
+        if not getattr(self.fs, "async_impl", False) or not hasattr(self.fs, "_pipe_file"):
+            return super().write_many(objects)  # a synchronous filesystem (memory://): in turn
+        from fsspec.asyn import sync
+
+        sync(self.fs.loop, self._upload_all, list(objects))
+
+    async def _upload_all(self, objects: list[tuple[str, Sequence[Any]]]) -> None:
+        limit = asyncio.Semaphore(max(1, int(getattr(self.fs, "max_concurrency", 0) or self.uploads.concurrency)))
+        # Every upload runs to its end (none is left running behind a raised error); the first
+        # failure is then raised.
+        results = await asyncio.gather(*(self._upload(limit, key, parts) for key, parts in objects), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def _upload(self, limit: asyncio.Semaphore, key: str, parts: Sequence[Any]) -> None:
+        views = [memoryview(p).cast("B") for p in parts]
+        size = sum(v.nbytes for v in views)
+        if self._s3 and size > self.uploads.multipart_above:
+            return await self._upload_in_parts(limit, key, views, size)
+        data = b"".join(views)
+        async with limit:
+            # A retry after a lost answer PUTs the same bytes again, which changes nothing.
+            await with_retries_async(lambda: self.fs._pipe_file(self._path(key), data), self._where(key), "write", self.retry)
+
+    async def _upload_in_parts(self, limit: asyncio.Semaphore, key: str, views: list[memoryview], size: int) -> None:
+        """An S3 multipart upload, each part retried on its own: a fault costs one part, not
+        the object. The object appears whole at completion, or not at all."""
+        bucket, path, _ = self.fs.split_path(self._path(key))
+        where, step = self._where(key), max(5 << 20, self.uploads.part_bytes)
+
+        def s3(method: str, **kwargs: Any) -> Callable[[], Any]:
+            return lambda: self.fs._call_s3(method, Bucket=bucket, Key=path, **kwargs)
+
+        async with limit:
+            upload = (await with_retries_async(s3("create_multipart_upload"), where, "write", self.retry))["UploadId"]
+
+        async def put_part(number: int, start: int) -> dict[str, Any]:
+            async with limit:  # a part's bytes are joined only once it may be sent
+                body = _joined_range(views, start, min(size, start + step))
+                out = await with_retries_async(s3("upload_part", UploadId=upload, PartNumber=number, Body=body), f"{where} (part {number})", "write", self.retry)
+            return {"PartNumber": number, "ETag": out["ETag"]}
+
+        try:
+            results = await asyncio.gather(*(put_part(i + 1, start) for i, start in enumerate(range(0, size, step))), return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+            tried = [0]
+
+            async def complete() -> None:
+                tried[0] += 1
+                try:
+                    await s3("complete_multipart_upload", UploadId=upload, MultipartUpload={"Parts": results})()
+                except Exception as exc:
+                    # A retry whose first answer was lost: the upload is complete and gone. The
+                    # key is this writer's own, so the object there is the one just completed.
+                    if tried[0] > 1 and isinstance(exc, FileNotFoundError) and (await self.fs._info(self._path(key), refresh=True))["size"] == size:
+                        return
+                    raise
+
+            async with limit:
+                await with_retries_async(complete, where, "write", self.retry)
+        except BaseException:
+            try:  # the parts uploaded so far would otherwise be kept (and billed) by the service
+                await s3("abort_multipart_upload", UploadId=upload)()
+            except Exception as exc:  # noqa: BLE001 - the upload's own failure is what is raised
+                log.warning("%s: could not abort the multipart upload (%s); a lifecycle rule removes it", where, describe(exc))
+            raise
+        finally:
+            self.fs.invalidate_cache(self._path(key))
+
     def exists(self, key: str) -> bool:
         path = self._path(key)
 
@@ -424,7 +529,14 @@ class FsspecStorage(Storage):
             # Listings are cached by some filesystems (s3fs); a reader must see fresh commits.
             self.fs.invalidate_cache(path)
             try:
-                entries = self.fs.ls(path, detail=False)
+                if self._s3:
+                    # One request per 1,000 names: s3fs's ls() lists the parent too when a
+                    # directory is empty (to tell an empty one from a file).
+                    from fsspec.asyn import sync
+
+                    entries = [e["name"] for e in sync(self.fs.loop, self.fs._lsdir, path, refresh=True)]
+                else:
+                    entries = self.fs.ls(path, detail=False)
             except FileNotFoundError:
                 return []
             return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != path.rstrip("/")})
@@ -449,3 +561,16 @@ class FsspecStorage(Storage):
             return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries} - {""})
 
         return self._call("list", prefix, listing)
+
+
+def _joined_range(views: list[memoryview], start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of the concatenation of ``views``."""
+    out, pos = [], 0
+    for view in views:
+        lo, hi = max(start, pos), min(end, pos + view.nbytes)
+        if lo < hi:
+            out.append(view[lo - pos : hi - pos])
+        pos += view.nbytes
+        if pos >= end:
+            break
+    return b"".join(out)

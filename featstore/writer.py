@@ -130,12 +130,17 @@ class StoreWriter:
         self._check_open()
         if not self._pending and not self._rejects and name is None:
             return None
+        chosen = name is not None
         if name is None:
             name = f"{self.shard_prefix}-{self._seq:06d}"  # unique to this writer: no check needed
             self._seq += 1
         else:
             fmt.check_shard_name(name)
-            if self._store.has_shard(name):
+        # One listing of index/ tells both whether the name is taken and what was committed
+        # since the snapshot (each request to an object store is a round trip).
+        if chosen or self._pending:
+            committed = self._store.refresh_committed()
+            if chosen and (name in committed or name in self._store.shards):
                 raise ShardCommittedError(f"shard {name!r} is already committed in {self._store.url}")
         self._drop_committed_elsewhere()
         self._store.fix_ndims({f: a.ndim for f, a in self._pending[0].arrays.items()} if self._pending else {})
@@ -170,11 +175,10 @@ class StoreWriter:
         return name
 
     def _drop_committed_elsewhere(self) -> None:
-        """Re-read the index parts committed since the snapshot and drop pending samples that
-        already have one of this writer's fields there: each (sample id, field) in one shard."""
+        """Drop pending samples that already have one of this writer's fields in a shard
+        committed since the snapshot (just re-read): each (sample id, field) in one shard."""
         if not self._pending:
             return
-        self._store.refresh_committed()
         keep = [p for p in self._pending if not self._store.is_known(p.sample_id, self.fields)]
         if len(keep) < len(self._pending):
             self.dropped.extend(p.sample_id for p in self._pending if p not in keep)
@@ -200,12 +204,14 @@ class StoreWriter:
         partial = bool(self._pending) and len(self.fields) < len(self._store.fields)
         field_layouts: dict[str, dict[str, int]] = {}
         columns: dict[str, Any] = {"id": [p.sample_id for p in self._pending]}
+        # Every object of the shard, written in one batch (concurrent requests on an object store).
+        batch: list[tuple[str, list[Any]]] = []
         if self._pending:
-            self._put_small(objects, f"{root}/zarr.json", fmt.group_json())
+            _add_small(batch, objects, f"{root}/zarr.json", fmt.group_json())
         for fname in self.fields if self._pending else ():
             spec = self._store.fields[fname]
             arrays = [p.arrays[fname] for p in self._pending]
-            layout, crc = self._write_field(root, spec, arrays, objects)
+            layout, crc = _add_field(batch, objects, root, spec, arrays)
             field_layouts[fname] = {"elements": layout.elements, "chunk_elements": layout.chunk_elements, "num_chunks": layout.num_chunks}
             counts = np.array([a.size for a in arrays], dtype=np.int64)
             columns[f"{fname}.offset"] = pa.array(np.concatenate([[0], np.cumsum(counts)[:-1]]), pa.int64())
@@ -214,9 +220,11 @@ class StoreWriter:
         rejects_key = None
         if self._rejects:
             rejects_key = f"{fmt.REJECTS_DIR}/{root.rsplit('/', 1)[-1]}.parquet"
-            self._put_small(objects, rejects_key, _parquet_bytes(pa.Table.from_pylist(self._rejects)))
+            _add_small(batch, objects, rejects_key, _parquet_bytes(pa.Table.from_pylist(self._rejects)))
         for key in sorted({k for p in self._pending for k in p.meta}):
             columns[key] = _meta_column(key, [p.meta.get(key) for p in self._pending])
+        table = _table(columns, self.fields if self._pending else [])
+        self._storage.write_many(batch)
         commit_info = {
             "format_version": fmt.EXCLUSIVE_COMMIT_VERSION,
             "shard": name,
@@ -229,28 +237,11 @@ class StoreWriter:
             "committed_at": 0.0,  # set just before the commit point
             "objects": objects,
         }
-        return _table(columns, self.fields if self._pending else []), commit_info
+        return table, commit_info
 
     def _discard(self, objects: dict[str, dict[str, int]]) -> None:
         for key in objects:
             self._storage.delete(key)
-
-    def _write_field(self, base: str, spec: fmt.FieldSpec, arrays: list[np.ndarray], objects: dict) -> tuple[fmt.ChunkLayout, list[int]]:
-        storage_dtype = np.dtype(spec.zarr_dtype)
-        views = [a.reshape(-1).view(storage_dtype) for a in arrays]
-        layout = fmt.ChunkLayout.for_elements(sum(v.size for v in views), storage_dtype.itemsize)
-        self._put_small(objects, f"{base}/{spec.name}/zarr.json", fmt.array_json(spec, layout))
-        padding, tail = fmt.shard_object_tail(layout, storage_dtype.itemsize)
-        crcs = [fmt.crc32c(v) for v in views]
-        parts = [v for v in views if v.size] + [bytes(padding), tail]
-        key = f"{base}/{spec.name}/c/0"
-        self._storage.write_parts(key, parts)
-        objects[key] = {"nbytes": sum(memoryview(p).nbytes for p in parts), "crc32c": _object_crc(views, crcs, [bytes(padding), tail])}
-        return layout, crcs
-
-    def _put_small(self, objects: dict, key: str, data: bytes) -> None:
-        self._storage.write_atomic(key, data)
-        objects[key] = {"nbytes": len(data), "crc32c": fmt.crc32c(data)}
 
     # ---- lifecycle ----------------------------------------------------------------------
     def close(self) -> None:
@@ -277,6 +268,27 @@ class StoreWriter:
     def _check_open(self) -> None:
         if self._closed:
             raise SchemaError("this writer is closed")
+
+
+def _add_small(batch: list, objects: dict, key: str, data: bytes) -> None:
+    batch.append((key, [data]))
+    objects[key] = {"nbytes": len(data), "crc32c": fmt.crc32c(data)}
+
+
+def _add_field(batch: list, objects: dict, base: str, spec: fmt.FieldSpec, arrays: list[np.ndarray]) -> tuple[fmt.ChunkLayout, list[int]]:
+    """A field's two objects (its zarr.json and its one zarr shard object, from the samples'
+    buffers without joining them); returns the layout and the per-sample CRC-32Cs."""
+    storage_dtype = np.dtype(spec.zarr_dtype)
+    views = [a.reshape(-1).view(storage_dtype) for a in arrays]
+    layout = fmt.ChunkLayout.for_elements(sum(v.size for v in views), storage_dtype.itemsize)
+    _add_small(batch, objects, f"{base}/{spec.name}/zarr.json", fmt.array_json(spec, layout))
+    padding, tail = fmt.shard_object_tail(layout, storage_dtype.itemsize)
+    crcs = [fmt.crc32c(v) for v in views]
+    parts = [v for v in views if v.size] + [bytes(padding), tail]
+    key = f"{base}/{spec.name}/c/0"
+    batch.append((key, parts))
+    objects[key] = {"nbytes": sum(memoryview(p).nbytes for p in parts), "crc32c": _object_crc(views, crcs, [bytes(padding), tail])}
+    return layout, crcs
 
 
 # Below this size re-reading a sample is cheaper than a CRC combine (~30 us, ~6 GB/s).

@@ -238,9 +238,12 @@ def run_encode(
         retry = _retry_salt(store) if config.data.retry_rejects and any(r.source in rejected for g in groups.values() for r in g) else ""
         tasks = [task for (missing, new), group in groups.items() for task in plan_tasks(group, digest, per_task, list(missing), new, salt=retry)]
         # Every task is told which shards this plan saw, so that before committing it re-reads
-        # only those committed since (by a concurrent run), not the whole index.
+        # only those committed since (by a concurrent run), not the whole index. Nor does it read
+        # its sibling tasks' parts: a shard's name is a hash of its rows and fields, so one named
+        # like a sibling holds that sibling's rows, none of this task's (a request per sibling
+        # committed first, saved).
         # (A task's result, not scattered data: if the worker holding it dies, it is recomputed.)
-        known = client.submit(list, sorted(store.shards), pure=False) if tasks else None
+        known = client.submit(list, sorted(set(store.shards) | {t.shard for t in tasks}), pure=False) if tasks else None
         summary = _run_tasks(client, tasks, known, output_url, storage_options, specs, threads, settings, progress, log)
         summary.update(samples_skipped=skipped, startup_seconds=startup, stale=len(stale))
         summary["rejected"] += len(new_plan_rejects)

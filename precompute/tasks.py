@@ -128,7 +128,8 @@ def encode_task(
     known_shards: list[str] | None = None,
 ) -> dict[str, Any]:
     """Encode one task into one committed shard; idempotent (a committed shard is skipped, and so
-    is one another writer commits first). ``known_shards``: the shards the client planned from."""
+    is one another writer commits first). ``known_shards``: the shards the client planned from,
+    and the names of its sibling tasks (which hold none of this task's rows)."""
 
     start = time.perf_counter()
     result = TaskResult(shard=task.shard)

@@ -1,6 +1,9 @@
 """Real S3 over HTTP on 127.0.0.1 for the tests: a moto server, and a fault-injecting proxy.
 
-``S3Server`` runs ``moto.server.ThreadedMotoServer`` on a free loopback port. ``FaultProxy``
+``S3Server`` runs ``moto.server.ThreadedMotoServer`` on a free loopback port, and can record the
+requests it answers (``recording()``: method, key, query, start and end time), so a test counts
+what a client really sends over HTTP; ``latency`` adds a delay to every answer, as a distant
+object store has (and so requests sent concurrently surely overlap). ``FaultProxy``
 sits between a client and that server and, for a share of requests (and/or every N-th), answers 503 SlowDown,
 resets or drops the connection, cuts a response short, or stalls until the client times out;
 rules can make a fault persistent (every request to one object) or refuse writes (a read-only
@@ -19,7 +22,10 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from urllib.parse import unquote
 
 # A distinctive fake credential: tests grep every output for it.
 FAKE_KEY_ID = "AKIAMMCACHEFAKEKEY01"
@@ -32,6 +38,31 @@ _503_BODY = b"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>SlowDown</C
 _403_BODY = b"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
 
 
+@dataclass(frozen=True)
+class Request:
+    """One request the server answered: ``key`` is the path after the bucket (empty for a
+    bucket-level request such as a listing, whose ``query`` says what it listed)."""
+
+    method: str
+    bucket: str
+    key: str
+    query: str
+    start: float
+    end: float
+    if_none_match: str | None  # the header of a conditional PUT (create only if absent)
+
+
+def rounds(requests: list[Request]) -> int:
+    """How many round trips deep ``requests`` were: the number of stretches of time in which
+    some request was in flight (requests sent concurrently overlap and count once)."""
+    depth, busy_until = 0, float("-inf")
+    for req in sorted(requests, key=lambda r: r.start):
+        if req.start > busy_until:
+            depth += 1
+        busy_until = max(busy_until, req.end)
+    return depth
+
+
 class S3Server:
     def __init__(self) -> None:
         from moto.server import ThreadedMotoServer
@@ -42,6 +73,50 @@ class S3Server:
         host, port = self._server.get_host_and_port()
         self.host, self.port = host, port
         self.endpoint = f"http://{host}:{port}"
+        self._records: list[list[Request]] = []
+        self._lock = threading.Lock()
+        self.latency = 0.0  # seconds added before every answer
+        # Every request passes through this wrapper of moto's WSGI app on its way in and out.
+        wsgi = self._server._server
+        app = wsgi.app
+
+        def recorded(environ, start_response):
+            start = time.perf_counter()
+            if self.latency:
+                time.sleep(self.latency)
+            try:
+                return app(environ, start_response)
+            finally:
+                if self._records:
+                    bucket, _, key = unquote(environ.get("PATH_INFO", "")).lstrip("/").partition("/")
+                    req = Request(environ["REQUEST_METHOD"], bucket, key, unquote(environ.get("QUERY_STRING", "")), start, time.perf_counter(),
+                                  environ.get("HTTP_IF_NONE_MATCH"))
+                    with self._lock:
+                        for record in self._records:
+                            record.append(req)
+
+        wsgi.app = recorded
+
+    @contextmanager
+    def slowed(self, latency: float) -> Iterator[None]:
+        """Every answer ``latency`` seconds late while the block runs."""
+        self.latency = latency
+        try:
+            yield
+        finally:
+            self.latency = 0.0
+
+    @contextmanager
+    def recording(self) -> Iterator[list[Request]]:
+        """The requests answered while the block runs (from this and every other process)."""
+        record: list[Request] = []
+        with self._lock:
+            self._records.append(record)
+        try:
+            yield record
+        finally:
+            with self._lock:
+                self._records.remove(record)
 
     def env(self, endpoint: str | None = None) -> dict[str, str]:
         """The standard AWS variables a user would set (no flags needed with them)."""

@@ -57,9 +57,17 @@ class Interleave:
         self._hook("write_atomic", key)
         return self.inner.write_atomic(key, data)
 
-    def write_parts(self, key, parts):
-        self._hook("write_parts", key)
-        return self.inner.write_parts(key, parts)
+    def write_many(self, objects):
+        # The batch is written concurrently; a crash (or the other writer's step) at its k-th
+        # object comes after the objects before it are written and before the rest are.
+        objects = list(objects)
+        for i, (key, _) in enumerate(objects):
+            if self.op == "write_many" and key.startswith(self.prefix) and self.seen + 1 == self.nth:
+                self.inner.write_many(objects[:i])
+                self._hook("write_many", key)
+                return self.inner.write_many(objects[i:])
+            self._hook("write_many", key)
+        return self.inner.write_many(objects)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -142,7 +150,7 @@ def test_overlapping_writers_commit_each_sample_once(url, when):
         other_commits()  # ...and the other run commits before this one's commit starts
         writer = snapshot.writer(shard_prefix="a")
     else:  # the other run commits while this one writes its data objects
-        writer = _writer(url, name_prefix="a", interleave=lambda s: Interleave(s, "write_parts", fmt.SHARDS_DIR, before=other_commits))
+        writer = _writer(url, name_prefix="a", interleave=lambda s: Interleave(s, "write_many", fmt.SHARDS_DIR, before=other_commits))
     for sid in ids[:10]:
         writer.add(sid, samples[sid])
     writer.close()
@@ -225,14 +233,15 @@ def test_first_commits_fixing_ndim_agree(url):
     assert featstore.open(url).field_ndim("x") == 2
 
 
-# Every store call a commit of a shard with samples and a reject makes, in order (two fields).
+# Every object a commit of a shard with samples and a reject writes, in order (two fields): the
+# data objects go up in one concurrent batch (write_many), the index part last (write_new).
 _COMMIT_STEPS = [
-    ("write_atomic", f"{fmt.SHARDS_DIR}/", 1, False),  # the shard's group zarr.json
-    ("write_atomic", f"{fmt.SHARDS_DIR}/", 2, False),  # latent zarr.json
-    ("write_parts", f"{fmt.SHARDS_DIR}/", 1, False),   # latent c/0
-    ("write_atomic", f"{fmt.SHARDS_DIR}/", 3, False),  # text zarr.json
-    ("write_parts", f"{fmt.SHARDS_DIR}/", 2, False),   # text c/0
-    ("write_atomic", f"{fmt.REJECTS_DIR}/", 1, False),  # rejects
+    ("write_many", f"{fmt.SHARDS_DIR}/", 1, False),  # the shard's group zarr.json
+    ("write_many", f"{fmt.SHARDS_DIR}/", 2, False),  # latent zarr.json
+    ("write_many", f"{fmt.SHARDS_DIR}/", 3, False),  # latent c/0
+    ("write_many", f"{fmt.SHARDS_DIR}/", 4, False),  # text zarr.json
+    ("write_many", f"{fmt.SHARDS_DIR}/", 5, False),  # text c/0
+    ("write_many", f"{fmt.REJECTS_DIR}/", 1, False),  # rejects
     ("write_new", f"{fmt.INDEX_DIR}/", 1, False),      # the commit point, before...
     ("write_new", f"{fmt.INDEX_DIR}/", 1, True),       # ...and after it
 ]
