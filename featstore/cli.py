@@ -1,4 +1,4 @@
-"""``mmcache info``, ``verify``, ``copy`` and ``repair``: the store commands, which need neither torch nor dask.
+"""``mmcache info``, ``verify``, ``copy``, ``repair`` and ``compact``: the store commands, which need neither torch nor dask.
 ``precompute.cli`` adds ``encode`` to this group; the ``mmcache`` script points there. User
 errors print one line (``featstore.user_errors``); ``--debug`` shows the traceback."""
 
@@ -147,6 +147,20 @@ def repair(url: str, storage_options: str | None) -> None:
         raise click.ClickException(redact(exc)) from None
     with store:
         summary = _guarded(repair_store, store)
+    click.echo(summary.line())
+
+
+@cli.command()
+@click.argument("url")
+@storage_options_option
+def compact(url: str, storage_options: str | None) -> None:
+    """Checkpoint the index of the store at URL: one Parquet object holding the rows of every
+    committed index part, so that opening the store reads it instead of every part. Deletes no
+    index part; safe while others read, write or compact. Writers also do this every so often."""
+    from featstore.compact import compact_store
+
+    with _open(url, storage_options, strict=False) as store:
+        summary = _guarded(compact_store, store.storage)
     click.echo(summary.line())
 
 
