@@ -29,7 +29,6 @@ import io
 import json
 import os
 import re
-import time
 import warnings
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -229,19 +228,20 @@ class CompactSummary:
         return f"{what}: {self.parts} index part(s) ({self.new_parts} new), {self.rows} row(s), {self.nbytes} bytes{extra}{bad}"
 
 
-def compact_store(storage: Storage, *, keep: int = KEEP) -> CompactSummary:
+def compact_store(storage: Storage, *, keep: int = KEEP, rebuild: bool = False) -> CompactSummary:
     """Write a checkpoint covering every index part committed now (reading only those the newest
     checkpoint lacks), publish it, and prune older checkpoints. Safe beside readers, writers and
-    other compactors: it creates objects only if absent and deletes only checkpoints."""
+    other compactors: it creates objects only if absent and deletes only checkpoints.
+    ``rebuild``: read every part, ignoring the existing checkpoints, and then delete all of them
+    (for one that ``mmcache verify`` found disagreeing with the parts)."""
     from featstore.snapshot import gather_parts
 
-    problems: list[str] = []
-    gathered = gather_parts(storage, strict=False, checkpoint_problems=problems)
+    gathered = gather_parts(storage, strict=False, use_checkpoint=not rebuild, checkpoint_problems=[])
     summary = CompactSummary(damaged=gathered.damaged)
     if not gathered.order:
         return summary
     old = gathered.checkpoint
-    summary.new_parts = sum(1 for entry, _ in gathered.order if old is None or entry not in gathered.covered)
+    summary.new_parts = sum(1 for entry, _ in gathered.order if entry not in gathered.covered)
     summary.parts, summary.rows = len(gathered.order), gathered.table.num_rows
     if old is not None and not summary.new_parts and len(gathered.covered) == len(old.parts):
         summary.key, summary.nbytes = old.key, old.nbytes  # nothing committed or deleted since
@@ -260,18 +260,22 @@ def compact_store(storage: Storage, *, keep: int = KEEP) -> CompactSummary:
             "fields": pa.array([list(info.layouts) for _, info in gathered.order], pa.list_(pa.string())),
             "record": [records[entry] if isinstance(records[entry], str) else json.dumps(records[entry]) for entry, _ in gathered.order],
         })
-        doc = {"checkpoint_version": CHECKPOINT_VERSION, "format_version": fmt.FORMAT_VERSION, "created_at": time.time(), "rows": gathered.table.num_rows}
+        # Nothing time- or writer-dependent: compactors of the same parts write the same bytes.
+        doc = {"checkpoint_version": CHECKPOINT_VERSION, "format_version": fmt.FORMAT_VERSION, "rows": gathered.table.num_rows}
         parts_raw = _parquet_bytes(described, {CHECKPOINT_METADATA_KEY: json.dumps(doc).encode()})
         rows_raw = _parquet_bytes(gathered.table.replace_schema_metadata(None), {})
         digest = digest_of(parts_raw, rows_raw)
         # Content-named: a concurrent compactor of the same parts writes the very same bytes.
         for key, raw in zip(checkpoint_keys(digest), (parts_raw, rows_raw), strict=True):
-            storage.write_new(key, raw)
+            if not storage.write_new(key, raw):
+                # Other bytes under a name that is the hash of these: a damaged copy. Writing the
+                # right ones over it is what anyone would write there.
+                storage.write_atomic(key, raw)
         # Trusted only once read back whole and matching its name; only then is it published.
         read_checkpoint(storage, digest, "")
         storage.write_new(f"{fmt.INDEX_DIR}/{marker_name(len(gathered.order), digest)}", json.dumps({"parts": len(gathered.order), "rows": gathered.table.num_rows}).encode())
         summary.key, summary.nbytes, summary.written = f"{CHECKPOINT_DIR}/{digest}", len(parts_raw) + len(rows_raw), True
-    summary.pruned = _prune(storage, summary.key, keep)
+    summary.pruned = _prune(storage, summary.key, keep, everything=rebuild)
     return summary
 
 
@@ -285,7 +289,7 @@ def _parquet_bytes(table: pa.Table, metadata: dict[bytes, bytes]) -> bytes:
     return sink.getvalue()
 
 
-def _prune(storage: Storage, current: str, keep: int) -> list[str]:
+def _prune(storage: Storage, current: str, keep: int, everything: bool = False) -> list[str]:
     """Delete checkpoints less complete than ``current`` beyond the ``keep`` newest, and any whose
     objects are damaged or gone. Marker first: a reader that listed it and then finds the objects
     gone takes the next checkpoint, or reads the parts."""
@@ -297,7 +301,7 @@ def _prune(storage: Storage, current: str, keep: int) -> list[str]:
         if key == current:
             kept += 1
             continue
-        healthy = _healthy(storage, digest, marker)
+        healthy = not everything and _healthy(storage, digest, marker)
         if healthy and (kept < keep or (mine is not None and parts >= mine[0])):
             kept += 1
             continue  # a recent one readers may have listed, or a concurrent compactor's
@@ -318,14 +322,93 @@ def _healthy(storage: Storage, digest: str, marker: str) -> bool:
     return True
 
 
-def after_commit(store: Store, shard: str, every: int) -> None:
-    """Called by a writer after each commit: about one commit in ``every`` (decided by a hash of
-    the shard name, so writers need no coordination and a one-shard writer, an encode task, takes
-    part) compacts the index. The commit has happened whatever this does: a failure is a warning."""
-    if every <= 0 or fmt.crc32c(shard.encode()) % every:
+# ---- checking -----------------------------------------------------------------------------
+def check_checkpoints(storage: Storage, problems: list[str], notes: list[str]) -> int:
+    """``mmcache verify``: every checkpoint listed must be intact, and agree with each index part
+    it covers that is still listed as it was (commit record and rows; the part's own CRC-32C is
+    checked too, since readers no longer read it). Returns the number of parts compared."""
+    from featstore.snapshot import _parse_part
+
+    listing = list_index(storage)
+    parsed: dict[str, tuple[pa.Table, dict[str, Any]] | None] = {}
+    compared = 0
+    for _, digest, marker in markers(listing):
+        try:
+            checkpoint = read_checkpoint(storage, digest, marker)
+        except FileNotFoundError:
+            notes.append(f"{fmt.INDEX_DIR}/{marker} names a checkpoint whose objects are gone (pruned, or deleted by hand); readers skip it, `mmcache compact` removes it")
+            continue
+        except FormatVersionError as exc:
+            notes.append(f"{exc}; not checked")
+            continue
+        except CorruptionError as exc:
+            problems.append(f"{exc}; readers ignore it and read the index parts instead; `mmcache compact` replaces it")
+            continue
+        for entry, part in checkpoint.parts.items():
+            if listing.get(entry) != part.listed:
+                continue  # deleted or rewritten since: readers read the part itself, not these rows
+            key = f"{fmt.INDEX_DIR}/{entry}"
+            if entry not in parsed:
+                parsed[entry] = None
+                try:
+                    name_crc = fmt.parse_index_part_name(entry)
+                    assert name_crc is not None
+                    parsed[entry] = _parse_part(storage.read(key), part.info.name, key, storage.url, name_crc[1])
+                except CorruptionError as exc:
+                    problems.append(f"{exc} (readers take its rows from {checkpoint.key})")
+                except FileNotFoundError:
+                    continue
+            if parsed[entry] is None:
+                continue
+            table, record = parsed[entry]  # type: ignore[misc]
+            compared += 1
+            why = "its commit record differs" if json.loads(part.record) != record else _rows_differ(checkpoint.table.slice(part.start, part.info.num_samples), table, part.info.name)
+            if why:
+                problems.append(f"index checkpoint {checkpoint.key} disagrees with {key}: {why}; readers would use the checkpoint's rows. "
+                                f"Run `mmcache compact --rebuild {storage.url}` to replace it from the parts")
+    return compared
+
+
+def _rows_differ(mine: pa.Table, theirs: pa.Table, shard: str) -> str:
+    """Why a checkpoint's rows of one part are not that part's rows ('' when they are)."""
+    if mine.num_rows != theirs.num_rows:
+        return f"{mine.num_rows} rows, the part has {theirs.num_rows}"
+    if mine.column("shard").to_pylist() != [shard] * mine.num_rows:
+        return "rows of another shard"
+    for name in theirs.column_names:
+        if name not in mine.column_names:
+            return f"column {name!r} is missing"
+        try:
+            same = mine.column(name).cast(theirs.schema.field(name).type).equals(theirs.column(name))
+        except pa.ArrowException:
+            same = False
+        if not same:
+            return f"column {name!r} differs"
+    for name in set(mine.column_names) - set(theirs.column_names) - {"shard"}:
+        if mine.column(name).null_count != mine.num_rows:
+            return f"column {name!r} has values the part does not have"
+    return ""
+
+
+def uncovered_parts(listing: dict[str, str]) -> int:
+    """Index parts in a listing beyond what its most complete checkpoint covers (by the count
+    in the marker's name: nothing is read)."""
+    parts = sum(1 for name in listing if fmt.parse_index_part_name(name) is not None)
+    found = markers(listing)
+    return parts - (found[0][0] if found else 0)
+
+
+def after_commit(store: Store, shard: str, every: int, commits: int) -> None:
+    """Called by a writer after its ``commits``-th commit. Every ``every``-th commit of a writer,
+    and any commit whose shard name hashes to 0 modulo ``every`` (so that writers of one shard
+    each, like encode tasks, take part without coordination), lists the index and compacts it
+    when at least ``every`` parts are not covered by a checkpoint. The commit has happened
+    whatever this does: a failure here is a warning."""
+    if every <= 0 or (commits % every and fmt.crc32c(shard.encode()) % every):
         return
     try:
-        compact_store(store.storage)
+        if uncovered_parts(list_index(store.storage)) >= every:
+            compact_store(store.storage)
     except (FeatstoreError, OSError) as exc:
         warnings.warn(f"{store.url}: automatic index compaction after shard {shard!r} failed ({exc}); the shard is committed, "
                       f"and `mmcache compact {store.url}` can be run at any time", CheckpointWarning, stacklevel=3)

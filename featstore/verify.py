@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from featstore import compact
 from featstore import format as fmt
 from featstore.reader import Store
 
@@ -48,6 +49,8 @@ def store_info(store: Store) -> dict[str, Any]:
         "num_rejected": store.num_rejected(),
         "rejects_by_reason": dict(reasons.most_common()),
         "attrs": store.attrs,
+        # The index checkpoint the open used (featstore.compact), and how many parts it covered.
+        "checkpoint": {"key": store.checkpoint, "covered": store.checkpoint_covered},
     }
 
 
@@ -78,6 +81,8 @@ def verify_store(store: Store, progress: Callable[[str], None] | None = None) ->
             report.problems.append(f"{fmt.SHARDS_DIR}/zarr.json is not the group metadata mmcache writes (corrupted?)")
     except FileNotFoundError:
         report.problems.append(f"{fmt.SHARDS_DIR}/zarr.json is missing")
+    # An open takes the rows of most parts from an index checkpoint: it must agree with them.
+    compact.check_checkpoints(store.storage, report.problems, report.warnings)
     committed = {info.data_root.rsplit("/", 1)[-1] for info in store.shards.values() if info.num_samples}
     for leftover in store.storage.list_dir(fmt.SHARDS_DIR):
         if leftover not in committed and leftover != "zarr.json":

@@ -59,7 +59,7 @@ class StoreWriter:
             raise SchemaError("a writer needs at least one field")
         self.fields = [f for f in store.fields if fields is None or f in fields]
         self.shard_bytes = shard_bytes
-        # About one commit in this many also checkpoints the index (featstore.compact); 0: never.
+        # Index checkpoints (featstore.compact) once this many commits are not covered; 0: never.
         self.compact_every = compact_every
         self.shard_prefix = fmt.check_name("shard prefix", shard_prefix or uuid.uuid4().hex[:12])
         self._seq = 0
@@ -172,7 +172,7 @@ class StoreWriter:
             )
         self._store.note_committed(name, ids, self.fields)
         self.committed.append(name)
-        compact.after_commit(self._store, name, self.compact_every)
+        compact.after_commit(self._store, name, self.compact_every, len(self.committed))
         return name
 
     def _drop_committed_elsewhere(self) -> None:
