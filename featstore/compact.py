@@ -29,6 +29,7 @@ import io
 import json
 import os
 import re
+import threading
 import warnings
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -124,13 +125,38 @@ def _fingerprint(entry: dict[str, Any]) -> str:
 
 
 # ---- reading -------------------------------------------------------------------------------
-@dataclass(frozen=True)
+class _Records:
+    """The ``record`` column of a checkpoint's parts object, decoded on first use: it is most of
+    that object's bytes, and an open needs none of it."""
+
+    def __init__(self, raw: bytes) -> None:
+        self._raw, self._texts = raw, None
+        self._lock = threading.Lock()
+
+    def __call__(self, row: int) -> str:
+        with self._lock:  # readers of one store may first touch its shards from several threads
+            if self._texts is None:
+                self._texts = pq.ParquetFile(io.BytesIO(self._raw)).read(columns=["record"], use_threads=False).column("record").to_pylist()
+        return self._texts[row]
+
+
 class CoveredPart:
-    entry: str      # its file name under index/
-    listed: str     # its fingerprint when it was compacted
-    info: ShardInfo
-    start: int      # its first row in the checkpoint's table
-    record: str     # its commit record, JSON
+    """One index part a checkpoint covers. (A plain class: thousands are made per open, and a
+    frozen dataclass's __init__ costs several times more.)"""
+
+    __slots__ = ("entry", "listed", "info", "start", "records", "row")
+
+    def __init__(self, entry: str, listed: str, info: ShardInfo, start: int, records: _Records, row: int) -> None:
+        self.entry = entry      # its file name under index/
+        self.listed = listed    # its fingerprint when it was compacted
+        self.info = info
+        self.start = start      # its first row in the checkpoint's table
+        self.records, self.row = records, row  # its row in the parts object
+
+    @property
+    def record(self) -> str:
+        """Its commit record, JSON, exactly as its index part holds it."""
+        return self.records(self.row)
 
 
 @dataclass
@@ -161,17 +187,19 @@ def parse_checkpoint(parts_raw: bytes, rows_raw: bytes, digest: str, marker: str
         doc = json.loads((listing.metadata.metadata or {})[CHECKPOINT_METADATA_KEY])
         if doc.get("checkpoint_version", 0) > CHECKPOINT_VERSION:
             raise FormatVersionError(f"{where} was written by a newer mmcache (checkpoint version {doc['checkpoint_version']}); upgrade mmcache")
-        described = listing.read(use_threads=False)
-        columns = [described.column(name).to_pylist() for name in _PART_COLUMNS]
+        described = listing.read(columns=list(_PART_COLUMNS[:-1]), use_threads=False)
+        columns = [described.column(name).to_pylist() for name in _PART_COLUMNS[:-1]]
+        if listing.schema_arrow.names != list(_PART_COLUMNS):
+            raise ValueError(f"columns {listing.schema_arrow.names}")
         table = pq.read_table(io.BytesIO(rows_raw), use_threads=False)
     except (pa.ArrowException, KeyError, OSError, TypeError, ValueError) as exc:
         if isinstance(exc, FormatVersionError):
             raise
         raise CorruptionError(f"{where}: not a valid index checkpoint ({exc})") from None
-    parts, start, index = {}, 0, fmt.INDEX_DIR
-    for entry, name, listed, nbytes, num_samples, num_rejected, committed_at, data_root, rejects_key, fields, record in zip(*columns, strict=True):
-        info = recorded_shard_info(name, f"{index}/{entry}", nbytes, num_samples, num_rejected, committed_at, data_root, rejects_key, fields, record)
-        parts[entry] = CoveredPart(entry, listed, info, start, record)
+    parts, start, index, records = {}, 0, fmt.INDEX_DIR, _Records(parts_raw)
+    for row, (entry, name, listed, nbytes, num_samples, num_rejected, committed_at, data_root, rejects_key, fields) in enumerate(zip(*columns, strict=True)):
+        info = recorded_shard_info(name, f"{index}/{entry}", nbytes, num_samples, num_rejected, committed_at, data_root, rejects_key, fields, records, row)
+        parts[entry] = CoveredPart(entry, listed, info, start, records, row)
         start += num_samples
     if start != table.num_rows or doc.get("rows") != start:
         raise CorruptionError(f"{where}: {table.num_rows} rows but its parts hold {start}")
@@ -258,7 +286,7 @@ def compact_store(storage: Storage, *, keep: int = KEEP, rebuild: bool = False) 
             "data": pa.array([info.data_root for _, info in gathered.order], pa.string()),
             "rejects": pa.array([info.rejects_key for _, info in gathered.order], pa.string()),
             "fields": pa.array([list(info.layouts) for _, info in gathered.order], pa.list_(pa.string())),
-            "record": [records[entry] if isinstance(records[entry], str) else json.dumps(records[entry]) for entry, _ in gathered.order],
+            "record": [json.dumps(records[entry]) if isinstance(records[entry], dict) else records[entry].record for entry, _ in gathered.order],
         })
         # Nothing time- or writer-dependent: compactors of the same parts write the same bytes.
         doc = {"checkpoint_version": CHECKPOINT_VERSION, "format_version": fmt.FORMAT_VERSION, "rows": gathered.table.num_rows}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +30,9 @@ from featstore.storage import Storage
 # small, so every Parquet read here is single-threaded.
 
 
-@dataclass(frozen=True)
+# Read-only by convention, not frozen: an open from an index checkpoint builds thousands, and a
+# frozen dataclass's __init__ (an object.__setattr__ per field) cost four times as much.
+@dataclass(slots=True)
 class ShardInfo:
     name: str
     num_samples: int
@@ -53,16 +55,16 @@ class RecordMapping(Mapping[str, Any]):
     names, sizes and fields: decoding every record there was most of its cost. ``keys`` (the
     field names) answers ``in`` and iteration without decoding."""
 
-    __slots__ = ("_record", "_part", "_keys", "_data")
+    __slots__ = ("_record", "_row", "_part", "_keys", "_data")
 
-    def __init__(self, record: str, part: str, keys: Sequence[str] | None = None) -> None:
-        self._record, self._part, self._keys = record, part, keys
+    def __init__(self, record: Callable[[int], str], row: int, part: str, keys: Sequence[str] | None = None) -> None:
+        self._record, self._row, self._part, self._keys = record, row, part, keys
         self._data: dict[str, Any] | None = None
 
     def _decoded(self) -> dict[str, Any]:
         if self._data is None:
             # (Each of a shard's two mappings decodes the record once, when first used.)
-            doc = json.loads(self._record)[self._part]
+            doc = json.loads(self._record(self._row))[self._part]
             self._data = {f: fmt.ChunkLayout(v["elements"], v["chunk_elements"], v["num_chunks"]) for f, v in doc.items()} if self._part == "fields" else doc
         return self._data
 
@@ -83,18 +85,11 @@ class RecordMapping(Mapping[str, Any]):
 
 
 def recorded_shard_info(name: str, key: str, nbytes: int, num_samples: int, num_rejected: int, committed_at: float,
-                        data_root: str, rejects_key: str, fields: Sequence[str], record: str) -> ShardInfo:
+                        data_root: str, rejects_key: str, fields: Sequence[str], record: Callable[[int], str], row: int) -> ShardInfo:
     """A ``ShardInfo`` from a checkpoint: the scalars as given, layouts and objects decoded from
-    the commit record's JSON (``record``) when first read."""
-    info = object.__new__(ShardInfo)
-    # The frozen dataclass's __init__ (an object.__setattr__ per field) cost more than all the
-    # rest of an open from a checkpoint; the instance is the same.
-    info.__dict__.update(
-        name=name, num_samples=num_samples, num_rejected=num_rejected, layouts=RecordMapping(record, "fields", fields),
-        objects=RecordMapping(record, "objects"), index_key=key, index_nbytes=nbytes, data_root=data_root, rejects_key=rejects_key,
-        committed_at=committed_at,
-    )
-    return info
+    the commit record's JSON (``record(row)``) when first read."""
+    return ShardInfo(name, num_samples, num_rejected, RecordMapping(record, row, "fields", fields), RecordMapping(record, row, "objects"),
+                     key, nbytes, data_root, rejects_key, committed_at)
 
 
 @dataclass
@@ -123,7 +118,7 @@ class GatheredParts:
     listing: dict[str, str]                 # every name under index/ -> its listing fingerprint
     order: list[tuple[str, ShardInfo]]      # (file name under index/, shard), commit order then name
     table: pa.Table                         # their rows in that order, plus a "shard" column
-    records: dict[str, Any]                 # file name -> commit record (dict, or JSON from a checkpoint)
+    records: dict[str, Any]                 # file name -> commit record (a dict; from a checkpoint, its CoveredPart)
     damaged: dict[str, str]
     checkpoint: Any = None                  # the featstore.compact.Checkpoint used, if any
     covered: set[str] = field(default_factory=set)  # parts whose rows came from it
@@ -146,7 +141,7 @@ def gather_parts(storage: Storage, *, strict: bool, list_parts: bool = True, onl
         if listing.get(entry) == part.listed and (wanted is None or part.info.name in wanted)
     }
     shards: dict[str, ShardInfo] = {part.info.name: part.info for part in covered.values()}
-    records: dict[str, Any] = {entry: part.record for entry, part in covered.items()}
+    records: dict[str, Any] = {entry: part for entry, part in covered.items()}  # a covered part's: decoded when needed
     entries = {part.info.name: entry for entry, part in covered.items()}
     parts = []
     for entry in listing:
