@@ -1,6 +1,7 @@
-"""Index checkpoints: the rows of many committed index parts in one Parquet object, so that opening
-a store costs one listing and a couple of reads at any shard count (Delta Lake and Iceberg
-checkpoint their logs for the same reason).
+"""Index checkpoints: the rows of many committed index parts in two Parquet objects, so that
+opening a store costs one listing and a couple of reads at any shard count (Delta Lake and
+Iceberg checkpoint their logs for the same reason). ``mmcache verify`` checks them against the
+parts (featstore.verify).
 
 A checkpoint is written in two steps, like a shard (docs/FORMAT.md, "Index checkpoints"):
 
@@ -348,74 +349,6 @@ def _healthy(storage: Storage, digest: str, marker: str) -> bool:
     except (FileNotFoundError, CorruptionError):
         return False
     return True
-
-
-# ---- checking -----------------------------------------------------------------------------
-def check_checkpoints(storage: Storage, problems: list[str], notes: list[str]) -> int:
-    """``mmcache verify``: every checkpoint listed must be intact, and agree with each index part
-    it covers that is still listed as it was (commit record and rows; the part's own CRC-32C is
-    checked too, since readers no longer read it). Returns the number of parts compared."""
-    from featstore.snapshot import _parse_part
-
-    listing = list_index(storage)
-    parsed: dict[str, tuple[pa.Table, dict[str, Any]] | None] = {}
-    compared = 0
-    for _, digest, marker in markers(listing):
-        try:
-            checkpoint = read_checkpoint(storage, digest, marker)
-        except FileNotFoundError:
-            notes.append(f"{fmt.INDEX_DIR}/{marker} names a checkpoint whose objects are gone (pruned, or deleted by hand); readers skip it, `mmcache compact` removes it")
-            continue
-        except FormatVersionError as exc:
-            notes.append(f"{exc}; not checked")
-            continue
-        except CorruptionError as exc:
-            problems.append(f"{exc}; readers ignore it and read the index parts instead; `mmcache compact` replaces it")
-            continue
-        for entry, part in checkpoint.parts.items():
-            if listing.get(entry) != part.listed:
-                continue  # deleted or rewritten since: readers read the part itself, not these rows
-            key = f"{fmt.INDEX_DIR}/{entry}"
-            if entry not in parsed:
-                parsed[entry] = None
-                try:
-                    name_crc = fmt.parse_index_part_name(entry)
-                    assert name_crc is not None
-                    parsed[entry] = _parse_part(storage.read(key), part.info.name, key, storage.url, name_crc[1])
-                except CorruptionError as exc:
-                    problems.append(f"{exc} (readers take its rows from {checkpoint.key})")
-                except FileNotFoundError:
-                    continue
-            if parsed[entry] is None:
-                continue
-            table, record = parsed[entry]  # type: ignore[misc]
-            compared += 1
-            why = "its commit record differs" if json.loads(part.record) != record else _rows_differ(checkpoint.table.slice(part.start, part.info.num_samples), table, part.info.name)
-            if why:
-                problems.append(f"index checkpoint {checkpoint.key} disagrees with {key}: {why}; readers would use the checkpoint's rows. "
-                                f"Run `mmcache compact --rebuild {storage.url}` to replace it from the parts")
-    return compared
-
-
-def _rows_differ(mine: pa.Table, theirs: pa.Table, shard: str) -> str:
-    """Why a checkpoint's rows of one part are not that part's rows ('' when they are)."""
-    if mine.num_rows != theirs.num_rows:
-        return f"{mine.num_rows} rows, the part has {theirs.num_rows}"
-    if mine.column("shard").to_pylist() != [shard] * mine.num_rows:
-        return "rows of another shard"
-    for name in theirs.column_names:
-        if name not in mine.column_names:
-            return f"column {name!r} is missing"
-        try:
-            same = mine.column(name).cast(theirs.schema.field(name).type).equals(theirs.column(name))
-        except pa.ArrowException:
-            same = False
-        if not same:
-            return f"column {name!r} differs"
-    for name in set(mine.column_names) - set(theirs.column_names) - {"shard"}:
-        if mine.column(name).null_count != mine.num_rows:
-            return f"column {name!r} has values the part does not have"
-    return ""
 
 
 def uncovered_parts(listing: dict[str, str]) -> int:

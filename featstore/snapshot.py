@@ -1,8 +1,9 @@
 """The snapshot a reader takes when it opens a store: the index parts committed at that moment,
 checked and concatenated, and where each field of each sample is.
 
-Index parts are listed once and each is checked against the CRC-32C in its name. Their rows are
-concatenated in commit order (each shard's rows are one range). A sample's row is its first; in
+Index parts are listed once and each is checked against the CRC-32C sealed in it (versions 1-2:
+in its name); the rows of the parts an index checkpoint covers come from it instead, in one read
+(featstore.compact). Their rows are concatenated in commit order (each shard's rows are one range). A sample's row is its first; in
 a store whose fields were added after some samples were written, a field of a sample may live in
 a later shard, under the same id, and ``holder[field][row]`` points there. A (sample id, field)
 that racing writers both committed is read from the earliest commit; the others are listed in
@@ -158,7 +159,7 @@ def gather_parts(storage: Storage, *, strict: bool, list_parts: bool = True, onl
             if name in shards:
                 # Only a version-1/2 writer (whose part names carried their CRC) could do this.
                 raise CorruptionError(f"{url}: shard {name!r} has two index parts")
-            table, record = _parse_part(raw, name, key, url, crc)
+            table, record = parse_index_part_record(raw, name, key, url, crc)
         except CorruptionError as exc:
             if strict:
                 raise CorruptionError(f"{exc}; run `mmcache verify {url}` for a full report") from None
@@ -268,11 +269,12 @@ def _column_numpy(table: pa.Table, name: str) -> np.ndarray:
 def parse_index_part(raw: bytes, name: str, key: str, url: str, crc: int | None) -> tuple[pa.Table, ShardInfo]:
     """An index part's rows and commit record, checked against its CRC-32C: the one in its name
     (``crc``, versions 1-2) or (version 3) the one sealed into its metadata."""
-    table, record = _parse_part(raw, name, key, url, crc)
+    table, record = parse_index_part_record(raw, name, key, url, crc)
     return table, shard_info(record, name, key, len(raw))
 
 
-def _parse_part(raw: bytes, name: str, key: str, url: str, crc: int | None) -> tuple[pa.Table, dict[str, Any]]:
+def parse_index_part_record(raw: bytes, name: str, key: str, url: str, crc: int | None) -> tuple[pa.Table, dict[str, Any]]:
+    """``parse_index_part``, with the commit record as stored (a dict) instead of a ``ShardInfo``."""
     where = f"{url}/{key}"
     if crc is not None and fmt.crc32c(raw) != crc:
         raise CorruptionError(f"{where}: index part of shard {name!r} fails its checksum")
