@@ -101,6 +101,10 @@ def check_checkpoints(storage: Storage, problems: list[str], notes: list[str]) -
     listing = compact.list_index(storage)
     parsed: dict[str, tuple[pa.Table, dict[str, Any]] | None] = {}
     compared = 0
+    published = {digest for _, digest, _ in compact.markers(listing)}
+    for name in storage.list_dir(compact.CHECKPOINT_DIR):
+        if name.split(".", 1)[0] not in published:
+            notes.append(f"{compact.CHECKPOINT_DIR}/{name} has no marker in {fmt.INDEX_DIR}/ (a compaction stopped before publishing it, or a concurrent one is); it is ignored")
     for _, digest, marker in compact.markers(listing):
         try:
             checkpoint = compact.read_checkpoint(storage, digest, marker)

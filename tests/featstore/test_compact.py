@@ -167,6 +167,8 @@ def test_a_crash_while_writing_a_checkpoint_loses_nothing(tmp_path, crash_at):
         compact_store(crashing)  # type: ignore[arg-type]
     reopened = featstore.open(url)
     assert reopened.checkpoint is None and view(reopened) == expected
+    report = verify_store(featstore.open(url, strict=False))
+    assert report.ok and any("has no marker" in w for w in report.warnings) == (crash_at == "marker")
     # The next compaction completes; what the crash left (objects without a marker) is harmless.
     assert compact_store(reopened.storage).written
     assert view(featstore.open(url)) == expected
