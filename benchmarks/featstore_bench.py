@@ -1,6 +1,7 @@
 """Benchmark the feature store against two baselines on the same disk, in one run (by hand, not a test).
 
     python benchmarks/featstore_bench.py [--gb 2.0] [--small 20000] [--dir /tmp] [--profile OP,...]
+    python benchmarks/featstore_bench.py --open [--open-shards 2000] [--open-s3-shards 50,200]
 
 Workloads (random bits with the top exponent bit cleared, so no inf/NaN; incompressible):
   A  MB-sized samples: bf16 video latents 16xTxHxW (T 5-21, H 30-60, W 40-80) + fp16 text
@@ -32,6 +33,11 @@ MB = 10^6 bytes of payload (the samples' array bytes), whatever the layout write
 
 --profile write-a,scan-a,random-a,write-b,scan-b,random-b re-runs those store operations (cold)
 under cProfile after the table and prints their top functions.
+
+--open runs only the open section: a store of --open-shards small shards opened from its index
+parts, then from an index checkpoint (`mmcache compact`), then with 64 parts committed after
+it; and, on S3 (moto over HTTP), the requests one open makes at each of --open-s3-shards,
+counted at a loopback proxy.
 """
 
 from __future__ import annotations
@@ -541,6 +547,135 @@ def profile_op(op: str, workloads: dict, base: Path, shard_bytes: int, top: int)
     shutil.rmtree(root)
 
 
+# ---- open: index checkpoints ---------------------------------------------------------------------
+def _tiny_store(url: str, shards: int, per_shard: int = 4, storage_options: dict | None = None) -> None:
+    """``shards`` committed shards of ``per_shard`` small samples each (the index is what an open reads)."""
+    rng = np.random.default_rng(SEED)
+    with featstore.create(url, fields={"x": "float16"}, storage_options=storage_options, compact_every=0, shard_prefix="base") as writer:
+        for s in range(shards):
+            for j in range(per_shard):
+                writer.add(f"s{s:06d}-{j}", {"x": rng.standard_normal((int(rng.integers(4, 32)), 8)).astype(np.float16)}, {"caption": f"sample {s}/{j}"})
+            writer.commit()
+
+
+def _open_times(url: str, reps: int) -> tuple[float, float, featstore.Store]:
+    """Best wall and best CPU seconds of ``reps`` opens (CPU time: this machine is shared, and an
+    open from the page cache is CPU-bound, so it shows the work with less of the others' load)."""
+    wall, cpu, store = float("inf"), float("inf"), None
+    for _ in range(reps):
+        w0, c0 = time.perf_counter(), time.process_time()
+        store = featstore.open(url)
+        wall, cpu = min(wall, time.perf_counter() - w0), min(cpu, time.process_time() - c0)
+    return wall, cpu, store
+
+
+def _hidden(root: Path, hide: bool) -> None:
+    """Hide (or show again) the checkpoint markers: a hidden one is a name readers skip, so the
+    same store opens from its parts; toggling lets both kinds of open alternate under one load."""
+    index = root / "index"
+    for path in index.iterdir():
+        if hide and path.name.startswith("_checkpoint."):
+            path.rename(index / f".hidden{path.name}")
+        elif not hide and path.name.startswith(".hidden_checkpoint."):
+            path.rename(index / path.name.removeprefix(".hidden"))
+
+
+def bench_open(base: Path, shards: int, s3_shards: list[int], reps: int, log, reuse: Path | None = None) -> None:
+    """Open of a ``shards``-shard local store before and after `mmcache compact`, and the object
+    reads (and listings) one open makes on S3 (moto over HTTP, counted at a loopback proxy) at
+    each of ``s3_shards``, with a checkpoint plus two commits after it, and without one."""
+    from featstore.compact import compact_store
+
+    root = reuse if reuse is not None else base / f"open-{shards}"
+    if not (root / "zarr.json").exists():
+        log(f"open: writing a {shards}-shard local store")
+        t0 = time.perf_counter()
+        _tiny_store(str(root), shards)
+        log(f"open: written in {time.perf_counter() - t0:.1f}s")
+    _hidden(root, True)
+    for path in (root / "index").iterdir():  # a reused store: back to its first parts, no checkpoint
+        if path.name.startswith(("late-", ".hidden_checkpoint.")):
+            path.unlink()
+    for path in (root / "shards").glob("late-*"):
+        shutil.rmtree(path)
+    shutil.rmtree(root / "checkpoints", ignore_errors=True)
+    shards = sum(1 for p in (root / "index").iterdir() if p.name.endswith(".parquet"))
+    t0 = time.perf_counter()
+    summary = compact_store(featstore.open(str(root)).storage)
+    compacted = time.perf_counter() - t0
+    results: dict[str, list[tuple[float, float]]] = {"parts": [], "checkpoint": [], "tail": []}
+
+    def alternate(label: str) -> None:
+        # parts-only and checkpoint opens alternate, so that both see the same load
+        for _ in range(reps):
+            _hidden(root, True)
+            results["parts"].append(_open_times(str(root), 1)[:2])
+            _hidden(root, False)
+            wall, cpu, store = _open_times(str(root), 3)
+            assert store.checkpoint == summary.key
+            results[label].append((wall, cpu))
+
+    alternate("checkpoint")
+    samples = len(featstore.open(str(root)))
+    # The same store with 64 commits after the checkpoint (the most a writer leaves, K=64).
+    with featstore.append(str(root), compact_every=0, shard_prefix="late") as writer:
+        for s in range(64):
+            writer.add(f"late{s}", {"x": np.zeros((4, 8), np.float16)})
+            writer.commit()
+    alternate("tail")
+    best = {k: (min(w for w, _ in v), min(c for _, c in v)) for k, v in results.items()}
+    (pw, pc), (cw, cc), (tw, tc) = best["parts"], best["checkpoint"], best["tail"]
+    print(f"\nOpen of a {shards}-shard local store ({samples:,} samples; alternating, best of {reps} x 3; wall / CPU):")
+    print(f"  index parts only        {pw * 1e3:8.1f} / {pc * 1e3:7.1f} ms")
+    print(f"  from the checkpoint     {cw * 1e3:8.1f} / {cc * 1e3:7.1f} ms   ratio {pw / cw:5.1f}x / {pc / cc:5.1f}x faster "
+          f"(goal: <= 50 ms, i.e. ~38x of the ~1.9 s measured unloaded)")
+    print(f"  + 64 parts after it     {tw * 1e3:8.1f} / {tc * 1e3:7.1f} ms   ratio {pw / tw:5.1f}x / {pc / tc:5.1f}x")
+    print(f"  compaction              {compacted * 1e3:8.1f} ms wall, checkpoint {summary.nbytes / 1e3:.0f} KB; load avg {os.getloadavg()[0]:.1f}")
+    if not s3_shards:
+        return
+    from tests.s3_server import FaultProxy, S3Server
+
+    server = S3Server()
+    os.environ.update(server.env())
+    bucket = server.make_bucket("bench")
+    rows = []
+    try:
+        with FaultProxy((server.host, server.port), lifetime=3600) as proxy:
+            seen: list[tuple[str, str]] = []
+            proxy.rules.append(lambda method, path: seen.append((method, path)))  # records, never faults
+            options = {"endpoint_url": proxy.endpoint, "skip_instance_cache": True}
+
+            def counted_open(url: str) -> tuple[int, int, float]:
+                secs = float("inf")
+                for _ in range(max(reps, 3)):  # the requests of the last, the best time of all
+                    seen.clear()
+                    t0 = time.perf_counter()
+                    featstore.open(url, options)
+                    secs = min(secs, time.perf_counter() - t0)
+                lists = sum(1 for method, path in seen if method == "GET" and "list-type=" in path)
+                return len(seen) - lists, lists, secs
+
+            for n in s3_shards:
+                url = f"{bucket}/open-{n}"
+                log(f"open: writing a {n}-shard store to S3")
+                _tiny_store(url, n)  # straight to the server; only opens go through the proxy
+                plain = counted_open(url)
+                compact_store(featstore.open(url).storage)
+                with featstore.append(url, compact_every=0) as writer:
+                    for s in range(2):
+                        writer.add(f"late{s}", {"x": np.zeros((4, 8), np.float16)})
+                        writer.commit()
+                rows.append((n, plain, counted_open(url)))
+    finally:
+        server.stop()
+    print("\nRequests per open on S3 (moto over HTTP; object reads = every request but the listings):")
+    print(f"  {'shards':>7}  {'reads, parts only':>18}  {'reads, checkpoint + 2 parts':>28}  {'listings':>9}  {'open s (parts / ckpt)':>22}")
+    for n, plain, ckpt in rows:
+        print(f"  {n:7d}  {plain[0]:18d}  {ckpt[0]:28d}  {ckpt[1]:9d}  {plain[2]:10.3f} / {ckpt[2]:.3f}")
+    constant = len({ckpt[0] for _, _, ckpt in rows}) == 1
+    print(f"  object reads per open with a checkpoint {'are constant' if constant else 'VARY'} in the shard count")
+
+
 # ---- main ---------------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -552,6 +687,10 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25, help="functions to show per profile")
     ap.add_argument("--repeat", type=int, default=3, help="passes per measurement, best counts (default 3; torch.save: once on workload B, its write once)")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir")
+    ap.add_argument("--open", action="store_true", help="run only the open section: index parts vs an index checkpoint (mmcache compact)")
+    ap.add_argument("--open-shards", type=int, default=2000, help="shards of the local store the open section opens (default 2000)")
+    ap.add_argument("--open-store", default=None, help="the open section's local store: reused if there (its later commits and checkpoints dropped), written there if not")
+    ap.add_argument("--open-s3-shards", default="50,200", help="comma-separated shard counts of the S3 stores whose requests per open are counted ('' skips S3)")
     args = ap.parse_args()
     shard_bytes = int(args.shard_mb * (1 << 20))
 
@@ -561,6 +700,16 @@ def main() -> None:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
 
+    if args.open:
+        try:
+            bench_open(base, args.open_shards, [int(n) for n in args.open_s3_shards.split(",") if n], args.repeat, log,
+                       Path(args.open_store) if args.open_store else None)
+        finally:
+            if args.keep:
+                print(f"kept {base}")
+            else:
+                shutil.rmtree(base, ignore_errors=True)
+        return
     try:
         st = os.statvfs(base)
         print(f"featstore bench: python {platform.python_version()}, numpy {np.__version__}, torch {torch.__version__}, "

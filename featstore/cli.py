@@ -1,4 +1,4 @@
-"""``mmcache info``, ``verify``, ``copy`` and ``repair``: the store commands, which need neither torch nor dask.
+"""``mmcache info``, ``verify``, ``copy``, ``repair`` and ``compact``: the store commands, which need neither torch nor dask.
 ``precompute.cli`` adds ``encode`` to this group; the ``mmcache`` script points there. User
 errors print one line (``featstore.user_errors``); ``--debug`` shows the traceback."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from typing import Any
 
 import click
@@ -43,6 +44,22 @@ storage_options_option = click.option(
 @debug_option
 def cli(debug: bool) -> None:
     """mmcache: encode media once into a feature store, then train on the cached features."""
+    _plain_store_warnings()
+
+
+def _plain_store_warnings() -> None:
+    """A damaged index checkpoint is a warning (nothing is lost: the parts are read instead);
+    on the command line it reads as one line, like the other warnings, not as Python's."""
+    from featstore.compact import CheckpointWarning
+
+    python_format = warnings.formatwarning
+
+    def plain(message, category, filename, lineno, line=None):  # type: ignore[no-untyped-def]
+        if issubclass(category, CheckpointWarning):
+            return f"warning: {message}\n"
+        return python_format(message, category, filename, lineno, line)
+
+    warnings.formatwarning = plain
 
 
 @cli.command()
@@ -69,6 +86,11 @@ def echo_info(summary: dict[str, Any]) -> None:
         held = summary["samples_per_field"][name]
         partial = f", in {held:,} of the samples" if held != summary["num_samples"] else ""
         click.echo(f"field          {name}: {spec['dtype']}, {spec['ndim']}-D{partial}" + (f" [{extras}]" if extras else ""))
+    checkpoint = summary["checkpoint"]
+    if checkpoint["key"]:
+        click.echo(f"index          checkpoint {checkpoint['key']} covers {checkpoint['covered']:,} of the shards")
+    else:
+        click.echo("index          no checkpoint (an open reads every index part; `mmcache compact` writes one)")
     click.echo(f"rejected       {summary['num_rejected']:,}")
     for reason, count in summary["rejects_by_reason"].items():
         click.echo(f"  {count:6,}  {reason}")
@@ -147,6 +169,26 @@ def repair(url: str, storage_options: str | None) -> None:
         raise click.ClickException(redact(exc)) from None
     with store:
         summary = _guarded(repair_store, store)
+    click.echo(summary.line())
+
+
+@cli.command()
+@click.argument("url")
+@storage_options_option
+@click.option("--rebuild", is_flag=True, help="Read every index part, ignoring existing checkpoints, and delete them afterwards (when `mmcache verify` says one disagrees with the parts).")
+def compact(url: str, storage_options: str | None, rebuild: bool) -> None:
+    """Checkpoint the index of the store at URL: one Parquet object holding the rows of every
+    committed index part, so that opening the store reads it instead of every part. Deletes no
+    index part; safe while others read, write or compact. Writers also do this every so often."""
+    from featstore.compact import compact_store
+    from featstore.reader import open_store
+
+    try:  # the store's index is what this reads, once, below
+        store = open_store(url, parse_storage_options(storage_options), load_index=False)
+    except featstore.FeatstoreError as exc:
+        raise click.ClickException(redact(exc)) from None
+    with store:
+        summary = _guarded(lambda: compact_store(store.storage, rebuild=rebuild))
     click.echo(summary.line())
 
 

@@ -136,9 +136,13 @@ class Store:
     def _load_index(self, list_parts: bool = True, only: Sequence[str] | None = None) -> None:
         snap = load_snapshot(self.storage, list(self.fields), strict=self.strict, list_parts=list_parts, only=only)
         self.damaged.update(snap.damaged)
+        # The index checkpoint the snapshot used (featstore.compact), and how many parts it covered.
+        self.checkpoint, self.checkpoint_covered = snap.checkpoint, snap.covered
         self.shards: dict[str, ShardInfo] = snap.shards
         # Committed objects never change: a caching layer may key its entries on their checksums.
-        self.storage.known_objects({key: obj for info in snap.shards.values() for key, obj in info.objects.items()})
+        # (Asked only of a storage that listens: a checkpoint's records are decoded when first used.)
+        if type(self.storage).known_objects is not Storage.known_objects:
+            self.storage.known_objects({key: obj for info in snap.shards.values() for key, obj in info.objects.items()})
         self.index: pa.Table = snap.index
         self._ids, self._shard_of, self._shard_rows = snap.ids, snap.shard_of, snap.shard_rows
         self._offsets, self._shapes, self._crcs = snap.offsets, snap.shapes, snap.crcs

@@ -16,9 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
+from featstore import compact
 from featstore import format as fmt
+from featstore.errors import CorruptionError, FormatVersionError
 from featstore.reader import Store
+from featstore.snapshot import parse_index_part_record
+from featstore.storage import Storage
 
 
 @dataclass
@@ -48,6 +53,8 @@ def store_info(store: Store) -> dict[str, Any]:
         "num_rejected": store.num_rejected(),
         "rejects_by_reason": dict(reasons.most_common()),
         "attrs": store.attrs,
+        # The index checkpoint the open used (featstore.compact), and how many parts it covered.
+        "checkpoint": {"key": store.checkpoint, "covered": store.checkpoint_covered},
     }
 
 
@@ -78,11 +85,82 @@ def verify_store(store: Store, progress: Callable[[str], None] | None = None) ->
             report.problems.append(f"{fmt.SHARDS_DIR}/zarr.json is not the group metadata mmcache writes (corrupted?)")
     except FileNotFoundError:
         report.problems.append(f"{fmt.SHARDS_DIR}/zarr.json is missing")
+    # An open takes the rows of most parts from an index checkpoint: it must agree with them.
+    check_checkpoints(store.storage, report.problems, report.warnings)
     committed = {info.data_root.rsplit("/", 1)[-1] for info in store.shards.values() if info.num_samples}
     for leftover in store.storage.list_dir(fmt.SHARDS_DIR):
         if leftover not in committed and leftover != "zarr.json":
             report.warnings.append(f"shard {leftover!r} has data but no index part (a writer stopped before committing it); it is ignored")
     return report
+
+
+def check_checkpoints(storage: Storage, problems: list[str], notes: list[str]) -> int:
+    """``mmcache verify``: every checkpoint listed must be intact, and agree with each index part
+    it covers that is still listed as it was (commit record and rows; the part's own CRC-32C is
+    checked too, since readers no longer read it). Returns the number of parts compared."""
+    listing = compact.list_index(storage)
+    parsed: dict[str, tuple[pa.Table, dict[str, Any]] | None] = {}
+    compared = 0
+    published = {digest for _, digest, _ in compact.markers(listing)}
+    for name in storage.list_dir(compact.CHECKPOINT_DIR):
+        if name.split(".", 1)[0] not in published:
+            notes.append(f"{compact.CHECKPOINT_DIR}/{name} has no marker in {fmt.INDEX_DIR}/ (a compaction stopped before publishing it, or a concurrent one is); it is ignored")
+    for _, digest, marker in compact.markers(listing):
+        try:
+            checkpoint = compact.read_checkpoint(storage, digest, marker)
+        except FileNotFoundError:
+            notes.append(f"{fmt.INDEX_DIR}/{marker} names a checkpoint whose objects are gone (pruned, or deleted by hand); readers skip it, `mmcache compact` removes it")
+            continue
+        except FormatVersionError as exc:
+            notes.append(f"{exc}; not checked")
+            continue
+        except CorruptionError as exc:
+            problems.append(f"{exc}; readers ignore it and read the index parts instead; `mmcache compact` replaces it")
+            continue
+        for entry, part in checkpoint.parts.items():
+            if listing.get(entry) != part.listed:
+                continue  # deleted or rewritten since: readers read the part itself, not these rows
+            key = f"{fmt.INDEX_DIR}/{entry}"
+            if entry not in parsed:
+                parsed[entry] = None
+                try:
+                    name_crc = fmt.parse_index_part_name(entry)
+                    assert name_crc is not None
+                    parsed[entry] = parse_index_part_record(storage.read(key), part.info.name, key, storage.url, name_crc[1])
+                except CorruptionError as exc:
+                    problems.append(f"{exc} (readers take its rows from {checkpoint.key})")
+                except FileNotFoundError:
+                    continue
+            if parsed[entry] is None:
+                continue
+            table, record = parsed[entry]  # type: ignore[misc]
+            compared += 1
+            why = "its commit record differs" if json.loads(part.record) != record else _rows_differ(checkpoint.table.slice(part.start, part.info.num_samples), table, part.info.name)
+            if why:
+                problems.append(f"index checkpoint {checkpoint.key} disagrees with {key}: {why}; readers would use the checkpoint's rows. "
+                                f"Run `mmcache compact --rebuild {storage.url}` to replace it from the parts")
+    return compared
+
+
+def _rows_differ(mine: pa.Table, theirs: pa.Table, shard: str) -> str:
+    """Why a checkpoint's rows of one part are not that part's rows ('' when they are)."""
+    if mine.num_rows != theirs.num_rows:
+        return f"{mine.num_rows} rows, the part has {theirs.num_rows}"
+    if mine.column("shard").to_pylist() != [shard] * mine.num_rows:
+        return "rows of another shard"
+    for name in theirs.column_names:
+        if name not in mine.column_names:
+            return f"column {name!r} is missing"
+        try:
+            same = mine.column(name).cast(theirs.schema.field(name).type).equals(theirs.column(name))
+        except pa.ArrowException:
+            same = False
+        if not same:
+            return f"column {name!r} differs"
+    for name in set(mine.column_names) - set(theirs.column_names) - {"shard"}:
+        if mine.column(name).null_count != mine.num_rows:
+            return f"column {name!r} has values the part does not have"
+    return ""
 
 
 def _fetch(store: Store, keys: list[str]) -> list[bytes | None]:

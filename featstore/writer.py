@@ -19,7 +19,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from featstore import compact
 from featstore import format as fmt
+from featstore.compact import DEFAULT_COMPACT_EVERY
 from featstore.errors import DuplicateSampleError, SchemaError, ShardCommittedError
 from featstore.storage import Storage
 from featstore.tensors import as_array
@@ -45,7 +47,8 @@ class StoreWriter:
     what is done) calls ``commit(name)`` itself.
     """
 
-    def __init__(self, store: Store, *, shard_bytes: int = DEFAULT_SHARD_BYTES, shard_prefix: str | None = None, fields: list[str] | None = None) -> None:
+    def __init__(self, store: Store, *, shard_bytes: int = DEFAULT_SHARD_BYTES, shard_prefix: str | None = None, fields: list[str] | None = None,
+                 compact_every: int = DEFAULT_COMPACT_EVERY) -> None:
         self._store = store
         self._storage: Storage = store.storage
         # fields: the store's fields this writer's shards hold (default all). A subset adds fields
@@ -56,6 +59,8 @@ class StoreWriter:
             raise SchemaError("a writer needs at least one field")
         self.fields = [f for f in store.fields if fields is None or f in fields]
         self.shard_bytes = shard_bytes
+        # Index checkpoints (featstore.compact) once this many commits are not covered; 0: never.
+        self.compact_every = compact_every
         self.shard_prefix = fmt.check_name("shard prefix", shard_prefix or uuid.uuid4().hex[:12])
         self._seq = 0
         self._pending: list[_Pending] = []
@@ -172,6 +177,7 @@ class StoreWriter:
             )
         self._store.note_committed(name, ids, self.fields)
         self.committed.append(name)
+        compact.after_commit(self._store, name, self.compact_every, len(self.committed))
         return name
 
     def _drop_committed_elsewhere(self) -> None:
