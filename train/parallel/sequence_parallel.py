@@ -115,16 +115,19 @@ class CausalPackedSequenceSharding(_LayoutSharding):
             cached = self._layout_for
             if cached is None or cached[0] is not document_ids or cached[1] != document_ids._version:
                 groups = self.groups
-                self.layout = packed_causal_layout(
+                self.layout = layout = packed_causal_layout(
                     document_ids, ring_size=groups.ring_size, ulysses_size=groups.ulysses_size,
                     ring_rank=groups.ring_rank, ulysses_rank=groups.ulysses_rank,
                 )
                 self._layout_for = (document_ids, document_ids._version)
-            if x.shape[dim] != self.layout.seq_len:
+            else:
+                layout = self.layout
+            assert layout is not None
+            if x.shape[dim] != layout.seq_len:
                 raise SequenceParallelConfigError(
-                    f"tensor has length {x.shape[dim]} along dim {dim} but its document_ids {self.layout.seq_len}"
+                    f"tensor has length {x.shape[dim]} along dim {dim} but its document_ids {layout.seq_len}"
                 )
-            return shard_sequence(x, dim, self.layout)
+            return shard_sequence(x, dim, layout)
         self._layout_for = None
         return super().shard(x, dim)
 

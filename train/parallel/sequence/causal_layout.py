@@ -83,7 +83,8 @@ def balanced_owners(work: list[int], ring_size: int) -> tuple[int, ...]:
     assert count % ring_size == 0, "chunks must divide evenly over the ring"
     per_rank = count // ring_size
     owners = [0] * count
-    loads, held = [0] * ring_size, [[] for _ in range(ring_size)]
+    loads = [0] * ring_size
+    held: list[list[int]] = [[] for _ in range(ring_size)]
     for j in sorted(range(count), key=lambda j: (-work[j], j)):
         rank = min((r for r in range(ring_size) if len(held[r]) < per_rank), key=lambda r: (loads[r], r))
         owners[j] = rank
