@@ -48,7 +48,7 @@ def main() -> None:
         first, last = _first_and_last(where)
         print(f"{name} loss went from {first['loss']:.4f} (step {first['step']}) to {last['loss']:.4f} (step {last['step']})")
     print(f"features: {store}  (DiT)  {vlm_store}  (VLM)")
-    print(f"runs:     {run}  {vlm_run}  (metrics.jsonl, run.json, checkpoints/, model.safetensors)")
+    print(f"runs:     {run}  {vlm_run}  (metrics.jsonl, run.json, checkpoints/, model.safetensors; the VLM also export/)")
 
 
 def _first_and_last(run: Path) -> tuple[dict, dict]:

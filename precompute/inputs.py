@@ -4,7 +4,10 @@ INPUT is a JSONL, CSV or Parquet manifest with columns ``path`` and ``caption`` 
 ``id``; ``conversations``: LLaVA-style turns ``[{"from": "human"|"gpt", "value": ...}]``, a list
 in JSONL or Parquet, a JSON string in CSV; a row with conversations needs no caption), or a
 folder of media with same-stem ``.txt`` captions (the kohya / SimpleTuner convention). Paths
-are relative to the manifest's folder, absolute, or any fsspec URL. Rows that cannot be used
+are relative to the manifest's folder, absolute, or any fsspec URL. With ``allow_text_only`` (an
+LLM's tokenizer is the text encoder), a manifest row whose path is empty or null but which has
+a caption or conversations is a *text-only* sample (modality ``text``, no media; its id is the
+``id`` column, else ``text-`` + a hash of its text). Rows that cannot be used
 (duplicate id, a path escaping the root, an empty caption when not allowed) become rejects with
 a reason; they never stop the job.
 
@@ -65,8 +68,19 @@ class InputRow:
     uri: str = field(repr=False)  # absolute: a local path or a URL fsspec opens (may be signed: never in reprs)
     caption: str
     source: str       # the path as the manifest wrote it, for rejects and provenance
-    modality: str     # "image" | "video", from the suffix
+    modality: str     # "image" | "video", from the suffix; "text": a text-only row (no media, uri "")
     conversations: tuple[tuple[str, str], ...] | None = None  # ((from, value), ...) turns
+
+    @property
+    def conversations_sha256(self) -> str | None:
+        """What the store records of the turns, so a re-run can tell that they were edited."""
+        return conversations_digest(self.conversations)
+
+
+def conversations_digest(turns: tuple[tuple[str, str], ...] | None) -> str | None:
+    if turns is None:
+        return None
+    return hashlib.sha256(json.dumps([list(t) for t in turns], ensure_ascii=False).encode()).hexdigest()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,9 +118,11 @@ def read_inputs(
     allow_outside_root: bool = False,
     max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES,
     allow_empty: bool = False,
+    allow_text_only: bool = False,
 ) -> tuple[list[InputRow], list[Reject]]:
     """Parse INPUT into usable rows and rejects, in manifest order. An input with no rows at all
-    raises ``EmptyInputError`` unless ``allow_empty``."""
+    raises ``EmptyInputError`` unless ``allow_empty``. ``allow_text_only``: rows without a path
+    but with text are text-only samples (else they are rejects)."""
     fs, path = remote_filesystem(input_url, storage_options)
     protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
     shown = redact_url(str(input_url))
@@ -128,7 +144,7 @@ def read_inputs(
     rows: list[InputRow] = []
     seen: set[str] = set()
     for record in records:
-        row = _row(record, rules, allow_empty_caption, seen)
+        row = _row(record, rules, allow_empty_caption, seen, allow_text_only)
         if isinstance(row, Reject):
             rejects.append(row)
         else:
@@ -137,9 +153,13 @@ def read_inputs(
     return rows, rejects
 
 
-def _row(record: dict[str, Any], rules: _Rules, allow_empty_caption: bool, seen: set[str]) -> InputRow | Reject:
+def _row(record: dict[str, Any], rules: _Rules, allow_empty_caption: bool, seen: set[str], allow_text_only: bool = False) -> InputRow | Reject:
     raw = record.get("path")
-    if not isinstance(raw, str) or not raw.strip():
+    if raw is None or (isinstance(raw, str) and not raw.strip()):
+        if allow_text_only:
+            return _text_row(record, seen)
+        return Reject(source=str(raw), reason="row has no path (text-only rows need the tokenizer text encoder)")
+    if not isinstance(raw, str):
         return Reject(source=str(raw), reason="row has no path")
     # A signed URL is fetched as given, but only shown (ids, rejects, provenance) without
     # its signature: the credential must not end up in the store.
@@ -156,6 +176,27 @@ def _row(record: dict[str, Any], rules: _Rules, allow_empty_caption: bool, seen:
     if reason or uri is None or modality is None:
         return Reject(source=source, reason=reason or "unusable row", sample_id=sample_id)
     return InputRow(sample_id=sample_id, uri=uri, caption=caption, source=source, modality=modality, conversations=conversations)
+
+
+def _text_row(record: dict[str, Any], seen: set[str]) -> InputRow | Reject:
+    """A row without media: a caption or conversations for the LLM alone."""
+    caption = "" if record.get("caption") is None else str(record["caption"])
+    conversations, bad_conversations = _conversations(record.get("conversations"))
+    text = json.dumps([caption, [list(t) for t in conversations or ()]], ensure_ascii=False)
+    given = record.get("id") not in (None, "")
+    sample_id = str(record["id"]) if given else f"text-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    source = f"text:{sample_id}"  # what rejects and re-runs know the row by
+    reason = bad_conversations
+    if reason is None and conversations is None and not caption.strip():
+        reason = "row has no path and no text (a text-only row needs a caption or conversations)"
+    reason = reason or caption_problem(caption)
+    if reason is None and sample_id in seen:
+        reason = f"duplicate id {sample_id!r}" + ("" if given else " (the same text twice: give the rows ids)")
+    if reason is None and not _safe_id(sample_id):
+        reason = f"id {sample_id!r} is not a safe name (A-Z a-z 0-9 . _ : = + -)"
+    if reason:
+        return Reject(source=source, reason=reason, sample_id=sample_id)
+    return InputRow(sample_id=sample_id, uri="", caption=caption, source=source, modality="text", conversations=conversations)
 
 
 def _row_problem(uri: str | None, source: str, caption: str, sample_id: str, rules: _Rules, allow_empty_caption: bool, seen: set[str]) -> str | None:
@@ -324,8 +365,11 @@ def _manifest_records(fs: Any, path: str, input_url: str, local: bool) -> list[d
         records = _csv_records(text, input_url) if suffix == ".csv" else _jsonl_records(text, input_url)
     if records and not isinstance(records[0], dict):
         raise ManifestError(f"input {input_url!r}: every row must be an object with path and caption")
-    if records and "path" not in records[0]:
-        raise ManifestError(f"input {input_url!r}: no 'path' column (columns: {sorted(records[0])})")
+    if records and not any("path" in record for record in records):
+        raise ManifestError(
+            f"input {input_url!r}: no 'path' column (columns: {sorted(records[0])}); "
+            "text-only rows leave their path empty, but the column must be there"
+        )
     return records
 
 

@@ -109,15 +109,26 @@ def plan_tasks(rows: list[InputRow], specs_digest: str, per_task: int, fields: l
     return tasks
 
 
-def fields_to_write(rows: list[InputRow], store: featstore.Store, fields: list[str]) -> dict[tuple[tuple[str, ...], bool], list[InputRow]]:
+def takes_text_only(specs: list[EncoderSpec]) -> bool:
+    """Text-only rows (no media) are samples only for an LLM's tokenizer: a diffusion model has
+    nothing to learn from a caption without its image."""
+    from precompute.encoders import encoder_class
+
+    return any(spec.section == "text" and encoder_class(spec.name).text_input == "sample" for spec in specs)
+
+
+def fields_to_write(rows: list[InputRow], store: featstore.Store, fields: list[str],
+                    text_fields: set[str] | None = None) -> dict[tuple[tuple[str, ...], bool], list[InputRow]]:
     """Rows grouped by (the configured fields they still lack, whether the sample is new): all
     fields for a new sample, the fields added to the store since for a committed one; a sample
-    that has them all is left out."""
+    that has them all is left out. A text-only row has only ``text_fields`` (no image field:
+    zero image tokens), so its task runs no visual encoder."""
     groups: dict[tuple[tuple[str, ...], bool], list[InputRow]] = {}
     for row in rows:
         new = row.sample_id not in store
         have = set() if new else set(store.fields_of(row.sample_id))
-        missing = tuple(f for f in fields if f not in have)
+        own = fields if row.modality != "text" else [f for f in fields if f in (text_fields or set())]
+        missing = tuple(f for f in own if f not in have)
         if missing:
             groups.setdefault((missing, new), []).append(row)
     return groups
@@ -162,6 +173,7 @@ def run_encode(
     for options in (storage_options, input_storage_options):
         secrets.register(options or {})
     t0 = time.perf_counter()
+    specs = encoder_specs(config)
     rows, plan_rejects = read_inputs(
         input_url,
         storage_options=input_storage_options,
@@ -169,8 +181,8 @@ def run_encode(
         allow_outside_root=config.data.allow_outside_root,
         max_input_bytes=int(config.data.max_input_bytes),
         allow_empty=config.data.allow_empty,
+        allow_text_only=takes_text_only(specs),
     )
-    specs = encoder_specs(config)
     cores = os.cpu_count() or 1
     # Sizing a local cluster needs this machine's devices; an external cluster's workers resolve
     # their own (the client may have none).
@@ -222,7 +234,8 @@ def run_encode(
         stale = stale_samples(rows, store, client=client, storage_options=input_storage_options, check_content=config.data.check_content)
         if stale:
             log(describe_stale(stale))
-        groups = fields_to_write([r for r in rows if r.source not in rejected_before], store, list(fields))
+        text_fields = {name for name, spec in fields.items() if spec["meta"]["section"] == "text"}
+        groups = fields_to_write([r for r in rows if r.source not in rejected_before], store, list(fields), text_fields)
         todo = sum(len(g) for g in groups.values())
         skipped = len(rows) - todo
         new_plan_rejects = [r for r in plan_rejects if r.source not in rejected_before]

@@ -2,8 +2,9 @@
 
 A re-run identifies samples by id and skips the committed ones, so an edited caption, or a file
 replaced under the same path, would keep its old features without a word: the stale per-sample
-files this tool exists to end. So a re-run compares each committed row's caption with the one
-the store recorded (free: the client has the index), and with ``data.check_content`` the sha256
+files this tool exists to end. So a re-run compares each committed row's caption, and the sha256 of its
+conversations, with what the store recorded (free: the client has the index), and with
+``data.check_content`` the sha256
 of its bytes with the recorded ``content_hash`` (a full read of every committed input, spread
 over the workers). Changed samples are reported, never overwritten: committed features are
 immutable, so re-encoding one means a new id or a new store.
@@ -32,11 +33,17 @@ def stale_samples(rows: list[InputRow], store: featstore.Store, *, client=None, 
     def column(name: str) -> list[Any] | None:
         return index.column(name).to_pylist() if name in index.column_names else None
 
-    captions, hashes = column("caption"), column("content_hash")
+    captions, hashes, turns = column("caption"), column("content_hash"), column("conversations_sha256")
     stale: dict[str, str] = {}
     for row in committed:
-        recorded = captions[store.row(row.sample_id)] if captions is not None else None
-        if recorded is not None and recorded != row.caption:
+        at = store.row(row.sample_id)
+        recorded = captions[at] if captions is not None else None
+        recorded_turns = turns[at] if turns is not None else None
+        if recorded_turns is not None and recorded_turns != row.conversations_sha256:
+            # Only rows committed with turns record their hash (older shards record none, and
+            # a caption row none): a row whose turns were added later is not told apart.
+            stale[row.sample_id] = "conversations changed" if row.conversations is not None else "conversations removed"
+        elif recorded is not None and recorded != row.caption:
             stale[row.sample_id] = "caption changed"
     if check_content and hashes is not None and client is not None:
         todo = [(row.sample_id, row.uri, hashes[store.row(row.sample_id)]) for row in committed if row.sample_id not in stale]

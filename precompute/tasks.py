@@ -189,6 +189,8 @@ def _encode_rows(task: TaskSpec, store, specs, device, threads, settings, result
     primary = next((section for section in ("vae", "vit") if section in configured), None)
 
     def prepare(row: InputRow) -> dict[str, Any] | None:
+        if row.modality == "text":
+            return None  # a text-only row: no media to read (its task writes text fields only)
         if not rules and not task.new_samples:
             return None  # only a text field added to committed samples: their media need no reading
         data = read_input_bytes(row.uri, settings.get("input_storage_options"), settings.get("max_input_bytes"))
@@ -271,8 +273,10 @@ def _meta(row: InputRow, prepared: dict[str, Any] | None, primary: str | None) -
     """Caption and provenance of one sample: the primary visual encoder's input geometry under the
     plain names, any other's prefixed with its section ("vit_width", ...)."""
     meta: dict[str, Any] = {"caption": row.caption, "modality": row.modality}
+    if row.conversations is not None:  # so a re-run can tell edited turns (precompute.stale)
+        meta["conversations_sha256"] = row.conversations_sha256
     if not prepared:
-        return {**meta, "source_uri": redact_url(row.uri)}
+        return {**meta, "source_uri": redact_url(row.uri)} if row.uri else meta
     for section, media in prepared.items():
         provenance = {k: v for k, v in media.provenance.items() if k not in _TILES}
         if section == primary:

@@ -33,6 +33,7 @@ from train.parallel.sequence import (
     shard_sequence,
     usp_attention,
 )
+from train.parallel.sequence.causal_layout import chunk_work, packed_causal_layout
 from train.parallel.sequence.document_mask import DocumentMaskPlan, pad_document_ids
 from train.parallel.sequence_parallel import (
     CausalPackedSequenceSharding,
@@ -150,7 +151,14 @@ def _assert_close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float =
 # Function-level parity
 
 
-def _parity_case(ulysses: int, ring: int, world: int, kv_heads: int, backend: str) -> None:
+def _balanced(docs: torch.Tensor, groups, **options) -> SequenceLayout:
+    return packed_causal_layout(docs, ring_size=groups.ring_size, ulysses_size=groups.ulysses_size,
+                                ring_rank=groups.ring_rank, ulysses_rank=groups.ulysses_rank, **options)
+
+
+def _parity_case(ulysses: int, ring: int, world: int, kv_heads: int, backend: str, layout: str = "balanced") -> None:
+    """``layout``: "balanced" (what training uses, 2 chunks per block at this length), "fine" (8
+    chunks per block: many small chunks, owners far from zigzag) or "zigzag" (the static one)."""
     _, groups = _sp_groups(ulysses, ring, world)
     docs = document_ids()
     gen = torch.Generator().manual_seed(7 + kv_heads)
@@ -162,7 +170,10 @@ def _parity_case(ulysses: int, ring: int, world: int, kv_heads: int, backend: st
     ref = masked_sdpa(q, k, v, docs)
     ref_grads = torch.autograd.grad((ref * grad_out).sum(), (q, k, v))
 
-    layout = layout_for_groups(SEQ, groups, causal=True)
+    if layout == "zigzag":
+        layout = layout_for_groups(SEQ, groups, causal=True)
+    else:
+        layout = _balanced(docs, groups, min_chunk_tokens=1 if layout == "fine" else 64)
     shard = lambda t: shard_sequence(t.transpose(1, 2), 1, layout)  # noqa: E731 - [B, S_local, H, D]
     out = usp_attention(shard(q), shard(k), shard(v), ulysses_group=groups.ulysses_group,
                         ring_group=groups.ring_group, causal=True, layout=layout, document_ids=docs,
@@ -174,7 +185,7 @@ def _parity_case(ulysses: int, ring: int, world: int, kv_heads: int, backend: st
         dist.all_reduce(g)
     full = gather_sequence(out.detach(), 1, layout, ulysses_group=groups.ulysses_group,
                            ring_group=groups.ring_group).transpose(1, 2)
-    label = f"ulysses={ulysses} ring={ring} kv_heads={kv_heads} backend={backend}"
+    label = f"ulysses={ulysses} ring={ring} kv_heads={kv_heads} backend={backend} chunks={layout.chunk_owner}"
     real = (docs >= 0)[:, None, :, None]
     _assert_close(f"{label} out", full * real, ref.detach() * real)
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
@@ -185,31 +196,39 @@ def _two_rank_parity(rank: int, world: int) -> None:
     for ulysses, ring in ((2, 1), (1, 2)):
         for kv_heads in (2, 1):  # GQA, and MQA with H_kv < U (kv heads replicated)
             _parity_case(ulysses, ring, world, kv_heads, "auto")
-    _parity_case(1, 2, world, 2, "math")
+    _parity_case(1, 2, world, 2, "math", layout="fine")
+    _parity_case(1, 2, world, 1, "auto", layout="zigzag")
 
 
 def _four_rank_parity_and_skipping(rank: int, world: int) -> None:
     for ulysses, ring in ((2, 2), (4, 1), (1, 4)):
         for kv_heads in (2, 1):
-            _parity_case(ulysses, ring, world, kv_heads, "auto")
-    _parity_case(2, 2, world, 2, "math")
-    _skipping_case(rank, world)
+            _parity_case(ulysses, ring, world, kv_heads, "auto", layout="fine" if kv_heads == 1 else "balanced")
+    _parity_case(2, 2, world, 2, "math", layout="zigzag")
+    for layout in ("zigzag", "balanced", "fine"):
+        _skipping_case(rank, world, layout)
+    _one_document_case(rank, world)
 
 
-def _skipping_case(rank: int, world: int) -> None:
-    """The forward computes exactly the chunk pairs the reference mask leaves visible."""
+def _skipping_case(rank: int, world: int, layout_kind: str) -> None:
+    """The forward computes exactly the chunk pairs the reference mask leaves visible, and for a
+    balanced layout exactly the work its cost model assigned to this rank."""
     _, groups = _sp_groups(1, 4, world)
     docs = document_ids()
-    layout = layout_for_groups(SEQ, groups, causal=True)
-    chunk = layout.padded_len // (2 * layout.ring_size)
+    if layout_kind == "zigzag":
+        layout = layout_for_groups(SEQ, groups, causal=True)
+    else:
+        layout = _balanced(docs, groups, min_chunk_tokens=1 if layout_kind == "fine" else 64)
+    per_block = layout.chunks_per_block
+    chunk = layout.padded_len // (per_block * layout.ring_size)
     visible = reference_mask(pad_document_ids(docs, layout.padded_len))[:, 0]
     visible &= (pad_document_ids(docs, layout.padded_len) >= 0)[:, :, None]  # padding sees nothing
     mine = layout.ring_block_positions(layout.ring_rank)
     expected_pairs = skipped = 0
     for src in range(layout.ring_size):
         theirs = layout.ring_block_positions(src)
-        for c in range(2):
-            for d in range(2):
+        for c in range(per_block):
+            for d in range(per_block):
                 qs, ks = mine[c * chunk : (c + 1) * chunk], theirs[d * chunk : (d + 1) * chunk]
                 if visible[:, qs][:, :, ks].any():
                     expected_pairs += 1
@@ -219,12 +238,22 @@ def _skipping_case(rank: int, world: int) -> None:
     with count_block_work() as work:
         usp_attention(q, q, q, ring_group=groups.ring_group, causal=True, layout=layout, document_ids=docs)
     assert skipped > 0, "the test documents must leave some chunk pair fully hidden"
-    assert work.skipped_pairs == skipped, (work.skipped_pairs, skipped)
-    assert work.area == expected_pairs * chunk * chunk, (work.area, expected_pairs, chunk)
+    assert work.skipped_pairs == skipped, (layout_kind, work.skipped_pairs, skipped)
+    # Every visible pair in one tile each: the key chunks a query chunk needs are adjacent.
+    assert work.area == expected_pairs * chunk * chunk, (layout_kind, work.area, expected_pairs, chunk)
+    if layout.chunk_owner is not None:
+        predicted = chunk_work(docs, len(layout.chunk_owner), layout.padded_len)
+        mine_work = sum(w for w, owner in zip(predicted, layout.chunk_owner) if owner == layout.ring_rank)
+        assert work.area == mine_work * chunk * chunk, (layout_kind, work.area, mine_work)
 
-    # One document over the whole sequence = plain causal: zigzag gives every rank the same work.
+
+def _one_document_case(rank: int, world: int) -> None:
+    """One document over the whole sequence = plain causal: zigzag gives every rank the same
+    work, and so does the balanced layout (which is then zigzag itself)."""
+    _, groups = _sp_groups(1, 4, world)
     one_doc = torch.zeros(2, 64, dtype=torch.int32)
     layout = layout_for_groups(64, groups, causal=True)
+    assert _balanced(one_doc, groups).positions_of(rank, 0).tolist() == layout.positions_of(rank, 0).tolist()
     chunk = 64 // 8
     q = torch.randn(2, layout.local_len, 4, 8)
     with count_block_work() as work:
@@ -294,8 +323,9 @@ class TinyCausalLM(nn.Module):
 
     def forward(self, input_ids, document_ids, positions):
         h = self.embed(input_ids)
-        if self.sequence_sharding is not None:
-            h, positions = self.sequence_sharding.shard(h, 1), self.sequence_sharding.shard(positions, 1)
+        if self.sequence_sharding is not None:  # the layout balanced for this batch's documents
+            shard = self.sequence_sharding.shard
+            h, positions = shard(h, 1, document_ids), shard(positions, 1, document_ids)
         for layer in self.layers:
             h = layer(h, positions, document_ids, self.attn_fn)
         # Parameters used after the gather would see every token on every SP rank, and summed
@@ -350,6 +380,7 @@ def _train_case(rank: int, world: int) -> None:
         for step, (got, want) in enumerate(zip(losses, reference)):
             assert abs(got - want) <= 1e-4 * abs(want), f"ulysses={ulysses} ring={ring} step {step}: {got} vs {want}"
         assert model.sequence_sharding.layout.zigzag == (ring > 1)
+        assert (model.sequence_sharding.layout.chunk_owner is not None) == (ring > 1)  # balanced per batch
         for (name, p), p_ref in zip(model.named_parameters(), reference_model.parameters()):
             rel = (p - p_ref).norm() / p_ref.norm()
             assert rel <= 1e-4, f"ulysses={ulysses} ring={ring} {name}: relative difference {rel:.3g}"

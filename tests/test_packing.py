@@ -130,3 +130,25 @@ def test_image_token_count_mismatch_is_a_clear_error(store):
     for bad, found, wanted in ((no_placeholder, 0, 1), (two, 2, 1), (stray, 1, 0)):
         with pytest.raises(ImageTokenMismatchError, match=rf"{bad[SAMPLE_ID]!r} has {found} image placeholder.* {wanted} image feature"):
             adapter.collate([bad], torch.device("cpu"), torch.float32)
+
+
+def test_text_only_samples_pack_and_train_with_zero_image_tokens(store):
+    """Samples without an image (no vit_features) pack beside image samples and alone; a batch with
+    no image at all still gives the projector (zero) gradients, so FSDP ranks agree on what they
+    reduce whatever their batches hold."""
+    family, config, adapter = _adapter(store)
+    samples = _samples(store, adapter)
+    text_only = [s for s in samples if adapter.vit_field not in s]
+    assert text_only and len(text_only) < len(samples)
+    mixed = adapter.collate(samples, torch.device("cpu"), torch.float32)
+    assert len(mixed.images) == len(samples) - len(text_only)
+    batch = adapter.collate(text_only, torch.device("cpu"), torch.float32)
+    assert batch.images == [] and not batch.image_mask.any()
+    assert batch.num_label_tokens > 0
+    model = _model(adapter).train()
+    terms = next_token_loss(model, batch, None, None)
+    (terms.loss_sum / terms.count).backward()
+    assert torch.isfinite(terms.loss_sum)
+    for name, p in model.projector.named_parameters():
+        assert p.grad is not None and not p.grad.any(), name
+    assert model.llm.embed_tokens.weight.grad.abs().sum() > 0

@@ -40,9 +40,9 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     return ensure_tiny_models(tmp_path_factory.mktemp("tiny"), ["tokenizer"])["tokenizer"]
 
 
-def encode(manifest: Path, out: Path, cluster, *overrides: str):
+def encode(manifest: Path, out: Path, cluster, *overrides: str, log=lambda *_: None):
     config = load_config(EncodeConfig, "tiny-vlm", "encode", ["run.samples_per_task=4", *overrides])
-    return run_encode(config, str(manifest), str(out), scheduler=cluster[0], progress=False, log=lambda *_: None)
+    return run_encode(config, str(manifest), str(out), scheduler=cluster[0], progress=False, log=log)
 
 
 def write_manifest(path: Path, rows: list[dict]) -> Path:
@@ -95,6 +95,66 @@ def test_captions_and_conversations_end_to_end(media, tmp_path, cluster):
     assert answers == ["a red circle</s>", "red</s>"]
     assert (ids == image_id).sum() == 1 and mask[ids == image_id].sum() == 0
     assert store.read("conv")["vit_features"].shape == store.read("cap")["vit_features"].shape
+
+
+def test_text_only_samples_and_edited_text_on_a_rerun(media, tmp_path, cluster):
+    """Rows without media (a conversation or a caption for the LLM alone) become samples with the
+    text fields only (no vit_features: zero image tokens); a placeholder in one is a reject. A
+    re-run reports committed samples whose conversations or caption were edited since."""
+    tok = train_tiny_bpe_tokenizer()
+    chat = [{"from": "human", "value": "Say hello"}, {"from": "gpt", "value": "hello there"}]
+    rows = [
+        {"path": "media/image_000.png", "caption": "a blue square", "id": "img"},
+        {"path": "media/image_001.png", "conversations": [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "red"}], "id": "imgchat"},
+        {"path": None, "conversations": chat, "id": "chat"},
+        {"path": "", "caption": "a caption with no picture"},  # no id: one from its text
+        {"path": None, "conversations": [{"from": "human", "value": "<image> where?"}, {"from": "gpt", "value": "x"}], "id": "ghost"},
+        {"path": None, "id": "empty"},
+    ]
+    out = tmp_path / "store"
+    summary = encode(write_manifest(media / "text.jsonl", rows), out, cluster)
+    assert (summary.samples_written, summary.rejected) == (4, 2)
+    store = featstore.open(str(out))
+    text_id = next(i for i in store.sample_ids() if i.startswith("text-"))
+    assert sorted(store.sample_ids()) == sorted(["img", "imgchat", "chat", text_id])
+    for sample_id in ("chat", text_id):
+        assert sorted(store.fields_of(sample_id)) == ["input_ids", "target_mask"]  # no image field
+    assert "vit_features" in store.fields_of("img")
+    image_id = store.fields["input_ids"].meta["image_token_id"]
+    chat_ids = store.read("chat")["input_ids"]
+    assert decode(tok, chat_ids) == "<s>USER: Say hello\nASSISTANT: hello there</s>\n" and image_id not in chat_ids
+    caption = store.read(text_id)
+    assert decode(tok, caption["input_ids"]) == "<s>a caption with no picture</s>"  # the prompt without its placeholder
+    assert decode(tok, caption["input_ids"][caption["target_mask"] == 1]) == "a caption with no picture</s>"
+    reasons = {r["id"]: r["reason"] for r in store.rejects.to_pylist()}
+    assert "1 <image> placeholder(s) for 0 image(s)" in reasons["ghost"]
+    assert "no text" in reasons["empty"]
+    row = store.index.to_pylist()[store.row("chat")]
+    assert row["modality"] == "text" and row.get("source_uri") is None
+
+    # Edit the text of three committed samples: each is reported, none re-encoded.
+    rows[1]["conversations"][1]["value"] = "blue"
+    rows[2]["conversations"] = chat + [{"from": "human", "value": "again"}, {"from": "gpt", "value": "hi"}]
+    rows[0]["caption"] = "a green square"
+    lines: list[str] = []
+    summary = encode(write_manifest(media / "text.jsonl", rows), out, cluster, log=lines.append)
+    assert summary.samples_written == 0 and summary.stale == 3
+    warning = next(line for line in lines if "changed since they were encoded" in line)
+    assert "2 conversations changed" in warning and "1 caption changed" in warning and "new ids" in warning
+    assert decode(tok, featstore.open(str(out)).read("chat")["input_ids"]).endswith("hello there</s>\n")
+
+
+def test_text_only_rows_need_the_tokenizer(tmp_path, media, cluster):
+    """A DiT config (no tokenizer) has nothing to train on in a caption without its image."""
+    from precompute.inputs import read_inputs
+
+    manifest = write_manifest(media / "dit.jsonl", [{"path": "media/image_000.png", "caption": "x"}, {"path": None, "caption": "y"}])
+    rows, rejects = read_inputs(str(manifest))
+    assert len(rows) == 1 and "text-only rows need the tokenizer" in rejects[0].reason
+    rows, rejects = read_inputs(str(manifest), allow_text_only=True)
+    assert [r.modality for r in rows] == ["image", "text"] and not rejects
+    with pytest.raises(ValueError, match="no 'path' column"):
+        read_inputs(str(write_manifest(media / "typo.jsonl", [{"image": "media/image_000.png", "caption": "x"}])), allow_text_only=True)
 
 
 def test_bad_text_becomes_rejects(media, tmp_path, cluster):

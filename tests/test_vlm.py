@@ -147,3 +147,33 @@ def test_the_vlm_starts_from_a_hugging_face_folder(tmp_path):
         assert torch.allclose(model.llm(ids), hf(input_ids=ids).logits, atol=1e-5, rtol=0)
     with pytest.raises(ModelConfigError, match="has 99 token embeddings, but the store's tokenizer has 120"):
         family.builder(config, vit_dim=16, vocab_size=120)
+
+
+@pytest.mark.parametrize("shuffle,qkv_bias", [(True, False), (False, True)])
+def test_the_family_export_hook_writes_a_from_pretrained_llm_and_the_projector(tmp_path, shuffle, qkv_bias):
+    """What `mmtrain fit` writes to RUN_DIR/export (and `mmtrain export` may call): the registry's
+    hook on a full state dict; the LLM reloads with from_pretrained with the same logits, the
+    projector with load_projector with the same outputs."""
+    from train.models import build_model, export_model, get_model_family
+    from train.models.vlm import load_projector
+
+    config = get_model_family("vlm").resolve_config({"pixel_shuffle": shuffle, "qkv_bias": qkv_bias, "dim": 32, "mlp_dim": 64})
+    torch.manual_seed(0)
+    model = build_model("vlm", config, vit_dim=12, vocab_size=99).eval()
+    with torch.no_grad():  # trained weights, not the initial ones
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "stale-file").write_text("from an earlier run")
+    written = export_model("vlm", config, model.state_dict(), tmp_path / "export", vit_dim=12, vocab_size=99)
+    assert written == [tmp_path / "export" / "llm", tmp_path / "export" / "projector"]
+    assert not (tmp_path / "export" / "stale-file").exists() and not (tmp_path / "export.tmp").exists()
+    llm = transformers.AutoModelForCausalLM.from_pretrained(str(written[0])).eval()
+    assert type(llm).__name__ == ("Qwen2ForCausalLM" if qkv_bias else "LlamaForCausalLM")
+    ids = torch.randint(0, 99, (2, 13), generator=torch.Generator().manual_seed(3))
+    projector = load_projector(written[1]).eval()
+    features = torch.randn(2, 16, 12)
+    with torch.no_grad():
+        assert torch.allclose(llm(input_ids=ids).logits, model.llm(ids), atol=1e-5, rtol=0)
+        assert torch.equal(projector(features), model.projector(features))
+    assert get_model_family("dit").export is None  # a family without an export format: nothing written

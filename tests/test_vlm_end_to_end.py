@@ -26,12 +26,19 @@ def run(*command: str) -> subprocess.CompletedProcess:
 
 def test_encode_then_fit_a_vlm(tmp_path):
     manifest = make_dataset(tmp_path / "data", num_images=12, num_videos=0)
+    text_only = [  # samples for the LLM alone: no media, zero image tokens
+        {"path": None, "id": "chat", "conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "a red circle"}]},
+        {"path": None, "id": "note", "caption": "a blue square"},
+    ]
+    with manifest.open("a") as fh:
+        fh.write("".join(json.dumps(row) + "\n" for row in text_only))
     store_url, out = str(tmp_path / "store"), tmp_path / "run"
     run("-m", "precompute.cli", "encode", "--config", "tiny-vlm", "--input", str(manifest), "--output", store_url,
         "--workers", "1")
     store = featstore.open(store_url)
-    assert len(store) == 12 and {"vit_features", "input_ids", "target_mask"} <= set(store.fields)
-    sample = store.read(store.sample_ids()[0])
+    assert len(store) == 14 and {"vit_features", "input_ids", "target_mask"} <= set(store.fields)
+    assert store.samples_per_field()["vit_features"] == 12 and not store.has_field("chat", "vit_features")
+    sample = store.read(next(i for i in store.sample_ids() if store.has_field(i, "vit_features")))
     image_token = store.fields["input_ids"].meta["image_token_id"]
     assert int((sample["input_ids"] == image_token).sum()) == 1
     assert sample["target_mask"].shape == sample["input_ids"].shape and 0 < sample["target_mask"].sum() < len(sample["target_mask"])
@@ -42,3 +49,4 @@ def test_encode_then_fit_a_vlm(tmp_path):
     assert [r["step"] for r in records] == list(range(1, 13))
     assert sum(r["loss"] for r in records[-3:]) < 0.8 * sum(r["loss"] for r in records[:3])
     assert (out / "model.safetensors").exists()
+    assert (out / "export" / "llm" / "config.json").exists() and (out / "export" / "projector" / "model.safetensors").exists()

@@ -61,6 +61,27 @@ def test_loss_goes_down_and_the_run_records_the_store(reference):
     assert "projector.fc1.weight" in load_file(str(run / "model.safetensors"))
 
 
+def test_a_run_ends_with_a_hugging_face_export(reference):
+    """RUN_DIR/export/llm loads with from_pretrained and gives the trained LLM's logits; the
+    projector beside it holds the trained projector."""
+    import torch
+    import transformers
+
+    from train.models import build_model
+    from train.models.vlm import load_projector
+
+    weights = load_file(str(reference / "model.safetensors"))
+    sizes = json.loads((reference / "run.json").read_text())["input_sizes"]
+    model = build_model("vlm", "tiny", **sizes).eval()
+    model.load_state_dict(weights)
+    llm = transformers.AutoModelForCausalLM.from_pretrained(str(reference / "export" / "llm")).eval()
+    ids = torch.randint(0, sizes["vocab_size"], (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(llm(input_ids=ids).logits, model.llm(ids), atol=1e-5, rtol=0)
+    projector = load_projector(reference / "export" / "projector")
+    assert all(torch.equal(a, b) for a, b in zip(projector.state_dict().values(), model.projector.state_dict().values(), strict=True))
+
+
 @pytest.mark.parametrize("zero", [2, 3])
 def test_two_fsdp_ranks_match_one_process(store, reference, tmp_path, zero):
     fit(store, tmp_path / "two", "--steps", "3", "--set", f"zero={zero}", nproc=2)
@@ -68,6 +89,7 @@ def test_two_fsdp_ranks_match_one_process(store, reference, tmp_path, zero):
     for step in (1, 2, 3):
         assert two[step] == pytest.approx(one[step], rel=1e-4)
     assert len(json.loads((tmp_path / "two" / "run.json").read_text())["ranks"]) == 2
+    assert (tmp_path / "two" / "export" / "llm" / "model.safetensors").is_file()  # gathered from the shards
 
 
 def test_resume_at_step_5_equals_the_uninterrupted_run(store, reference, tmp_path):

@@ -92,11 +92,14 @@ def _replay_schedule(scheduler: Any, epochs: int) -> None:
             scheduler.step()
 
 
-def export_safetensors(model: torch.nn.Module, path: Path) -> None:
-    """Full (unsharded) weights on rank 0 as safetensors: no pickle, loadable anywhere."""
+def export_safetensors(model: torch.nn.Module, path: Path) -> dict[str, torch.Tensor] | None:
+    """Full (unsharded) weights on rank 0 as safetensors: no pickle, loadable anywhere. Returns
+    them on rank 0 (for a family's own export format), None on the other ranks."""
     from safetensors.torch import save_file
 
     full, _ = get_state_dict(model, [], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() == 0:
-        save_file({k: v.contiguous() for k, v in full.items()}, str(path))
+    state = {k: v.contiguous() for k, v in full.items()} if dist.get_rank() == 0 else None
+    if state is not None:
+        save_file(state, str(path))
     dist.barrier()
+    return state

@@ -28,7 +28,7 @@ from featstore.errors import ConfigError
 from train.checkpoint import export_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint
 from train.config import TrainConfig
 from train.data import FeatureStream, check_fingerprints, latent_normalisation, open_features, snapshot_digest
-from train.models import count_parameters, get_model_family
+from train.models import count_parameters, export_model, get_model_family
 from train.objective import sample_generators
 from train.order import resolve_window, shard_read_bytes
 from train.parallel.dims import MESH_DIMS, ParallelDims, device_and_backend
@@ -248,7 +248,12 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
                 save_checkpoint(run, step, model, optimizer, scheduler, config.checkpoint.keep)
         if stop > start:
             save_checkpoint(run, stop, model, optimizer, scheduler, config.checkpoint.keep)
-            export_safetensors(model, run / "model.safetensors")
+            full = export_safetensors(model, run / "model.safetensors")
+            if family.export is not None:  # the family's own format too (the VLM: an HF folder)
+                if full is not None:
+                    written = export_model(family.name, model_config, full, run / "export", **sizes)
+                    log(f"exported {', '.join(str(p) for p in written)}")
+                dist.barrier()
     finally:
         if metrics_file:
             metrics_file.close()

@@ -6,8 +6,10 @@ image, never expanded on disk) and ``target_mask`` (uint8, 1 on the tokens to be
 caption / assistant tokens and the end-of-turn token that closes them; 0 on prompts, system and
 human turns and the placeholder).
 
-Two input shapes (``TextSample``):
-- a caption: ``bos + caption_prompt + caption + eos``; the caption (and eos) is the answer;
+Two input shapes (``TextSample``), with or without an image (a text-only sample has no
+placeholder and zero image tokens):
+- a caption: ``bos + caption_prompt + caption + eos``; the caption (and eos) is the answer; a
+  text-only caption drops the placeholder (and the newline after it) from the prompt;
 - a LLaVA-style conversation (``[{from: human|gpt|system, value}]``): rendered with the tokenizer's
   own chat template when it has one, else with the built-in template below; only gpt turns train.
 
@@ -214,9 +216,12 @@ class TokenizerEncoder(Encoder):
         """(text, character spans of the answers, number of placeholders in the text)."""
         tok = self.tokenizer
         if sample.conversations is None:
-            prompt = (tok.bos_token or "") + self.config.caption_prompt
+            caption_prompt = self.config.caption_prompt
+            if not sample.images:  # a text-only caption: the prompt without its image placeholder
+                caption_prompt = caption_prompt.replace(self.config.image_token + "\n", "").replace(self.config.image_token, "")
+            prompt = (tok.bos_token or "") + caption_prompt
             text = prompt + sample.caption + (tok.eos_token or "")
-            placeholders = self.config.caption_prompt.count(self.config.image_token)
+            placeholders = caption_prompt.count(self.config.image_token)
             return text, [(len(prompt), len(text))], placeholders
         turns = [(_role(who), value) for who, value in sample.conversations]
         if not any(role == "assistant" for role, _ in turns):

@@ -203,7 +203,9 @@ class Decoder(nn.Module):
             )
         x = inputs_embeds
         if self.sequence_sharding is not None:
-            x, position_ids = self.sequence_sharding.shard(x, 1), self.sequence_sharding.shard(position_ids, 1)
+            # The layout follows the batch's documents (balanced ring work); both take the same one.
+            shard = self.sequence_sharding.shard
+            x, position_ids = shard(x, 1, document_ids), shard(position_ids, 1, document_ids)
         cos, sin = rotary(position_ids, self.config.attention_head_dim, self.config.rope_theta)
         for block in self.blocks:
             x = block(x, cos, sin, document_ids)

@@ -15,6 +15,10 @@ the trainer needs to use it without knowing which family it is:
 - ``tokens_per_sample(config, sample_shape) -> int``  the model's sequence length for a sample,
                    which is what the batch balancer's cost model needs;
 - ``presets``      named configs (``tiny``, ``osp``, ...);
+- ``export``       optional ``export(model, out_dir) -> [paths]``: write a trained model in its
+                   ecosystem's format (the VLM: a Hugging Face LLM folder + the projector) from a
+                   plain, unsharded module on CPU. ``export_model`` builds that module from a full
+                   state dict; ``mmtrain fit`` calls it at the end of a run (``RUN_DIR/export``);
 - ``data``         ``data(config, data_section, store) -> DataAdapter``: which store fields the
                    family reads, its input sizes from the schema, each sample's shape (what
                    ``tokens_per_sample`` reads) and micro-batch group, and how a micro-batch of
@@ -35,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -55,6 +60,7 @@ class InputShapeError(ValueError):
 
 TrainingLoss = Callable[[nn.Module, Any, torch.Generator, Any], LossTerms]
 TokensPerSample = Callable[[Any, tuple[int, ...]], int]
+Export = Callable[[nn.Module, Path], list[Path]]
 
 
 class DataAdapter(Protocol):
@@ -85,6 +91,7 @@ class ModelFamily:
     presets: Mapping[str, Any]
     input_sizes: tuple[str, ...]
     data: Callable[[Any, Any, Any], DataAdapter]
+    export: Export | None = None
 
     def resolve_config(self, config: Any) -> Any:
         """A preset name, a plain mapping (from YAML), an instance, or None (the defaults)."""
@@ -129,6 +136,7 @@ def register_model(
     tokens_per_sample: TokensPerSample,
     data: Callable[[Any, Any, Any], DataAdapter],
     presets: Mapping[str, Any] | None = None,
+    export: Export | None = None,
 ) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
     """Class/function decorator: ``@register_model("dit", config_cls=..., ...)`` on the builder."""
 
@@ -146,6 +154,7 @@ def register_model(
             data=data,
             presets=dict(presets or {}),
             input_sizes=sizes,
+            export=export,
         )
         return builder
 
@@ -176,6 +185,20 @@ def build_model(name: str, config: Any = None, **input_sizes: int) -> nn.Module:
             f"missing: {', '.join(missing) or '-'}, unknown: {', '.join(unknown) or '-'}"
         )
     return family.builder(family.resolve_config(config), **input_sizes)
+
+
+def export_model(name: str, config: Any, state_dict: Mapping[str, torch.Tensor], out: str | Path, **input_sizes: int) -> list[Path]:
+    """Run family ``name``'s export hook on a model holding ``state_dict`` (full, unsharded: e.g.
+    a run's ``model.safetensors``), written under ``out``. Returns the paths written, or [] when
+    the family has no export format. The model is built on the meta device and takes the given
+    tensors as they are (no second copy, no weights loaded from ``llm_path``)."""
+    family = get_model_family(name)
+    if family.export is None:
+        return []
+    with torch.device("meta"):
+        model = build_model(name, config, **input_sizes)
+    model.load_state_dict(dict(state_dict), assign=True)
+    return family.export(model, Path(out))
 
 
 def count_parameters(name: str, config: Any = None, **input_sizes: int) -> int:

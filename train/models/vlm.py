@@ -22,13 +22,16 @@ tokens, so the result does not depend on packing or on the split across ranks.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import shutil
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.models.hf import decoder_config_from_hf, load_hf_weights
+from train.models.hf import decoder_config_from_hf, load_hf_weights, read_hf_config
 from train.models.llm import Decoder, DecoderConfig
 from train.models.registry import InputShapeError, ModelConfigError, register_model
 from train.models.vlm_data import PackedVLMData
@@ -140,6 +143,63 @@ class NextTokenConfig:
     """The ``vlm`` objective: plain next-token cross-entropy (no settings yet)."""
 
 
+PROJECTOR_FORMAT = "mmcache-vlm-projector-v1"
+
+
+def export_vlm(model: VLM, out: Path) -> list[Path]:
+    """The ``vlm`` family's export hook: ``out/llm``, a Hugging Face Llama / Qwen2 folder
+    (``from_pretrained``-loadable: config.json + model.safetensors), and ``out/projector``, the
+    projector's weights (safetensors) with a config.json saying how to rebuild it
+    (``load_projector``). Written beside ``out`` first, then moved into place, so a re-run never
+    leaves a mix of two exports. The tokenizer is the one the store was encoded with (its
+    fingerprint is in run.json): copy that folder next to ``llm`` to ship a complete model."""
+    from safetensors.torch import save_file
+
+    from train.models.hf import save_hf
+
+    out = Path(out)
+    staging = out.with_name(out.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    save_hf(model.llm, staging / "llm", model_type=_hf_model_type(model.config))
+    projector = staging / "projector"
+    projector.mkdir(parents=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in model.projector.state_dict().items()},
+              str(projector / "model.safetensors"), metadata={"format": "pt"})
+    norm = model.projector.norm
+    spec = {
+        "format": PROJECTOR_FORMAT,
+        "architecture": "pixel_shuffle(2x2)? -> LayerNorm -> Linear(fc1) -> GELU -> Linear(fc2)",
+        "vit_dim": norm.normalized_shape[0] // 4 if model.projector.shuffle else norm.normalized_shape[0],
+        "llm_dim": model.projector.fc2.out_features,
+        "pixel_shuffle": model.projector.shuffle,
+        "norm_eps": norm.eps,
+    }
+    (projector / "config.json").write_text(json.dumps(spec, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    staging.replace(out)
+    return [out / "llm", out / "projector"]
+
+
+def load_projector(path: str | Path) -> Projector:
+    """A projector exported by ``export_vlm`` (safetensors only: nothing that runs code)."""
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    spec = json.loads((folder / "config.json").read_text())
+    if spec.get("format") != PROJECTOR_FORMAT:
+        raise ModelConfigError(f"{folder}: not a projector exported by mmtrain (format {spec.get('format')!r})")
+    projector = Projector(spec["vit_dim"], spec["llm_dim"], shuffle=spec["pixel_shuffle"], eps=spec["norm_eps"])
+    projector.load_state_dict(load_file(str(folder / "model.safetensors")))
+    return projector
+
+
+def _hf_model_type(config: VLMConfig) -> str:
+    """Export as the architecture the LLM came from; from scratch: qwen2 with q/k/v biases, else llama."""
+    if config.llm_path is not None:
+        return read_hf_config(config.llm_path)["model_type"]
+    return "qwen2" if config.qkv_bias else "llama"
+
+
 def _tokens_per_sample(config: VLMConfig, sample_shape: tuple) -> int:
     num_ids, vit_shape = sample_shape
     return num_ids if not vit_shape else num_ids - 1 + config.image_tokens(vit_shape)
@@ -153,6 +213,7 @@ def _tokens_per_sample(config: VLMConfig, sample_shape: tuple) -> int:
     tokens_per_sample=_tokens_per_sample,
     data=PackedVLMData.for_run,
     presets=VLM_PRESETS,
+    export=export_vlm,
 )
 class VLM(nn.Module):
     sequence_parallel_style = "causal_packed"
@@ -200,7 +261,11 @@ class VLM(nn.Module):
         if not batch.images:
             if positions:
                 raise InputShapeError(f"{positions} image positions in the batch but no image features")
-            return embeds
+            # Text-only samples: zero image tokens. The projector still joins the graph (with no
+            # rows, adding exactly 0), so its gradients exist, as zeros, on every rank: FSDP
+            # reduce-scatters only the parameters that have gradients, and ranks whose batches
+            # differ in that would disagree on the collective.
+            return embeds + self.projector(self._no_image()).sum()
         dtype = self.projector.fc1.weight.dtype
         tokens = torch.cat([self.projector(f.to(dtype)) for f in batch.images])
         if tokens.shape[0] != positions:
@@ -209,6 +274,12 @@ class VLM(nn.Module):
                 "tokens; pack with the model's image_tokens (train.packing.expand_sample)"
             )
         return embeds.masked_scatter(batch.image_mask[..., None], tokens.to(embeds.dtype))
+
+    def _no_image(self) -> torch.Tensor:
+        """An empty feature tensor [0, 4, D_vit] (a 2x2 grid, so the pixel shuffle accepts it)."""
+        weight = self.projector.norm.weight
+        width = weight.shape[0] // 4 if self.projector.shuffle else weight.shape[0]
+        return weight.new_zeros(0, 4, width)
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """Logits [B, S, vocab] of a packed batch."""

@@ -9,10 +9,14 @@ attention fn (``model.set_attention_fn``):
   ranks (padded to a multiple of U·R and masked, so results are unchanged); self-attention runs
   as USP; the text tokens, which are short, stay replicated, so cross-attention of local
   queries against the whole caption needs no communication.
-- ``causal_packed`` (decoder LLMs on packed samples): the zigzag (head-tail) layout, so every
-  ring rank does the same causal work; ``attention(q, k, v, document_ids)`` is causal within each
-  packed document (``document_ids`` the full ``[B, S]`` ids, -1 for padding), with ring tiles
-  the document mask hides skipped.
+- ``causal_packed`` (decoder LLMs on packed samples): ``shard(x, 1, document_ids)`` lays the
+  batch out in chunks balanced over the ring by their causal work under the batch's document
+  mask (``sequence.causal_layout``; one document: the zigzag/head-tail layout), so every ring
+  rank does the same work however the documents are packed; ``attention(q, k, v,
+  document_ids)`` is causal within each packed document (``document_ids`` the full ``[B, S]``
+  ids, -1 for padding), with ring tiles the document mask hides skipped. Positions, labels and
+  masks follow the same permutation because they are all sharded (and gathered) by the one
+  layout; the loss is computed on the gathered logits in sequence order, so it is unchanged.
 
 Either way the model gathers its per-token outputs before the head and every SP rank computes
 the same loss on the full output: the gather's backward therefore just keeps this rank's slice
@@ -36,6 +40,7 @@ from train.parallel.sequence import (
     shard_sequence,
     usp_attention,
 )
+from train.parallel.sequence.causal_layout import packed_causal_layout
 from train.parallel.sequence.document_mask import DocumentMaskPlan
 from train.parallel.sequence.usp import build_document_plan
 
@@ -101,6 +106,30 @@ class CausalPackedSequenceSharding(_LayoutSharding):
         super().__init__(meshes, backend=backend)
         self._plan_for: tuple | None = None  # (ids tensor, its version, layout) the plan is for
         self._plan: DocumentMaskPlan | None = None
+        self._layout_for: tuple | None = None  # (ids tensor, its version) the layout is for
+
+    def shard(self, x: torch.Tensor, dim: int, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's part of ``x``; with the batch's full ``document_ids`` (what the decoder
+        passes), in the work-balanced layout of that batch, else the static zigzag one."""
+        if document_ids is not None:
+            cached = self._layout_for
+            if cached is None or cached[0] is not document_ids or cached[1] != document_ids._version:
+                groups = self.groups
+                self.layout = layout = packed_causal_layout(
+                    document_ids, ring_size=groups.ring_size, ulysses_size=groups.ulysses_size,
+                    ring_rank=groups.ring_rank, ulysses_rank=groups.ulysses_rank,
+                )
+                self._layout_for = (document_ids, document_ids._version)
+            else:
+                layout = self.layout
+            assert layout is not None
+            if x.shape[dim] != layout.seq_len:
+                raise SequenceParallelConfigError(
+                    f"tensor has length {x.shape[dim]} along dim {dim} but its document_ids {layout.seq_len}"
+                )
+            return shard_sequence(x, dim, layout)
+        self._layout_for = None
+        return super().shard(x, dim)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
         """q ``[B, H, S_local, D]``, k/v ``[B, H_kv, S_local, D]``, document_ids the full ``[B, S]``."""

@@ -96,6 +96,22 @@ def pad_document_ids(document_ids: torch.Tensor, padded_len: int) -> torch.Tenso
     return torch.cat([document_ids, tail], dim=1)
 
 
+def _document_starts(document_ids: torch.Tensor) -> torch.Tensor | None:
+    """``[B, S]``: the first position of each position's document (-1 on padding), or None when
+    some document is not one contiguous run (then the first position would not bound its keys)."""
+    ids = document_ids.to(torch.int64)
+    batch, length = ids.shape
+    change = torch.ones_like(ids, dtype=torch.bool)
+    change[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    runs = (change & (ids >= 0)).sum(dim=1)
+    distinct = torch.stack([torch.unique(row[row >= 0]).numel() * torch.ones((), dtype=torch.int64) for row in ids])
+    if not torch.equal(runs, distinct):
+        return None
+    positions = torch.arange(length, device=ids.device).expand(batch, -1)
+    starts = torch.where(change, positions, 0).cummax(dim=1).values
+    return torch.where(ids >= 0, starts, -1)
+
+
 class DocumentMaskPlan:
     """The tiles ring rank ``q_rank`` computes against each source block under a document mask.
 
@@ -123,21 +139,42 @@ class DocumentMaskPlan:
         self.num_chunks = chunks_per_block
         self._any, self._all = self._chunk_pair_visibility()
 
-    def _chunk_positions(self, rank: int, chunk: int) -> torch.Tensor:
-        return self.positions[rank][chunk * self.chunk : (chunk + 1) * self.chunk]
-
     def _chunk_pair_visibility(self) -> tuple[list, list]:
         """Per source rank, [query chunk][key chunk] -> any / all visible (one host copy)."""
+        starts = _document_starts(self.document_ids)
         anys, alls = [], []
         for src in range(len(self.positions)):
-            for c in range(self.num_chunks):
-                for d in range(self.num_chunks):
-                    seen = visible_pairs(self.document_ids, self._chunk_positions(self.q_rank, c),
-                                         self._chunk_positions(src, d))
-                    anys.append(seen.any())
-                    alls.append(seen.all())
-        shape = (len(self.positions), self.num_chunks, self.num_chunks)
-        return torch.stack(anys).view(shape).tolist(), torch.stack(alls).view(shape).tolist()
+            if starts is not None:
+                seen_any, seen_all = self._counted_visibility(starts, src)
+            else:  # documents not in contiguous runs: reduce the block-by-block map
+                n, size = self.num_chunks, self.chunk
+                seen = visible_pairs(self.document_ids, self.positions[self.q_rank], self.positions[src])
+                cells = seen.view(seen.shape[0], n, size, n, size)
+                seen_any, seen_all = cells.any(dim=4).any(dim=2).any(dim=0), cells.all(dim=4).all(dim=2).all(dim=0)
+            anys.append(seen_any)
+            alls.append(seen_all)
+        return torch.stack(anys).tolist(), torch.stack(alls).tolist()
+
+    def _counted_visibility(self, starts: torch.Tensor, src: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """With each document one run of positions, query ``q`` sees exactly the keys in
+        ``[start(q), q]``: count a key chunk's positions in that range (a binary search per
+        query and key chunk) instead of building the block-by-block map (S_block^2 cells)."""
+        n, size = self.num_chunks, self.chunk
+        q_pos = self.positions[self.q_rank]
+        keys = self.positions[src].view(n, size).sort(dim=1).values  # [n, size]
+        q_start = starts[:, q_pos]  # [B, S_block], -1 on padding
+        batch = q_start.shape[0]
+        upper = q_pos.expand(batch, -1).reshape(1, -1)  # [1, B * S_block]
+        lower = q_start.reshape(1, -1)
+        first, last = keys[:, :1], keys[:, -1:]
+        if bool((last - first == size - 1).all()):  # every key chunk a run of positions: arithmetic
+            counts = (torch.minimum(upper, last) - torch.maximum(lower, first) + 1).clamp_min(0)
+        else:
+            upper, lower = upper.expand(n, -1).contiguous(), lower.expand(n, -1).contiguous()
+            counts = torch.searchsorted(keys, upper, right=True) - torch.searchsorted(keys, lower)
+        counts = counts.view(n, batch, n, size)  # [key chunk, B, query chunk, query]
+        counts = torch.where(q_start.view(1, batch, n, size) >= 0, counts, 0)  # padding sees nothing
+        return (counts > 0).any(dim=3).any(dim=1).T, (counts == size).all(dim=3).all(dim=1).T
 
     def skipped_pairs(self, src: int) -> int:
         return sum(not seen for row in self._any[src] for seen in row)
@@ -148,7 +185,15 @@ class DocumentMaskPlan:
 
     def tiles(self, src: int) -> list[Tile]:
         """The kernel calls of the step that meets ``src``'s K/V block, in query order."""
-        groups: list[tuple[int, int, tuple[int, int]]] = []  # (first q chunk, end q chunk, key span)
+        return [self._tile(src, q0, q1, span) for q0, q1, span in self.tile_chunks(src)]
+
+    def tile_area(self, src: int) -> int:
+        """Query x key elements the tiles against ``src`` compute (their masks are not built)."""
+        return sum((q1 - q0) * (span[1] - span[0]) for q0, q1, span in self.tile_chunks(src)) * self.chunk**2
+
+    def tile_chunks(self, src: int) -> list[tuple[int, int, tuple[int, int]]]:
+        """(first query chunk, end query chunk, key chunk span) of each tile against ``src``."""
+        groups: list[tuple[int, int, tuple[int, int]]] = []
         for c in range(self.num_chunks):
             span = self._key_span(src, c)
             if span is None:
@@ -157,7 +202,7 @@ class DocumentMaskPlan:
                 groups[-1] = (groups[-1][0], c + 1, span)
             else:
                 groups.append((c, c + 1, span))
-        return [self._tile(src, q0, q1, span) for q0, q1, span in groups]
+        return groups
 
     def _tile(self, src: int, q0: int, q1: int, span: tuple[int, int]) -> Tile:
         k0, k1 = span

@@ -11,8 +11,9 @@ Data flow for one attention layer on SP rank ``(ring r, ulysses u)``::
     out      [B, S_local, H, D]
 
 ``SequenceLayout`` says which global positions an SP rank holds: the (padded)
-sequence is cut into R ring blocks -- zigzag blocks when causal -- and each ring
-block into U contiguous Ulysses shards. ``shard_sequence`` pads and slices a full
+sequence is cut into R ring blocks -- for causal attention, blocks of equal chunks spread over
+the ring (zigzag by default; ``causal_layout.py`` balances them by the work of a packed batch)
+-- and each ring block into U contiguous Ulysses shards. ``shard_sequence`` pads and slices a full
 tensor with it, ``gather_sequence`` undoes that, and the layout also yields the
 key-padding mask (and position ids, e.g. for RoPE) of the local shard.
 """
@@ -49,18 +50,35 @@ class SequenceLayout:
     ulysses_size: int
     ring_rank: int
     ulysses_rank: int
-    zigzag: bool  # causal attention over a ring needs the head-tail chunk layout
+    zigzag: bool  # causal attention over a ring: blocks of chunks spread over the ring (below)
+    # Owner ring rank of each of the padded sequence's equal chunks (every rank the same number,
+    # each rank's chunks kept in sequence order); None with ``zigzag``: the head-tail layout.
+    chunk_owner: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:
             raise SequenceParallelConfigError(f"seq_len must be >= 1, got {self.seq_len}")
         assert 0 <= self.ring_rank < self.ring_size and 0 <= self.ulysses_rank < self.ulysses_size
+        if self.chunk_owner is not None:
+            owners = self.chunk_owner
+            counts = [owners.count(r) for r in range(self.ring_size)]
+            if not self.zigzag or len(set(counts)) != 1 or sum(counts) != len(owners) or not counts[0]:
+                raise SequenceParallelConfigError(
+                    f"chunk_owner must give each of the {self.ring_size} ring ranks the same number of chunks "
+                    f"(and needs zigzag=True), got {owners}"
+                )
+
+    @property
+    def chunks_per_block(self) -> int:
+        """Chunks in one ring block: 2 for zigzag, 1 for a contiguous split."""
+        if self.chunk_owner is not None:
+            return len(self.chunk_owner) // self.ring_size
+        return 2 if self.zigzag else 1
 
     @property
     def multiple(self) -> int:
-        """Padded length is a multiple of this: R*U, or R*lcm(2, U) for two zigzag chunks."""
-        per_block = math.lcm(2, self.ulysses_size) if self.zigzag else self.ulysses_size
-        return self.ring_size * per_block
+        """Padded length is a multiple of this: R*U, or R*lcm(chunks per block, U) when chunked."""
+        return self.ring_size * math.lcm(self.chunks_per_block, self.ulysses_size)
 
     @property
     def padded_len(self) -> int:
@@ -76,7 +94,11 @@ class SequenceLayout:
 
     def positions_of(self, ring_rank: int, ulysses_rank: int) -> torch.Tensor:
         """Global (padded) positions held by SP rank ``(ring_rank, ulysses_rank)``."""
-        if self.zigzag:
+        if self.chunk_owner is not None:
+            chunk = self.padded_len // len(self.chunk_owner)
+            block = torch.cat([torch.arange(i * chunk, (i + 1) * chunk)
+                               for i, owner in enumerate(self.chunk_owner) if owner == ring_rank])
+        elif self.zigzag:
             block = zigzag_indices(self.padded_len, self.ring_size, ring_rank)
         else:
             block_len = self.padded_len // self.ring_size
@@ -193,7 +215,7 @@ def usp_attention(
     scale: float | None = None,
     backend: str = "auto",
     document_ids: torch.Tensor | None = None,
-    chunks_per_block: int = 2,
+    chunks_per_block: int | None = None,
     document_plan: DocumentMaskPlan | None = None,
 ) -> torch.Tensor:
     """Exact (ulysses x ring) sequence-parallel attention; returns the local output shard.
@@ -207,8 +229,8 @@ def usp_attention(
 
     ``document_ids`` (``[B, seq_len]`` int, the FULL unsharded ids of a packed batch, ``-1``
     for padding): causal attention within each document (needs ``causal=True`` and a
-    layout); ring tiles the document mask hides are skipped (see ``DocumentMaskPlan``,
-    ``chunks_per_block`` chunks per ring block). A ``document_plan`` from
+    layout); ring tiles the document mask hides are skipped (see ``DocumentMaskPlan``; its
+    chunks are the layout's, or ``chunks_per_block`` per block). A ``document_plan`` from
     ``build_document_plan`` may be passed instead, to reuse it across layers.
     """
     check_attention_inputs(q, k, v)
@@ -247,9 +269,11 @@ def build_document_plan(
     causal: bool = True,
     batch_size: int,
     device: torch.device | str | None = None,
-    chunks_per_block: int = 2,
+    chunks_per_block: int | None = None,
 ) -> DocumentMaskPlan:
-    """The ring tiles of this rank for the full ``[B, seq_len]`` ``document_ids``."""
+    """The ring tiles of this rank for the full ``[B, seq_len]`` ``document_ids``. The plan's
+    chunks are the layout's chunks over a ring (each one contiguous run of positions), else
+    two per block (the upper causal half of a single block is then skipped)."""
     if layout is None or not causal:
         raise SequenceParallelConfigError(
             "document_ids need causal=True and the layout the inputs were sharded with"
@@ -261,7 +285,9 @@ def build_document_plan(
         )
     padded = pad_document_ids(document_ids.to(device), layout.padded_len)
     blocks = [layout.ring_block_positions(r) for r in range(layout.ring_size)]
-    if blocks[0].numel() % chunks_per_block:  # only without a ring (zigzag blocks are even)
+    if chunks_per_block is None:
+        chunks_per_block = layout.chunks_per_block if layout.zigzag else 2
+    if blocks[0].numel() % chunks_per_block:  # only without a ring (chunked blocks divide)
         chunks_per_block = 1
     return DocumentMaskPlan(padded, blocks, layout.ring_rank, chunks_per_block)
 
