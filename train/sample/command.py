@@ -32,7 +32,7 @@ def live_prompt_embeddings(trained, prompts: list[str], why: str) -> dict[str, A
     joint-finetune mode). Until that module lands, the store's prompts are the only source."""
     import importlib.util
 
-    if importlib.util.find_spec("train.live.reattach") is None:
+    if importlib.util.find_spec("train.live") is None or importlib.util.find_spec("train.live.reattach") is None:
         raise MissingPromptError(f"{why} (encoding prompts live needs joint-finetune mode's text-encoder re-attach, not in this installation yet)")
     raise MissingPromptError(f"{why} (train.live.reattach is installed but mmtrain sample does not use it yet)")
 
