@@ -38,10 +38,17 @@ class DataSection:
     # "50GiB"; default: most of that disk's free space). Ignored for a local store.
     cache_dir: str | None = None
     cache_bytes: int | str | None = None
+    # A held-out split for the validation loss (every sample.every steps): the samples whose id
+    # hashes below validation_fraction (stable as the store grows), plus validation_ids. They
+    # are never trained on.
+    validation_fraction: float = 0.0
+    validation_ids: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.prefetch < 0 or self.max_tokens < 1:
             raise ConfigError("data.global_batch and data.max_tokens must be >= 1 and data.prefetch >= 0")
+        if not 0.0 <= self.validation_fraction < 1.0:
+            raise ConfigError(f"data.validation_fraction must be in [0, 1), got {self.validation_fraction}")
         if self.cache_bytes is not None:
             from featstore.cache import parse_size
 
@@ -73,6 +80,31 @@ class CheckpointSection:
 
 
 @dataclass(kw_only=True)
+class SampleSection:
+    """Every ``every`` steps (and before the first with ``at_start``): a sample per prompt and
+    seed into RUN_DIR/samples/step-NNNNNN/ (prompts' embeddings from the store: encode them with
+    ``mmcache encode --prompts``), and the validation loss on the held-out split (data.validation_*)."""
+
+    every: int = 100                        # steps; 0 = never
+    at_start: bool = False
+    prompts: list[str] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=lambda: [0])
+    steps: int = 20                         # Euler steps
+    guidance: float = 4.0                   # classifier-free guidance with the empty prompt; 1.0 = none
+    shift: float = 1.0                      # timestep shift
+    size: str | None = None                 # WxH pixels; None = the commonest size in the store
+    frames: int = 1
+    vae_path: str | None = None             # the VAE folder the store was encoded with (decoder); None: a
+                                            # matching tiny model on this machine, else latents only
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"sample.every must be >= 0 (0 = never), got {self.every}")
+        if any(not p.strip() for p in self.prompts):
+            raise ConfigError("sample.prompts holds an empty prompt; the empty prompt is the guidance baseline, not a sample")
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
     model: ModelSection = field(default_factory=ModelSection)
     objective: dict[str, Any] = field(default_factory=dict)
@@ -81,6 +113,7 @@ class TrainConfig:
     balance: BalanceConfig = field(default_factory=BalanceConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    sample: SampleSection = field(default_factory=SampleSection)
     zero: Literal[2, 3] = 3                 # FSDP2: 3 reshards parameters after forward, 2 keeps them
     seed: int = 0
     log_every: int = 10

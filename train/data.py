@@ -102,10 +102,12 @@ class FeatureStream:
     dict of its fields plus its id under ``train.packing.SAMPLE_ID``, for error messages."""
 
     def __init__(self, store: featstore.Store, *, data, global_batch: int, seed: int,
-                 dp_size: int, dp_rank: int, balance, cost, tokens_per_sample, repeat: bool = False) -> None:
+                 dp_size: int, dp_rank: int, balance, cost, tokens_per_sample, repeat: bool = False,
+                 exclude: frozenset[str] = frozenset()) -> None:
         # A store may hold a field for only some samples (one added after they were encoded).
+        # ``exclude``: the held-out validation split, never trained on.
         required = list(data.required_fields)
-        ids = store.sample_ids(with_fields=required)
+        ids = [i for i in store.sample_ids(with_fields=required) if i not in exclude]
         if not ids:
             counts = store.samples_per_field()
             raise featstore.SchemaError(
@@ -127,7 +129,8 @@ class FeatureStream:
         self.balance, self.cost = balance, cost
         self.ids = ids
         self.num_samples = len(ids)
-        self.skipped = len(store) - len(ids)  # samples lacking one of the required fields
+        self.held_out = len(exclude)
+        self.skipped = len(store) - len(ids) - len(exclude)  # samples lacking one of the required fields
         self.rows = np.array([store.row(i) for i in ids], dtype=np.int64)
         self.shapes = [data.sample_shape(i) for i in ids]
         self.groups = [data.group_key(s) for s in self.shapes]

@@ -32,6 +32,7 @@ from train.objective import sample_generators
 from train.parallel.dims import MESH_DIMS, ParallelDims, device_and_backend
 from train.parallel.fsdp import apply_fsdp, local_state_bytes
 from train.parallel.sequence_parallel import apply_sequence_parallel
+from train.sample.during_fit import FitSampler, Validator, due, validation_ids
 
 
 def init_distributed() -> tuple[torch.device, str]:
@@ -173,14 +174,26 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
             log(f"resumed from {found[1]} at step {start} (world size {world})")
     stop = steps if steps is not None else o.total_steps
     dim = getattr(model_config, "dim", 64)
+    held_out = validation_ids(store, list(data_adapter.required_fields), config.data.validation_fraction, config.data.validation_ids)
     stream = FeatureStream(
         store, data=data_adapter, global_batch=config.data.global_batch, seed=config.seed,
         dp_size=dims.dp_size, dp_rank=meshes.dp_rank, balance=config.balance, cost=config.balance.cost_model(dim),
         tokens_per_sample=lambda shape: family.tokens_per_sample(model_config, shape), repeat=config.data.repeat,
+        exclude=frozenset(held_out),
     )
     if stream.skipped:
         log(f"training on {stream.num_samples} of the {len(store)} samples: {stream.skipped} lack {' or '.join(map(repr, data_adapter.required_fields))}")
     dtype = torch.float32
+    validator = fit_sampler = None
+    if held_out and config.sample.every:
+        if rank == 0:
+            log(f"validation: {len(held_out)} held-out sample(s), val_loss every {config.sample.every} steps")
+        validator = Validator(store, held_out, data_adapter, family, objective, dp_rank=meshes.dp_rank, dp_size=dims.dp_size,
+                              dp_group=meshes.dp.get_group(), device=device, dtype=dtype)
+    if config.sample.prompts and config.sample.every:
+        if "in_channels" not in sizes:
+            raise ConfigError(f"sample.prompts: sampling pictures is for DiT runs; model {family.name!r} has no latents to sample")
+        fit_sampler = FitSampler(config.sample, store, config.data, model_config, sizes, rank, device, log)
     if rank == 0 and start and (run / "metrics.jsonl").exists():
         # Steps after the checkpoint we resumed from are trained again: drop their old records.
         kept = [line for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip() and json.loads(line)["step"] <= start]
@@ -188,7 +201,24 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
     metrics_file = open(run / "metrics.jsonl", "a") if rank == 0 else None  # noqa: SIM115
     board = _tensorboard(run) if rank == 0 else None
     losses = []
+
+    def evaluate(step: int) -> dict[str, Any]:
+        """val_loss and samples after ``step``, when due (every rank calls it: both run collectives)."""
+        extra: dict[str, Any] = {}
+        if not due(config.sample, step, start, stop):
+            return extra
+        if validator is not None:
+            t0 = time.perf_counter()
+            extra["val_loss"] = validator.loss(model)
+            extra["val_time_s"] = time.perf_counter() - t0
+        if fit_sampler is not None:
+            extra["sample_time_s"] = fit_sampler.run(model, run, step, device, board)
+        return extra
+
     try:
+        if start == 0 and (extra := evaluate(0)) and metrics_file:
+            metrics_file.write(json.dumps({"step": 0, **extra}) + "\n")
+            metrics_file.flush()
         for data in stream.steps(start, stop, config.data.prefetch):
             t0 = time.perf_counter()
             loss_sum, count = accumulate_gradients(model, family, objective, data, seed=config.seed, collate=data_adapter.collate, device=device,
@@ -206,15 +236,18 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
                 "step": step, "loss": loss, "lr": lr, "samples": data.samples, "tokens": data.tokens,
                 "step_time_s": time.perf_counter() - t0 + data.wait_s, "data_wait_s": data.wait_s,
                 "peak_mem_bytes": _peak_memory(device), "imbalance": data.imbalance,
+                **evaluate(step),
             }
             if metrics_file:
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
                 if board is not None:
-                    for key in ("loss", "lr", "step_time_s", "data_wait_s", "imbalance"):
-                        board.add_scalar(key, record[key], step)
-                if step % config.log_every == 0 or step == stop:
-                    log(f"step {step:5d}  loss {loss:.4f}  lr {lr:.2e}  {record['step_time_s'] * 1000:6.0f} ms  wait {data.wait_s * 1000:4.0f} ms  imbalance {data.imbalance:.2f}")
+                    for key in ("loss", "lr", "step_time_s", "data_wait_s", "imbalance", "val_loss"):
+                        if key in record:
+                            board.add_scalar(key, record[key], step)
+                if step % config.log_every == 0 or step == stop or "val_loss" in record:
+                    val = f"  val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
+                    log(f"step {step:5d}  loss {loss:.4f}{val}  lr {lr:.2e}  {record['step_time_s'] * 1000:6.0f} ms  wait {data.wait_s * 1000:4.0f} ms  imbalance {data.imbalance:.2f}")
             if config.checkpoint.every and step % config.checkpoint.every == 0 and step != stop:
                 save_checkpoint(run, step, model, optimizer, scheduler, config.checkpoint.keep)
         if stop > start:

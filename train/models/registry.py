@@ -24,7 +24,9 @@ the trainer needs to use it without knowing which family it is:
                    writes for a trained model; ``info`` is the JSON that rebuilds it (family, config,
                    input sizes, the fields it was trained on). Default: ``export_safetensors_dir``
                    (``model.safetensors`` + ``config.json``), which ``mmtrain sample`` reads back;
-                   a family with a published format (the VLM's Hugging Face folder) adds it there.
+                   a family with a published format (the VLM's Hugging Face folder) adds it there;
+- ``validation_loss`` (optional) the held-out loss, deterministic for a model (the DiT's at fixed
+                   timesteps); default: ``training_loss`` with per-sample generators of a fixed seed.
 
 The loss contract (why ``LossTerms`` is a *sum* plus a *count*): a global batch is split unevenly
 across data-parallel ranks and micro-batches (that is the point of token balancing), so a per-rank
@@ -92,6 +94,9 @@ class ModelFamily:
     input_sizes: tuple[str, ...]
     data: Callable[[Any, Any, Any], DataAdapter]
     export: Export | None = None  # None: export_safetensors_dir
+    # The held-out loss (same signature as training_loss; generators seeded per held-out sample):
+    # deterministic for a given model. None: training_loss with those fixed generators.
+    validation_loss: TrainingLoss | None = None
 
     def export_model(self, model: nn.Module, out_dir: Any, info: dict[str, Any]) -> list[str]:
         """Write ``model`` (unsharded, on CPU) into ``out_dir`` the family's way."""
@@ -141,6 +146,7 @@ def register_model(
     data: Callable[[Any, Any, Any], DataAdapter],
     presets: Mapping[str, Any] | None = None,
     export: Export | None = None,
+    validation_loss: TrainingLoss | None = None,
 ) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
     """Class/function decorator: ``@register_model("dit", config_cls=..., ...)`` on the builder."""
 
@@ -159,6 +165,7 @@ def register_model(
             presets=dict(presets or {}),
             input_sizes=sizes,
             export=export,
+            validation_loss=validation_loss,
         )
         return builder
 
