@@ -213,6 +213,9 @@ def run_encode(
             "max_input_bytes": config.data.max_input_bytes,
         }
         transform = {k: settings[k] for k in ("resize", "frames", "size_multiple")}
+        for spec in fields.values():
+            # Each field's record names its input preparation too, so it rebuilds on its own.
+            spec["meta"]["encoder"]["transform"] = transform
         store = _open_or_create(output_url, fields, storage_options, transform, log)
         startup = time.perf_counter() - t0
         log(f"encoders ready on {len(devices)} worker(s) ({device_type}) in {startup:.1f}s")
