@@ -36,7 +36,8 @@ import hashlib
 import os
 import posixpath
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any
 
@@ -180,7 +181,7 @@ class LiveEncoder:
     media_root: str | None = None
     storage_options: dict[str, Any] | None = None
     weights_path: str | None = None
-    _rule: Any = field(default=None, repr=False)
+    _rule: Any = dataclass_field(default=None, repr=False)
 
     # -- identity -----------------------------------------------------------------------------
     @property
