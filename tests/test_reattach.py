@@ -23,19 +23,10 @@ from train.live.reattach import (
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory, monkeypatch_module):
+def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("reattach")
     manifest = dataset(root / "data", images=5, videos=1)
     return encode(manifest, root / "store")
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module(tmp_path_factory):
-    # The tiny models are built once into this cache (precompute.config.default_cache_dir).
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MMCACHE_CACHE", str(tmp_path_factory.mktemp("cache")))
-    yield mp
-    mp.undo()
 
 
 def as_float(array) -> np.ndarray:

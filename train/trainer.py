@@ -216,6 +216,7 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
             loss_sum, count = accumulate_gradients(model, family, objective, data, seed=config.seed, collate=collate, device=device,
                                                    dtype=dtype, dp_group=meshes.dp.get_group(), grad_clip=o.grad_clip,
                                                    extra_params=joint.parameters())
+            encoder_grads = joint.grad_norms()
             lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
             step = data.step + 1
@@ -231,6 +232,7 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
                 "step": step, "loss": loss, "lr": lr, "samples": data.samples, "tokens": data.tokens,
                 "step_time_s": time.perf_counter() - t0 + data.wait_s, "data_wait_s": data.wait_s,
                 "peak_mem_bytes": _peak_memory(device), "imbalance": data.imbalance, "live_samples": data.live_samples,
+                **encoder_grads,
             }
             if metrics_file:
                 metrics_file.write(json.dumps(record) + "\n")

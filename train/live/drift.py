@@ -34,6 +34,7 @@ class FieldDrift:
     tolerance: float = 0.0
     problems: list[str] = dataclass_field(default_factory=list)  # shape changes, inputs that cannot be prepared
     fingerprint: dict[str, Any] = dataclass_field(default_factory=dict)  # key -> (cached, live) where they differ
+    settings: dict[str, Any] = dataclass_field(default_factory=dict)  # resize/frames settings -> (recorded, used)
 
     @property
     def ok(self) -> bool:
@@ -45,13 +46,16 @@ class FieldDrift:
                 f"(tolerance {self.tolerance:.3g})  cosine {self.cosine:.6f}  {verdict}")
         if self.fingerprint:
             text += "; fingerprint differs in " + ", ".join(sorted(self.fingerprint))
+        if self.settings:
+            text += "; preprocessing differs: " + ", ".join(f"{k} cached {a!r}, now {b!r}" for k, (a, b) in sorted(self.settings.items()))
         if self.problems:
             text += "; " + "; ".join(self.problems[:3]) + (f" (+{len(self.problems) - 3} more)" if len(self.problems) > 3 else "")
         return text
 
     def to_dict(self) -> dict[str, Any]:
         return {"field": self.field, "samples": self.samples, "max_abs": self.max_abs, "rel_l2": self.rel_l2, "cosine": self.cosine,
-                "tolerance": self.tolerance, "ok": self.ok, "problems": self.problems, "fingerprint_differs": sorted(self.fingerprint)}
+                "tolerance": self.tolerance, "ok": self.ok, "problems": self.problems, "fingerprint_differs": sorted(self.fingerprint),
+                "settings_differ": sorted(self.settings)}
 
 
 def pick_samples(store: featstore.Store, field_name: str, count: int, seed: int = 0) -> list[str]:
@@ -66,7 +70,7 @@ def pick_samples(store: featstore.Store, field_name: str, count: int, seed: int 
 def measure_drift(store: featstore.Store, live: LiveEncoder, sample_ids: Sequence[str], tolerance: float | None = None) -> FieldDrift:
     """Re-encode ``sample_ids`` with ``live`` and compare with their cached ``live.field``."""
     report = FieldDrift(field=live.field, tolerance=TOLERANCE.get(live.dtype, 1e-6) if tolerance is None else tolerance,
-                        fingerprint=live.differences())
+                        fingerprint=live.differences(), settings=live.setting_differences())
     diff_sq = ref_sq = dot = live_sq = 0.0
     for sid, row in zip(sample_ids, sample_rows(store, sample_ids), strict=True):
         try:

@@ -67,6 +67,15 @@ class JointEncoders:
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for module, _, _ in self.extra.values() for p in module.parameters() if p.requires_grad]
 
+    def grad_norms(self) -> dict[str, float]:
+        """Each trained encoder's gradient norm (of the step's mean loss, after clipping), for metrics.jsonl."""
+        out = {}
+        for name, (module, _, _) in self.extra.items():
+            grads = [p.grad for p in module.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+            out[f"grad_norm.{name}"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return out
+
     def step(self) -> None:
         for _, optimizer, scheduler in self.extra.values():
             optimizer.step()

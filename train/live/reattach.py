@@ -158,6 +158,7 @@ def reattach_encoder(
         resize=from_dict(ResizeConfig, {**transform.get("resize", {}), **dict(resize or {})}, where="resize"),
         frames=from_dict(FrameSampling, transform.get("frames", {}), where="frames"),
         size_multiple=int(transform.get("size_multiple", 1)),
+        recorded_transform=transform,
         media_root=media_root,
         storage_options=storage_options,
         weights_path=weights_path,
@@ -178,6 +179,7 @@ class LiveEncoder:
     resize: Any  # precompute.media.ResizeConfig
     frames: Any  # precompute.media.FrameSampling
     size_multiple: int = 1
+    recorded_transform: dict[str, Any] = dataclass_field(default_factory=dict)
     media_root: str | None = None
     storage_options: dict[str, Any] | None = None
     weights_path: str | None = None
@@ -201,6 +203,21 @@ class LiveEncoder:
         live = self.fingerprint()
         keys = sorted((set(live) | set(self.recorded)) - {"digest"})
         return {k: (self.recorded.get(k), live.get(k)) for k in keys if self.recorded.get(k) != live.get(k)}
+
+    def setting_differences(self) -> dict[str, tuple[Any, Any]]:
+        """Input-preparation settings (``resize.*``, ``frames.*``) that differ from the recorded ones."""
+        if self.is_text:
+            return {}
+        from dataclasses import asdict
+
+        now = {"resize": asdict(self.resize), "frames": asdict(self.frames)}
+        out = {}
+        for section, values in now.items():
+            recorded = self.recorded_transform.get(section, {})
+            for key, value in values.items():
+                if key in recorded and recorded[key] != value:
+                    out[f"{section}.{key}"] = (recorded[key], value)
+        return out
 
     def check_fingerprint(self) -> None:
         if self.fingerprint().get("digest") == self.recorded.get("digest"):
