@@ -112,6 +112,50 @@ def drift(features, field_names, samples, seed, media_root, tolerance, config_na
         sys.exit(1)
 
 
+@cli.command()
+@click.option("--run", "run", required=True, metavar="RUN_DIR", help="A run folder (mmtrain fit --out) or an export (mmtrain export --out).")
+@click.option("--checkpoint", type=int, default=None, metavar="STEP", help="A checkpoint's step (default: the final weights, else the newest checkpoint).")
+@click.option("--prompt", multiple=True, help="A prompt (repeatable).")
+@click.option("--prompts", "prompts_file", default=None, metavar="FILE", help="Prompts, one per line.")
+@click.option("--out", required=True, metavar="DIR", help="Where the PNGs / WebPs, grid.png and samples.json go.")
+@click.option("--seed", "seeds", type=int, multiple=True, help="A seed (repeatable; default 0): one sample per prompt and seed.")
+@click.option("--steps", type=int, default=20, show_default=True, help="Euler steps.")
+@click.option("--guidance", type=float, default=4.0, show_default=True, help="Classifier-free guidance scale with the empty prompt (1.0 = none).")
+@click.option("--shift", type=float, default=1.0, show_default=True, help="Timestep shift (SD3); > 1 spends more steps at high noise.")
+@click.option("--size", default=None, metavar="WxH", help="Pixels (default: the commonest size in the run's store).")
+@click.option("--frames", type=int, default=1, show_default=True, help="Frames (1 = an image; a video is written as animated WebP).")
+@click.option("--fps", type=float, default=8.0, show_default=True, help="Frame rate of animated outputs.")
+@click.option("--vae", default=None, metavar="DIR", help="The VAE folder the store was encoded with (checked against its fingerprint).")
+@click.option("--latents-only", is_flag=True, help="Write the sampled latents (latents.safetensors) instead of decoding them.")
+@click.option("--features", default=None, help="Feature store URL for the prompts' embeddings (default: the run's store).")
+@click.option("--image", "images", multiple=True, metavar="PATH", help="VLM runs: an image to answer about.")
+@storage_options_option
+def sample(run, checkpoint, prompt, prompts_file, out, seeds, steps, guidance, shift, size, frames, fps, vae, latents_only, features, images, storage_options) -> None:
+    """Sample pictures from a trained DiT: a PNG per prompt and seed (WebP for videos), grid.png,
+    samples.json. Same run, prompt and seed -> the same bytes."""
+    from train.sample.command import sample_command
+
+    check_output_location(out, "--out")
+    doc = sample_command(run, checkpoint=checkpoint, prompt=prompt, prompts_file=prompts_file, out=out, seeds=seeds, steps=steps,
+                         guidance=guidance, shift=shift, size=size, frames=frames, fps=fps, vae=vae, latents_only=latents_only,
+                         features=features, storage_options=parse_storage_options(storage_options), images=images)
+    what = doc.get("note") or f"{len(doc['samples'])} sample(s)"
+    click.echo(f"{what} from {doc['weights']} -> {out}")
+
+
+@cli.command("export")
+@click.argument("run_dir")
+@click.option("--out", required=True, metavar="DIR", help="A new folder for the exported model.")
+@click.option("--checkpoint", type=int, default=None, metavar="STEP", help="A checkpoint's step (default: the final weights, else the newest checkpoint).")
+def export(run_dir, out, checkpoint) -> None:
+    """Write a run's model (safetensors + config.json, or the family's own format) from any checkpoint."""
+    from train.sample.source import export_run
+
+    check_output_location(out, "--out")
+    result = export_run(run_dir, out, checkpoint)
+    click.echo(f"exported step {result['step']} ({result['weights']}) -> {result['out']}: {', '.join(result['files'])}")
+
+
 def main() -> None:
     cli()
 

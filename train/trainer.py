@@ -327,6 +327,9 @@ def _write_run_json(run: Path, config, dims, fingerprints, num_params, model, op
         # The snapshot the run trains on; --resume reopens exactly these shards.
         "store": {"url": store.url, "samples": len(store), "shards": sorted(store.shards), "snapshot": snapshot},
         "fingerprints": fingerprints,
+        # The trained fields' metadata (normalisation, VAE compression...): what sampling and
+        # export need to turn the model's output back into pictures, even without the store.
+        "fields": {name: store.fields[name].meta for name in fingerprints if name in store.fields},
         "input_sizes": sizes,
         "parameters": num_params,
         "ranks": [{"rank": r, "param_bytes": int(t[0]), "grad_bytes": int(t[1]), "optim_bytes": int(t[2])} for r, t in enumerate(everyone)],

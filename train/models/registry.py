@@ -19,7 +19,12 @@ the trainer needs to use it without knowing which family it is:
                    family reads, its input sizes from the schema, each sample's shape (what
                    ``tokens_per_sample`` reads) and micro-batch group, and how a micro-batch of
                    samples becomes the ``batch`` of ``training_loss`` (stacked latents for the DiT,
-                   packed rows for the VLM).
+                   packed rows for the VLM);
+- ``export``       ``export(model, out_dir, info) -> [files]`` (optional): what ``mmtrain export``
+                   writes for a trained model; ``info`` is the JSON that rebuilds it (family, config,
+                   input sizes, the fields it was trained on). Default: ``export_safetensors_dir``
+                   (``model.safetensors`` + ``config.json``), which ``mmtrain sample`` reads back;
+                   a family with a published format (the VLM's Hugging Face folder) adds it there.
 
 The loss contract (why ``LossTerms`` is a *sum* plus a *count*): a global batch is split unevenly
 across data-parallel ranks and micro-batches (that is the point of token balancing), so a per-rank
@@ -54,6 +59,7 @@ class InputShapeError(ValueError):
 
 
 TrainingLoss = Callable[[nn.Module, Any, torch.Generator, Any], LossTerms]
+Export = Callable[[nn.Module, Any, dict[str, Any]], list[str]]
 TokensPerSample = Callable[[Any, tuple[int, ...]], int]
 
 
@@ -85,6 +91,11 @@ class ModelFamily:
     presets: Mapping[str, Any]
     input_sizes: tuple[str, ...]
     data: Callable[[Any, Any, Any], DataAdapter]
+    export: Export | None = None  # None: export_safetensors_dir
+
+    def export_model(self, model: nn.Module, out_dir: Any, info: dict[str, Any]) -> list[str]:
+        """Write ``model`` (unsharded, on CPU) into ``out_dir`` the family's way."""
+        return (self.export or export_safetensors_dir)(model, out_dir, info)
 
     def resolve_config(self, config: Any) -> Any:
         """A preset name, a plain mapping (from YAML), an instance, or None (the defaults)."""
@@ -129,6 +140,7 @@ def register_model(
     tokens_per_sample: TokensPerSample,
     data: Callable[[Any, Any, Any], DataAdapter],
     presets: Mapping[str, Any] | None = None,
+    export: Export | None = None,
 ) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
     """Class/function decorator: ``@register_model("dit", config_cls=..., ...)`` on the builder."""
 
@@ -146,10 +158,29 @@ def register_model(
             data=data,
             presets=dict(presets or {}),
             input_sizes=sizes,
+            export=export,
         )
         return builder
 
     return decorate
+
+
+EXPORT_FORMAT = "mmtrain-export"
+
+
+def export_safetensors_dir(model: nn.Module, out_dir: Any, info: dict[str, Any]) -> list[str]:
+    """The default export: ``model.safetensors`` (the state dict, no pickle) and ``config.json``
+    (``info``: what rebuilds the model and says what it was trained on)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({"format": EXPORT_FORMAT, "format_version": 1, **info}, indent=2, default=str) + "\n")
+    return ["model.safetensors", "config.json"]
 
 
 def model_names() -> list[str]:
