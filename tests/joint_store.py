@@ -13,17 +13,17 @@ from precompute.demo_data import make_dataset
 from precompute.pipeline import run_encode
 
 
-def encode_config(*overrides: str) -> EncodeConfig:
-    return load_config(EncodeConfig, "tiny", "encode", ["run.samples_per_task=4", *overrides])
+def encode_config(*overrides: str, preset: str = "tiny") -> EncodeConfig:
+    return load_config(EncodeConfig, preset, "encode", ["run.samples_per_task=4", *overrides])
 
 
-def encode(manifest: Path, out: Path, *overrides: str) -> str:
-    """``mmcache encode --config tiny`` into ``out`` on a threaded one-worker cluster."""
+def encode(manifest: Path, out: Path, *overrides: str, preset: str = "tiny") -> str:
+    """``mmcache encode --config PRESET`` into ``out`` on a threaded one-worker cluster."""
     from distributed import Client, LocalCluster
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, Client(cluster):
-        run_encode(encode_config(*overrides), str(manifest), str(out), scheduler=cluster.scheduler_address, progress=False, log=lambda *_: None)
+        run_encode(encode_config(*overrides, preset=preset), str(manifest), str(out), scheduler=cluster.scheduler_address, progress=False, log=lambda *_: None)
     return str(out)
 
 

@@ -215,3 +215,20 @@ def test_dry_run_describes_each_field(store):
     text = encoders["text_emb"]
     assert text["mode"] == "train" and text["parameters"] > text["trainable_parameters"] == 32
     assert text["trains"] == ["encoder.final_layer_norm.weight"]
+
+
+def test_caption_dropout_in_cached_and_live_modes(store, cached_run, tmp_path):
+    dropout = ["data.caption_dropout=0.5", *PARITY]
+    train(store, tmp_path / "cached", *dropout)
+    dropped = [r["captions_dropped"] for r in records(tmp_path / "cached")]
+    assert 0 < sum(dropped) < 40 and losses(tmp_path / "cached") != pytest.approx(losses(cached_run), rel=1e-6)
+    # A live text encoder drops the raw caption; the cached field uses the stored empty embedding:
+    # the same training either way.
+    train(store, tmp_path / "live", *dropout, "encoders.text_emb.mode=live")
+    assert [r["captions_dropped"] for r in records(tmp_path / "live")] == dropped
+    assert losses(tmp_path / "live") == pytest.approx(losses(tmp_path / "cached"), rel=1e-5)
+    bare = tmp_path / "no-empty-prompt"
+    shutil.copytree(store, bare)
+    shutil.rmtree(bare / "prompts")
+    with pytest.raises(featstore.ConfigError, match=r"caption_dropout with the cached field 'text_emb' needs the empty caption's embedding"):
+        train(str(bare), tmp_path / "refused", *dropout, steps=1)

@@ -46,10 +46,15 @@ class DataSection:
     media_root: str | None = None
     # Samples re-encoded before step 1 to check that live/train fields agree with the cache.
     drift_samples: int = 4
+    # Probability that a sample's caption is replaced by the empty one in a step (for CFG); any
+    # encoder mode (a cached text field uses the empty caption's embedding stored by mmcache encode).
+    caption_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.prefetch < 0 or self.max_tokens < 1 or self.drift_samples < 0:
             raise ConfigError("data.global_batch and data.max_tokens must be >= 1, data.prefetch and data.drift_samples >= 0")
+        if not 0.0 <= self.caption_dropout <= 1.0:
+            raise ConfigError(f"data.caption_dropout is a probability in [0, 1], got {self.caption_dropout}")
         if self.cache_bytes is not None:
             from featstore.cache import parse_size
 

@@ -37,6 +37,7 @@ class StepData:
     imbalance: float
     wait_s: float = 0.0
     live_samples: int = 0  # samples of the global batch with a field encoded live
+    captions_dropped: int = 0  # samples of the global batch trained on the empty caption
 
 
 def open_features(url: str, storage_options: dict[str, Any] | None, *, cache_dir: str | None = None,
@@ -104,7 +105,7 @@ class FeatureStream:
 
     def __init__(self, store: featstore.Store, *, data, global_batch: int, seed: int,
                  dp_size: int, dp_rank: int, balance, cost, tokens_per_sample, repeat: bool = False,
-                 live=None, on_missing: str = "skip") -> None:
+                 live=None, on_missing: str = "skip", caption_dropout=None) -> None:
         # A store may hold a field for only some samples (one added after they were encoded).
         # ``live`` (train.live.fields.LiveFields): fields made live are not needed from the cache.
         required = list(data.required_fields)
@@ -145,16 +146,20 @@ class FeatureStream:
         self.skipped = len(store) - len(ids)  # samples lacking one of the required fields
         self.rows = np.array([store.row(i) for i in ids], dtype=np.int64)
         self.live = live if live else None
+        self.dropout = caption_dropout  # train.live.dropout.CaptionDropout or None
         # Per sample, the required fields read from the cache (the rest are made live) and
         # whether any of its fields is made live (what metrics.jsonl counts as live_samples).
         reads = [tuple(f for f in required if f not in produced and (f not in fillable or store.has_field(i, f))) for i in ids]
         self.cached_fields = reads
-        self.is_live = np.array([len(r) < len(required) for r in reads], dtype=bool)
+        live_optional = [f for f in data.optional_fields if f in produced and f in store.fields]
+        self.is_live = np.array([len(r) < len(required) or any(store.has_field(i, f) for f in live_optional)
+                                 for r, i in zip(reads, ids, strict=True)], dtype=bool)
         self.shapes = [self._shape(data, i) for i in ids]
         self.groups = [data.group_key(s) for s in self.shapes]
         self.tokens = [int(tokens_per_sample(s)) for s in self.shapes]
         data.check_tokens(ids, self.tokens)  # fail before training, naming the samples
-        optional = [f for f in data.optional_fields if f in store.fields]
+        # (An optional field made live is encoded for the samples that have it, not read.)
+        optional = [f for f in data.optional_fields if f in store.fields and f not in produced]
         # Which optional fields each sample has (e.g. an image): read exactly those.
         self.extra = [tuple(f for f in optional if store.has_field(i, f)) for i in ids] if optional else None
 
@@ -194,17 +199,25 @@ class FeatureStream:
         parts = [[j for mb in rank_plan if mb.loss_scale for j in mb.indices] for rank_plan in plan]
         # All of this rank's samples of the step in one batched read (concurrent requests on
         # an object store), then handed out to the micro-batches.
-        read = iter(self.read([indices[j] for mb in plan[self.dp_rank] for j in mb.indices]))
+        positions = [j for mb in plan[self.dp_rank] for j in mb.indices]
+        # Caption dropout depends on (seed, step, position in the global batch) only, like noise.
+        drop = [self.dropout.dropped(step, j) for j in range(len(indices))] if self.dropout else []
+        read = iter(self.read([indices[j] for j in positions], [drop[j] for j in positions] if drop else None))
         mine = [(mb, [next(read) for _ in mb.indices]) for mb in plan[self.dp_rank]]
         return StepData(step=step, micro_batches=mine, global_indices=indices, samples=len(indices), tokens=sum(tokens),
-                        imbalance=imbalance(costs, parts), live_samples=int(self.is_live[indices].sum()))
+                        imbalance=imbalance(costs, parts), live_samples=int(self.is_live[indices].sum()), captions_dropped=sum(drop))
 
-    def read(self, positions: list[int]) -> list[dict[str, Any]]:
+    def read(self, positions: list[int], blank: list[bool] | None = None) -> list[dict[str, Any]]:
         """The samples at stream positions ``positions``: required fields, the optional ones each
-        has, and the sample id; one batched read per set of fields."""
+        has, and the sample id; one batched read per set of fields. ``blank``: per position,
+        whether its caption is dropped (its text fields become the empty caption's)."""
+        dropped = self.dropout.fields if self.dropout else ()
         by_fields: dict[tuple[str, ...], list[int]] = {}
         for k, position in enumerate(positions):
-            by_fields.setdefault(self.cached_fields[position] + (self.extra[position] if self.extra else ()), []).append(k)
+            fields = self.cached_fields[position] + (self.extra[position] if self.extra else ())
+            if blank and blank[k]:
+                fields = tuple(f for f in fields if f not in dropped)
+            by_fields.setdefault(fields, []).append(k)
         out: list[dict[str, Any]] = [{} for _ in positions]
         for fields, members in by_fields.items():
             rows = [int(self.rows[positions[k]]) for k in members]
@@ -212,8 +225,11 @@ class FeatureStream:
             for k, sample in zip(members, read, strict=True):
                 sample[SAMPLE_ID] = self.ids[positions[k]]
                 out[k] = sample
+        blanked = {k for k in range(len(positions)) if blank and blank[k]}
+        for k in blanked:
+            out[k].update({f: array for f, array in self.dropout.empty.items()})  # cached text fields
         if self.live is not None:
-            self.live.complete(out, [self.ids[p] for p in positions])
+            self.live.complete(out, [self.ids[p] for p in positions], blank_captions=blanked)
         return out
 
     def steps(self, start: int, stop: int, prefetch: int) -> Iterator[StepData]:

@@ -27,6 +27,7 @@ from featstore.errors import ConfigError
 from train.checkpoint import export_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint
 from train.config import TrainConfig
 from train.data import FeatureStream, check_fingerprints, latent_normalisation, open_features, snapshot_digest
+from train.live.dropout import CaptionDropout
 from train.live.joint import JointEncoders
 from train.models import count_parameters, get_model_family
 from train.objective import sample_generators
@@ -162,7 +163,8 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
     # Encoders re-attached for live/train fields (joint finetuning), checked against the cache
     # before step 1; nothing is loaded when every field is cached.
     joint = JointEncoders.setup(config, store, fields, device=device, fsdp_mesh=meshes.fsdp, storage_options=storage_options,
-                                lr_lambda=lr_lambda(config), log=log if rank == 0 else (lambda *_: None))
+                                lr_lambda=lr_lambda(config), log=log if rank == 0 else (lambda *_: None),
+                                optional=list(data_adapter.optional_fields))
     sizes = data_adapter.input_sizes()
     model = family.builder(model_config, **sizes).to(device)
     dims.check_heads(getattr(model, "attention_heads", getattr(model_config, "heads", 1)))
@@ -196,6 +198,7 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
         dp_size=dims.dp_size, dp_rank=meshes.dp_rank, balance=config.balance, cost=config.balance.cost_model(dim),
         tokens_per_sample=lambda shape: family.tokens_per_sample(model_config, shape), repeat=config.data.repeat,
         live=joint.live, on_missing=config.data.on_missing,
+        caption_dropout=CaptionDropout(store, fields, config.data.caption_dropout, config.seed, joint.live.produced) if config.data.caption_dropout else None,
     )
     if stream.skipped:
         log(f"training on {stream.num_samples} of the {len(store)} samples: {stream.skipped} lack {' or '.join(map(repr, data_adapter.required_fields))}")
@@ -232,6 +235,7 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
                 "step": step, "loss": loss, "lr": lr, "samples": data.samples, "tokens": data.tokens,
                 "step_time_s": time.perf_counter() - t0 + data.wait_s, "data_wait_s": data.wait_s,
                 "peak_mem_bytes": _peak_memory(device), "imbalance": data.imbalance, "live_samples": data.live_samples,
+                **({"captions_dropped": data.captions_dropped} if config.data.caption_dropout else {}),
                 **encoder_grads,
             }
             if metrics_file:

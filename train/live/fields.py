@@ -17,7 +17,7 @@ way each field was made.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -43,14 +43,16 @@ class LiveField:
 class LiveFields:
     """The run's live/train/fill fields and what the data pipeline and the step do with them."""
 
-    def __init__(self, store: featstore.Store, fields: Mapping[str, LiveField]) -> None:
+    def __init__(self, store: featstore.Store, fields: Mapping[str, LiveField], optional: Sequence[str] = ()) -> None:
         self.store = store
         self.fields = dict(fields)
+        # Fields only some samples have by design (a VLM's image features): made live for those only.
+        self.optional = set(optional)
 
     # -- building -----------------------------------------------------------------------------
     @classmethod
     def build(cls, config, store: featstore.Store, read_fields: Sequence[str], *, device: str | torch.device = "cpu",
-              storage_options: dict[str, Any] | None = None) -> LiveFields:
+              storage_options: dict[str, Any] | None = None, optional: Sequence[str] = ()) -> LiveFields:
         """Re-attach the encoder of every field whose mode is not cached (and, with on_missing: live,
         of every field some sample lacks). Raises before any training on a field the run does not
         read, a store that does not record its encoders, or a fingerprint mismatch."""
@@ -63,7 +65,7 @@ class LiveFields:
         if config.data.on_missing == "live":
             counts = store.samples_per_field()
             for name in read_fields:
-                if name not in wanted and counts.get(name, 0) < len(store):
+                if name not in wanted and name not in optional and counts.get(name, 0) < len(store):
                     wanted[name] = "fill"
         fields = {}
         for name, mode in wanted.items():
@@ -74,7 +76,7 @@ class LiveFields:
                 rebuild=(section.rebuild or None) if section else None, resize=(section.resize or None) if section else None,
             )
             fields[name] = LiveField(name=name, mode=mode, encoder=encoder, lr_scale=section.lr_scale if section else 1.0)
-        return cls(store, fields)
+        return cls(store, fields, optional)
 
     def __bool__(self) -> bool:
         return bool(self.fields)
@@ -92,19 +94,21 @@ class LiveFields:
         return {n: f for n, f in self.fields.items() if f.mode == "train"}
 
     # -- the data pipeline --------------------------------------------------------------------
-    def complete(self, samples: list[dict[str, Any]], sample_ids: Sequence[str]) -> None:
+    def complete(self, samples: list[dict[str, Any]], sample_ids: Sequence[str], blank_captions: Collection[int] = ()) -> None:
         """Add what the cache did not give: live/fill fields as stored-dtype arrays, train fields as
-        prepared inputs under ``RAW + name``. In place, batched per field."""
+        prepared inputs under ``RAW + name``. In place, batched per field. Samples in
+        ``blank_captions`` (caption dropout) are encoded from the empty caption."""
         rows: dict[int, dict[str, Any]] = {}
 
         def rows_of(positions: list[int]) -> list[dict[str, Any]]:
             todo = [k for k in positions if k not in rows]
             for k, row in zip(todo, sample_rows(self.store, [sample_ids[k] for k in todo]), strict=True):
-                rows[k] = row
+                rows[k] = {**row, "caption": ""} if k in blank_captions else row
             return [rows[k] for k in positions]
 
         for name, live in self.fields.items():
-            targets = [k for k, sample in enumerate(samples) if name not in sample]
+            targets = [k for k, sample in enumerate(samples)
+                       if name not in sample and (name not in self.optional or self.store.has_field(sample_ids[k], name))]
             if not targets:
                 continue
             if live.mode == "train":

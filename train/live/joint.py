@@ -35,9 +35,10 @@ class JointEncoders:
 
     @classmethod
     def setup(cls, config, store: featstore.Store, read_fields: list[str], *, device: torch.device, fsdp_mesh=None,
-              storage_options: dict[str, Any] | None = None, lr_lambda=None, log=print) -> JointEncoders:
+              storage_options: dict[str, Any] | None = None, lr_lambda=None, log=print, optional: list[str] | None = None) -> JointEncoders:
         needed = any(s.mode != "cached" for s in config.encoders.values()) or config.data.on_missing == "live"
-        live = LiveFields.build(config, store, read_fields, device=device, storage_options=storage_options) if needed else LiveFields(store, {})
+        live = (LiveFields.build(config, store, read_fields, device=device, storage_options=storage_options, optional=optional or [])
+                if needed else LiveFields(store, {}))
         joint = cls(live=live)
         if not live:
             if config.encoders:
