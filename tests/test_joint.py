@@ -232,3 +232,30 @@ def test_caption_dropout_in_cached_and_live_modes(store, cached_run, tmp_path):
     shutil.rmtree(bare / "prompts")
     with pytest.raises(featstore.ConfigError, match=r"caption_dropout with the cached field 'text_emb' needs the empty caption's embedding"):
         train(str(bare), tmp_path / "refused", *dropout, steps=1)
+
+
+@pytest.fixture(scope="module")
+def vlm_store(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("vlm")
+    return encode(dataset(root / "data", images=8, videos=0), root / "store", preset="tiny-vlm")
+
+
+def test_vlm_vit_live_and_trained(vlm_store, tmp_path):
+    def vlm(out: Path, *sets: str) -> list[dict]:
+        config = load_config(TrainConfig, "tiny-vlm", "train", ["log_every=1", *PARITY, *sets])
+        try:
+            fit(config, vlm_store, str(out), steps=4, log=lambda *_: None)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        return records(out)
+
+    cached = vlm(tmp_path / "cached")
+    live = vlm(tmp_path / "live", "encoders.vit_features.mode=live")
+    assert [r["loss"] for r in live] == pytest.approx([r["loss"] for r in cached], rel=1e-5)
+    assert [r["live_samples"] for r in live] == [8] * 4
+    trained = vlm(tmp_path / "trained", "encoders.vit_features.mode=train", "encoders.vit_features.last_blocks=1")
+    assert trained[0]["loss"] == pytest.approx(cached[0]["loss"], rel=1e-6)
+    assert all(r["grad_norm.encoder.vit_features"] > 0 for r in trained)
+    assert trained[-1]["loss"] != pytest.approx(cached[-1]["loss"], rel=1e-6)
+    assert (tmp_path / "trained" / "export" / "vit_features" / "preprocessor_config.json").is_file()

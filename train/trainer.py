@@ -117,7 +117,7 @@ def _describe_encoders(config: TrainConfig, store: featstore.Store, adapter) -> 
     from train.live.fields import LiveFields
 
     fields = list(adapter.required_fields) + [f for f in adapter.optional_fields if f in store.fields]
-    live = LiveFields.build(config, store, fields)
+    live = LiveFields.build(config, store, fields, optional=list(adapter.optional_fields))
     live.set_trainable(config)
     described = live.describe()
     return {name: described.get(name, {"mode": "cached", "parameters": None}) for name in fields}
