@@ -215,6 +215,9 @@ def run_encode(
             "max_input_bytes": config.data.max_input_bytes,
         }
         transform = {k: settings[k] for k in ("resize", "frames", "size_multiple")}
+        for spec in fields.values():
+            # Each field's record names its input preparation too, so it rebuilds on its own.
+            spec["meta"]["encoder"]["transform"] = transform
         store = _open_or_create(output_url, fields, storage_options, transform, log)
         # The empty prompt's embedding always, and the validation prompts' when given.
         store_prompt_embeddings(client, addresses[0], specs, config.device, threads, fields, store, prompts or [], log)

@@ -95,3 +95,19 @@ def test_a_blank_line_is_an_error_naming_it(tmp_path):
                             capture_output=True, text=True, env={"PATH": f"{BIN}:/usr/bin:/bin", "PYTHONPATH": str(ROOT)}, timeout=120)
     assert result.returncode == 1 and f"--prompts {bad}, line 2: blank line" in result.stderr, result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_prompts_not_in_the_store_are_encoded_live_like_the_stored_ones(encoded):
+    """mmtrain sample's fallback: the run's text encoder re-attached from the store's record gives
+    the stored bytes for a stored prompt, and encodes new ones."""
+    from train.sample.command import live_prompt_embeddings
+
+    store = featstore.open(encoded["store"])
+    digest = store.fields["text_emb"].meta["fingerprint"]["digest"]
+    live = live_prompt_embeddings(store, "text_emb", digest, [encoded["prompts"][1], "something new"], "not stored")
+    stored = featstore.read_prompts(store, "text_emb")
+    assert set(live) == {"", encoded["prompts"][1], "something new"}
+    for prompt in ("", encoded["prompts"][1]):
+        assert np.array_equal(live[prompt].view(np.uint16), stored[prompt].view(np.uint16))
+    with pytest.raises(MissingPromptError, match="not the one the run trained with"):
+        live_prompt_embeddings(store, "text_emb", "0000000000000000", ["x"], "not stored")

@@ -117,6 +117,6 @@ def test_bad_input_is_a_clear_error(run):
     result = sample(run, root / "size", "--size", "100x64", check=False)
     assert result.returncode == 1 and "100x64 is not divisible by 16x16" in result.stderr and "try 96x64" in result.stderr, result.stderr
     result = mmtrain("sample", "--run", str(run["run"]), "--prompt", "never encoded", "--out", str(root / "new"), cache=run["cache"], check=False)
-    assert result.returncode == 1 and "'never encoded'" in result.stderr and "--prompts FILE" in result.stderr, result.stderr
+    assert result.returncode == 1 and "'never encoded'" in result.stderr and "--prompts FILE" in result.stderr and "live failed too" in result.stderr, result.stderr
     result = mmtrain("sample", "--run", str(root), "--prompt", "x", "--out", str(root / "none"), cache=run["cache"], check=False)
     assert result.returncode == 1 and "neither a run folder" in result.stderr

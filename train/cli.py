@@ -26,8 +26,9 @@ def cli(debug: bool) -> None:
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value (repeatable).")
 @click.option("--dry-run", is_flag=True, help="Print the resolved config, mesh and parameter count; do not train.")
 @click.option("--cache-dir", default=None, metavar="DIR", help="Local read-through cache of a remote store (sets data.cache_dir; size: --set data.cache_bytes=50GiB).")
+@click.option("--media", "media_root", default=None, metavar="ROOT", help="Where the media of live/train fields are now: the folder the encode manifest's paths were relative to (sets data.media_root).")
 @storage_options_option
-def fit(config_name, features, run_dir, steps, resume, overrides, dry_run, cache_dir, storage_options) -> None:
+def fit(config_name, features, run_dir, steps, resume, overrides, dry_run, cache_dir, media_root, storage_options) -> None:
     """Train on the features at --features. ``--resume`` loads the checkpoint's torch DCP metadata,
     which is pickled: resume only run folders you trust."""
     from featstore.config import load_config
@@ -36,6 +37,8 @@ def fit(config_name, features, run_dir, steps, resume, overrides, dry_run, cache
     config = load_config(TrainConfig, config_name, "train", overrides)
     if cache_dir:
         config.data.cache_dir = cache_dir
+    if media_root:
+        config.data.media_root = media_root
     options = parse_storage_options(storage_options)
     if dry_run:
         from train.trainer import dry_run as describe
@@ -58,6 +61,55 @@ def fit(config_name, features, run_dir, steps, resume, overrides, dry_run, cache
             dist.destroy_process_group()
     if result["rank"] == 0 and result["losses"]:
         click.echo(f"trained steps {result['start'] + 1}-{result['stop']}: loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}; run in {result['run_dir']}")
+
+
+@cli.command()
+@click.option("--features", required=True, help="Feature store URL.")
+@click.option("--fields", "field_names", default=None, help="Comma-separated fields (default: every field whose encoder the store records).")
+@click.option("--samples", type=int, default=8, show_default=True, help="Random committed samples re-encoded per field.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Which random samples.")
+@click.option("--media", "media_root", default=None, metavar="ROOT", help="Where the media are now (the folder the encode manifest's paths were relative to).")
+@click.option("--tolerance", type=float, default=None, help="Relative L2 error allowed (default: one step of the stored dtype, i.e. storage rounding).")
+@click.option("--config", "config_name", default=None, help="Train config whose encoders.<field> sections (path, rebuild, resize) apply.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="e.g. --set encoders.latent.path=DIR (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@storage_options_option
+def drift(features, field_names, samples, seed, media_root, tolerance, config_name, overrides, as_json, storage_options) -> None:
+    """Re-encode a few cached samples live with the recorded encoders and compare (max abs error,
+    relative L2 error, cosine). Exit code 1 when a field differs by more than the tolerance."""
+    import sys
+
+    import featstore
+    from featstore.config import load_config
+    from train.config import TrainConfig
+    from train.live.drift import measure_drift, pick_samples
+    from train.live.reattach import reattach_encoder
+
+    if samples < 1:
+        raise click.UsageError("--samples must be >= 1")
+    config = load_config(TrainConfig, config_name, "train", overrides)
+    options = parse_storage_options(storage_options)
+    store = featstore.open(features, options)
+    names = [n.strip() for n in field_names.split(",") if n.strip()] if field_names else [n for n, f in store.fields.items() if "encoder" in f.meta]
+    if not names:
+        raise click.UsageError(f"{store.url} records no encoder for any field; name them with --fields (and --set encoders.<field>.rebuild...)")
+    reports = []
+    for name in names:
+        section = config.encoders.get(name)
+        live = reattach_encoder(
+            store, name, weights_path=section.path if section else None, media_root=media_root or config.data.media_root,
+            storage_options=options, rebuild=(section.rebuild or None) if section else None,
+            resize=(section.resize or None) if section else None, check_fingerprint=False,
+        )
+        reports.append(measure_drift(store, live, pick_samples(store, name, samples, seed), tolerance))
+    if as_json:
+        click.echo(json.dumps([r.to_dict() for r in reports], indent=2))
+    else:
+        for report in reports:
+            click.echo(report.line())
+    if not all(r.ok for r in reports):
+        click.echo("drift above tolerance: the cached features no longer match their encoder; re-encode the field(s) marked DRIFT", err=True)
+        sys.exit(1)
 
 
 @cli.command()

@@ -43,16 +43,52 @@ class DataSection:
     # are never trained on.
     validation_fraction: float = 0.0
     validation_ids: list[str] = field(default_factory=list)
+    # A sample that lacks a field the run reads: error (say which), skip (train on the rest, with
+    # a count), or live (encode it with the field's recorded encoder in the data pipeline).
+    on_missing: Literal["error", "skip", "live"] = "error"
+    # Where the media of live fields are now (the folder the encode manifest's paths were relative
+    # to); None: where the store recorded them. `mmtrain fit --media ROOT` sets it.
+    media_root: str | None = None
+    # Samples re-encoded before step 1 to check that live/train fields agree with the cache.
+    drift_samples: int = 4
+    # Probability that a sample's caption is replaced by the empty one in a step (for CFG); any
+    # encoder mode (a cached text field uses the empty caption's embedding stored by mmcache encode).
+    caption_dropout: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.global_batch < 1 or self.prefetch < 0 or self.max_tokens < 1:
-            raise ConfigError("data.global_batch and data.max_tokens must be >= 1 and data.prefetch >= 0")
+        if self.global_batch < 1 or self.prefetch < 0 or self.max_tokens < 1 or self.drift_samples < 0:
+            raise ConfigError("data.global_batch and data.max_tokens must be >= 1, data.prefetch and data.drift_samples >= 0")
+        if not 0.0 <= self.caption_dropout <= 1.0:
+            raise ConfigError(f"data.caption_dropout is a probability in [0, 1], got {self.caption_dropout}")
         if not 0.0 <= self.validation_fraction < 1.0:
             raise ConfigError(f"data.validation_fraction must be in [0, 1), got {self.validation_fraction}")
         if self.cache_bytes is not None:
             from featstore.cache import parse_size
 
             self.cache_bytes = parse_size(self.cache_bytes, "data.cache_bytes")
+
+
+@dataclass(kw_only=True)
+class EncoderSection:
+    """``encoders.<field>``: how a store field's encoder takes part in the run (joint finetuning)."""
+
+    # cached: read the field from the store (the default). live: the recorded encoder, frozen, makes
+    # the field from the raw media/caption in the data pipeline. train: it runs in the step and
+    # its parameters (all, or those named by ``train`` / ``last_blocks``) get gradients.
+    mode: Literal["cached", "live", "train"] = "cached"
+    train: list[str] = field(default_factory=list)  # parameter-name patterns (fnmatch), e.g. "encoder.block.1.*"
+    last_blocks: int = 0                     # train the last N blocks (the encoder's longest ModuleList)
+    lr_scale: float = 1.0                    # this encoder's LR = optim.lr * lr_scale (same schedule)
+    path: str | None = None                  # where the encoder's model folder is now (fingerprint must match)
+    # For stores written before encoders were recorded: {encoder: NAME, path: DIR, ...options}.
+    rebuild: dict[str, Any] = field(default_factory=dict)
+    resize: dict[str, Any] = field(default_factory=dict)  # overrides of the recorded resize settings
+
+    def __post_init__(self) -> None:
+        if self.last_blocks < 0 or self.lr_scale < 0:
+            raise ConfigError("encoders.<field>.last_blocks and .lr_scale must be >= 0")
+        if (self.train or self.last_blocks) and self.mode != "train":
+            raise ConfigError(f"encoders.<field>.train / last_blocks choose what trains, which needs mode: train (mode is {self.mode})")
 
 
 @dataclass(kw_only=True)
@@ -114,6 +150,7 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     sample: SampleSection = field(default_factory=SampleSection)
+    encoders: dict[str, EncoderSection] = field(default_factory=dict)  # store field -> its mode
     zero: Literal[2, 3] = 3                 # FSDP2: 3 reshards parameters after forward, 2 keeps them
     seed: int = 0
     log_every: int = 10

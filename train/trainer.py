@@ -27,6 +27,8 @@ from featstore.errors import ConfigError
 from train.checkpoint import export_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint
 from train.config import TrainConfig
 from train.data import FeatureStream, check_fingerprints, latent_normalisation, open_features, snapshot_digest
+from train.live.dropout import CaptionDropout
+from train.live.joint import JointEncoders
 from train.models import count_parameters, get_model_family
 from train.objective import sample_generators
 from train.parallel.dims import MESH_DIMS, ParallelDims, device_and_backend
@@ -106,7 +108,20 @@ def dry_run(config: TrainConfig, features: str, storage_options: dict | None) ->
         "parameters": count_parameters(family.name, model_config, **sizes),
         "parts": model_parts(model),
         "store": {"url": store.url, "samples": len(store)},
+        "encoders": _describe_encoders(config, store, family.data(model_config, config.data, store)),
     }
+
+
+def _describe_encoders(config: TrainConfig, store: featstore.Store, adapter) -> dict[str, Any]:
+    """Per field the run reads: its mode and, for live/train fields, the re-attached encoder's
+    parameter count and which parameters train (what memory and speed the mix costs)."""
+    from train.live.fields import LiveFields
+
+    fields = list(adapter.required_fields) + [f for f in adapter.optional_fields if f in store.fields]
+    live = LiveFields.build(config, store, fields, optional=list(adapter.optional_fields))
+    live.set_trainable(config)
+    described = live.describe()
+    return {name: described.get(name, {"mode": "cached", "parameters": None}) for name in fields}
 
 
 def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None = None, resume: bool = False,
@@ -146,6 +161,11 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
 
     dims = ParallelDims.from_config(config.parallel, world)
     meshes = dims.build_meshes(device.type)
+    # Encoders re-attached for live/train fields (joint finetuning), checked against the cache
+    # before step 1; nothing is loaded when every field is cached.
+    joint = JointEncoders.setup(config, store, fields, device=device, fsdp_mesh=meshes.fsdp, storage_options=storage_options,
+                                lr_lambda=lr_lambda(config), log=log if rank == 0 else (lambda *_: None),
+                                optional=list(data_adapter.optional_fields))
     sizes = data_adapter.input_sizes()
     model = family.builder(model_config, **sizes).to(device)
     dims.check_heads(getattr(model, "attention_heads", getattr(model_config, "heads", 1)))
@@ -167,7 +187,7 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
             if rank == 0:
                 log(f"--resume: no checkpoint in {run / 'checkpoints'}; starting at step 0")
         else:
-            progress = load_checkpoint(found[1], model, optimizer, scheduler)
+            progress = load_checkpoint(found[1], model, optimizer, scheduler, extra=joint.extra)
             start = progress["step"]
             if progress["scheduler"] == "replayed":
                 log(f"{found[1]} predates saved LR-scheduler state: the schedule was replayed to step {start}")
@@ -179,10 +199,15 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
         store, data=data_adapter, global_batch=config.data.global_batch, seed=config.seed,
         dp_size=dims.dp_size, dp_rank=meshes.dp_rank, balance=config.balance, cost=config.balance.cost_model(dim),
         tokens_per_sample=lambda shape: family.tokens_per_sample(model_config, shape), repeat=config.data.repeat,
+        live=joint.live, on_missing=config.data.on_missing,
+        caption_dropout=CaptionDropout(store, fields, config.data.caption_dropout, config.seed, joint.live.produced) if config.data.caption_dropout else None,
         exclude=frozenset(held_out),
     )
     if stream.skipped:
         log(f"training on {stream.num_samples} of the {len(store)} samples: {stream.skipped} lack {' or '.join(map(repr, data_adapter.required_fields))}")
+    if rank == 0 and joint.live.fillable and stream.is_live.any():
+        log(f"data.on_missing=live: {int(stream.is_live.sum())} of the {stream.num_samples} samples lack {' or '.join(map(repr, sorted(joint.live.fillable)))} and are encoded live")
+    collate = joint.live.wrap_collate(data_adapter.collate)
     dtype = torch.float32
     validator = fit_sampler = None
     if held_out and config.sample.every:
@@ -221,21 +246,27 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
             metrics_file.flush()
         for data in stream.steps(start, stop, config.data.prefetch):
             t0 = time.perf_counter()
-            loss_sum, count = accumulate_gradients(model, family, objective, data, seed=config.seed, collate=data_adapter.collate, device=device,
-                                                   dtype=dtype, dp_group=meshes.dp.get_group(), grad_clip=o.grad_clip)
+            loss_sum, count = accumulate_gradients(model, family, objective, data, seed=config.seed, collate=collate, device=device,
+                                                   dtype=dtype, dp_group=meshes.dp.get_group(), grad_clip=o.grad_clip,
+                                                   extra_params=joint.parameters())
+            encoder_grads = joint.grad_norms()
             lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
             step = data.step + 1
             if step == start + 1:  # after the first step: optimizer state and gradients exist
-                _write_run_json(run, config, dims, fingerprints, num_params, model, optimizer, store, sizes, rank)
+                _write_run_json(run, config, dims, fingerprints, num_params, model, optimizer, store, sizes, rank,
+                                {"encoders": joint.describe(), "drift": joint.drift})
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
+            joint.step()
             loss = loss_sum / max(count, 1)
             losses.append(loss)
             record = {
                 "step": step, "loss": loss, "lr": lr, "samples": data.samples, "tokens": data.tokens,
                 "step_time_s": time.perf_counter() - t0 + data.wait_s, "data_wait_s": data.wait_s,
-                "peak_mem_bytes": _peak_memory(device), "imbalance": data.imbalance,
+                "peak_mem_bytes": _peak_memory(device), "imbalance": data.imbalance, "live_samples": data.live_samples,
+                **({"captions_dropped": data.captions_dropped} if config.data.caption_dropout else {}),
+                **encoder_grads,
                 **evaluate(step),
             }
             if metrics_file:
@@ -249,10 +280,15 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
                     val = f"  val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
                     log(f"step {step:5d}  loss {loss:.4f}{val}  lr {lr:.2e}  {record['step_time_s'] * 1000:6.0f} ms  wait {data.wait_s * 1000:4.0f} ms  imbalance {data.imbalance:.2f}")
             if config.checkpoint.every and step % config.checkpoint.every == 0 and step != stop:
-                save_checkpoint(run, step, model, optimizer, scheduler, config.checkpoint.keep)
+                save_checkpoint(run, step, model, optimizer, scheduler, config.checkpoint.keep, extra=joint.extra)
         if stop > start:
-            save_checkpoint(run, stop, model, optimizer, scheduler, config.checkpoint.keep)
+            save_checkpoint(run, stop, model, optimizer, scheduler, config.checkpoint.keep, extra=joint.extra)
             export_safetensors(model, run / "model.safetensors")
+            stale = joint.export(run, store, stop)
+            if stale and rank == 0:
+                _update_run_json(run, {"stale_fields": stale})
+                for name, record in stale.items():
+                    log(f"exported the trained encoder of {name!r} to {record['export']}; the cached {name!r} is stale for it: {record['reencode']}")
     finally:
         if metrics_file:
             metrics_file.close()
@@ -262,7 +298,7 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
 
 
 def accumulate_gradients(model, family, objective, data, *, seed: int, collate, device: torch.device, dtype: torch.dtype,
-                         dp_group, grad_clip: float) -> tuple[float, int]:
+                         dp_group, grad_clip: float, extra_params=()) -> tuple[float, int]:
     """Forward/backward every micro-batch of this rank's share of a step, then turn the summed
     gradients into the gradient of the global mean (and clip). Returns the global loss sum and
     the global loss-element count (all-reduced: a VLM's label tokens are known only from data)."""
@@ -280,11 +316,13 @@ def accumulate_gradients(model, family, objective, data, *, seed: int, collate, 
     # Sequence-parallel ranks of one data-parallel rank hold the same loss: sum over dp only.
     dist.all_reduce(totals, group=dp_group)
     loss_sum, count = float(totals[0]), int(round(float(totals[1])))
-    for p in model.parameters():
+    # extra_params: trained encoders (joint finetuning), normalised and clipped with the model.
+    params = [*model.parameters(), *extra_params]
+    for p in params:
         if p.grad is not None:
             p.grad.div_(max(count, 1))
     if grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
     return loss_sum, count
 
 
@@ -305,7 +343,7 @@ def _peak_memory(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-def _write_run_json(run: Path, config, dims, fingerprints, num_params, model, optimizer, store, sizes, rank) -> None:
+def _write_run_json(run: Path, config, dims, fingerprints, num_params, model, optimizer, store, sizes, rank, extra: dict[str, Any] | None = None) -> None:
     held = local_state_bytes(model, optimizer)
     grads = sum((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).numel() * p.element_size() for p in model.parameters() if p.grad is not None)
     snapshot = snapshot_digest(list(store.shards))
@@ -332,12 +370,21 @@ def _write_run_json(run: Path, config, dims, fingerprints, num_params, model, op
         "input_sizes": sizes,
         "parameters": num_params,
         "ranks": [{"rank": r, "param_bytes": int(t[0]), "grad_bytes": int(t[1]), "optim_bytes": int(t[2])} for r, t in enumerate(everyone)],
+        **(extra or {}),
     }
     if latent is not None:
         doc["latent_normalisation"] = {
             "recorded": {k: v for k, v in latent.meta.items() if k in ("scaling_factor", "shift_factor", "latents_mean", "latents_std")},
             "applied_shift_scale": latent_normalisation(latent.meta),
         }
-    tmp = run / "run.json.tmp"
+    _replace_json(run / "run.json", doc)
+
+
+def _update_run_json(run: Path, entries: dict[str, Any]) -> None:
+    _replace_json(run / "run.json", {**json.loads((run / "run.json").read_text()), **entries})
+
+
+def _replace_json(path: Path, doc: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(doc, indent=2, default=str))
-    tmp.replace(run / "run.json")
+    tmp.replace(path)

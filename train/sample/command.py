@@ -27,14 +27,22 @@ def read_prompts_arg(prompt: tuple[str, ...], prompts_file: str | None) -> list[
     return read_prompt_file("\n".join(prompt), "--prompt")
 
 
-def live_prompt_embeddings(trained, prompts: list[str], why: str) -> dict[str, Any]:
-    """Encode prompts with the run's text encoder, re-attached live (``train.live.reattach``, from
-    joint-finetune mode). Until that module lands, the store's prompts are the only source."""
-    import importlib.util
+def live_prompt_embeddings(store, text_field: str, text_digest: str | None, prompts: list[str], why: str) -> dict[str, Any]:
+    """The prompts (and the empty prompt) encoded now by the run's text encoder, re-attached from
+    the store's record (``train.live.reattach``, as joint finetuning does; fingerprint-checked)."""
+    from featstore.prompts import EMPTY_PROMPT
+    from train.live.reattach import ReattachError, reattach_encoder
 
-    if importlib.util.find_spec("train.live") is None or importlib.util.find_spec("train.live.reattach") is None:
-        raise MissingPromptError(f"{why} (encoding prompts live needs joint-finetune mode's text-encoder re-attach, not in this installation yet)")
-    raise MissingPromptError(f"{why} (train.live.reattach is installed but mmtrain sample does not use it yet)")
+    if store is None:
+        raise MissingPromptError(why)
+    try:
+        live = reattach_encoder(store, text_field, device="cpu")
+    except ReattachError as exc:
+        raise MissingPromptError(f"{why}; encoding them live failed too: {exc}") from None
+    if text_digest is not None and live.fingerprint().get("digest") != text_digest:
+        raise MissingPromptError(f"{why}; the store's text encoder now (fingerprint {live.fingerprint.get('digest')}) is not the one the run trained with ({text_digest})")
+    wanted = [EMPTY_PROMPT, *dict.fromkeys(p for p in prompts if p != EMPTY_PROMPT)]
+    return dict(zip(wanted, live.encode_texts(wanted), strict=True))
 
 
 def sample_dit(trained, *, prompts: list[str], out: Path, seeds: list[int], sampler: SamplerConfig, size: str | None, frames: int,
@@ -60,7 +68,7 @@ def sample_dit(trained, *, prompts: list[str], out: Path, seeds: list[int], samp
             raise MissingPromptError("no feature store to read the prompts' embeddings from: pass --features URL")
         embeddings = store_prompt_embeddings(store, text_field, text_digest, prompts, need_empty=need_empty)
     except MissingPromptError as exc:
-        embeddings = live_prompt_embeddings(trained, prompts, str(exc))
+        embeddings = live_prompt_embeddings(store, text_field, text_digest, prompts, str(exc))
     decode = None
     if not latents_only:
         decode = load_decoder(latent_meta, vae)
