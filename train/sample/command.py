@@ -40,7 +40,7 @@ def live_prompt_embeddings(store, text_field: str, text_digest: str | None, prom
     except ReattachError as exc:
         raise MissingPromptError(f"{why}; encoding them live failed too: {exc}") from None
     if text_digest is not None and live.fingerprint().get("digest") != text_digest:
-        raise MissingPromptError(f"{why}; the store's text encoder now (fingerprint {live.fingerprint.get('digest')}) is not the one the run trained with ({text_digest})")
+        raise MissingPromptError(f"{why}; the store's text encoder now (fingerprint {live.fingerprint().get('digest')}) is not the one the run trained with ({text_digest})")
     wanted = [EMPTY_PROMPT, *dict.fromkeys(p for p in prompts if p != EMPTY_PROMPT)]
     return dict(zip(wanted, live.encode_texts(wanted), strict=True))
 
