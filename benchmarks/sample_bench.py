@@ -106,8 +106,9 @@ def validation_share(cache: Path, root: Path, fit_steps: int) -> dict:
     wall = time.perf_counter() - t0
     records = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
     spent = sum(r.get("val_time_s", 0.0) + r.get("sample_time_s", 0.0) for r in records)
+    parts = {k: sum(r.get(k, 0.0) for r in records) for k in ("val_time_s", "sample_time_s")}
     return {"fit_steps": fit_steps, "every": dataclasses.asdict(config.sample)["every"], "wall_s": wall, "validation_s": spent,
-            "evaluations": sum("val_loss" in r for r in records), "share": spent / wall}
+            "evaluations": sum("val_loss" in r for r in records), "share": spent / wall, **parts}
 
 
 def main() -> None:
@@ -131,7 +132,8 @@ def main() -> None:
         v = validation_share(cache, root, args.fit_steps)
         verdict = "PASS" if v["share"] < 0.05 else "FAIL"
         print(f"fit {v['fit_steps']} steps, sample.every={v['every']}: {v['evaluations']} evaluations, {v['validation_s']:.2f} s of "
-              f"{v['wall_s']:.1f} s in samples + val_loss = {100 * v['share']:.1f}% (goal < 5%): {verdict}")
+              f"{v['wall_s']:.1f} s in samples + val_loss = {100 * v['share']:.1f}% (goal < 5%): {verdict}  "
+          f"[samples {v['sample_time_s']:.2f} s, val_loss {v['val_time_s']:.2f} s]")
 
 
 if __name__ == "__main__":

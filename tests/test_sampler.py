@@ -99,3 +99,14 @@ def test_guidance_one_is_the_conditional_prediction_only(dit):
     other = sample_one(dit, (4, 1, 4, 4), 7, text, empty, SamplerConfig(steps=3, guidance=4.0))
     assert not torch.allclose(other, guided)
     assert torch.equal(other, sample_one(dit, (4, 1, 4, 4), 7, text, empty, SamplerConfig(steps=3, guidance=4.0)))  # deterministic
+
+
+def test_a_batch_of_pairs_matches_each_pair_alone(dit):
+    from train.sample.sampler import sample_batch
+
+    texts, empty = [torch.randn(5, 8), torch.randn(2, 8)], torch.randn(1, 8)
+    config = SamplerConfig(steps=3, guidance=3.0)
+    batch = sample_batch(dit, (4, 1, 4, 4), [7, 9], texts, empty, config)
+    for row, (text, seed) in zip(batch, zip(texts, [7, 9])):
+        assert torch.allclose(row, sample_one(dit, (4, 1, 4, 4), seed, text, empty, config), atol=1e-5)
+    assert torch.equal(batch, sample_batch(dit, (4, 1, 4, 4), [7, 9], texts, empty, config))

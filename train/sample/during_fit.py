@@ -9,7 +9,7 @@ group (adding zeros is exact), and every rank sums the slots in order: the resul
 the same at any world size. Under FSDP every rank must run as many forwards as the others, so a
 rank without a sample in a round runs one with weight zero.
 
-**Samples.** Every rank runs the same sampling forwards (FSDP gathers parameters inside each
+**Samples.** All (prompt, seed) pairs go in one batch (a forward per Euler step). Every rank runs the same sampling forwards (FSDP gathers parameters inside each
 forward, so a rank alone would wait forever); rank 0 alone decodes and writes. Rank 0 then tells
 the others whether that worked, so a failed write stops every rank with the error rather than
 leaving them waiting on the next collective.
@@ -98,7 +98,7 @@ class FitSampler:
         shape = latent_shape(self.latent_meta, input_sizes["in_channels"], model_config, size, section.frames)
         # Missing prompts fail now, not after hours of training.
         self.embeddings = store_prompt_embeddings(store, text_field, text_digest, list(section.prompts), need_empty=sampler.guidance != 1.0)
-        self.job = SampleJob(prompts=list(section.prompts), seeds=list(section.seeds), shape=shape, sampler=sampler)
+        self.job = SampleJob(prompts=list(section.prompts), seeds=list(section.seeds), shape=shape, sampler=sampler, batched=True)
         self.decode = None
         failure: BaseException | None = None
         if rank == 0:  # only rank 0 decodes; the others learn whether it could load the decoder

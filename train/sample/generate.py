@@ -18,7 +18,7 @@ from featstore.prompts import EMPTY_PROMPT, MissingPromptError, read_prompts
 from train.data import latent_normalisation
 from train.sample.decode import Decode, to_store_space
 from train.sample.output import sample_name, write_frames, write_grid, write_index, write_latents
-from train.sample.sampler import SamplerConfig, sample_one
+from train.sample.sampler import SamplerConfig, sample_batch, sample_one
 
 
 class SampleSizeError(ConfigError):
@@ -101,6 +101,9 @@ class SampleJob:
     shape: tuple[int, int, int, int]  # latent (C, T, h, w)
     sampler: SamplerConfig
     fps: float = 8.0
+    # True: all (prompt, seed) pairs in one batch (during fit); False: each alone, so its bytes
+    # depend on nothing else in the request (mmtrain sample).
+    batched: bool = False
 
 
 def generate(model: torch.nn.Module, job: SampleJob, embeddings: dict[str, np.ndarray], latent_meta: dict[str, Any], decode: Decode | None,
@@ -113,11 +116,17 @@ def generate(model: torch.nn.Module, job: SampleJob, embeddings: dict[str, np.nd
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     records, grid, latents = [], [], {}
+    pairs = [(prompt, seed) for prompt in job.prompts for seed in job.seeds]
+    batched = {}
+    if job.batched:  # one batch for every (prompt, seed): fewer, larger forwards
+        stacked = sample_batch(model, job.shape, [s for _, s in pairs], [as_float_tensor(embeddings[p]) for p, _ in pairs], empty, job.sampler, device)
+        batched = dict(zip(pairs, stacked, strict=True))
     for i, prompt in enumerate(job.prompts):
         text = as_float_tensor(embeddings[prompt])
         row = []
         for seed in job.seeds:
-            latent = to_store_space(sample_one(model, job.shape, seed, text, empty, job.sampler, device), normalisation)
+            sampled = batched[(prompt, seed)] if job.batched else sample_one(model, job.shape, seed, text, empty, job.sampler, device)
+            latent = to_store_space(sampled, normalisation)
             name = sample_name(i, seed)
             record: dict[str, Any] = {"prompt": prompt, "seed": seed, "name": name}
             if decode is None:

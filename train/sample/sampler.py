@@ -123,3 +123,20 @@ def sample_one(model: torch.nn.Module, shape: Sequence[int], seed: int, text: to
         uncond = (empty.float()[None].to(device), torch.ones(1, empty.shape[0], dtype=torch.bool, device=device))
     noise = initial_noise(shape, seed)[None].to(device)
     return euler_sample(model_velocity(model), noise, cond, uncond, config)[0].cpu()
+
+
+def sample_batch(model: torch.nn.Module, shape: Sequence[int], seeds: Sequence[int], texts: Sequence[torch.Tensor], empty: torch.Tensor | None,
+                 config: SamplerConfig, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Latents [B, C, T, H, W] for (texts[i], seeds[i]) pairs in one batch: a forward per step for
+    all of them (what sampling during fit uses: far fewer, larger forwards). Deterministic for a
+    given set of pairs; a pair's result can differ from ``sample_one``'s by float rounding (other
+    batch shapes can take other kernels)."""
+    from train.models.dit import pad_text
+
+    device = torch.device(device)
+    text, mask = pad_text([t.float() for t in texts], dtype=torch.float32, device=device)
+    uncond = None
+    if empty is not None:
+        uncond = (empty.float()[None].to(device), torch.ones(1, empty.shape[0], dtype=torch.bool, device=device))
+    noise = torch.stack([initial_noise(shape, seed) for seed in seeds]).to(device)
+    return euler_sample(model_velocity(model), noise, (text, mask), uncond, config).cpu()
