@@ -34,6 +34,7 @@ from featstore.errors import (
 )
 from featstore.copy import copy_store
 from featstore.format import FORMAT_VERSION, FieldSpec
+from featstore.prompts import prompt_embedding, read_prompts, write_prompts
 from featstore.reader import Store, create_store, open_store
 from featstore.sample import Sample
 from featstore.writer import StoreWriter
@@ -61,6 +62,9 @@ __all__ = [
     "copy_store",
     "create",
     "open",
+    "prompt_embedding",
+    "read_prompts",
+    "write_prompts",
 ]
 
 

@@ -22,15 +22,18 @@ from featstore.user_errors import check_output_location
 @click.option("--input-storage-options", default=None, metavar="JSON", help="fsspec options for the input URLs.")
 @click.option("--progress/--no-progress", default=None, help="Progress line (default: when stderr is a terminal).")
 @click.option("--allow-empty", is_flag=True, help="An input with no rows at all is not an error (sets data.allow_empty).")
-def encode(config_name, input_url, output_url, workers, scheduler, device, overrides, storage_options, input_storage_options, progress, allow_empty) -> None:
+@click.option("--prompts", "prompts_file", default=None, metavar="FILE", help="Validation prompts (one per line): their text embeddings are stored for `mmtrain sample` and sampling during fit.")
+def encode(config_name, input_url, output_url, workers, scheduler, device, overrides, storage_options, input_storage_options, progress, allow_empty, prompts_file) -> None:
     """Run frozen encoders over INPUT once and write their features to the store at OUTPUT."""
     if workers is not None and scheduler:
         raise click.UsageError("--workers and --scheduler exclude each other")
     from featstore.config import load_config
     from precompute.config import EncodeConfig
     from precompute.pipeline import run_encode
+    from precompute.prompts import load_prompt_file
 
     config = load_config(EncodeConfig, config_name, "encode", overrides)
+    prompts = load_prompt_file(prompts_file) if prompts_file else None
     check_output_location(output_url, "--output")
     if device:
         config.device = device
@@ -40,7 +43,7 @@ def encode(config_name, input_url, output_url, workers, scheduler, device, overr
         config, input_url, output_url, workers=workers, scheduler=scheduler,
         storage_options=parse_storage_options(storage_options),
         input_storage_options=parse_storage_options(input_storage_options),
-        progress=progress, log=lambda line: click.echo(line, err=True),
+        progress=progress, prompts=prompts, log=lambda line: click.echo(line, err=True),
     )
     if summary.samples_written + summary.rejected + summary.samples_skipped == 0:
         click.echo(f"warning: the input {input_url} is empty; nothing was encoded", err=True)

@@ -31,6 +31,7 @@ from featstore.secrets import RedactedOptions
 from precompute.config import TINY_PATH, EncodeConfig, default_cache_dir
 from precompute.devices import resolve_device, worker_device
 from precompute.inputs import InputRow, Reject, read_inputs
+from precompute.prompts import store_prompt_embeddings
 from precompute.stale import describe as describe_stale
 from precompute.stale import stale_samples
 from precompute.tasks import QUIET_OFFLINE_ENV, EncoderSpec, TaskSpec, describe_encoders, encode_task
@@ -158,6 +159,7 @@ def run_encode(
     storage_options: dict[str, Any] | None = None,
     input_storage_options: dict[str, Any] | None = None,
     progress: bool | None = None,
+    prompts: list[str] | None = None,
     log=print,
 ) -> EncodeSummary:
     from distributed import Client
@@ -225,7 +227,12 @@ def run_encode(
             "max_input_bytes": config.data.max_input_bytes,
         }
         transform = {k: settings[k] for k in ("resize", "frames", "size_multiple")}
+        for spec in fields.values():
+            # Each field's record names its input preparation too, so it rebuilds on its own.
+            spec["meta"]["encoder"]["transform"] = transform
         store = _open_or_create(output_url, fields, storage_options, transform, log)
+        # The empty prompt's embedding always, and the validation prompts' when given.
+        store_prompt_embeddings(client, addresses[0], specs, config.device, threads, fields, store, prompts or [], log)
         startup = time.perf_counter() - t0
         log(f"encoders ready on {len(devices)} worker(s) ({device_type}) in {startup:.1f}s")
 

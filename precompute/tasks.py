@@ -111,7 +111,10 @@ def describe_encoders(specs: list[EncoderSpec], device: str, threads: int) -> di
             fields[name] = {
                 "dtype": spec.dtype,
                 "ndim": spec.ndim,
-                "meta": {"section": section, "modality": spec.modality, "fingerprint": encoder.fingerprint(), **metadata.get(name, {})},
+                # "encoder": what rebuilds this encoder later (``train.live.reattach``), its
+                # registry name and typed config as plain JSON.
+                "meta": {"section": section, "modality": spec.modality, "fingerprint": encoder.fingerprint(),
+                         "encoder": encoder.config_record(), **metadata.get(name, {})},
             }
     return {"fields": fields}
 
@@ -183,7 +186,7 @@ def _encode_rows(task: TaskSpec, store, specs, device, threads, settings, result
     # Each visual encoder gets the pixel size its own rule gives (a VAE: any multiple of its
     # patch; a ViT: often one fixed size), the same whichever of them runs in this task, so a
     # field added later sees the input it would have had in the first run.
-    rules = {section: _size_rule(configured[section], settings["size_multiple"]) for section in ("vae", "vit") if section in encoders}
+    rules = {section: size_rule_for(configured[section], settings["size_multiple"]) for section in ("vae", "vit") if section in encoders}
     # The config's first visual encoder owns the plain provenance columns (crop_*, width, height);
     # another with a different input gets them prefixed with its section ("vit_width", ...).
     primary = next((section for section in ("vae", "vit") if section in configured), None)
@@ -230,7 +233,7 @@ def read_input_bytes(uri: str, storage_options: dict[str, Any] | None, max_bytes
 
 
 
-def _size_rule(encoder: Any, size_multiple: int):
+def size_rule_for(encoder: Any, size_multiple: int):
     """The encoder's size rule, its free sizes also multiples of ``size_multiple`` (the trainer's patch)."""
     import dataclasses
     import math
@@ -272,7 +275,9 @@ _GEOMETRY = ("crop_left", "crop_top", "crop_width", "crop_height", "width", "hei
 def _meta(row: InputRow, prepared: dict[str, Any] | None, primary: str | None) -> dict[str, Any]:
     """Caption and provenance of one sample: the primary visual encoder's input geometry under the
     plain names, any other's prefixed with its section ("vit_width", ...)."""
-    meta: dict[str, Any] = {"caption": row.caption, "modality": row.modality}
+    # source_path: the path as the manifest wrote it (relative to the input root unless a URL), so
+    # a live encoder finds the media under another root (``--media ROOT``) after they moved.
+    meta: dict[str, Any] = {"caption": row.caption, "modality": row.modality, "source_path": row.source}
     if row.conversations is not None:  # so a re-run can tell edited turns (precompute.stale)
         meta["conversations_sha256"] = row.conversations_sha256
     if not prepared:
@@ -297,14 +302,7 @@ def _encode_batch(batch, encoders: dict[str, Any], reject, done: list, primary: 
         encoder = encoders.get(section)
         if encoder is None:
             continue
-        items = []
-        for row, prepared in batch:
-            pixels = prepared[section].pixels
-            if section == "vae" and row.modality == "image":
-                pixels = pixels[None]  # an image is a one-frame video: latents are C x 1 x h x w
-            elif section == "vit" and row.modality == "video":
-                pixels = pixels[0]  # a ViT sees the first frame
-            items.append(pixels)
+        items = [encoder_input(section, row.modality, prepared[section].pixels) for row, prepared in batch]
         try:
             encoded = encoder.encode(items)
         except (EncoderInputError, EncoderOutputError):
@@ -328,18 +326,31 @@ def _encode_batch(batch, encoders: dict[str, Any], reject, done: list, primary: 
         done.append((row, out, _meta(row, prepared, primary)))
 
 
+def encoder_input(section: str, modality: str, pixels: np.ndarray) -> np.ndarray:
+    """Prepared pixels -> what the section's encoder takes (also what a live encoder is fed)."""
+    if section == "vae" and modality == "image":
+        return pixels[None]  # an image is a one-frame video: latents are C x 1 x h x w
+    if section == "vit" and modality == "video":
+        return pixels[0]  # a ViT sees the first frame
+    return pixels
+
+
+def text_input(encoder: Any, caption: str, conversations: Any, modality: str) -> Any:
+    """A sample's text as the text encoder takes it: the caption, or a ``TextSample``."""
+    if encoder.text_input == "caption":
+        return caption
+    from precompute.encoders import TextSample
+
+    # A tokenizer checks the image placeholders against the images the sample really has.
+    return TextSample(caption=caption, conversations=conversations, images=int(modality in ("image", "video")))
+
+
 def _encode_text(done: list, encoder: Any, batch_size: int, reject) -> None:
     if encoder is None or not done:
         return
-    from precompute.encoders import EncoderInputError, EncoderOutputError, TextSample
+    from precompute.encoders import EncoderInputError, EncoderOutputError
 
-    def item(row: InputRow, arrays: dict[str, Any]) -> Any:
-        if encoder.text_input == "caption":
-            return row.caption
-        # A tokenizer checks the image placeholders against the images the sample really has.
-        return TextSample(caption=row.caption, conversations=row.conversations, images=int(row.modality in ("image", "video")))
-
-    items = [item(row, arrays) for row, arrays, _ in done]
+    items = [text_input(encoder, row.caption, row.conversations, row.modality) for row, _, _ in done]
     # Identical texts are encoded once for the whole task, not once per batch.
     distinct = list(dict.fromkeys(items))
     encoded: dict[Any, dict[str, np.ndarray] | str] = {}

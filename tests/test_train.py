@@ -157,7 +157,11 @@ def test_trains_on_a_field_only_some_samples_have(store, tmp_path):
         for sid in added.sample_ids()[:10]:
             writer.add(sid, {"text_v2": np.ones((5, 16), dtype=ml_dtypes.bfloat16)})
     run = tmp_path / "run"
-    result = fit(str(url), run, "--steps", "2", "--set", "data.text_field=text_v2")
+    # data.on_missing defaults to error: which samples lack it, and how many.
+    refused = fit(str(url), run, "--steps", "2", "--set", "data.text_field=text_v2", check=False)
+    assert refused.returncode != 0 and "14 of the 24 samples" in refused.stderr and "text_v2: 14 lack it" in refused.stderr
+    assert "data.on_missing=skip" in refused.stderr
+    result = fit(str(url), run, "--steps", "2", "--set", "data.text_field=text_v2", "--set", "data.on_missing=skip")
     assert "training on 10 of the 24 samples: 14 lack 'latent' or 'text_v2'" in result.stdout + result.stderr
     assert len(losses(run)) == 2
 

@@ -37,15 +37,27 @@ def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
     return max(found) if found else None
 
 
-def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, keep: int) -> Path:
+# name -> (module, optimizer, LR scheduler) trained beside the model (joint finetuning's encoders),
+# saved under "extra.<name>" in the same checkpoint.
+Extra = dict[str, tuple[torch.nn.Module, torch.optim.Optimizer, Any]]
+
+
+def _json_tensor(value: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+
+
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, keep: int,
+                    extra: Extra | None = None) -> Path:
     if keep < 1:  # keep = 0 would delete the checkpoint just written
         raise ValueError(f"checkpoint.keep must be >= 1, got {keep}")
     final = checkpoint_dir(run_dir, step)
     partial = final.with_name(final.name + ".partial")
     model_state, optim_state = get_state_dict(model, optimizer)
-    scheduler_json = json.dumps(scheduler.state_dict()).encode()
-    state = {"model": model_state, "optim": optim_state, "progress": {"step": torch.tensor(step)},
-             "scheduler": {"state_json": torch.frombuffer(bytearray(scheduler_json), dtype=torch.uint8)}}
+    state: dict[str, Any] = {"model": model_state, "optim": optim_state, "progress": {"step": torch.tensor(step)},
+                             "scheduler": {"state_json": _json_tensor(scheduler.state_dict())}}
+    for name, (module, module_optim, module_sched) in (extra or {}).items():
+        module_state, module_optim_state = get_state_dict(module, module_optim)
+        state[f"extra.{name}"] = {"model": module_state, "optim": module_optim_state, "scheduler": {"state_json": _json_tensor(module_sched.state_dict())}}
     if dist.get_rank() == 0 and partial.exists():
         shutil.rmtree(partial)
     dist.barrier()
@@ -62,8 +74,10 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     return final
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
-    """Restore model, optimizer and LR scheduler in place; returns {"step": N, "scheduler": how}."""
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                    extra: Extra | None = None) -> dict[str, Any]:
+    """Restore model, optimizer and LR scheduler (and each ``extra`` triple) in place; returns
+    {"step": N, "scheduler": how}."""
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     model_state, optim_state = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optim": optim_state, "progress": {"step": torch.tensor(0)}}
@@ -71,8 +85,19 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         state["scheduler"] = {"state_json": torch.empty(stored["scheduler.state_json"].size, dtype=torch.uint8)}
     else:  # an older checkpoint: it recorded only the scheduler's epoch
         state["progress"]["scheduler_epoch"] = torch.tensor(0)
+    for name, (module, module_optim, _) in (extra or {}).items():
+        key = f"extra.{name}.scheduler.state_json"
+        if key not in stored:
+            raise ValueError(f"{path} holds no state for {name} (it was saved by a run that did not train it); train into a new --out")
+        module_state, module_optim_state = get_state_dict(module, module_optim)
+        state[f"extra.{name}"] = {"model": module_state, "optim": module_optim_state,
+                                  "scheduler": {"state_json": torch.empty(stored[key].size, dtype=torch.uint8)}}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for name, (module, module_optim, module_sched) in (extra or {}).items():
+        loaded = state[f"extra.{name}"]
+        set_state_dict(module, module_optim, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        module_sched.load_state_dict(json.loads(loaded["scheduler"]["state_json"].numpy().tobytes().decode()))
     if "scheduler" in state:
         scheduler.load_state_dict(json.loads(state["scheduler"]["state_json"].numpy().tobytes().decode()))
         how = "restored"
@@ -92,12 +117,18 @@ def _replay_schedule(scheduler: Any, epochs: int) -> None:
             scheduler.step()
 
 
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded weights, gathered to CPU (collective: every rank calls it)."""
+    full, _ = get_state_dict(model, [], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return full
+
+
 def export_safetensors(model: torch.nn.Module, path: Path) -> dict[str, torch.Tensor] | None:
     """Full (unsharded) weights on rank 0 as safetensors: no pickle, loadable anywhere. Returns
     them on rank 0 (for a family's own export format), None on the other ranks."""
     from safetensors.torch import save_file
 
-    full, _ = get_state_dict(model, [], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = full_state_dict(model)
     state = {k: v.contiguous() for k, v in full.items()} if dist.get_rank() == 0 else None
     if state is not None:
         save_file(state, str(path))

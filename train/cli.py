@@ -26,8 +26,9 @@ def cli(debug: bool) -> None:
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value (repeatable).")
 @click.option("--dry-run", is_flag=True, help="Print the resolved config, mesh and parameter count; do not train.")
 @click.option("--cache-dir", default=None, metavar="DIR", help="Local read-through cache of a remote store (sets data.cache_dir; size: --set data.cache_bytes=50GiB).")
+@click.option("--media", "media_root", default=None, metavar="ROOT", help="Where the media of live/train fields are now: the folder the encode manifest's paths were relative to (sets data.media_root).")
 @storage_options_option
-def fit(config_name, features, run_dir, steps, resume, overrides, dry_run, cache_dir, storage_options) -> None:
+def fit(config_name, features, run_dir, steps, resume, overrides, dry_run, cache_dir, media_root, storage_options) -> None:
     """Train on the features at --features. ``--resume`` loads the checkpoint's torch DCP metadata,
     which is pickled: resume only run folders you trust."""
     from featstore.config import load_config
@@ -36,6 +37,8 @@ def fit(config_name, features, run_dir, steps, resume, overrides, dry_run, cache
     config = load_config(TrainConfig, config_name, "train", overrides)
     if cache_dir:
         config.data.cache_dir = cache_dir
+    if media_root:
+        config.data.media_root = media_root
     options = parse_storage_options(storage_options)
     if dry_run:
         from train.trainer import dry_run as describe
@@ -58,6 +61,99 @@ def fit(config_name, features, run_dir, steps, resume, overrides, dry_run, cache
             dist.destroy_process_group()
     if result["rank"] == 0 and result["losses"]:
         click.echo(f"trained steps {result['start'] + 1}-{result['stop']}: loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}; run in {result['run_dir']}")
+
+
+@cli.command()
+@click.option("--features", required=True, help="Feature store URL.")
+@click.option("--fields", "field_names", default=None, help="Comma-separated fields (default: every field whose encoder the store records).")
+@click.option("--samples", type=int, default=8, show_default=True, help="Random committed samples re-encoded per field.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Which random samples.")
+@click.option("--media", "media_root", default=None, metavar="ROOT", help="Where the media are now (the folder the encode manifest's paths were relative to).")
+@click.option("--tolerance", type=float, default=None, help="Relative L2 error allowed (default: one step of the stored dtype, i.e. storage rounding).")
+@click.option("--config", "config_name", default=None, help="Train config whose encoders.<field> sections (path, rebuild, resize) apply.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="e.g. --set encoders.latent.path=DIR (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@storage_options_option
+def drift(features, field_names, samples, seed, media_root, tolerance, config_name, overrides, as_json, storage_options) -> None:
+    """Re-encode a few cached samples live with the recorded encoders and compare (max abs error,
+    relative L2 error, cosine). Exit code 1 when a field differs by more than the tolerance."""
+    import sys
+
+    import featstore
+    from featstore.config import load_config
+    from train.config import TrainConfig
+    from train.live.drift import measure_drift, pick_samples
+    from train.live.reattach import reattach_encoder
+
+    if samples < 1:
+        raise click.UsageError("--samples must be >= 1")
+    config = load_config(TrainConfig, config_name, "train", overrides)
+    options = parse_storage_options(storage_options)
+    store = featstore.open(features, options)
+    names = [n.strip() for n in field_names.split(",") if n.strip()] if field_names else [n for n, f in store.fields.items() if "encoder" in f.meta]
+    if not names:
+        raise click.UsageError(f"{store.url} records no encoder for any field; name them with --fields (and --set encoders.<field>.rebuild...)")
+    reports = []
+    for name in names:
+        section = config.encoders.get(name)
+        live = reattach_encoder(
+            store, name, weights_path=section.path if section else None, media_root=media_root or config.data.media_root,
+            storage_options=options, rebuild=(section.rebuild or None) if section else None,
+            resize=(section.resize or None) if section else None, check_fingerprint=False,
+        )
+        reports.append(measure_drift(store, live, pick_samples(store, name, samples, seed), tolerance))
+    if as_json:
+        click.echo(json.dumps([r.to_dict() for r in reports], indent=2))
+    else:
+        for report in reports:
+            click.echo(report.line())
+    if not all(r.ok for r in reports):
+        click.echo("drift above tolerance: the cached features no longer match their encoder; re-encode the field(s) marked DRIFT", err=True)
+        sys.exit(1)
+
+
+@cli.command()
+@click.option("--run", "run", required=True, metavar="RUN_DIR", help="A run folder (mmtrain fit --out) or an export (mmtrain export --out).")
+@click.option("--checkpoint", type=int, default=None, metavar="STEP", help="A checkpoint's step (default: the final weights, else the newest checkpoint).")
+@click.option("--prompt", multiple=True, help="A prompt (repeatable).")
+@click.option("--prompts", "prompts_file", default=None, metavar="FILE", help="Prompts, one per line.")
+@click.option("--out", required=True, metavar="DIR", help="Where the PNGs / WebPs, grid.png and samples.json go.")
+@click.option("--seed", "seeds", type=int, multiple=True, help="A seed (repeatable; default 0): one sample per prompt and seed.")
+@click.option("--steps", type=int, default=20, show_default=True, help="Euler steps.")
+@click.option("--guidance", type=float, default=4.0, show_default=True, help="Classifier-free guidance scale with the empty prompt (1.0 = none).")
+@click.option("--shift", type=float, default=1.0, show_default=True, help="Timestep shift (SD3); > 1 spends more steps at high noise.")
+@click.option("--size", default=None, metavar="WxH", help="Pixels (default: the commonest size in the run's store).")
+@click.option("--frames", type=int, default=1, show_default=True, help="Frames (1 = an image; a video is written as animated WebP).")
+@click.option("--fps", type=float, default=8.0, show_default=True, help="Frame rate of animated outputs.")
+@click.option("--vae", default=None, metavar="DIR", help="The VAE folder the store was encoded with (checked against its fingerprint).")
+@click.option("--latents-only", is_flag=True, help="Write the sampled latents (latents.safetensors) instead of decoding them.")
+@click.option("--features", default=None, help="Feature store URL for the prompts' embeddings (default: the run's store).")
+@click.option("--image", "images", multiple=True, metavar="PATH", help="VLM runs: an image to answer about.")
+@storage_options_option
+def sample(run, checkpoint, prompt, prompts_file, out, seeds, steps, guidance, shift, size, frames, fps, vae, latents_only, features, images, storage_options) -> None:
+    """Sample pictures from a trained DiT: a PNG per prompt and seed (WebP for videos), grid.png,
+    samples.json. Same run, prompt and seed -> the same bytes."""
+    from train.sample.command import sample_command
+
+    check_output_location(out, "--out")
+    doc = sample_command(run, checkpoint=checkpoint, prompt=prompt, prompts_file=prompts_file, out=out, seeds=seeds, steps=steps,
+                         guidance=guidance, shift=shift, size=size, frames=frames, fps=fps, vae=vae, latents_only=latents_only,
+                         features=features, storage_options=parse_storage_options(storage_options), images=images)
+    what = doc.get("note") or f"{len(doc['samples'])} sample(s)"
+    click.echo(f"{what} from {doc['weights']} -> {out}")
+
+
+@cli.command("export")
+@click.argument("run_dir")
+@click.option("--out", required=True, metavar="DIR", help="A new folder for the exported model.")
+@click.option("--checkpoint", type=int, default=None, metavar="STEP", help="A checkpoint's step (default: the final weights, else the newest checkpoint).")
+def export(run_dir, out, checkpoint) -> None:
+    """Write a run's model (safetensors + config.json, or the family's own format) from any checkpoint."""
+    from train.sample.source import export_run
+
+    check_output_location(out, "--out")
+    result = export_run(run_dir, out, checkpoint)
+    click.echo(f"exported step {result['step']} ({result['weights']}) -> {result['out']}: {', '.join(result['files'])}")
 
 
 def main() -> None:

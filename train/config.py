@@ -44,16 +44,59 @@ class DataSection:
     # shuffle without cache_bytes, or when the store fits). A number >= the shard count is a
     # global shuffle. See train.order.
     shuffle_window: int | None = None
+    # A held-out split for the validation loss (every sample.every steps): the samples whose id
+    # hashes below validation_fraction (stable as the store grows), plus validation_ids. They
+    # are never trained on.
+    validation_fraction: float = 0.0
+    validation_ids: list[str] = field(default_factory=list)
+    # A sample that lacks a field the run reads: error (say which), skip (train on the rest, with
+    # a count), or live (encode it with the field's recorded encoder in the data pipeline).
+    on_missing: Literal["error", "skip", "live"] = "error"
+    # Where the media of live fields are now (the folder the encode manifest's paths were relative
+    # to); None: where the store recorded them. `mmtrain fit --media ROOT` sets it.
+    media_root: str | None = None
+    # Samples re-encoded before step 1 to check that live/train fields agree with the cache.
+    drift_samples: int = 4
+    # Probability that a sample's caption is replaced by the empty one in a step (for CFG); any
+    # encoder mode (a cached text field uses the empty caption's embedding stored by mmcache encode).
+    caption_dropout: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.global_batch < 1 or self.prefetch < 0 or self.max_tokens < 1:
-            raise ConfigError("data.global_batch and data.max_tokens must be >= 1 and data.prefetch >= 0")
+        if self.global_batch < 1 or self.prefetch < 0 or self.max_tokens < 1 or self.drift_samples < 0:
+            raise ConfigError("data.global_batch and data.max_tokens must be >= 1, data.prefetch and data.drift_samples >= 0")
         if self.shuffle_window is not None and (isinstance(self.shuffle_window, bool) or self.shuffle_window < 1):
             raise ConfigError(f"data.shuffle_window must be a number of shards >= 1 (or unset: sized from data.cache_bytes), got {self.shuffle_window!r}")
+        if not 0.0 <= self.caption_dropout <= 1.0:
+            raise ConfigError(f"data.caption_dropout is a probability in [0, 1], got {self.caption_dropout}")
+        if not 0.0 <= self.validation_fraction < 1.0:
+            raise ConfigError(f"data.validation_fraction must be in [0, 1), got {self.validation_fraction}")
         if self.cache_bytes is not None:
             from featstore.cache import parse_size
 
             self.cache_bytes = parse_size(self.cache_bytes, "data.cache_bytes")
+
+
+@dataclass(kw_only=True)
+class EncoderSection:
+    """``encoders.<field>``: how a store field's encoder takes part in the run (joint finetuning)."""
+
+    # cached: read the field from the store (the default). live: the recorded encoder, frozen, makes
+    # the field from the raw media/caption in the data pipeline. train: it runs in the step and
+    # its parameters (all, or those named by ``train`` / ``last_blocks``) get gradients.
+    mode: Literal["cached", "live", "train"] = "cached"
+    train: list[str] = field(default_factory=list)  # parameter-name patterns (fnmatch), e.g. "encoder.block.1.*"
+    last_blocks: int = 0                     # train the last N blocks (the encoder's longest ModuleList)
+    lr_scale: float = 1.0                    # this encoder's LR = optim.lr * lr_scale (same schedule)
+    path: str | None = None                  # where the encoder's model folder is now (fingerprint must match)
+    # For stores written before encoders were recorded: {encoder: NAME, path: DIR, ...options}.
+    rebuild: dict[str, Any] = field(default_factory=dict)
+    resize: dict[str, Any] = field(default_factory=dict)  # overrides of the recorded resize settings
+
+    def __post_init__(self) -> None:
+        if self.last_blocks < 0 or self.lr_scale < 0:
+            raise ConfigError("encoders.<field>.last_blocks and .lr_scale must be >= 0")
+        if (self.train or self.last_blocks) and self.mode != "train":
+            raise ConfigError(f"encoders.<field>.train / last_blocks choose what trains, which needs mode: train (mode is {self.mode})")
 
 
 @dataclass(kw_only=True)
@@ -81,6 +124,31 @@ class CheckpointSection:
 
 
 @dataclass(kw_only=True)
+class SampleSection:
+    """Every ``every`` steps (and before the first with ``at_start``): a sample per prompt and
+    seed into RUN_DIR/samples/step-NNNNNN/ (prompts' embeddings from the store: encode them with
+    ``mmcache encode --prompts``), and the validation loss on the held-out split (data.validation_*)."""
+
+    every: int = 100                        # steps; 0 = never
+    at_start: bool = False
+    prompts: list[str] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=lambda: [0])
+    steps: int = 20                         # Euler steps
+    guidance: float = 4.0                   # classifier-free guidance with the empty prompt; 1.0 = none
+    shift: float = 1.0                      # timestep shift
+    size: str | None = None                 # WxH pixels; None = the commonest size in the store
+    frames: int = 1
+    vae_path: str | None = None             # the VAE folder the store was encoded with (decoder); None: a
+                                            # matching tiny model on this machine, else latents only
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"sample.every must be >= 0 (0 = never), got {self.every}")
+        if any(not p.strip() for p in self.prompts):
+            raise ConfigError("sample.prompts holds an empty prompt; the empty prompt is the guidance baseline, not a sample")
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
     model: ModelSection = field(default_factory=ModelSection)
     objective: dict[str, Any] = field(default_factory=dict)
@@ -89,6 +157,8 @@ class TrainConfig:
     balance: BalanceConfig = field(default_factory=BalanceConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    sample: SampleSection = field(default_factory=SampleSection)
+    encoders: dict[str, EncoderSection] = field(default_factory=dict)  # store field -> its mode
     zero: Literal[2, 3] = 3                 # FSDP2: 3 reshards parameters after forward, 2 keeps them
     seed: int = 0
     log_every: int = 10

@@ -42,6 +42,8 @@ class StepData:
     # What reading this step cost the local cache (counter deltas of CachingStorage.stats()),
     # None when the store is read without one.
     cache: dict[str, float] | None = None
+    live_samples: int = 0  # samples of the global batch with a field encoded live
+    captions_dropped: int = 0  # samples of the global batch trained on the empty caption
 
 
 def open_features(url: str, storage_options: dict[str, Any] | None, *, cache_dir: str | None = None,
@@ -109,10 +111,26 @@ class FeatureStream:
 
     def __init__(self, store: featstore.Store, *, data, global_batch: int, seed: int,
                  dp_size: int, dp_rank: int, balance, cost, tokens_per_sample, repeat: bool = False,
+                 live=None, on_missing: str = "skip", caption_dropout=None, exclude: frozenset[str] = frozenset(),
                  window: int | None = None) -> None:
         # A store may hold a field for only some samples (one added after they were encoded).
+        # ``live`` (train.live.fields.LiveFields): fields made live are not needed from the cache.
+        # ``exclude``: the held-out validation split, never trained on.
         required = list(data.required_fields)
-        ids = store.sample_ids(with_fields=required)
+        produced, fillable = (live.produced, live.fillable) if live else (set(), set())
+        cached = [f for f in required if f not in produced and f not in fillable]
+        ids = store.sample_ids(with_fields=cached) if cached else store.sample_ids()
+        if on_missing == "error" and len(ids) < len(store):
+            have = set(ids)
+            lacking = [i for i in store.sample_ids() if i not in have]
+            counts = store.samples_per_field()
+            raise MissingSamplesError(
+                f"{len(lacking)} of the {len(store)} samples of {store.url} lack a field this run reads from the cache "
+                f"({', '.join(f'{f}: {len(store) - counts.get(f, 0)} lack it' for f in cached if counts.get(f, 0) < len(store))}), "
+                f"e.g. {', '.join(lacking[:5])}; encode them (mmcache encode adds missing fields to committed samples), "
+                "or --set data.on_missing=skip to train on the rest, or data.on_missing=live to encode them live"
+            )
+        ids = [i for i in ids if i not in exclude]
         if not ids:
             counts = store.samples_per_field()
             raise featstore.SchemaError(
@@ -134,18 +152,37 @@ class FeatureStream:
         self.balance, self.cost = balance, cost
         self.ids = ids
         self.num_samples = len(ids)
-        self.skipped = len(store) - len(ids)  # samples lacking one of the required fields
+        self.held_out = len(exclude)
+        self.skipped = len(store) - len(ids) - len(exclude)  # samples lacking one of the required fields
         self.rows = np.array([store.row(i) for i in ids], dtype=np.int64)
-        self.shapes = [data.sample_shape(i) for i in ids]
+        self.live = live if live else None
+        self.dropout = caption_dropout  # train.live.dropout.CaptionDropout or None
+        # Per sample, the required fields read from the cache (the rest are made live) and
+        # whether any of its fields is made live (what metrics.jsonl counts as live_samples).
+        reads = [tuple(f for f in required if f not in produced and (f not in fillable or store.has_field(i, f))) for i in ids]
+        self.cached_fields = reads
+        live_optional = [f for f in data.optional_fields if f in produced and f in store.fields]
+        self.is_live = np.array([len(r) < len(required) or any(store.has_field(i, f) for f in live_optional)
+                                 for r, i in zip(reads, ids, strict=True)], dtype=bool)
+        self.shapes = [self._shape(data, i) for i in ids]
         self.groups = [data.group_key(s) for s in self.shapes]
         self.tokens = [int(tokens_per_sample(s)) for s in self.shapes]
         data.check_tokens(ids, self.tokens)  # fail before training, naming the samples
-        optional = [f for f in data.optional_fields if f in store.fields]
+        # (An optional field made live is encoded for the samples that have it, not read.)
+        optional = [f for f in data.optional_fields if f in store.fields and f not in produced]
         # Which optional fields each sample has (e.g. an image): read exactly those.
         self.extra = [tuple(f for f in optional if store.has_field(i, f)) for i in ids] if optional else None
         # window: shards per window of the epoch order (None: a global shuffle), see train.order.
         self.order = EpochOrder(seed, shard_positions(store, self.rows), window)
         self.cache = store.storage if isinstance(store.storage, CachingStorage) else None
+
+    @staticmethod
+    def _shape(data, sample_id: str) -> tuple:
+        try:
+            return data.sample_shape(sample_id)
+        except featstore.MissingFieldError as exc:
+            # The batch planner sizes samples from the index before anything is read or encoded.
+            raise MissingSamplesError(f"{exc}; the batch planner sizes each sample from that field, so it cannot be made live for it: encode it first") from None
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         # One permutation per epoch, kept while steps fall in it (a step spans at most two).
@@ -175,34 +212,49 @@ class FeatureStream:
         parts = [[j for mb in rank_plan if mb.loss_scale for j in mb.indices] for rank_plan in plan]
         # All of this rank's samples of the step in one batched read (concurrent requests on
         # an object store), then handed out to the micro-batches.
+        positions = [j for mb in plan[self.dp_rank] for j in mb.indices]
+        # Caption dropout depends on (seed, step, position in the global batch) only, like noise.
+        drop = [self.dropout.dropped(step, j) for j in range(len(indices))] if self.dropout else []
         # Only this thread reads through the store, so the counters' change is this step's cost.
         before = self.cache.stats() if self.cache is not None else None
-        read = iter(self.read([indices[j] for mb in plan[self.dp_rank] for j in mb.indices]))
+        read = iter(self.read([indices[j] for j in positions], [drop[j] for j in positions] if drop else None))
         cache = None
         if self.cache is not None and before is not None:
             after = self.cache.stats()
             cache = {k: after[k] - before[k] for k in after if k != "hit_rate"}
         mine = [(mb, [next(read) for _ in mb.indices]) for mb in plan[self.dp_rank]]
-        return StepData(step=step, micro_batches=mine, global_indices=indices,
-                        samples=len(indices), tokens=sum(tokens), imbalance=imbalance(costs, parts), cache=cache)
+        return StepData(step=step, micro_batches=mine, global_indices=indices, samples=len(indices), tokens=sum(tokens),
+                        imbalance=imbalance(costs, parts), cache=cache, live_samples=int(self.is_live[indices].sum()),
+                        captions_dropped=sum(drop))
 
     def epoch_of(self, step: int) -> tuple[int, bool]:
         """The epoch step ``step`` starts in, and whether the step finishes it."""
         first, end = step * self.global_batch, (step + 1) * self.global_batch
         return first // self.num_samples, end // self.num_samples > first // self.num_samples
 
-    def read(self, positions: list[int]) -> list[dict[str, Any]]:
+    def read(self, positions: list[int], blank: list[bool] | None = None) -> list[dict[str, Any]]:
         """The samples at stream positions ``positions``: required fields, the optional ones each
-        has, and the sample id; one batched read per set of fields."""
+        has, and the sample id; one batched read per set of fields. ``blank``: per position,
+        whether its caption is dropped (its text fields become the empty caption's)."""
+        dropped = self.dropout.fields if self.dropout else ()
         by_fields: dict[tuple[str, ...], list[int]] = {}
         for k, position in enumerate(positions):
-            by_fields.setdefault(self.extra[position] if self.extra else (), []).append(k)
+            fields = self.cached_fields[position] + (self.extra[position] if self.extra else ())
+            if blank and blank[k]:
+                fields = tuple(f for f in fields if f not in dropped)
+            by_fields.setdefault(fields, []).append(k)
         out: list[dict[str, Any]] = [{} for _ in positions]
-        for extra, members in by_fields.items():
+        for fields, members in by_fields.items():
             rows = [int(self.rows[positions[k]]) for k in members]
-            for k, sample in zip(members, self.store.read_rows(rows, self.fields + list(extra)), strict=True):
+            read = self.store.read_rows(rows, list(fields)) if fields else [{} for _ in rows]
+            for k, sample in zip(members, read, strict=True):
                 sample[SAMPLE_ID] = self.ids[positions[k]]
                 out[k] = sample
+        blanked = {k for k in range(len(positions)) if blank and blank[k]}
+        for k in blanked:
+            out[k].update({f: array for f, array in self.dropout.empty.items()})  # cached text fields
+        if self.live is not None:
+            self.live.complete(out, [self.ids[p] for p in positions], blank_captions=blanked)
         return out
 
     def steps(self, start: int, stop: int, prefetch: int) -> Iterator[StepData]:
@@ -252,6 +304,10 @@ class FeatureStream:
             # Never leave the reader running into interpreter shutdown: join it.
             stop_flag.set()
             thread.join()
+
+
+class MissingSamplesError(featstore.SchemaError):
+    """Samples lack a field the run reads, and data.on_missing does not say what to do."""
 
 
 def latent_normalisation(meta: dict[str, Any]) -> tuple[list[float], list[float]] | None:

@@ -135,3 +135,21 @@ def flow_matching_loss(
     (``generators[i]`` for sample i), then MSE on v."""
     t, noise = draw_timesteps_and_noise(batch.latents, config, generators)
     return flow_matching_terms(model, batch, t, noise)
+
+
+# The validation loss's timesteps: the midpoints of 5 equal bins of (0, 1), the same for every
+# sample, step and run, so val_loss curves are comparable (a random t would add noise to them).
+VALIDATION_TIMESTEPS = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+
+def flow_matching_validation_loss(model: nn.Module, batch: LatentTextInputs, generators: Sequence[torch.Generator], config: Any) -> LossTerms:
+    """The DiT family's ``validation_loss``: each sample at every one of VALIDATION_TIMESTEPS with
+    one noise drawn from its generator (a fixed seed per held-out sample)."""
+    if len(generators) != batch.latents.shape[0]:
+        raise ValueError(f"validation_loss needs one generator per sample: {batch.latents.shape[0]} samples, {len(generators)} generators")
+    k = len(VALIDATION_TIMESTEPS)
+    noise = torch.stack([torch.randn(batch.latents.shape[1:], generator=g, device=g.device, dtype=torch.float32).cpu() for g in generators])
+    repeated = type(batch)(latents=batch.latents.repeat_interleave(k, 0), text=batch.text.repeat_interleave(k, 0),
+                           text_mask=batch.text_mask.repeat_interleave(k, 0))
+    t = torch.tensor(VALIDATION_TIMESTEPS, dtype=torch.float32).repeat(batch.latents.shape[0])
+    return flow_matching_terms(model, repeated, t.to(batch.latents.device), noise.repeat_interleave(k, 0).to(batch.latents.device))

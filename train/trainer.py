@@ -28,12 +28,15 @@ from featstore.errors import ConfigError
 from train.checkpoint import export_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint
 from train.config import TrainConfig
 from train.data import FeatureStream, check_fingerprints, latent_normalisation, open_features, snapshot_digest
+from train.live.dropout import CaptionDropout
+from train.live.joint import JointEncoders
 from train.models import count_parameters, export_model, get_model_family
 from train.objective import sample_generators
 from train.order import resolve_window, shard_read_bytes
 from train.parallel.dims import MESH_DIMS, ParallelDims, device_and_backend
 from train.parallel.fsdp import apply_fsdp, local_state_bytes
 from train.parallel.sequence_parallel import apply_sequence_parallel
+from train.sample.during_fit import FitSampler, Validator, due, validation_ids
 
 
 def init_distributed() -> tuple[torch.device, str]:
@@ -107,7 +110,20 @@ def dry_run(config: TrainConfig, features: str, storage_options: dict | None) ->
         "parameters": count_parameters(family.name, model_config, **sizes),
         "parts": model_parts(model),
         "store": {"url": store.url, "samples": len(store)},
+        "encoders": _describe_encoders(config, store, family.data(model_config, config.data, store)),
     }
+
+
+def _describe_encoders(config: TrainConfig, store: featstore.Store, adapter) -> dict[str, Any]:
+    """Per field the run reads: its mode and, for live/train fields, the re-attached encoder's
+    parameter count and which parameters train (what memory and speed the mix costs)."""
+    from train.live.fields import LiveFields
+
+    fields = list(adapter.required_fields) + [f for f in adapter.optional_fields if f in store.fields]
+    live = LiveFields.build(config, store, fields, optional=list(adapter.optional_fields))
+    live.set_trainable(config)
+    described = live.describe()
+    return {name: described.get(name, {"mode": "cached", "parameters": None}) for name in fields}
 
 
 def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None = None, resume: bool = False,
@@ -147,6 +163,11 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
 
     dims = ParallelDims.from_config(config.parallel, world)
     meshes = dims.build_meshes(device.type)
+    # Encoders re-attached for live/train fields (joint finetuning), checked against the cache
+    # before step 1; nothing is loaded when every field is cached.
+    joint = JointEncoders.setup(config, store, fields, device=device, fsdp_mesh=meshes.fsdp, storage_options=storage_options,
+                                lr_lambda=lr_lambda(config), log=log if rank == 0 else (lambda *_: None),
+                                optional=list(data_adapter.optional_fields))
     sizes = data_adapter.input_sizes()
     model = family.builder(model_config, **sizes).to(device)
     dims.check_heads(getattr(model, "attention_heads", getattr(model_config, "heads", 1)))
@@ -168,13 +189,14 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
             if rank == 0:
                 log(f"--resume: no checkpoint in {run / 'checkpoints'}; starting at step 0")
         else:
-            progress = load_checkpoint(found[1], model, optimizer, scheduler)
+            progress = load_checkpoint(found[1], model, optimizer, scheduler, extra=joint.extra)
             start = progress["step"]
             if progress["scheduler"] == "replayed":
                 log(f"{found[1]} predates saved LR-scheduler state: the schedule was replayed to step {start}")
             log(f"resumed from {found[1]} at step {start} (world size {world})")
     stop = steps if steps is not None else o.total_steps
     dim = getattr(model_config, "dim", 64)
+    held_out = validation_ids(store, list(data_adapter.required_fields), config.data.validation_fraction, config.data.validation_ids)
     # The epoch order's window, from the config and the snapshot alone (never the world size).
     shard_bytes = shard_read_bytes(store, fields)
     # Besides two windows the cache holds what the ranks read at once: up to prefetch + 1 global
@@ -186,6 +208,9 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
         store, data=data_adapter, global_batch=config.data.global_batch, seed=config.seed,
         dp_size=dims.dp_size, dp_rank=meshes.dp_rank, balance=config.balance, cost=config.balance.cost_model(dim),
         tokens_per_sample=lambda shape: family.tokens_per_sample(model_config, shape), repeat=config.data.repeat, window=window,
+        live=joint.live, on_missing=config.data.on_missing,
+        caption_dropout=CaptionDropout(store, fields, config.data.caption_dropout, config.seed, joint.live.produced) if config.data.caption_dropout else None,
+        exclude=frozenset(held_out),
     )
     data_order = {"shuffle_window": window, "shards": stream.order.num_shards}
     if rank == 0:
@@ -203,7 +228,20 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
     epoch_cache = EpochCacheStats(stream, store_bytes=sum(shard_bytes), device=device) if stream.cache is not None else None
     if stream.skipped:
         log(f"training on {stream.num_samples} of the {len(store)} samples: {stream.skipped} lack {' or '.join(map(repr, data_adapter.required_fields))}")
+    if rank == 0 and joint.live.fillable and stream.is_live.any():
+        log(f"data.on_missing=live: {int(stream.is_live.sum())} of the {stream.num_samples} samples lack {' or '.join(map(repr, sorted(joint.live.fillable)))} and are encoded live")
+    collate = joint.live.wrap_collate(data_adapter.collate)
     dtype = torch.float32
+    validator = fit_sampler = None
+    if held_out and config.sample.every:
+        if rank == 0:
+            log(f"validation: {len(held_out)} held-out sample(s), val_loss every {config.sample.every} steps")
+        validator = Validator(store, held_out, data_adapter, family, objective, dp_rank=meshes.dp_rank, dp_size=dims.dp_size,
+                              dp_group=meshes.dp.get_group(), device=device, dtype=dtype)
+    if config.sample.prompts and config.sample.every:
+        if "in_channels" not in sizes:
+            raise ConfigError(f"sample.prompts: sampling pictures is for DiT runs; model {family.name!r} has no latents to sample")
+        fit_sampler = FitSampler(config.sample, store, config.data, model_config, sizes, rank, device, log)
     if rank == 0 and start and (run / "metrics.jsonl").exists():
         # Steps after the checkpoint we resumed from are trained again: drop their old records.
         kept = [line for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip() and json.loads(line)["step"] <= start]
@@ -211,24 +249,48 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
     metrics_file = open(run / "metrics.jsonl", "a") if rank == 0 else None  # noqa: SIM115
     board = _tensorboard(run) if rank == 0 else None
     losses = []
+
+    def evaluate(step: int) -> dict[str, Any]:
+        """val_loss and samples after ``step``, when due (every rank calls it: both run collectives)."""
+        extra: dict[str, Any] = {}
+        if not due(config.sample, step, start, stop):
+            return extra
+        if validator is not None:
+            t0 = time.perf_counter()
+            extra["val_loss"] = validator.loss(model)
+            extra["val_time_s"] = time.perf_counter() - t0
+        if fit_sampler is not None:
+            extra["sample_time_s"] = fit_sampler.run(model, run, step, device, board)
+        return extra
+
     try:
+        if start == 0 and (extra := evaluate(0)) and metrics_file:
+            metrics_file.write(json.dumps({"step": 0, **extra}) + "\n")
+            metrics_file.flush()
         for data in stream.steps(start, stop, config.data.prefetch):
             t0 = time.perf_counter()
-            loss_sum, count = accumulate_gradients(model, family, objective, data, seed=config.seed, collate=data_adapter.collate, device=device,
-                                                   dtype=dtype, dp_group=meshes.dp.get_group(), grad_clip=o.grad_clip)
+            loss_sum, count = accumulate_gradients(model, family, objective, data, seed=config.seed, collate=collate, device=device,
+                                                   dtype=dtype, dp_group=meshes.dp.get_group(), grad_clip=o.grad_clip,
+                                                   extra_params=joint.parameters())
+            encoder_grads = joint.grad_norms()
             lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
             step = data.step + 1
             if step == start + 1:  # after the first step: optimizer state and gradients exist
-                _write_run_json(run, config, dims, fingerprints, num_params, model, optimizer, store, sizes, rank, data_order)
+                _write_run_json(run, config, dims, fingerprints, num_params, model, optimizer, store, sizes, rank, data_order,
+                                {"encoders": joint.describe(), "drift": joint.drift})
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
+            joint.step()
             loss = loss_sum / max(count, 1)
             losses.append(loss)
             record = {
                 "step": step, "loss": loss, "lr": lr, "samples": data.samples, "tokens": data.tokens,
                 "step_time_s": time.perf_counter() - t0 + data.wait_s, "data_wait_s": data.wait_s,
-                "peak_mem_bytes": _peak_memory(device), "imbalance": data.imbalance,
+                "peak_mem_bytes": _peak_memory(device), "imbalance": data.imbalance, "live_samples": data.live_samples,
+                **({"captions_dropped": data.captions_dropped} if config.data.caption_dropout else {}),
+                **encoder_grads,
+                **evaluate(step),
             }
             if epoch_cache is not None:
                 record.update(epoch_cache.add(data, record["step_time_s"]))
@@ -236,24 +298,31 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
                 if board is not None:
-                    for key in ("loss", "lr", "step_time_s", "data_wait_s", "imbalance"):
-                        board.add_scalar(key, record[key], step)
-                if step % config.log_every == 0 or step == stop:
-                    log(f"step {step:5d}  loss {loss:.4f}  lr {lr:.2e}  {record['step_time_s'] * 1000:6.0f} ms  wait {data.wait_s * 1000:4.0f} ms  imbalance {data.imbalance:.2f}")
+                    for key in ("loss", "lr", "step_time_s", "data_wait_s", "imbalance", "val_loss"):
+                        if key in record:
+                            board.add_scalar(key, record[key], step)
+                if step % config.log_every == 0 or step == stop or "val_loss" in record:
+                    val = f"  val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
+                    log(f"step {step:5d}  loss {loss:.4f}{val}  lr {lr:.2e}  {record['step_time_s'] * 1000:6.0f} ms  wait {data.wait_s * 1000:4.0f} ms  imbalance {data.imbalance:.2f}")
                 if "epoch_cache" in record:
                     e = record["epoch_cache"]
                     log(f"epoch {e['epoch']}: downloaded {e['bytes_downloaded'] / 2**20:.1f} MiB = {e['download_ratio']:.2f}x the {e['store_bytes'] / 2**20:.1f} MiB read, "
                         f"cache hit rate {e['hit_rate']:.1%}, data wait {e['data_wait_share']:.2%} of step time ({e['steps']} steps)")
             if config.checkpoint.every and step % config.checkpoint.every == 0 and step != stop:
-                save_checkpoint(run, step, model, optimizer, scheduler, config.checkpoint.keep)
+                save_checkpoint(run, step, model, optimizer, scheduler, config.checkpoint.keep, extra=joint.extra)
         if stop > start:
-            save_checkpoint(run, stop, model, optimizer, scheduler, config.checkpoint.keep)
+            save_checkpoint(run, stop, model, optimizer, scheduler, config.checkpoint.keep, extra=joint.extra)
             full = export_safetensors(model, run / "model.safetensors")
             if family.export is not None:  # the family's own format too (the VLM: an HF folder)
                 if full is not None:
                     written = export_model(family.name, model_config, full, run / "export", **sizes)
                     log(f"exported {', '.join(str(p) for p in written)}")
                 dist.barrier()
+            stale = joint.export(run, store, stop)
+            if stale and rank == 0:
+                _update_run_json(run, {"stale_fields": stale})
+                for name, record in stale.items():
+                    log(f"exported the trained encoder of {name!r} to {record['export']}; the cached {name!r} is stale for it: {record['reencode']}")
     finally:
         if metrics_file:
             metrics_file.close()
@@ -263,7 +332,7 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
 
 
 def accumulate_gradients(model, family, objective, data, *, seed: int, collate, device: torch.device, dtype: torch.dtype,
-                         dp_group, grad_clip: float) -> tuple[float, int]:
+                         dp_group, grad_clip: float, extra_params=()) -> tuple[float, int]:
     """Forward/backward every micro-batch of this rank's share of a step, then turn the summed
     gradients into the gradient of the global mean (and clip). Returns the global loss sum and
     the global loss-element count (all-reduced: a VLM's label tokens are known only from data)."""
@@ -281,11 +350,13 @@ def accumulate_gradients(model, family, objective, data, *, seed: int, collate, 
     # Sequence-parallel ranks of one data-parallel rank hold the same loss: sum over dp only.
     dist.all_reduce(totals, group=dp_group)
     loss_sum, count = float(totals[0]), int(round(float(totals[1])))
-    for p in model.parameters():
+    # extra_params: trained encoders (joint finetuning), normalised and clipped with the model.
+    params = [*model.parameters(), *extra_params]
+    for p in params:
         if p.grad is not None:
             p.grad.div_(max(count, 1))
     if grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
     return loss_sum, count
 
 
@@ -347,7 +418,7 @@ class EpochCacheStats:
         return out
 
 
-def _write_run_json(run: Path, config, dims, fingerprints, num_params, model, optimizer, store, sizes, rank, data_order) -> None:
+def _write_run_json(run: Path, config, dims, fingerprints, num_params, model, optimizer, store, sizes, rank, data_order, extra: dict[str, Any] | None = None) -> None:
     held = local_state_bytes(model, optimizer)
     grads = sum((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).numel() * p.element_size() for p in model.parameters() if p.grad is not None)
     snapshot = snapshot_digest(list(store.shards))
@@ -370,15 +441,27 @@ def _write_run_json(run: Path, config, dims, fingerprints, num_params, model, op
         # The epoch order's window (None: global shuffle); --resume keeps it.
         "data_order": data_order,
         "fingerprints": fingerprints,
+        # The trained fields' metadata (normalisation, VAE compression...): what sampling and
+        # export need to turn the model's output back into pictures, even without the store.
+        "fields": {name: store.fields[name].meta for name in fingerprints if name in store.fields},
         "input_sizes": sizes,
         "parameters": num_params,
         "ranks": [{"rank": r, "param_bytes": int(t[0]), "grad_bytes": int(t[1]), "optim_bytes": int(t[2])} for r, t in enumerate(everyone)],
+        **(extra or {}),
     }
     if latent is not None:
         doc["latent_normalisation"] = {
             "recorded": {k: v for k, v in latent.meta.items() if k in ("scaling_factor", "shift_factor", "latents_mean", "latents_std")},
             "applied_shift_scale": latent_normalisation(latent.meta),
         }
-    tmp = run / "run.json.tmp"
+    _replace_json(run / "run.json", doc)
+
+
+def _update_run_json(run: Path, entries: dict[str, Any]) -> None:
+    _replace_json(run / "run.json", {**json.loads((run / "run.json").read_text()), **entries})
+
+
+def _replace_json(path: Path, doc: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(doc, indent=2, default=str))
-    tmp.replace(run / "run.json")
+    tmp.replace(path)

@@ -157,6 +157,28 @@ class Encoder(ABC):
     def encode(self, batch: Sequence[Any]) -> list[dict[str, np.ndarray]]:
         """One dict field -> array per batch item, in batch order, in the stored dtype."""
 
+    def features(self, batch: Sequence[Any]) -> list[dict[str, torch.Tensor]]:
+        """What ``encode`` computes, before the cast to the stored dtype: one dict field -> tensor
+        per batch item, in the compute dtype, on the device, and differentiable (autograd records
+        it unless the caller turns it off). Joint finetuning (``train.live``) trains through it."""
+        raise NotImplementedError(f"encoder {self.registry_name!r} cannot run inside a training step (it has no differentiable features())")
+
+    def trainable_module(self) -> torch.nn.Module:
+        """The module whose parameters a joint finetune may train (loaded, frozen by default)."""
+        self.require_loaded()
+        model = getattr(self, "model", None)
+        if not isinstance(model, torch.nn.Module):
+            raise NotImplementedError(f"encoder {self.registry_name!r} has no trainable module")
+        return model
+
+    def save_pretrained(self, out_dir: str, state_dict: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Write the (possibly finetuned) encoder as a folder its ``path`` option loads again."""
+        raise NotImplementedError(f"encoder {self.registry_name!r} cannot be exported as a from_pretrained folder")
+
+    def config_record(self) -> dict[str, Any]:
+        """The registry name and the typed config as plain JSON: what rebuilds this encoder."""
+        return {"encoder": self.registry_name, "config": json.loads(json.dumps(asdict(self.config)))}
+
     @property
     def loaded(self) -> bool:
         return self._weights_sha256 is not None

@@ -139,24 +139,39 @@ class T5FamilyEncoder(Encoder):
         # Duplicates share one read-only array: equal captions have equal features.
         return [{self.config.field: by_caption[caption]} for caption in batch]
 
-    def _encode_distinct(self, captions: list[str]) -> list[np.ndarray]:
+    def features(self, batch: Sequence[str]) -> list[dict[str, torch.Tensor]]:
+        """L x D states (compute dtype, differentiable) per caption, as one padded forward pass."""
+        self.require_loaded()
+        hidden, mask = self._forward(list(batch))
+        # Select by mask, not by a [:L] slice, so the padding side cannot matter.
+        return [{self.config.field: hidden[i][mask[i].bool().to(hidden.device)]} for i in range(len(batch))]
+
+    def _forward(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         with self._tokenizer_lock:
             tokens = self.tokenizer(
                 captions, padding="longest", truncation=True, max_length=self.config.max_length, return_tensors="pt"
             )
         mask = tokens["attention_mask"]
         hidden = self.model(input_ids=tokens["input_ids"].to(self.device), attention_mask=mask.to(self.device)).last_hidden_state
+        return hidden, mask
+
+    def _encode_distinct(self, captions: list[str]) -> list[np.ndarray]:
+        hidden, mask = self._forward(captions)
         # One transfer per micro-batch; checked after the cast, where an fp16 overflow becomes inf.
         stored = hidden.to(torch_dtype(self.config.dtype)).cpu()
         out = []
         for i, caption in enumerate(captions):
-            # Select by mask, not by a [:L] slice, so the padding side cannot matter.
             real = stored[i][mask[i].bool()]
             check_finite(real, f"text embedding of caption {caption[:40]!r}")
             array = to_numpy(real, self.config.dtype)
             array.flags.writeable = False
             out.append(array)
         return out
+
+    def save_pretrained(self, out_dir: str, state_dict=None) -> None:
+        # The weights in the dtype they were loaded in (compute dtype only if that is what trained).
+        self.trainable_module().save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+        self.tokenizer.save_pretrained(out_dir)
 
 
 @register("t5")

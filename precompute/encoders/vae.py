@@ -97,6 +97,12 @@ class DiffusersVAE(VisualEncoder):
         self.model = model.eval().requires_grad_(False)
         return digest
 
+    def save_pretrained(self, out_dir: str, state_dict=None) -> None:
+        model = self.trainable_module()
+        if state_dict is not None:
+            model.load_state_dict(state_dict)
+        model.save_pretrained(out_dir, safe_serialization=True)
+
     def _metadata(self, spatial: int, temporal: int) -> dict[str, dict[str, Any]]:
         raw = self.raw_config()
         meta: dict[str, Any] = {"spatial_compression": spatial, "temporal_compression": temporal}

@@ -187,6 +187,25 @@ class ViTEncoder(VisualEncoder):
         bounds = np.cumsum([0, *(len(s) for s in stacks)])
         return [{self.field_name: to_numpy(stored[a:b], self.config.dtype)} for a, b in zip(bounds[:-1], bounds[1:])]
 
+    def features(self, batch: Sequence[PreparedMedia | np.ndarray]) -> list[dict[str, torch.Tensor]]:
+        """``encode``'s forward passes in the compute dtype, differentiable (tiles: one flat stack)."""
+        if self.config.tiling is None:
+            return super().features(batch)
+        self.require_loaded()
+        stacks = [self._tiles_of(item, i) for i, item in enumerate(batch)]
+        out = self._run_frames(torch.from_numpy(np.concatenate(stacks)))
+        bounds = np.cumsum([0, *(len(s) for s in stacks)])
+        return [{self.field_name: out[a:b]} for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def save_pretrained(self, out_dir: str, state_dict=None) -> None:
+        import shutil
+
+        self.trainable_module().save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+        # The image processor's settings (mean, std, size) travel with the weights.
+        source = Path(self.config.path) / "preprocessor_config.json"
+        if source.is_file():
+            shutil.copy2(source, Path(out_dir) / source.name)
+
     def _tiles_of(self, item: PreparedMedia | np.ndarray, index: int) -> np.ndarray:
         pixels = item.pixels if isinstance(item, PreparedMedia) else item
         if isinstance(pixels, np.ndarray) and pixels.ndim == 3:

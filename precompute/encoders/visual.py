@@ -66,21 +66,34 @@ class VisualEncoder(Encoder):
     # -- batching -----------------------------------------------------------------------------
     def encode(self, batch: Sequence[PreparedMedia | np.ndarray]) -> list[dict[str, np.ndarray]]:
         self.require_loaded()
-        arrays = [self._checked_pixels(item, i) for i, item in enumerate(batch)]
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for i, pixels in enumerate(arrays):
-            groups.setdefault(pixels.shape, []).append(i)
-        results: list[dict[str, np.ndarray] | None] = [None] * len(arrays)
+        results: list[dict[str, np.ndarray] | None] = [None] * len(batch)
         with torch.inference_mode():
-            for indices in groups.values():
-                stacked = torch.from_numpy(np.stack([arrays[i] for i in indices]))
+            for indices, features in self._grouped(batch):
                 # Cast to the storage dtype before the check: an fp16 overflow shows up as inf.
-                stored = self._encode_group(stacked).to(torch_dtype(self.config.dtype)).cpu()
+                stored = features.to(torch_dtype(self.config.dtype)).cpu()
                 check_finite(stored, f"{self.field_name} of batch items {indices}")
                 for j, i in enumerate(indices):
                     results[i] = {self.field_name: to_numpy(stored[j], self.config.dtype)}
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
+
+    def features(self, batch: Sequence[PreparedMedia | np.ndarray]) -> list[dict[str, torch.Tensor]]:
+        """The same stacked forward passes as ``encode``, kept in the compute dtype (differentiable)."""
+        self.require_loaded()
+        results: list[dict[str, torch.Tensor] | None] = [None] * len(batch)
+        for indices, features in self._grouped(batch):
+            for j, i in enumerate(indices):
+                results[i] = {self.field_name: features[j]}
+        return results  # type: ignore[return-value]
+
+    def _grouped(self, batch: Sequence[PreparedMedia | np.ndarray]):
+        """(batch positions, stacked features) per group of equally shaped items."""
+        arrays = [self._checked_pixels(item, i) for i, item in enumerate(batch)]
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, pixels in enumerate(arrays):
+            groups.setdefault(pixels.shape, []).append(i)
+        for indices in groups.values():
+            yield indices, self._encode_group(torch.from_numpy(np.stack([arrays[i] for i in indices])))
 
     def _encode_group(self, pixels: torch.Tensor) -> torch.Tensor:
         """uint8 N x H x W x 3 or N x T x H x W x 3 -> features (N first)."""

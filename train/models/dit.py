@@ -52,7 +52,7 @@ from train.models.layers import (
 )
 from train.models.registry import InputShapeError, ModelConfigError, register_model
 from train.data import LatentTextData
-from train.objective import FlowMatchingConfig, flow_matching_loss
+from train.objective import FlowMatchingConfig, flow_matching_loss, flow_matching_validation_loss
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -194,6 +194,7 @@ def _tokens_per_sample(config: DiTConfig, sample_shape: tuple[int, ...]) -> int:
     tokens_per_sample=_tokens_per_sample,
     data=LatentTextData.for_run,
     presets=DIT_PRESETS,
+    validation_loss=flow_matching_validation_loss,
 )
 class DiT(nn.Module):
     def __init__(self, config: DiTConfig, *, in_channels: int, text_dim: int) -> None:

@@ -18,12 +18,16 @@ the trainer needs to use it without knowing which family it is:
 - ``export``       optional ``export(model, out_dir) -> [paths]``: write a trained model in its
                    ecosystem's format (the VLM: a Hugging Face LLM folder + the projector) from a
                    plain, unsharded module on CPU. ``export_model`` builds that module from a full
-                   state dict; ``mmtrain fit`` calls it at the end of a run (``RUN_DIR/export``);
+                   state dict; ``mmtrain fit`` calls it at the end of a run (``RUN_DIR/export``) and
+                   ``mmtrain export`` writes it under ``DIR/hf`` beside the plain
+                   ``model.safetensors`` + ``config.json`` that ``mmtrain sample`` reads back;
 - ``data``         ``data(config, data_section, store) -> DataAdapter``: which store fields the
                    family reads, its input sizes from the schema, each sample's shape (what
                    ``tokens_per_sample`` reads) and micro-batch group, and how a micro-batch of
                    samples becomes the ``batch`` of ``training_loss`` (stacked latents for the DiT,
-                   packed rows for the VLM).
+                   packed rows for the VLM);
+- ``validation_loss`` (optional) the held-out loss, deterministic for a model (the DiT's at fixed
+                   timesteps); default: ``training_loss`` with per-sample generators of a fixed seed.
 
 The loss contract (why ``LossTerms`` is a *sum* plus a *count*): a global batch is split unevenly
 across data-parallel ranks and micro-batches (that is the point of token balancing), so a per-rank
@@ -92,6 +96,19 @@ class ModelFamily:
     input_sizes: tuple[str, ...]
     data: Callable[[Any, Any, Any], DataAdapter]
     export: Export | None = None
+    # The held-out loss (same signature as training_loss; generators seeded per held-out sample):
+    # deterministic for a given model. None: training_loss with those fixed generators.
+    validation_loss: TrainingLoss | None = None
+
+    def export_model(self, model: nn.Module, out_dir: Any, info: dict[str, Any]) -> list[str]:
+        """What ``mmtrain export`` writes for ``model`` (unsharded, on CPU): ``model.safetensors`` +
+        ``config.json`` (``info``: what rebuilds it; ``mmtrain sample`` reads this back), and the
+        family's own format, if it has one, under ``out_dir/hf`` (the VLM: LLM + projector)."""
+        files = export_safetensors_dir(model, out_dir, info)
+        if self.export is not None:
+            out = Path(out_dir)
+            files += [str(p.relative_to(out)) for p in self.export(model, out / "hf")]
+        return files
 
     def resolve_config(self, config: Any) -> Any:
         """A preset name, a plain mapping (from YAML), an instance, or None (the defaults)."""
@@ -137,6 +154,7 @@ def register_model(
     data: Callable[[Any, Any, Any], DataAdapter],
     presets: Mapping[str, Any] | None = None,
     export: Export | None = None,
+    validation_loss: TrainingLoss | None = None,
 ) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
     """Class/function decorator: ``@register_model("dit", config_cls=..., ...)`` on the builder."""
 
@@ -155,10 +173,29 @@ def register_model(
             presets=dict(presets or {}),
             input_sizes=sizes,
             export=export,
+            validation_loss=validation_loss,
         )
         return builder
 
     return decorate
+
+
+EXPORT_FORMAT = "mmtrain-export"
+
+
+def export_safetensors_dir(model: nn.Module, out_dir: Any, info: dict[str, Any]) -> list[str]:
+    """The default export: ``model.safetensors`` (the state dict, no pickle) and ``config.json``
+    (``info``: what rebuilds the model and says what it was trained on)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({"format": EXPORT_FORMAT, "format_version": 1, **info}, indent=2, default=str) + "\n")
+    return ["model.safetensors", "config.json"]
 
 
 def model_names() -> list[str]:

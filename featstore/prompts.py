@@ -1,0 +1,147 @@
+"""Prompt embeddings kept beside a store's samples: validation prompts and the empty prompt.
+
+A trainer needs text embeddings that belong to no sample: the empty prompt's (caption dropout,
+classifier-free guidance) and those of the prompts it samples from during and after training.
+``mmcache encode`` writes them with the same text encoder as the samples' captions, so they carry
+that field's encoder fingerprint, and a reader takes only the ones whose fingerprint is the
+field's current one (an embedding from other weights would be silently wrong).
+
+Layout (see docs/FORMAT.md, "Prompt embeddings")::
+
+    prompts/<field>.<fingerprint digest>.<set digest>.parquet
+
+one immutable Parquet object per (text field, encoder, set of prompts), created only if absent
+(like an index part): columns ``prompt`` (string; ``""`` is the empty prompt), ``dtype``,
+``shape`` (list<int64>), ``data`` (the array's little-endian C-order bytes) and ``crc32c`` (of
+``data``); Parquet key/value metadata ``mmcache.prompts`` holds the field name and its full
+fingerprint. Plain pyarrow reads it; numpy (``ml_dtypes`` for bfloat16) rebuilds the arrays.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from featstore import format as fmt
+from featstore.errors import CorruptionError, FeatstoreError, ReadOnlyError, SchemaError
+
+PROMPTS_DIR = "prompts"
+METADATA_KEY = b"mmcache.prompts"
+EMPTY_PROMPT = ""
+
+
+class PromptFileError(FeatstoreError):
+    """A prompt file is unusable (a blank line, not UTF-8, no prompt at all)."""
+
+
+class MissingPromptError(FeatstoreError, KeyError):
+    """A prompt's embedding is not in the store (it was not encoded with ``--prompts``)."""
+
+    __str__ = ValueError.__str__  # KeyError would quote the message
+
+
+def read_prompt_file(text: str, where: str) -> list[str]:
+    """One prompt per line. A blank line is an error (it would silently become the empty prompt,
+    i.e. an unconditional sample); trailing newlines and a byte-order mark are fine."""
+    prompts = []
+    lines = text.removeprefix("\ufeff").split("\n")
+    while lines and not lines[-1].strip():  # the file's final newline(s)
+        lines.pop()
+    for number, line in enumerate(lines, start=1):
+        line = line.rstrip("\r")
+        if not line.strip():
+            raise PromptFileError(f"{where}, line {number}: blank line; write one prompt per line (the empty prompt is always stored)")
+        prompts.append(line)
+    if not prompts:
+        raise PromptFileError(f"{where} holds no prompt; write one prompt per line")
+    return prompts
+
+
+def _fingerprint_digest(fingerprint: Mapping[str, Any], field: str) -> str:
+    digest = fingerprint.get("digest")
+    if not isinstance(digest, str) or not digest.isalnum():
+        raise SchemaError(f"field {field!r} has no encoder fingerprint digest; prompt embeddings need one")
+    return digest
+
+
+def part_key(field: str, fingerprint_digest: str, prompts: Sequence[str]) -> str:
+    body = json.dumps(sorted(set(prompts)), ensure_ascii=True).encode()
+    return f"{PROMPTS_DIR}/{field}.{fingerprint_digest}.{hashlib.sha256(body).hexdigest()[:16]}.parquet"
+
+
+def write_prompts(store, field: str, embeddings: Mapping[str, np.ndarray]) -> str | None:
+    """Store ``embeddings`` (prompt -> array in the field's dtype) for text field ``field`` of
+    ``store`` (opened with ``mode="a"``), tagged with the field's fingerprint. Idempotent: the
+    object's name is a hash of the prompts, and one that exists is kept. Returns the key written,
+    or None when it was there already."""
+    if store.mode != "a":
+        raise ReadOnlyError(f"{store.url} is open for reading; open it with mode='a' to store prompt embeddings")
+    spec = store.fields.get(field)
+    if spec is None:
+        raise SchemaError(f"{store.url} has no field {field!r} to store prompt embeddings for")
+    fingerprint = spec.meta.get("fingerprint") or {}
+    key = part_key(field, _fingerprint_digest(fingerprint, field), list(embeddings))
+    if store.storage.exists(key):
+        return None
+    want = spec.numpy_dtype
+    rows: dict[str, list[Any]] = {"prompt": [], "dtype": [], "shape": [], "data": [], "crc32c": []}
+    for prompt in sorted(embeddings):
+        array = np.ascontiguousarray(embeddings[prompt])
+        if array.dtype != want or (spec.ndim is not None and array.ndim != spec.ndim):
+            raise SchemaError(f"prompt {prompt[:40]!r}: embedding {array.dtype} {array.shape} does not fit field {field!r} ({spec.dtype}, ndim {spec.ndim})")
+        data = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+        rows["prompt"].append(prompt)
+        rows["dtype"].append(spec.dtype)
+        rows["shape"].append(list(array.shape))
+        rows["data"].append(data)
+        rows["crc32c"].append(fmt.crc32c(data))
+    schema = pa.schema([("prompt", pa.string()), ("dtype", pa.string()), ("shape", pa.list_(pa.int64())),
+                        ("data", pa.binary()), ("crc32c", pa.uint32())],
+                       metadata={METADATA_KEY: json.dumps({"field": field, "fingerprint": fingerprint}, sort_keys=True).encode()})
+    buffer = io.BytesIO()
+    pq.write_table(pa.Table.from_pydict(rows, schema=schema), buffer)
+    store.storage.write_new(key, buffer.getvalue())
+    return key
+
+
+def read_prompts(store, field: str, *, fingerprint_digest: str | None = None) -> dict[str, np.ndarray]:
+    """Every stored prompt embedding of text field ``field`` made by the field's encoder (or the
+    one named by ``fingerprint_digest``): prompt -> read-only array. Checksums are verified."""
+    spec = store.fields.get(field)
+    if spec is None:
+        raise SchemaError(f"{store.url} has no field {field!r} (fields: {sorted(store.fields)})")
+    digest = fingerprint_digest or _fingerprint_digest(spec.meta.get("fingerprint") or {}, field)
+    out: dict[str, np.ndarray] = {}
+    for name in sorted(store.storage.list_names(PROMPTS_DIR, f"{field}.{digest}.")):
+        if not name.endswith(".parquet"):
+            continue  # a temporary file of a writer
+        key = f"{PROMPTS_DIR}/{name}"
+        table = pq.read_table(io.BytesIO(store.storage.read(key)))
+        info = json.loads((table.schema.metadata or {}).get(METADATA_KEY, b"{}"))
+        if info.get("field") != field or (info.get("fingerprint") or {}).get("digest") != digest:
+            raise CorruptionError(f"{store.url}/{key}: its metadata names field {info.get('field')!r}, fingerprint {(info.get('fingerprint') or {}).get('digest')}, not what its name says")
+        for prompt, dtype, shape, data, crc in zip(*(table.column(c).to_pylist() for c in ("prompt", "dtype", "shape", "data", "crc32c")), strict=True):
+            if fmt.crc32c(data) != crc:
+                raise CorruptionError(f"{store.url}/{key}: the embedding of prompt {prompt[:40]!r} fails its CRC-32C")
+            array = np.frombuffer(data, dtype=fmt.dtype_info(dtype)[0].newbyteorder("<")).reshape(shape)
+            out.setdefault(prompt, array)
+    return out
+
+
+def prompt_embedding(store, field: str, prompt: str) -> np.ndarray:
+    """One prompt's embedding, or an error that says how to get it stored."""
+    found = read_prompts(store, field).get(prompt)
+    if found is None:
+        what = "the empty prompt" if prompt == EMPTY_PROMPT else f"prompt {prompt[:60]!r}"
+        raise MissingPromptError(
+            f"{store.url} holds no embedding of {what} for field {field!r} made by its current encoder; "
+            "encode the store again with `mmcache encode ... --prompts FILE` (one prompt per line; nothing else is re-encoded)"
+        )
+    return found

@@ -1,0 +1,75 @@
+"""Prompt embeddings at encode time: ``mmcache encode --prompts FILE``.
+
+Every text field of the job (a text encoder whose items are captions, e.g. T5) gets the empty
+prompt's embedding, always, and the embeddings of the prompts in FILE when given, stored with the
+field's fingerprint beside the samples (``featstore.prompts``). The empty prompt is what a trainer
+needs for caption dropout and classifier-free guidance; the prompts are what it samples from
+during and after training, without loading the text encoder again.
+
+The embeddings are computed on one worker by the encoder it has already loaded (the client
+never loads a model), then written by the client as one immutable object per field and prompt
+set; a re-run with the same prompts writes nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from featstore.prompts import EMPTY_PROMPT, part_key, read_prompt_file, write_prompts
+
+
+def load_prompt_file(path: str) -> list[str]:
+    """The prompts of ``path`` (one per line; a blank line is an error naming the line)."""
+    from featstore.prompts import PromptFileError
+
+    file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PromptFileError(f"--prompts {path}: no such file") from None
+    except UnicodeDecodeError as exc:
+        raise PromptFileError(f"--prompts {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    return read_prompt_file(text, f"--prompts {path}")
+
+
+def text_sections(fields: dict[str, Any]) -> dict[str, str]:
+    """field name -> config section of the fields that hold caption embeddings (2-D float text
+    features; a tokenizer's token ids are no embedding)."""
+    return {name: spec["meta"]["section"] for name, spec in fields.items()
+            if spec["meta"].get("modality") == "text" and spec["ndim"] == 2 and spec["dtype"] in ("bfloat16", "float16", "float32")}
+
+
+def encode_prompts_on_worker(specs, requested: str, threads: int, sections: dict[str, str], prompts: list[str]) -> dict[str, dict[str, np.ndarray]]:
+    """Run on a worker: field -> prompt -> embedding, the empty prompt included."""
+    from precompute.pipeline import _device_here
+    from precompute.tasks import loaded_encoders
+
+    encoders = loaded_encoders(specs, _device_here(requested), threads)
+    wanted = [EMPTY_PROMPT, *dict.fromkeys(p for p in prompts if p != EMPTY_PROMPT)]
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for field, section in sections.items():
+        encoded = encoders[section].encode(wanted)
+        out[field] = {prompt: np.array(item[field]) for prompt, item in zip(wanted, encoded, strict=True)}
+    return out
+
+
+def store_prompt_embeddings(client, address: str, specs, requested: str, threads: int, fields: dict[str, Any], store, prompts: list[str], log) -> int:
+    """Encode and store the prompt embeddings of every text field; returns how many objects were
+    written (0 when the store already had them)."""
+    sections = text_sections(fields)
+    if not sections:
+        if prompts:
+            log("note: --prompts given, but this config has no text-embedding field: no prompts stored")
+        return 0
+    wanted = [EMPTY_PROMPT, *prompts]
+    todo = {f: s for f, s in sections.items() if not store.storage.exists(part_key(f, fields[f]["meta"]["fingerprint"]["digest"], wanted))}
+    if not todo:
+        return 0  # stored by an earlier run: no worker round trip
+    embeddings = client.submit(encode_prompts_on_worker, specs, requested, threads, todo, prompts, workers=[address], pure=False).result()
+    written = sum(write_prompts(store, field, by_prompt) is not None for field, by_prompt in embeddings.items())
+    if written and prompts:
+        log(f"stored the embeddings of {len(prompts)} prompt(s) and the empty prompt for {', '.join(todo)}")
+    return written

@@ -1,0 +1,108 @@
+"""Re-attaching a field's encoder from what the store recorded (``train.live.reattach``): live
+features equal the cached ones up to storage rounding; moved media, other weights, a store
+without the record and an unknown encoder are refused with errors that say what to do."""
+
+from __future__ import annotations
+
+import shutil
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import featstore
+from tests.joint_store import dataset, encode
+from train.live.reattach import (
+    EncoderMismatchError,
+    EncoderRecordError,
+    MediaMovedError,
+    reattach_encoder,
+    sample_rows,
+)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reattach")
+    manifest = dataset(root / "data", images=5, videos=1)
+    return encode(manifest, root / "store")
+
+
+def as_float(array) -> np.ndarray:
+    return np.asarray(array, dtype=np.float32)
+
+
+@pytest.mark.parametrize("field", ["latent", "text_emb"])
+def test_live_reproduces_the_cached_features(store, field):
+    s = featstore.open(store)
+    ids = s.sample_ids()
+    live = reattach_encoder(s, field)
+    record = s.fields[field].meta["encoder"]
+    assert record["encoder"] == ("autoencoder_kl" if field == "latent" else "t5") and "path" in record["config"]
+    assert record["transform"] == s.attrs["transform"]
+    for sid, got in zip(ids, live.encode_rows(sample_rows(s, ids)), strict=True):
+        cached = s.read(sid, [field])[field]
+        assert got.shape == cached.shape and got.dtype == cached.dtype
+        # Storage rounding only: at most one bf16 step where a batch's arithmetic differs.
+        np.testing.assert_allclose(as_float(got), as_float(cached), rtol=2 ** -7, atol=1e-6)
+
+
+def test_differentiable_features_round_to_the_stored_values(store):
+    s = featstore.open(store)
+    live = reattach_encoder(s, "text_emb")
+    live.module().requires_grad_(True)
+    rows = sample_rows(s, s.sample_ids()[:2])
+    tensors = live.features(live.inputs(rows))
+    assert all(t.requires_grad for t in tensors)
+    # Values are bf16-representable (what the cache holds), so the first step sees cached values.
+    assert all(bool((t == t.to(torch.bfloat16).float()).all()) for t in tensors)
+    sum(t.sum() for t in tensors).backward()
+    grads = [p.grad for p in live.module().parameters() if p.grad is not None]
+    assert grads and all(bool(g.isfinite().all()) for g in grads)
+
+
+def test_moved_media_name_the_root_to_pass(store, tmp_path):
+    s = featstore.open(store)
+    rows = sample_rows(s, s.sample_ids()[:1])
+    source = rows[0]["source_uri"]
+    root = source[: -len(rows[0]["source_path"])].rstrip("/")
+    moved = tmp_path / "moved"
+    shutil.copytree(root, moved)
+    hidden = root + ".away"
+    shutil.move(root, hidden)
+    try:
+        live = reattach_encoder(s, "latent")
+        with pytest.raises(MediaMovedError, match=rf"--media ROOT.*{rows[0]['source_path']}.*it was {root}"):
+            live.encode_media(rows)
+        again = reattach_encoder(s, "latent", media_root=str(moved))
+        np.testing.assert_array_equal(as_float(again.encode_media(rows)[0]), as_float(s.read(rows[0]["id"], ["latent"])["latent"]))
+    finally:
+        shutil.move(hidden, root)
+
+
+def test_other_weights_are_refused_saying_what_differs(store, tmp_path):
+    from precompute.encoders.tiny import build_tiny_model
+
+    s = featstore.open(store)
+    other = build_tiny_model("t5", tmp_path / "t5-other", seed=1)
+    with pytest.raises(EncoderMismatchError, match=r"weights_sha256: cached .* live"):
+        reattach_encoder(s, "text_emb", weights_path=str(other))
+    # The same weights in another folder are fine: the path is not part of the fingerprint.
+    same = tmp_path / "t5-moved"
+    shutil.copytree(s.fields["text_emb"].meta["encoder"]["config"]["path"], same)
+    assert reattach_encoder(s, "text_emb", weights_path=str(same)).fingerprint()["digest"] == s.fields["text_emb"].meta["fingerprint"]["digest"]
+
+
+def test_a_store_without_the_record_and_an_unknown_encoder(tmp_path):
+    fields = {
+        "old": {"dtype": "bfloat16", "ndim": 2, "meta": {"section": "text", "fingerprint": {"digest": "x", "encoder": "t5"}}},
+        "odd": {"dtype": "bfloat16", "ndim": 2, "meta": {"fingerprint": {"digest": "y"}, "encoder": {"encoder": "no_such_encoder", "config": {}}}},
+    }
+    with featstore.create(str(tmp_path / "s"), fields=fields) as writer:
+        writer.add("a", {"old": np.zeros((2, 4), ml_dtypes.bfloat16), "odd": np.zeros((2, 4), ml_dtypes.bfloat16)})
+    s = featstore.open(str(tmp_path / "s"))
+    with pytest.raises(EncoderRecordError, match=r"re-encode the field .* or pass the encoder config .*encoders.old.rebuild.encoder=t5"):
+        reattach_encoder(s, "old")
+    with pytest.raises(EncoderRecordError, match=r"cannot be rebuilt: unknown encoder 'no_such_encoder'; registered encoders: .*t5"):
+        reattach_encoder(s, "odd")

@@ -1,0 +1,211 @@
+"""The fields of a run that are not (only) read from the cache: ``encoders.<field>.mode`` live or
+train, and ``data.on_missing: live`` fill-ins for samples that lack a field.
+
+Written against the model family's ``DataAdapter``, not a model: a field is whatever the adapter
+reads from the store, so the data pipeline hands the adapter the same per-sample dict whichever
+way each field was made.
+
+- ``live`` fields are encoded in the data pipeline's background thread (``FeatureStream`` reads
+  ahead), as numpy arrays in the stored dtype: exactly what a cached read returns.
+- ``fill`` fields (on_missing: live) are read from the cache where a sample has them and encoded
+  like ``live`` where it does not.
+- ``train`` fields: the background thread prepares the encoder's inputs (captions, decoded pixels);
+  the step runs the encoder with autograd (``wrap_collate``), its output rounded to the stored
+  dtype with a straight-through gradient, so step 1 sees the cached values.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+import featstore
+from featstore.errors import ConfigError
+from train.live.reattach import LiveEncoder, reattach_encoder, sample_rows
+
+RAW = "__live_input__:"  # sample-dict key prefix of a train field's prepared encoder input
+
+
+@dataclass(kw_only=True)
+class LiveField:
+    name: str
+    mode: Literal["live", "train", "fill"]
+    encoder: LiveEncoder
+    lr_scale: float = 1.0
+    trainable: tuple[str, ...] = ()  # parameter names that get gradients (train mode)
+
+
+class LiveFields:
+    """The run's live/train/fill fields and what the data pipeline and the step do with them."""
+
+    def __init__(self, store: featstore.Store, fields: Mapping[str, LiveField], optional: Sequence[str] = ()) -> None:
+        self.store = store
+        self.fields = dict(fields)
+        # Fields only some samples have by design (a VLM's image features): made live for those only.
+        self.optional = set(optional)
+
+    # -- building -----------------------------------------------------------------------------
+    @classmethod
+    def build(cls, config, store: featstore.Store, read_fields: Sequence[str], *, device: str | torch.device = "cpu",
+              storage_options: dict[str, Any] | None = None, optional: Sequence[str] = ()) -> LiveFields:
+        """Re-attach the encoder of every field whose mode is not cached (and, with on_missing: live,
+        of every field some sample lacks). Raises before any training on a field the run does not
+        read, a store that does not record its encoders, or a fingerprint mismatch."""
+        unknown = sorted(set(config.encoders) - set(read_fields))
+        if unknown:
+            raise ConfigError(f"encoders.{unknown[0]}: this run reads no field {unknown[0]!r} (it reads {', '.join(read_fields)})")
+        wanted: dict[str, Literal["live", "train", "fill"]] = {
+            name: section.mode for name, section in config.encoders.items() if section.mode != "cached"
+        }
+        if config.data.on_missing == "live":
+            counts = store.samples_per_field()
+            for name in read_fields:
+                if name not in wanted and name not in optional and counts.get(name, 0) < len(store):
+                    wanted[name] = "fill"
+        fields = {}
+        for name, mode in wanted.items():
+            section = config.encoders.get(name)
+            encoder = reattach_encoder(
+                store, name, weights_path=section.path if section else None, device=device,
+                media_root=config.data.media_root, storage_options=storage_options,
+                rebuild=(section.rebuild or None) if section else None, resize=(section.resize or None) if section else None,
+            )
+            fields[name] = LiveField(name=name, mode=mode, encoder=encoder, lr_scale=section.lr_scale if section else 1.0)
+        return cls(store, fields, optional)
+
+    def __bool__(self) -> bool:
+        return bool(self.fields)
+
+    @property
+    def produced(self) -> set[str]:
+        """Fields never read from the cache."""
+        return {n for n, f in self.fields.items() if f.mode in ("live", "train")}
+
+    @property
+    def fillable(self) -> set[str]:
+        return {n for n, f in self.fields.items() if f.mode == "fill"}
+
+    def trained(self) -> dict[str, LiveField]:
+        return {n: f for n, f in self.fields.items() if f.mode == "train"}
+
+    # -- the data pipeline --------------------------------------------------------------------
+    def complete(self, samples: list[dict[str, Any]], sample_ids: Sequence[str], blank_captions: Collection[int] = ()) -> None:
+        """Add what the cache did not give: live/fill fields as stored-dtype arrays, train fields as
+        prepared inputs under ``RAW + name``. In place, batched per field. Samples in
+        ``blank_captions`` (caption dropout) are encoded from the empty caption."""
+        rows: dict[int, dict[str, Any]] = {}
+
+        def rows_of(positions: list[int]) -> list[dict[str, Any]]:
+            todo = [k for k in positions if k not in rows]
+            for k, row in zip(todo, sample_rows(self.store, [sample_ids[k] for k in todo]), strict=True):
+                rows[k] = {**row, "caption": ""} if k in blank_captions else row
+            return [rows[k] for k in positions]
+
+        for name, live in self.fields.items():
+            targets = [k for k, sample in enumerate(samples)
+                       if name not in sample and (name not in self.optional or self.store.has_field(sample_ids[k], name))]
+            if not targets:
+                continue
+            if live.mode == "train":
+                for k, item in zip(targets, live.encoder.inputs(rows_of(targets)), strict=True):
+                    samples[k][RAW + name] = item
+            else:
+                for k, array in zip(targets, live.encoder.encode_rows(rows_of(targets)), strict=True):
+                    samples[k][name] = array
+
+    # -- the step -----------------------------------------------------------------------------
+    def wrap_collate(self, collate: Callable[..., Any]) -> Callable[..., Any]:
+        """The adapter's collate, with each train field encoded (with autograd) first."""
+        trained = self.trained()
+        if not trained:
+            return collate
+
+        def live_collate(samples: list[dict[str, Any]], device: torch.device, dtype: torch.dtype) -> Any:
+            done = [dict(s) for s in samples]
+            for name, live in trained.items():
+                features = live.encoder.features([s.pop(RAW + name) for s in done], dtype)
+                for sample, value in zip(done, features, strict=True):
+                    sample[name] = value
+            return collate(done, device, dtype)
+
+        return live_collate
+
+    def set_trainable(self, config) -> None:
+        """Freeze every re-attached encoder, then unfreeze what each train field names."""
+        for name, live in self.fields.items():
+            module = live.encoder.module() if live.mode == "train" else None
+            if module is None:
+                continue
+            section = config.encoders[name]
+            module.requires_grad_(False)
+            chosen = trainable_names(module, section.train, section.last_blocks, name)
+            params = dict(module.named_parameters())
+            for param_name in chosen:
+                params[param_name].requires_grad_(True)
+            live.trainable = tuple(chosen)
+
+    def describe(self) -> dict[str, Any]:
+        """Per field: mode, encoder, parameter count, and which parameters train."""
+        out = {}
+        for name, live in self.fields.items():
+            module = _module_or_none(live.encoder)
+            entry: dict[str, Any] = {"mode": live.mode, "encoder": live.encoder.encoder.registry_name,
+                                     "parameters": sum(p.numel() for p in module.parameters()) if module is not None else None}
+            if live.mode == "train" and module is not None:
+                params = dict(module.named_parameters())
+                entry["trainable_parameters"] = sum(params[n].numel() for n in live.trainable)
+                entry["trains"] = _summarise(live.trainable)
+                entry["lr_scale"] = live.lr_scale
+            out[name] = entry
+        return out
+
+
+def trainable_names(module: nn.Module, patterns: Sequence[str], last_blocks: int, field: str = "?") -> list[str]:
+    """Parameter names that train: all when nothing is named, else those matching a pattern or in
+    the last ``last_blocks`` entries of the module's longest ``ModuleList``."""
+    names = [n for n, _ in module.named_parameters()]
+    if not patterns and not last_blocks:
+        return names
+    chosen = {n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)}
+    if patterns and not chosen:
+        raise ConfigError(f"encoders.{field}.train: {list(patterns)} match no parameter; names look like {', '.join(names[:4])}, ...")
+    if last_blocks:
+        prefix, blocks = repeated_blocks(module)
+        if blocks is None:
+            raise ConfigError(f"encoders.{field}.last_blocks: the encoder has no list of blocks; name parameters with encoders.{field}.train")
+        if last_blocks > len(blocks):
+            raise ConfigError(f"encoders.{field}.last_blocks={last_blocks}, but the encoder has {len(blocks)} blocks ({prefix})")
+        starts = [f"{prefix}.{i}." for i in range(len(blocks) - last_blocks, len(blocks))]
+        chosen |= {n for n in names if n.startswith(tuple(starts))}
+    return [n for n in names if n in chosen]
+
+
+def repeated_blocks(module: nn.Module) -> tuple[str, nn.ModuleList | None]:
+    """The module's longest ``ModuleList`` (the transformer blocks of a T5 or ViT) and its name."""
+    best: tuple[str, nn.ModuleList | None] = ("", None)
+    for name, child in module.named_modules():
+        if isinstance(child, nn.ModuleList) and len(child) > (len(best[1]) if best[1] is not None else 0):
+            best = (name, child)
+    return best
+
+
+def _module_or_none(encoder: LiveEncoder) -> nn.Module | None:
+    try:
+        return encoder.module()
+    except NotImplementedError:
+        return None
+
+
+def _summarise(names: Sequence[str]) -> list[str]:
+    """Parameter names grouped by their first two dotted parts (``encoder.block.1.*``)."""
+    groups: dict[str, int] = {}
+    for n in names:
+        parts = n.split(".")
+        key = ".".join(parts[:3]) + ".*" if len(parts) > 3 else n
+        groups[key] = groups.get(key, 0) + 1
+    return [k if c == 1 else f"{k} ({c})" for k, c in groups.items()]

@@ -1,0 +1,375 @@
+"""Re-attach the encoder that made a store's field, so it can run live (or train) in ``mmtrain``.
+
+This is the one place ``train`` imports ``precompute``'s encoders. ``mmcache encode`` records,
+in each field's metadata, the encoder's registry name and typed config (``meta["encoder"]``:
+``{"encoder": NAME, "config": {...}, "transform": {resize, frames, size_multiple}}``) beside its
+fingerprint, and per sample the media's source (``source_uri``, ``source_path`` as the manifest
+wrote it, ``content_hash``) and what was done to it (crop box, size, frame indices). From that,
+the encoder is rebuilt through ``precompute``'s registry and ``from_pretrained(local_dir)``, its
+fingerprint is checked against the recorded one (fail closed), and media are decoded with the
+same code as ``mmcache encode`` and checked against the recorded geometry, so a live encoder
+reproduces the cached features (up to storage rounding).
+
+Public API (stable; the sampling helper uses it to encode prompts with a run's text encoder)::
+
+    live = reattach_encoder(store, "text_emb", device="cpu")    # -> LiveEncoder
+    live = reattach_encoder(store, "latent", weights_path="/new/place/of/the/vae",
+                            media_root="/data/moved-here")       # weights/media moved
+    arrays = live.encode_texts(["a red circle", ""])            # [L x D] in the stored dtype
+    rows = sample_rows(store, ["img-001", "img-002"])           # index rows (provenance)
+    arrays = live.encode_rows(rows)                             # text or media, by modality
+    inputs = live.inputs(rows)                                  # captions or decoded pixels
+    tensors = live.features(inputs)                             # differentiable, stored-dtype values
+
+Errors are ``ReattachError`` (a ``ConfigError``) subclasses that say what to do:
+``EncoderRecordError`` (the store predates the record, or names an encoder not in the
+registry), ``EncoderMismatchError`` (the rebuilt encoder's fingerprint differs: other weights,
+tokenizer or preprocessing), ``MediaMovedError`` (a source file is not where it was: pass
+``media_root``, ``--media ROOT`` on the command line), ``LiveInputError`` (a source changed
+since it was encoded, or preparing it now gives another crop/size/frames than recorded).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import posixpath
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import featstore
+from featstore.config import from_dict
+from featstore.errors import ConfigError, FingerprintMismatchError
+
+# Written into an exported (finetuned) encoder folder: the cache it was trained from is stale for it.
+EXPORT_RECORD = "mmcache_export.json"
+_GEOMETRY = ("crop_left", "crop_top", "crop_width", "crop_height", "width", "height")
+
+
+class ReattachError(ConfigError):
+    """A field's encoder cannot be re-attached as recorded (see the subclasses)."""
+
+
+class EncoderRecordError(ReattachError):
+    """The store does not say how to rebuild the field's encoder, or names one that cannot be built."""
+
+
+class EncoderMismatchError(ReattachError, FingerprintMismatchError):
+    """The rebuilt encoder is not the one that made the cached field."""
+
+
+class MediaMovedError(ReattachError):
+    """A sample's source file is not at its recorded place."""
+
+
+class LiveInputError(ReattachError):
+    """A sample's source cannot reproduce its cached input (changed file, other crop or frames)."""
+
+
+def sample_rows(store: featstore.Store, sample_ids: Sequence[str]) -> list[dict[str, Any]]:
+    """Each sample's first index row as a dict: caption, modality, source and geometry columns."""
+    table = store.index
+    return [table.slice(store.row(sid), 1).to_pylist()[0] for sid in sample_ids]
+
+
+def encoder_record(store: featstore.Store, field_name: str, rebuild: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The field's ``{"encoder", "config", "transform"}`` record; ``rebuild`` (``{encoder: NAME,
+    ...options}``) stands in for a store written before encoders were recorded."""
+    if field_name not in store.fields:
+        raise EncoderRecordError(f"{store.url} has no field {field_name!r} (fields: {sorted(store.fields)})")
+    meta = store.fields[field_name].meta
+    recorded = meta.get("encoder")
+    if rebuild:
+        options = dict(rebuild)
+        name = options.pop("encoder", None) or (recorded or {}).get("encoder")
+        if not name:
+            raise EncoderRecordError(f"encoders.{field_name}.rebuild must name the encoder, e.g. rebuild: {{encoder: t5, path: DIR}}")
+        config = {**((recorded or {}).get("config") or {}), **options} if recorded and recorded.get("encoder") == name else options
+        transform = (recorded or {}).get("transform") or store.attrs.get("transform") or {}
+        return {"encoder": name, "config": config, "transform": transform}
+    if not isinstance(recorded, dict) or "config" not in recorded:
+        section = meta.get("section", "text")
+        raise EncoderRecordError(
+            f"field {field_name!r} of {store.url} does not record the config of the encoder that made it (encoded before "
+            f"mmcache recorded it): re-encode the field with `mmcache encode`, or pass the encoder config yourself, "
+            f"e.g. --set encoders.{field_name}.rebuild.encoder={meta.get('fingerprint', {}).get('encoder', 'NAME')} "
+            f"--set encoders.{field_name}.rebuild.path=MODEL_DIR (the {section} section of the encode config); "
+            "its fingerprint is still checked"
+        )
+    out = copy.deepcopy(recorded)
+    out.setdefault("transform", store.attrs.get("transform") or {})
+    return out
+
+
+def reattach_encoder(
+    store: featstore.Store,
+    field_name: str,
+    *,
+    weights_path: str | None = None,
+    device: str | torch.device = "cpu",
+    media_root: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    rebuild: Mapping[str, Any] | None = None,
+    resize: Mapping[str, Any] | None = None,
+    check_fingerprint: bool = True,
+) -> LiveEncoder:
+    """Rebuild and load the encoder of ``field_name`` as recorded in ``store``.
+
+    ``weights_path`` replaces the recorded model folder (weights move); the fingerprint must still
+    match. ``media_root``: the folder the manifest's relative paths are under now. ``resize``
+    overrides recorded resize settings (what the drift check uses to show a changed rule)."""
+    from precompute.encoders import UnknownEncoderError, build_encoder
+    from precompute.media import FrameSampling, ResizeConfig
+    from precompute.tasks import QUIET_OFFLINE_ENV
+
+    record = encoder_record(store, field_name, rebuild)
+    meta = store.fields[field_name].meta
+    options = dict(record["config"])
+    if weights_path is not None:
+        options["path"] = str(Path(weights_path).expanduser().resolve())
+    path = options.get("path")
+    if path is not None and not Path(path).exists():
+        raise EncoderRecordError(
+            f"field {field_name!r}: the encoder's model folder {path} (recorded when {store.url} was encoded) does not exist; "
+            f"pass where it is now (--set encoders.{field_name}.path=DIR)"
+        )
+    for key, value in QUIET_OFFLINE_ENV.items():
+        os.environ.setdefault(key, value)  # models load from local folders only
+    try:
+        encoder = build_encoder(record["encoder"], options)
+    except UnknownEncoderError as exc:
+        raise EncoderRecordError(f"field {field_name!r} of {store.url} cannot be rebuilt: {exc}") from None
+    except ConfigError as exc:
+        raise EncoderRecordError(f"field {field_name!r} of {store.url}: the recorded encoder config does not build: {exc}") from None
+    encoder.load(device)
+    transform = record.get("transform") or {}
+    live = LiveEncoder(
+        field=field_name,
+        section=meta.get("section", "text" if encoder.modality == "text" else "vae"),
+        encoder=encoder,
+        recorded=meta.get("fingerprint", {}),
+        resize=from_dict(ResizeConfig, {**transform.get("resize", {}), **dict(resize or {})}, where="resize"),
+        frames=from_dict(FrameSampling, transform.get("frames", {}), where="frames"),
+        size_multiple=int(transform.get("size_multiple", 1)),
+        recorded_transform=transform,
+        media_root=media_root,
+        storage_options=storage_options,
+        weights_path=weights_path,
+    )
+    if check_fingerprint:
+        live.check_fingerprint()
+    return live
+
+
+@dataclass(kw_only=True)
+class LiveEncoder:
+    """A loaded encoder of one store field, with the recorded preparation of its inputs."""
+
+    field: str
+    section: str  # "vae" | "vit" | "text": which encode-config section made the field
+    encoder: Any  # a loaded precompute.encoders.Encoder
+    recorded: dict[str, Any]  # the field's recorded fingerprint
+    resize: Any  # precompute.media.ResizeConfig
+    frames: Any  # precompute.media.FrameSampling
+    size_multiple: int = 1
+    recorded_transform: dict[str, Any] = dataclass_field(default_factory=dict)
+    media_root: str | None = None
+    storage_options: dict[str, Any] | None = None
+    weights_path: str | None = None
+    _rule: Any = dataclass_field(default=None, repr=False)
+
+    # -- identity -----------------------------------------------------------------------------
+    @property
+    def is_text(self) -> bool:
+        return self.encoder.modality == "text"
+
+    @property
+    def dtype(self) -> str:
+        """The stored dtype name (what ``encode_*`` return and ``features`` rounds to)."""
+        return self.encoder.config.dtype
+
+    def fingerprint(self) -> dict[str, Any]:
+        return self.encoder.fingerprint()
+
+    def differences(self) -> dict[str, tuple[Any, Any]]:
+        """Fingerprint entries that differ: key -> (recorded, live)."""
+        live = self.fingerprint()
+        keys = sorted((set(live) | set(self.recorded)) - {"digest"})
+        return {k: (self.recorded.get(k), live.get(k)) for k in keys if self.recorded.get(k) != live.get(k)}
+
+    def setting_differences(self) -> dict[str, tuple[Any, Any]]:
+        """Input-preparation settings (``resize.*``, ``frames.*``) that differ from the recorded ones."""
+        if self.is_text:
+            return {}
+        from dataclasses import asdict
+
+        now = {"resize": asdict(self.resize), "frames": asdict(self.frames)}
+        out = {}
+        for section, values in now.items():
+            recorded = self.recorded_transform.get(section, {})
+            for key, value in values.items():
+                if key in recorded and recorded[key] != value:
+                    out[f"{section}.{key}"] = (recorded[key], value)
+        return out
+
+    def check_fingerprint(self) -> None:
+        if self.fingerprint().get("digest") == self.recorded.get("digest"):
+            return
+        diff = self.differences()
+        shown = "; ".join(f"{k}: cached {_short(a)}, live {_short(b)}" for k, (a, b) in diff.items())
+        hint = ""
+        if self.weights_path and (Path(self.weights_path) / EXPORT_RECORD).is_file():
+            hint = (f" {self.weights_path} was exported by a training run that finetuned this encoder: the cached field "
+                    f"{self.field!r} is stale for it; re-encode with these weights under a new field name "
+                    f"(mmcache encode --set {self.section}.path={self.weights_path} --set {self.section}.field={self.field}_v2)")
+        raise EncoderMismatchError(
+            f"field {self.field!r}: the re-attached encoder is not the one that made the cached features "
+            f"(fingerprint {self.recorded.get('digest')} cached, {self.fingerprint().get('digest')} live; {shown or 'digest only'}).{hint}"
+            " Use the encoder the store was made with, or re-encode the field"
+        )
+
+    # -- inputs -------------------------------------------------------------------------------
+    def locate(self, row: Mapping[str, Any]) -> str:
+        """Where a sample's source file is now: under ``media_root`` when given, else as recorded."""
+        recorded = row.get("source_uri")
+        if self.media_root is None:
+            if not recorded:
+                raise MediaMovedError(f"sample {row.get('id')!r} records no source_uri: its media cannot be found")
+            return str(recorded)
+        relative = row.get("source_path")
+        if not relative or "://" in relative or relative.startswith("/"):
+            if not relative:
+                raise MediaMovedError(
+                    f"sample {row.get('id')!r} was encoded before stores recorded the manifest path (source_path), so "
+                    f"--media {self.media_root} cannot place it: keep its media at {recorded}, or re-encode"
+                )
+            return str(relative)  # an absolute path or URL in the manifest stays what it was
+        root = self.media_root.rstrip("/")
+        return f"{root}/{posixpath.normpath(relative)}"
+
+    def inputs(self, rows: Sequence[Mapping[str, Any]]) -> list[Any]:
+        """What the encoder takes for these samples: captions, or decoded pixels prepared exactly as
+        they were for the cache (checked against the recorded content hash and geometry)."""
+        from precompute.tasks import text_input
+
+        if self.is_text:
+            if self.encoder.text_input != "caption":
+                raise LiveInputError(f"field {self.field!r}: live re-encoding of {self.encoder.registry_name} fields is not supported (the store does not record conversations)")
+            return [text_input(self.encoder, str(row.get("caption") or ""), None, str(row.get("modality"))) for row in rows]
+        return [self._pixels(row) for row in rows]
+
+    def _pixels(self, row: Mapping[str, Any]) -> np.ndarray:
+        from precompute.media import MediaError, prepare, read_source
+        from precompute.tasks import encoder_input, size_rule_for
+
+        url = self.locate(row)
+        sid = row.get("id")
+        try:
+            data = read_source(url, self.storage_options)
+        except MediaError as exc:
+            if exc.reason == "missing file":
+                root = _recorded_root(row)
+                raise MediaMovedError(
+                    f"sample {sid!r}: its source {url} is missing (recorded {row.get('source_uri')}); if the media moved, pass "
+                    f"--media ROOT, the folder that now holds {row.get('source_path') or 'the manifest paths'}"
+                    + (f" (it was {root})" if root else "")
+                ) from None
+            raise LiveInputError(f"sample {sid!r}: {exc}") from None
+        if row.get("content_hash") and hashlib.sha256(data).hexdigest() != row["content_hash"]:
+            raise LiveInputError(f"sample {sid!r}: {url} changed since it was encoded (content hash differs); its cached features are stale: re-encode it")
+        if self._rule is None:
+            self._rule = size_rule_for(self.encoder, self.size_multiple)
+        modality = str(row.get("modality"))
+        try:
+            prepared = prepare(data, url, modality=modality, resize=self.resize, rule=self._rule, sampling=self.frames)  # type: ignore[arg-type]
+        except MediaError as exc:
+            raise LiveInputError(f"sample {sid!r}: {exc}") from None
+        self._check_geometry(row, prepared.provenance)
+        return encoder_input(self.section, modality, prepared.pixels)
+
+    def _check_geometry(self, row: Mapping[str, Any], provenance: Mapping[str, Any]) -> None:
+        # The primary visual section's geometry is under the plain names, another's prefixed.
+        prefix = f"{self.section}_" if f"{self.section}_width" in row and row.get(f"{self.section}_width") is not None else ""
+        want = {k: row.get(prefix + k) for k in _GEOMETRY}
+        if row.get("frame_indices") is not None:
+            want["frame_indices"] = list(row["frame_indices"])
+        have = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in provenance.items() if k in want}
+        wrong = {k: (want[k], have.get(k)) for k in want if want[k] is not None and want[k] != have.get(k)}
+        if wrong:
+            shown = ", ".join(f"{k} cached {a}, now {b}" for k, (a, b) in wrong.items())
+            raise LiveInputError(
+                f"sample {row.get('id')!r}: preparing its media now gives another input than the cached one ({shown}): "
+                "the resize or frame-sampling rule differs from the one recorded in the store"
+            )
+
+    # -- encoding -----------------------------------------------------------------------------
+    def encode_texts(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Captions -> features exactly as ``mmcache encode`` stores them (unpadded, stored dtype)."""
+        if not self.is_text:
+            raise LiveInputError(f"field {self.field!r} is made by a {self.encoder.modality} encoder, not a text encoder")
+        return [out[self.field] for out in self.encoder.encode(list(texts))]
+
+    def encode_inputs(self, inputs: Sequence[Any]) -> list[np.ndarray]:
+        return [out[self.field] for out in self.encoder.encode(list(inputs))]
+
+    def encode_media(self, rows: Sequence[Mapping[str, Any]]) -> list[np.ndarray]:
+        """Sample rows (``sample_rows``) -> features as cached, decoded with the recorded preparation."""
+        return self.encode_inputs(self.inputs(rows))
+
+    def encode_rows(self, rows: Sequence[Mapping[str, Any]]) -> list[np.ndarray]:
+        """Text or media, whichever this field is made from."""
+        return self.encode_inputs(self.inputs(rows))
+
+    def features(self, inputs: Sequence[Any], dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+        """Differentiable features, rounded to the stored dtype (so a step sees the values the cache
+        holds) and returned in ``dtype``; gradients pass the rounding unchanged."""
+        stored = _TORCH_DTYPES[self.dtype]
+        out = []
+        for item in self.encoder.features(list(inputs)):
+            value = item[self.field]
+            out.append(_round_through(value, stored).to(dtype))
+        return out
+
+    def module(self) -> torch.nn.Module:
+        return self.encoder.trainable_module()
+
+
+_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class _RoundThrough(torch.autograd.Function):
+    """Round to a lower precision in forward; pass the gradient through unchanged (straight-through),
+    so training a live encoder sees the cached values but is not stopped by the cast."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[override]
+        return x.to(dtype).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None
+
+
+def _round_through(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if x.dtype == dtype:
+        return x
+    return _RoundThrough.apply(x, dtype)
+
+
+def _recorded_root(row: Mapping[str, Any]) -> str | None:
+    uri, relative = row.get("source_uri"), row.get("source_path")
+    if uri and relative and str(uri).endswith(posixpath.normpath(str(relative))):
+        return str(uri)[: -len(posixpath.normpath(str(relative)))].rstrip("/") or "/"
+    return None
+
+
+def _short(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= 24 else text[:21] + "..."

@@ -1,0 +1,94 @@
+"""``mmtrain sample``: pictures from a DiT run (or export), answers from a VLM run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import featstore
+from featstore.errors import ConfigError
+from featstore.prompts import MissingPromptError, read_prompt_file
+from train.sample.decode import NoDecoderError, load_decoder, no_decoder_message
+from train.sample.generate import SampleJob, default_size, generate, latent_shape, parse_size, store_prompt_embeddings
+from train.sample.sampler import SamplerConfig
+from train.sample.source import load_trained
+
+
+def read_prompts_arg(prompt: tuple[str, ...], prompts_file: str | None) -> list[str]:
+    if bool(prompt) == bool(prompts_file):
+        raise ConfigError("give the prompts with --prompt TEXT (repeatable) or --prompts FILE (one per line), one of the two")
+    if prompts_file:
+        from precompute.prompts import load_prompt_file
+
+        return load_prompt_file(prompts_file)
+    for text in prompt:
+        if not text.strip():
+            raise ConfigError("--prompt '': an empty prompt samples unconditionally; give a prompt (the empty one is the guidance baseline)")
+    return read_prompt_file("\n".join(prompt), "--prompt")
+
+
+def live_prompt_embeddings(store, text_field: str, text_digest: str | None, prompts: list[str], why: str) -> dict[str, Any]:
+    """The prompts (and the empty prompt) encoded now by the run's text encoder, re-attached from
+    the store's record (``train.live.reattach``, as joint finetuning does; fingerprint-checked)."""
+    from featstore.prompts import EMPTY_PROMPT
+    from train.live.reattach import ReattachError, reattach_encoder
+
+    if store is None:
+        raise MissingPromptError(why)
+    try:
+        live = reattach_encoder(store, text_field, device="cpu")
+    except ReattachError as exc:
+        raise MissingPromptError(f"{why}; encoding them live failed too: {exc}") from None
+    if text_digest is not None and live.fingerprint().get("digest") != text_digest:
+        raise MissingPromptError(f"{why}; the store's text encoder now (fingerprint {live.fingerprint().get('digest')}) is not the one the run trained with ({text_digest})")
+    wanted = [EMPTY_PROMPT, *dict.fromkeys(p for p in prompts if p != EMPTY_PROMPT)]
+    return dict(zip(wanted, live.encode_texts(wanted), strict=True))
+
+
+def sample_dit(trained, *, prompts: list[str], out: Path, seeds: list[int], sampler: SamplerConfig, size: str | None, frames: int,
+               fps: float, vae: str | None, latents_only: bool, features: str | None, storage_options: dict | None) -> dict[str, Any]:
+    data = trained.info.get("data") or {}
+    latent_field, text_field = data.get("latent_field", "latent"), data.get("text_field", "text_emb")
+    url = features or (trained.info.get("store") or {}).get("url")
+    store = featstore.open(url, storage_options) if url else None
+    fields = dict(trained.fields)
+    if store is not None:  # the store's field metadata is complete; the run's may hold fingerprints only
+        for name in (latent_field, text_field):
+            if name in store.fields:
+                fields[name] = {**store.fields[name].meta, **fields.get(name, {})}
+    latent_meta = fields.get(latent_field, {})
+    text_digest = (fields.get(text_field, {}).get("fingerprint") or {}).get("digest")
+    if size is None and store is None:
+        raise ConfigError("the run's store is unknown or unreachable: pass --size WxH (and --features URL for the prompts)")
+    wh = parse_size(size) if size else default_size(store, latent_field, latent_meta)
+    shape = latent_shape(latent_meta, trained.info["input_sizes"]["in_channels"], trained.model_config, wh, frames)
+    need_empty = sampler.guidance != 1.0
+    try:
+        if store is None:
+            raise MissingPromptError("no feature store to read the prompts' embeddings from: pass --features URL")
+        embeddings = store_prompt_embeddings(store, text_field, text_digest, prompts, need_empty=need_empty)
+    except MissingPromptError as exc:
+        embeddings = live_prompt_embeddings(store, text_field, text_digest, prompts, str(exc))
+    decode = None
+    if not latents_only:
+        decode = load_decoder(latent_meta, vae)
+        if decode is None:
+            raise NoDecoderError(no_decoder_message(latent_meta))
+    job = SampleJob(prompts=prompts, seeds=seeds, shape=shape, sampler=sampler, fps=fps)
+    extra = {"weights": trained.weights, "step": trained.step, "size": list(wh), "frames": frames}
+    return generate(trained.model, job, embeddings, latent_meta, decode, out, extra=extra)
+
+
+def sample_command(run: str, *, checkpoint: int | None, prompt: tuple[str, ...], prompts_file: str | None, out: str, seeds: tuple[int, ...],
+                   steps: int, guidance: float, shift: float, size: str | None, frames: int, fps: float, vae: str | None,
+                   latents_only: bool, features: str | None, storage_options: dict | None, images: tuple[str, ...]) -> dict[str, Any]:
+    trained = load_trained(run, checkpoint)
+    if trained.family.name != "dit":
+        raise ConfigError(f"mmtrain sample: model family {trained.family.name!r} is not supported yet (the DiT is); "
+                          "VLM answers (--image) need the ViT re-attached live, which is not built yet")
+    if images:
+        raise ConfigError("--image is for VLM runs; this is a DiT run: give --prompt/--prompts")
+    prompts = read_prompts_arg(prompt, prompts_file)
+    sampler = SamplerConfig(steps=steps, guidance=guidance, shift=shift)
+    return sample_dit(trained, prompts=prompts, out=Path(out), seeds=list(seeds) or [0], sampler=sampler, size=size, frames=frames,
+                      fps=fps, vae=vae, latents_only=latents_only, features=features, storage_options=storage_options)

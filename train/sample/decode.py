@@ -1,0 +1,128 @@
+"""VAE decoders that match a store's latent field.
+
+The latent field's fingerprint names the encoder that made it (``taef2``, ``autoencoder_kl``,
+``autoencoder_kl_wan``) and the hash of its weights. A decoder is loaded from a folder (``--vae
+DIR``, or the tiny model of that name that ``path: tiny`` built on this machine) through the
+encoder's own loader in ``precompute.encoders``, and is used only when the weights there hash to
+what the fingerprint records: a decoder of another VAE would turn the latents into noise without
+saying so. (TAESD-F2's hash is that of its encoder file, which sits beside the decoder's.)
+
+A decoder turns one latent ``[C, T, h, w]`` in the store's latent space (the trainer's
+normalisation undone, ``to_store_space``) into uint8 RGB frames ``[T', H, W, 3]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from featstore.errors import ConfigError, FingerprintMismatchError
+
+
+class NoDecoderError(ConfigError):
+    """No VAE decoder for the store's latents was found (and --latents-only was not asked for)."""
+
+
+Decode = Callable[[torch.Tensor], np.ndarray]
+
+
+def to_store_space(latent: torch.Tensor, normalisation: tuple[list[float], list[float]] | None) -> torch.Tensor:
+    """Undo ``train.data.latent_normalisation``'s ``(x - shift) * scale`` on ``[C, ...]``."""
+    if normalisation is None:
+        return latent
+    shift, scale = (torch.tensor(v, dtype=latent.dtype).view(-1, *([1] * (latent.dim() - 1))) for v in normalisation)
+    return latent / scale + shift
+
+
+def _to_uint8(frames01: torch.Tensor) -> np.ndarray:
+    """[N, 3, H, W] in [0, 1] -> [N, H, W, 3] uint8 (round half to even, the same everywhere)."""
+    return (frames01.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()
+
+
+def _taef2(encoder: Any) -> Decode:
+    def decode(latent: torch.Tensor) -> np.ndarray:
+        rgb = torch.from_numpy(encoder.decode(latent.float()))  # [T, H, W, 3] in [0, 1]
+        return _to_uint8(rgb.permute(0, 3, 1, 2))
+
+    return decode
+
+
+def _autoencoder_kl(encoder: Any) -> Decode:
+    model = encoder.model
+
+    def decode(latent: torch.Tensor) -> np.ndarray:
+        frames = latent.transpose(0, 1).to(encoder.device, model.dtype)  # decoded frame by frame
+        with torch.inference_mode():
+            rgb = model.decode(frames).sample.float().cpu()
+        return _to_uint8((rgb + 1) / 2)
+
+    return decode
+
+
+def _wan(encoder: Any) -> Decode:
+    model = encoder.model
+
+    def decode(latent: torch.Tensor) -> np.ndarray:
+        with torch.inference_mode():
+            rgb = model.decode(latent[None].to(encoder.device, model.dtype)).sample.float().cpu()[0]  # [3, F, H, W]
+        return _to_uint8((rgb.transpose(0, 1) + 1) / 2)
+
+    return decode
+
+
+# encoder registry name -> how its loaded encoder decodes
+DECODERS: dict[str, Callable[[Any], Decode]] = {"taef2": _taef2, "autoencoder_kl": _autoencoder_kl, "autoencoder_kl_wan": _wan}
+
+
+def _candidates(name: str, vae_path: str | None) -> list[Path]:
+    if vae_path:
+        return [Path(vae_path).expanduser()]
+    from precompute.config import default_cache_dir
+    from precompute.encoders.tiny import TINY_VERSION
+
+    tiny = default_cache_dir() / "tiny" / f"{name}-v{TINY_VERSION}"
+    return [tiny] if tiny.is_dir() else []
+
+
+def load_decoder(latent_meta: dict[str, Any], vae_path: str | None, device: str = "cpu") -> Decode | None:
+    """The decoder of the VAE that made a latent field (its field meta), or None when none is at
+    hand (no ``vae_path`` and no matching tiny model here). A ``vae_path`` holding other weights
+    is an error."""
+    import os
+
+    from precompute.encoders import build_encoder
+    from precompute.tasks import QUIET_OFFLINE_ENV
+
+    for key, value in QUIET_OFFLINE_ENV.items():  # local folders only, no hub look-ups or banners
+        os.environ.setdefault(key, value)
+    fingerprint = latent_meta.get("fingerprint") or {}
+    name = fingerprint.get("encoder")
+    if name not in DECODERS:
+        if vae_path:
+            raise NoDecoderError(f"the latents were made by encoder {name!r}, which has no decoder here (known: {', '.join(DECODERS)}); use --latents-only")
+        return None
+    for folder in _candidates(name, vae_path):
+        options: dict[str, Any] = {"path": str(folder), "compute_dtype": "float32"}
+        if name != "taef2" and fingerprint.get("weights_sha256") is None:
+            continue
+        encoder = build_encoder(name, options)
+        encoder.load(device)
+        if encoder._weights_sha256 != fingerprint.get("weights_sha256"):
+            if vae_path:
+                raise FingerprintMismatchError(
+                    f"--vae {vae_path}: its {name} weights (sha256 {encoder._weights_sha256[:16]}) are not the ones that made the "
+                    f"store's latents ({str(fingerprint.get('weights_sha256'))[:16]}); pass the folder the store was encoded with"
+                )
+            continue
+        return DECODERS[name](encoder)
+    return None
+
+
+def no_decoder_message(latent_meta: dict[str, Any]) -> str:
+    name = (latent_meta.get("fingerprint") or {}).get("encoder")
+    return (f"no VAE decoder for these latents (encoder {name!r}): pass --vae DIR, the folder the store was encoded with "
+            "(for TAESD-F2 the one holding taef2_decoder.pth), or --latents-only to write the latents without decoding them")

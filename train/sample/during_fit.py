@@ -1,0 +1,145 @@
+"""Samples and a validation loss while ``mmtrain fit`` runs (``sample.every``, ``sample.at_start``).
+
+**Validation loss.** The held-out split (``data.validation_fraction``: ids whose hash falls below
+it, stable as the store grows; plus ``data.validation_ids``) is never trained on. Its samples are
+sorted by id and sample j, with a generator of (VALIDATION_SEED, j) — not of the run's seed, so
+runs compare — goes to data-parallel rank j mod D. Each rank puts its samples' loss sums and
+element counts into slot j of two zero vectors, the vectors are summed over the data-parallel
+group (adding zeros is exact), and every rank sums the slots in order: the result is bit-for-bit
+the same at any world size. Under FSDP every rank must run as many forwards as the others, so a
+rank without a sample in a round runs one with weight zero.
+
+**Samples.** All (prompt, seed) pairs go in one batch (a forward per Euler step). Every rank runs the same sampling forwards (FSDP gathers parameters inside each
+forward, so a rank alone would wait forever); rank 0 alone decodes and writes. Rank 0 then tells
+the others whether that worked, so a failed write stops every rank with the error rather than
+leaving them waiting on the next collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import featstore
+from featstore.errors import ConfigError
+from train.objective import sample_generators
+from train.sample.decode import load_decoder
+from train.sample.generate import SampleJob, default_size, generate, latent_shape, parse_size, store_prompt_embeddings
+from train.sample.sampler import SamplerConfig
+
+VALIDATION_SEED = 20_240_601  # fixed: the held-out noise is the same in every run
+
+
+def validation_ids(store: featstore.Store, required: list[str], fraction: float, listed: list[str]) -> list[str]:
+    """The held-out split, sorted: ids hashing below ``fraction`` plus ``listed`` (which must be
+    in the store with the fields training needs)."""
+    have = store.sample_ids(with_fields=required)
+    known = set(have)
+    missing = [i for i in listed if i not in known]
+    if missing:
+        raise ConfigError(f"data.validation_ids: {', '.join(map(repr, missing[:5]))} not in {store.url} (or lacking {' or '.join(required)})")
+    chosen = set(listed)
+    if fraction > 0:
+        # A hash of the id, not a random draw: the same samples stay held out as the store grows.
+        chosen.update(i for i in have if int.from_bytes(hashlib.sha256(i.encode()).digest()[:8], "big") / 2**64 < fraction)
+    if chosen and len(chosen) == len(have):
+        raise ConfigError(f"the validation split holds all {len(have)} samples of {store.url}: lower data.validation_fraction")
+    return sorted(chosen)
+
+
+class Validator:
+    """The held-out loss of one run (built once; ``loss(model)`` at each evaluation)."""
+
+    def __init__(self, store, ids: list[str], data_adapter, family, objective, *, dp_rank: int, dp_size: int, dp_group,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.ids, self.family, self.objective = ids, family, objective
+        self.dp_rank, self.dp_size, self.dp_group = dp_rank, dp_size, dp_group
+        self.device, self.dtype, self.collate = device, dtype, data_adapter.collate
+        fields = list(data_adapter.required_fields)
+        self.mine = list(range(dp_rank, len(ids), dp_size))
+        # The held-out samples are few: read this rank's once and keep them.
+        rows = [store.row(ids[j]) for j in (self.mine or [0])]
+        self.samples = store.read_rows(rows, fields)
+        self.rounds = -(-len(ids) // dp_size)
+
+    def loss(self, model: torch.nn.Module) -> float:
+        sums = torch.zeros(len(self.ids), dtype=torch.float64, device=self.device)
+        counts = torch.zeros(len(self.ids), dtype=torch.float64, device=self.device)
+        loss_fn = self.family.validation_loss or self.family.training_loss
+        with torch.no_grad():
+            for k in range(self.rounds):
+                real = k < len(self.mine)
+                j = self.mine[k] if real else None
+                batch = self.collate([self.samples[k if real else 0]], self.device, self.dtype)
+                generators = sample_generators(VALIDATION_SEED, 0, [j if j is not None else 0])
+                terms = loss_fn(model, batch, generators, self.objective)
+                if j is not None:  # a filler round (weight zero) only keeps FSDP's collectives in step
+                    sums[j] = terms.loss_sum.detach().double()
+                    counts[j] = float(terms.count)
+        dist.all_reduce(sums, group=self.dp_group)
+        dist.all_reduce(counts, group=self.dp_group)
+        return float(sums.cpu().sum() / counts.cpu().sum().clamp(min=1))
+
+
+class FitSampler:
+    """Samples during fit: prompts resolved and checked before the first step."""
+
+    def __init__(self, section, store, data_section, model_config, input_sizes: dict[str, int], rank: int, device: torch.device, log) -> None:
+        self.section, self.rank, self.log = section, rank, log
+        latent_field, text_field = data_section.latent_field, data_section.text_field
+        self.latent_meta = store.fields[latent_field].meta
+        text_digest = (store.fields[text_field].meta.get("fingerprint") or {}).get("digest")
+        sampler = SamplerConfig(steps=section.steps, guidance=section.guidance, shift=section.shift)
+        size = parse_size(section.size) if section.size else default_size(store, latent_field, self.latent_meta)
+        shape = latent_shape(self.latent_meta, input_sizes["in_channels"], model_config, size, section.frames)
+        # Missing prompts fail now, not after hours of training.
+        self.embeddings = store_prompt_embeddings(store, text_field, text_digest, list(section.prompts), need_empty=sampler.guidance != 1.0)
+        self.job = SampleJob(prompts=list(section.prompts), seeds=list(section.seeds), shape=shape, sampler=sampler, batched=True)
+        self.decode = None
+        failure: BaseException | None = None
+        if rank == 0:  # only rank 0 decodes; the others learn whether it could load the decoder
+            try:
+                self.decode = load_decoder(self.latent_meta, section.vae_path)
+            except Exception as exc:  # re-raised below, after telling the other ranks
+                failure = exc
+            if self.decode is None and failure is None:
+                log("samples: no VAE decoder for the latents (set sample.vae_path to the folder the store was encoded with); writing latents only")
+        agree(failure, "loading the VAE decoder failed on rank 0 (see its error); training stopped", device)
+
+    def run(self, model: torch.nn.Module, run_dir: Path, step: int, device: torch.device, board=None) -> float:
+        t0 = time.perf_counter()
+        out = run_dir / "samples" / f"step-{step:06d}" if self.rank == 0 else None
+        failure: BaseException | None = None
+        try:
+            doc = generate(model, self.job, self.embeddings, self.latent_meta, self.decode, out, device=device, extra={"step": step})
+            if board is not None and out is not None and doc.get("grid"):
+                import numpy as np
+                from PIL import Image
+
+                board.add_image("samples", np.asarray(Image.open(out / doc["grid"])), step, dataformats="HWC")
+        except Exception as exc:  # re-raised below on this rank, after telling the others
+            failure = exc
+        agree(failure, "writing samples failed on rank 0 (see its error); training stopped", device)
+        return time.perf_counter() - t0
+
+
+def agree(failure: BaseException | None, message: str, device: torch.device | None = None) -> None:
+    """Every rank learns whether any failed (one all-reduce), and all stop together: the failed
+    rank with its error, the others with ``message``. Never leaves a rank waiting alone."""
+    flag = torch.tensor([1 if failure is not None else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if failure is not None:
+        raise failure
+    if int(flag):
+        raise RuntimeError(message)
+
+
+def due(section, step: int, start: int, stop: int) -> bool:
+    """Whether samples / validation run after ``step`` (0 = before the first step)."""
+    if step == start:
+        return section.at_start and step == 0
+    return bool(section.every) and (step % section.every == 0 or step == stop)

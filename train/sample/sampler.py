@@ -1,0 +1,142 @@
+"""Euler sampling of a flow-matching DiT, with classifier-free guidance and a timestep shift.
+
+The convention is ``train.objective``'s, exactly: ``x_t = (1 - t) * x0 + t * eps`` joins data
+(t = 0) to noise (t = 1), and the model predicts the velocity ``v = eps - x0 = dx_t/dt``. So a
+sample starts from noise at t = 1 and integrates ``dx = v dt`` down to t = 0 in ``steps`` Euler
+steps: ``x <- x + (t_next - t) * v(x, t)``. On a straight path (what the objective trains
+towards) one Euler step is exact, which is what the analytic test checks.
+
+Timestep shift (SD3 / FLUX): ``t' = s t / (1 + (s - 1) t)`` spends more of the steps at high
+noise for s > 1, where large images need them; s = 1 is the plain uniform grid.
+
+Classifier-free guidance: ``v = v_uncond + g (v_cond - v_uncond)`` with the *empty prompt* as the
+unconditional text (its embedding is stored with the features, ``featstore.read_prompts``).
+g = 1 is the conditional prediction alone, and the unconditional pass is then skipped.
+
+Determinism: each (prompt, seed) is sampled on its own, its noise drawn by a CPU generator seeded
+with the seed alone (float32), so the result depends on nothing else in the request, and the same
+model, prompt and seed give the same bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+
+from featstore.errors import ConfigError
+
+
+class SamplerConfigError(ConfigError):
+    """A sampler setting is out of range."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplerConfig:
+    steps: int = 20  # Euler steps from t = 1 (noise) to t = 0 (data)
+    guidance: float = 4.0  # classifier-free guidance scale; 1.0 = conditional only
+    shift: float = 1.0  # timestep shift s (SD3); 1.0 = uniform steps
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise SamplerConfigError(f"sampler steps must be >= 1, got {self.steps}")
+        if not self.shift > 0:
+            raise SamplerConfigError(f"timestep shift must be > 0, got {self.shift}")
+        if self.guidance < 0:
+            raise SamplerConfigError(f"guidance must be >= 0 (1.0 = no guidance), got {self.guidance}")
+
+
+def shift_timesteps(t: torch.Tensor, shift: float) -> torch.Tensor:
+    return shift * t / (1 + (shift - 1) * t)
+
+
+def timestep_grid(steps: int, shift: float = 1.0) -> torch.Tensor:
+    """``steps + 1`` float64 times from 1 (noise) down to 0 (data), shifted."""
+    return shift_timesteps(torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64), shift)
+
+
+def initial_noise(shape: Sequence[int], seed: int) -> torch.Tensor:
+    """The starting noise of one sample: float32, from a CPU generator seeded with ``seed`` only
+    (CPU so that the same seed gives the same noise on any device)."""
+    return torch.randn(tuple(shape), generator=torch.Generator().manual_seed(int(seed)), dtype=torch.float32)
+
+
+# velocity(x [B, ...], t [B], text [B, L, D], mask [B, L]) -> v like x
+VelocityFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def guided_velocity(velocity: VelocityFn, x: torch.Tensor, t: float, cond: tuple[torch.Tensor, torch.Tensor],
+                    uncond: tuple[torch.Tensor, torch.Tensor] | None, guidance: float) -> torch.Tensor:
+    """One guided prediction for a batch ``x`` (every row conditioned on the same text)."""
+    batch = x.shape[0]
+    times = torch.full((batch,), t, dtype=torch.float32, device=x.device)
+    text, mask = (v.expand(batch, *v.shape[1:]) for v in cond)
+    if uncond is None or guidance == 1.0:
+        return velocity(x, times, text, mask).float()
+    empty, empty_mask = (v.expand(batch, *v.shape[1:]) for v in uncond)
+    # One forward for both halves; the texts are padded to one length (the mask hides the padding).
+    length = max(text.shape[1], empty.shape[1])
+    both_text = torch.cat([_pad_to(text, length), _pad_to(empty, length)])
+    both_mask = torch.cat([_pad_to(mask, length), _pad_to(empty_mask, length)])
+    v_cond, v_uncond = velocity(torch.cat([x, x]), torch.cat([times, times]), both_text, both_mask).float().chunk(2)
+    return v_uncond + guidance * (v_cond - v_uncond)
+
+
+def _pad_to(x: torch.Tensor, length: int) -> torch.Tensor:
+    if x.shape[1] == length:
+        return x
+    pad = torch.zeros(x.shape[0], length - x.shape[1], *x.shape[2:], dtype=x.dtype, device=x.device)
+    return torch.cat([x, pad], dim=1)
+
+
+@torch.no_grad()
+def euler_sample(velocity: VelocityFn, noise: torch.Tensor, cond: tuple[torch.Tensor, torch.Tensor],
+                 uncond: tuple[torch.Tensor, torch.Tensor] | None, config: SamplerConfig) -> torch.Tensor:
+    """Integrate from ``noise`` [B, ...] at t = 1 to t = 0; ``cond``/``uncond`` are (text [1, L, D],
+    mask [1, L]) pairs, ``uncond`` the empty prompt (None: no guidance possible). float32."""
+    if uncond is None and config.guidance != 1.0:
+        raise SamplerConfigError(f"guidance {config.guidance} needs the empty prompt's embedding; pass it, or use guidance 1.0")
+    x = noise.float()
+    grid = timestep_grid(config.steps, config.shift).tolist()
+    for t, t_next in zip(grid[:-1], grid[1:]):
+        x = x + (t_next - t) * guided_velocity(velocity, x, t, cond, uncond, config.guidance)
+    return x
+
+
+def model_velocity(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> VelocityFn:
+    """The DiT as a ``VelocityFn`` (inputs cast to ``dtype``; the model casts to its own)."""
+    def velocity(x, t, text, mask):
+        return model(x.to(dtype), t, text.to(dtype), mask)
+
+    return velocity
+
+
+def sample_one(model: torch.nn.Module, shape: Sequence[int], seed: int, text: torch.Tensor, empty: torch.Tensor | None,
+               config: SamplerConfig, device: torch.device | str = "cpu") -> torch.Tensor:
+    """One latent [C, T, H, W] (in the model's normalised latent space) for one prompt's text
+    embedding [L, D] and one seed; ``empty`` is the empty prompt's embedding (for guidance)."""
+    device = torch.device(device)
+    cond = (text.float()[None].to(device), torch.ones(1, text.shape[0], dtype=torch.bool, device=device))
+    uncond = None
+    if empty is not None:
+        uncond = (empty.float()[None].to(device), torch.ones(1, empty.shape[0], dtype=torch.bool, device=device))
+    noise = initial_noise(shape, seed)[None].to(device)
+    return euler_sample(model_velocity(model), noise, cond, uncond, config)[0].cpu()
+
+
+def sample_batch(model: torch.nn.Module, shape: Sequence[int], seeds: Sequence[int], texts: Sequence[torch.Tensor], empty: torch.Tensor | None,
+                 config: SamplerConfig, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Latents [B, C, T, H, W] for (texts[i], seeds[i]) pairs in one batch: a forward per step for
+    all of them (what sampling during fit uses: far fewer, larger forwards). Deterministic for a
+    given set of pairs; a pair's result can differ from ``sample_one``'s by float rounding (other
+    batch shapes can take other kernels)."""
+    from train.models.dit import pad_text
+
+    device = torch.device(device)
+    text, mask = pad_text([t.float() for t in texts], dtype=torch.float32, device=device)
+    uncond = None
+    if empty is not None:
+        uncond = (empty.float()[None].to(device), torch.ones(1, empty.shape[0], dtype=torch.bool, device=device))
+    noise = torch.stack([initial_noise(shape, seed) for seed in seeds]).to(device)
+    return euler_sample(model_velocity(model), noise, (text, mask), uncond, config).cpu()
