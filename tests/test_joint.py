@@ -259,3 +259,21 @@ def test_vlm_vit_live_and_trained(vlm_store, tmp_path):
     assert all(r["grad_norm.encoder.vit_features"] > 0 for r in trained)
     assert trained[-1]["loss"] != pytest.approx(cached[-1]["loss"], rel=1e-6)
     assert (tmp_path / "trained" / "export" / "vit_features" / "preprocessor_config.json").is_file()
+
+
+TAEF2 = ROOT.parent / "shared" / "weights" / "taef2"
+
+
+@pytest.mark.skipif(not (TAEF2 / "taef2_encoder.pth").is_file(), reason=f"the real TAESD-F2 weights are not in {TAEF2}")
+def test_real_taef2_latents_live_and_trained(tmp_path):
+    root = tmp_path / "taef2"
+    store = encode(dataset(root / "data", images=6, videos=1), root / "store", f"vae.path={TAEF2}", "resize.target_area=4096",
+                   "frames.num_frames=3", preset="taef2")
+    train(store, root / "cached", *PARITY, steps=3)
+    train(store, root / "live", *PARITY, "encoders.latent.mode=live", steps=3)
+    assert losses(root / "live") == pytest.approx(losses(root / "cached"), rel=1e-5)
+    train(store, root / "trained", "encoders.latent.mode=train", "encoders.latent.train=[13.*]", steps=2)
+    export = root / "trained" / "export" / "latent"
+    assert (export / "taef2_encoder.pth").is_file() and (export / "taef2_decoder.pth").is_file()
+    with pytest.raises(featstore.FingerprintMismatchError, match="stale for it"):
+        train(store, root / "again", "encoders.latent.mode=live", f"encoders.latent.path={export}", steps=1)
