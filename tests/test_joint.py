@@ -267,11 +267,18 @@ TAEF2 = ROOT.parent / "shared" / "weights" / "taef2"
 @pytest.mark.skipif(not (TAEF2 / "taef2_encoder.pth").is_file(), reason=f"the real TAESD-F2 weights are not in {TAEF2}")
 def test_real_taef2_latents_live_and_trained(tmp_path):
     root = tmp_path / "taef2"
-    store = encode(dataset(root / "data", images=6, videos=1), root / "store", f"vae.path={TAEF2}", "resize.target_area=4096",
+    store = encode(dataset(root / "data", images=7, videos=1), root / "store", f"vae.path={TAEF2}", "resize.target_area=4096",
                    "frames.num_frames=3", preset="taef2")
     train(store, root / "cached", *PARITY, steps=3)
     train(store, root / "live", *PARITY, "encoders.latent.mode=live", steps=3)
-    assert losses(root / "live") == pytest.approx(losses(root / "cached"), rel=1e-5)
+    # Not bit-equal as with the tiny VAE: oneDNN picks its conv algorithm by batch size, and the
+    # live batches are not the encode job's, so ~0.1% of the latents round to the neighbouring
+    # bf16 value (drift: rounding only). Step 1 agrees to 1e-6; Adam's sign-like first updates of
+    # near-zero gradients amplify that to up to ~1e-3 by step 3 (measured 7e-5 and 8e-4).
+    live, cached = losses(root / "live"), losses(root / "cached")
+    assert live[0] == pytest.approx(cached[0], rel=1e-5) and live == pytest.approx(cached, rel=3e-3)
+    drift = CliRunner().invoke(cli, ["drift", "--features", store, "--fields", "latent"])
+    assert drift.exit_code == 0, drift.output
     train(store, root / "trained", "encoders.latent.mode=train", "encoders.latent.train=[13.*]", steps=2)
     export = root / "trained" / "export" / "latent"
     assert (export / "taef2_encoder.pth").is_file() and (export / "taef2_decoder.pth").is_file()
