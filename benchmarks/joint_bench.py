@@ -9,8 +9,8 @@ trained with `mmtrain fit` in a fresh process per mode mix:
 - all live (VAE and T5 frozen, both in the read-ahead thread).
 
 and the tiny VLM (SigLIP ViT + projector + 2-layer LLM) on a tiny-vlm store with the ViT cached,
-live and trained. Printed per mix: median step time (steps after the first two) and the process's
-peak RSS, each relative to all-cached measured in the same run.
+live and trained. Printed per mix: median step time (steps after the first two) and the training process's
+peak RSS (set-up and loaded encoders included), each relative to all-cached measured in the same run.
 
     PYTHONPATH=. python benchmarks/joint_bench.py [--steps 12] [--images 24]
 """
@@ -26,9 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tests.joint_store import dataset, encode  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 MIXES = {
     "all cached": [],
@@ -47,7 +45,7 @@ def run_mix(store: str, out: Path, sets: list[str], steps: int, config: str = "t
     args = [sys.executable, "-m", "train.cli", "fit", "--config", config, "--features", store, "--out", str(out),
             "--steps", str(steps), "--set", "checkpoint.every=0", "--set", "data.drift_samples=0",
             *[a for s in sets for a in ("--set", s)]]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run(args, capture_output=True, text=True, env=env, timeout=1800)
     if result.returncode != 0:
         raise SystemExit(result.stdout + result.stderr)
@@ -55,6 +53,18 @@ def run_mix(store: str, out: Path, sets: list[str], steps: int, config: str = "t
     timed = [r["step_time_s"] for r in records[2:]] or [r["step_time_s"] for r in records]
     return {"step_s": statistics.median(timed), "peak_bytes": max(r["peak_mem_bytes"] for r in records),
             "wait_s": statistics.median(r["data_wait_s"] for r in records[2:] or records)}
+
+
+def encode_store(root: Path, images: int, videos: int, preset: str) -> str:
+    """Data + store, made in a child process: this process stays small, and its children (the
+    training runs) inherit its peak RSS at fork, so a large parent would hide theirs."""
+    code = ("import sys; from pathlib import Path; from tests.joint_store import dataset, encode; "
+            "r = Path(sys.argv[1]); print(encode(dataset(r / 'data', images=int(sys.argv[2]), videos=int(sys.argv[3])), r / 'store', preset=sys.argv[4]))")
+    result = subprocess.run([sys.executable, "-c", code, str(root), str(images), str(videos), preset], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=1800)
+    if result.returncode != 0:
+        raise SystemExit(result.stdout + result.stderr)
+    return result.stdout.strip().splitlines()[-1]
 
 
 def table(title: str, results: dict[str, dict]) -> None:
@@ -73,9 +83,9 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        store = encode(dataset(root / "data", images=args.images, videos=4), root / "store")
+        store = encode_store(root / "dit", args.images, 4, "tiny")
         dit = {name: run_mix(store, root / f"dit{i}", sets, args.steps) for i, (name, sets) in enumerate(MIXES.items())}
-        vlm_store = encode(dataset(root / "vlm-data", images=args.images, videos=0), root / "vlm-store", preset="tiny-vlm")
+        vlm_store = encode_store(root / "vlm", args.images, 0, "tiny-vlm")
         vlm = {name: run_mix(vlm_store, root / f"vlm{i}", sets, args.steps, "tiny-vlm") for i, (name, sets) in enumerate(VLM_MIXES.items())}
     table(f"tiny DiT, {args.images} images + 4 videos, global batch 8, {args.steps} steps; ratios vs all cached", dit)
     table(f"\ntiny VLM, {args.images} images, global batch 8, {args.steps} steps; ratios vs ViT cached", vlm)

@@ -117,6 +117,9 @@ class Encoder(ABC):
     # What a text encoder's batch items are: caption strings, or ``TextSample``s (a tokenizer
     # needs the conversation and whether the sample has an image).
     text_input: ClassVar[Literal["caption", "sample"]] = "caption"
+    # Whether ``save_pretrained`` writes a folder this encoder's ``path`` loads (joint finetuning
+    # trains only encoders it can export afterwards).
+    exportable: ClassVar[bool] = False
 
     def __init__(self, config: Any):
         self.config = config

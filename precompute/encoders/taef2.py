@@ -120,6 +120,7 @@ class TAEF2Config:
 @register("taef2")
 class TAEF2Encoder(VisualEncoder):
     Config = TAEF2Config
+    exportable = True
     per_frame = True
 
     def __init__(self, config: TAEF2Config):
@@ -150,6 +151,17 @@ class TAEF2Encoder(VisualEncoder):
     def encode_images(self, x: torch.Tensor) -> torch.Tensor:
         assert self.model is not None
         return self.model(x)
+
+    def save_pretrained(self, out_dir: str, state_dict=None) -> None:
+        """The encoder's state dict as ``taef2_encoder.pth`` (the published format, read back with
+        ``weights_only=True``), beside the decoder and licence files of the source folder."""
+        import shutil
+
+        state = {k: v.detach().cpu().contiguous() for k, v in (state_dict or self.trainable_module().state_dict()).items()}
+        torch.save(state, Path(out_dir) / ENCODER_FILE)
+        for name in (DECODER_FILE, "LICENSE", "NOTES.md"):
+            if (Path(self.config.path) / name).is_file():
+                shutil.copy2(Path(self.config.path) / name, Path(out_dir) / name)
 
     def decode(self, latents: np.ndarray | torch.Tensor) -> np.ndarray:
         """One sample's latents -> float32 RGB in [0, 1], channels last: C x h x w -> H x W x 3,

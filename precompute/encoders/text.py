@@ -55,6 +55,7 @@ class T5FamilyEncoder(Encoder):
     """Base for the three registered variants; they differ only in model class and model_type."""
 
     Config = T5EncoderConfig
+    exportable = True
     model_class_name: str = ""
     model_type: str = ""
 

@@ -43,6 +43,7 @@ class DiffusersVAE(VisualEncoder):
     """Shared loading, identity and metadata for the diffusers VAEs."""
 
     model_class_name: str = ""
+    exportable = True
 
     def __init__(self, config: AutoencoderKLConfig):
         super().__init__(config)

@@ -63,6 +63,7 @@ class ViTConfig:
 
 
 class ViTEncoder(VisualEncoder):
+    exportable = True
     Config = ViTConfig
     model_class_name: str = ""
     model_type: str = ""

@@ -138,9 +138,16 @@ class LiveFields:
     def set_trainable(self, config) -> None:
         """Freeze every re-attached encoder, then unfreeze what each train field names."""
         for name, live in self.fields.items():
-            module = live.encoder.module() if live.mode == "train" else None
-            if module is None:
+            if live.mode != "train":
                 continue
+            encoder = live.encoder.encoder
+            module = _module_or_none(live.encoder)
+            if module is None or not encoder.exportable:
+                raise ConfigError(
+                    f"encoders.{name}.mode=train: the {encoder.registry_name} encoder "
+                    + ("has no trainable module" if module is None else "cannot be exported as a from_pretrained folder after training")
+                    + f"; use encoders.{name}.mode=live or cached"
+                )
             section = config.encoders[name]
             module.requires_grad_(False)
             chosen = trainable_names(module, section.train, section.last_blocks, name)

@@ -90,6 +90,14 @@ class JointEncoders:
         for name, trained in self.live.trained().items():
             module = self.extra[f"encoder.{name}"][0]
             state = full_state_dict(module)
+            # A tied weight (T5's shared embedding) is one parameter under two names; gathered from
+            # shards it comes back as two tensors, which from_pretrained would not re-tie cleanly.
+            names: dict[int, str] = {}
+            for param_name, param in module.named_parameters(remove_duplicate=False):
+                if id(param) in names:
+                    state.pop(param_name, None)
+                else:
+                    names[id(param)] = param_name
             out = (run / "export" / name).resolve()
             record = {
                 "field": name, "store": store.url, "step": step, "encoder": trained.encoder.encoder.registry_name,
