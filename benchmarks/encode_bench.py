@@ -64,7 +64,8 @@ from precompute.config import EncodeConfig  # noqa: E402
 from precompute.inputs import sample_id_for  # noqa: E402
 from precompute.encoders import build_encoder  # noqa: E402
 from precompute.media import prepare as prepare_media  # noqa: E402
-from precompute.pipeline import encoder_specs, local_cluster, run_encode  # noqa: E402
+from precompute.executors import local_cluster  # noqa: E402
+from precompute.pipeline import encoder_specs, run_encode  # noqa: E402
 
 SHARED = REPO.parent / "shared"
 CORES = os.cpu_count() or 1
