@@ -19,16 +19,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import as_completed as futures_as_completed
 from dataclasses import dataclass
 from typing import Any
 
 from precompute.config import EncodeConfig
 from precompute.devices import resolve_device, worker_device
-from precompute.tasks import PROCESS_ENCODERS, EncoderSpec, describe_encoders, encode_task
+from precompute.tasks import PROCESS_ENCODERS, DaemonPool, EncoderSpec, describe_encoders, encode_task
 
 # Dask settings for the workers of a LocalCluster (jobs/ sets the same for external clusters):
 # - the nanny's MALLOC_TRIM_THRESHOLD_ turns off glibc's adaptive mmap threshold, so every large
@@ -84,10 +83,12 @@ def choose_placement(config: EncodeConfig, *, scheduler: str | None, workers: in
 
 class ThreadClient:
     """The part of dask.distributed.Client's API that an encode job uses (submit, map), on this
-    process's threads; ``retries`` as Dask's: a call that raises runs again, up to that often."""
+    process's threads; ``retries`` as Dask's: a call that raises runs again, up to that often.
+    Daemon threads: a job that fails or is interrupted exits without waiting for the tasks still
+    running, as a killed job would (each task's shard commits atomically or not at all)."""
 
     def __init__(self, threads: int) -> None:
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="encode")
+        self._pool = DaemonPool(threads, "encode")
 
     def submit(self, fn: Callable, *args: Any, retries: int = 0, key: str | None = None, pure: bool | None = None,
                workers: Any = None, **kwargs: Any) -> Future:
@@ -106,8 +107,7 @@ class ThreadClient:
         return [self.submit(fn, item, **kwargs) for item in items]
 
     def close(self) -> None:
-        # Tasks not started are dropped; a running one finishes (and commits its shard, or not).
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown()  # tasks not started are dropped
 
 
 class ThreadExecutor:
@@ -129,15 +129,9 @@ class ThreadExecutor:
             described = describe_encoders(specs, self.device, self.placement.threads, PROCESS_ENCODERS)
             return {**described, "loaded": PROCESS_ENCODERS.loads - before}
 
-        future: Future = Future()
-
-        def run() -> None:
-            try:
-                future.set_result(load())
-            except BaseException as exc:  # noqa: BLE001 - raised where the caller waits
-                future.set_exception(exc)
-
-        threading.Thread(target=run, name="load-encoders", daemon=True).start()
+        loader = DaemonPool(1, "load-encoders")
+        future = loader.submit(load)
+        loader.shutdown(cancel_pending=False)  # its thread ends after the load
         return future
 
     def share(self, value: Any) -> Any:

@@ -294,10 +294,11 @@ class DaemonPool:
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
                 future.set_exception(exc)
 
-    def shutdown(self) -> None:
-        """Cancel the calls not started; each thread ends after the call it is in (if ever)."""
+    def shutdown(self, *, cancel_pending: bool = True) -> None:
+        """Each thread ends after the calls submitted (``cancel_pending``: after the call it is in,
+        if that ever returns; the others are cancelled)."""
         with contextlib.suppress(queue.Empty):
-            while True:
+            while cancel_pending:
                 item = self._queue.get_nowait()
                 if item is not None:
                     item[0].cancel()
