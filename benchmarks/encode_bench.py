@@ -1,9 +1,20 @@
 """Benchmark the encode stage against a plain loop and the encoder alone, in one run (by hand, not a test).
 
     python benchmarks/encode_bench.py [--images 32] [--videos 16] [--repeat-compute 2] [--repeat-decode 2]
-                                      [--dir /tmp] [--taef2 DIR] [--workloads compute,decode] [--keep]
+                                      [--startup-images 48,160] [--dir /tmp] [--taef2 DIR]
+                                      [--workloads startup,compute,decode] [--keep]
 
-Same inputs, same encoders (built from the same preset through precompute's own registry), four ways:
+Workload startup (the user's view; one run of each, the machine is shared): whole commands, each
+a fresh process timed from its start, imports and model loads included, on copies of the shared
+photos at 256^2 with TAESD-F2: (a) the loop below vs (e) `mmcache encode` as a user runs it (the
+auto executor: this process's threads for small jobs) and (p) the same command with worker
+processes (info). Printed: seconds to the first committed sample (its file seen from outside) and
+to exit; targets (a)/(e) total >= 0.9 at 48 images, >= 1.2 at 160. Then two jobs on a warm
+`--scheduler` LocalCluster: the second one's start-up (EncodeSummary.startup_seconds: from
+run_encode's start to the tasks planned, manifest and store snapshot included) should be < 1 s.
+
+Workloads compute and decode: the pipeline's steady state, start-up left out. Same inputs, same
+encoders (built from the same preset through precompute's own registry), four ways:
   (a) loop   one process, sequential: read a file, decode/preprocess it with precompute.media,
              bucket by shape, encode each full batch (VAE + text encoder), torch.save one .pt file
              per sample plus a JSONL list (MindSpeed-MM's feature-extraction layout), each file
@@ -45,6 +56,7 @@ import math
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -64,7 +76,8 @@ from precompute.config import EncodeConfig  # noqa: E402
 from precompute.inputs import sample_id_for  # noqa: E402
 from precompute.encoders import build_encoder  # noqa: E402
 from precompute.media import prepare as prepare_media  # noqa: E402
-from precompute.pipeline import encoder_specs, local_cluster, run_encode  # noqa: E402
+from precompute.executors import local_cluster  # noqa: E402
+from precompute.pipeline import encoder_specs, run_encode  # noqa: E402
 
 SHARED = REPO.parent / "shared"
 CORES = os.cpu_count() or 1
@@ -191,6 +204,7 @@ def run_loop(w: Workload, out: Path, *, fsync: bool) -> Row:
     encoders = load_encoders(config)
     rule = size_rule(config, encoders["vae"])
     startup = time.perf_counter() - t0
+    print("encoders ready", file=sys.stderr, flush=True)  # the start-up marker the startup workload times
     out.mkdir(parents=True)
     t0 = time.perf_counter()
     listing = []
@@ -384,6 +398,111 @@ def _named(row: Row, name: str) -> Row:
     return row
 
 
+# ---- start-up: whole commands, from the process's start ---------------------------------------------
+def _first_file(folder: Path, suffix: str) -> bool:
+    try:
+        return any(name.endswith(suffix) for name in os.listdir(folder))
+    except FileNotFoundError:
+        return False
+
+
+def timed_command(cmd: list[str], first: Path, suffix: str) -> tuple[float, float, float, str]:
+    """(seconds to "encoders ready", to the first committed sample, to exit; the output) of a
+    fresh process, from its start. Start-up ends where the command says its encoders are ready
+    (the loop child says so too); the first committed sample is seen from outside, as its file
+    (a .pt, or a store's index part: a whole shard) appears."""
+    import threading
+
+    t0 = time.perf_counter()
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)  # this checkout's code
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **QUIET_ENV, "PYTHONPATH": path})
+    lines: list[str] = []
+    ready: list[float] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            if line.startswith("encoders ready") and not ready:
+                ready.append(time.perf_counter() - t0)
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    first_at = None
+    while proc.poll() is None:
+        if first_at is None and _first_file(first, suffix):
+            first_at = time.perf_counter() - t0
+        time.sleep(0.02)
+    wall = time.perf_counter() - t0
+    reader.join(30)
+    text = "".join(lines)
+    if proc.returncode:
+        raise RuntimeError(f"{cmd[:4]} failed:\n{text[-3000:]}")
+    return (ready[0] if ready else float("nan")), (first_at if first_at is not None else wall), wall, text
+
+
+def _ready_note(text: str) -> str:
+    """Where the command ran, from its "encoders ready ... (cpu; threads: why)" line."""
+    import re
+
+    found = re.search(r"^encoders ready .*\((\w+); (\w+): (.*)\), ", text, re.MULTILINE)
+    return f"{found.group(2)} ({found.group(3)})" if found else f"torch threads {CORES}"
+
+
+def run_startup(args) -> list[tuple[str, float, float]]:
+    """The targets of issue 14: the whole `mmcache encode` command (auto executor) against the
+    whole loop (a fresh process each, imports included), TAESD-F2 256^2; and the start-up of a
+    second job on a warm --scheduler cluster."""
+    import re
+
+    if not (Path(args.taef2) / "taef2_encoder.pth").is_file():
+        print(f"\n== workload startup: SKIPPED, no TAESD-F2 weights at {args.taef2} (pass --taef2 DIR)")
+        return []
+    weights = f"vae.path={Path(args.taef2).resolve()}"
+    cli = [sys.executable, "-m", "precompute.cli", "encode", "--config", "taef2", "--set", weights, "--no-progress"]
+    verdicts = []
+    print("\n== workload startup: TAESD-F2 + tiny T5, 256^2 images, whole commands from process start (one run each)")
+    print(f"{'images':>6} {'way':<44} {'start-up s':>10} {'1st shard s':>11} {'total s':>8}  notes")
+    for count in (int(n) for n in args.startup_images.split(",")):
+        root = args.base / f"in-startup-{count}"
+        manifest = make_images(root, count)
+        w = Workload("startup", "taef2", [weights], manifest)
+        spec = json.dumps({"name": w.name, "preset": w.preset, "overrides": w.overrides, "manifest": str(manifest),
+                           "out": str(root / "loop"), "fsync": True})
+        rows = {}
+        rows["(a)"] = timed_command([sys.executable, __file__, "--child", spec], root / "loop", ".pt")
+        store = root / "auto"
+        rows["(e)"] = timed_command([*cli, "--input", str(manifest), "--output", str(store)], store / "index", ".parquet")
+        store = root / "processes"
+        rows["(p)"] = timed_command([*cli, "--set", "run.executor=processes", "--input", str(manifest), "--output", str(store)],
+                                    store / "index", ".parquet")
+        labels = {"(a)": "(a) loop + torch.save, fresh process", "(e)": "(e) mmcache encode (auto)",
+                  "(p)": "(p) mmcache encode, run.executor=processes (info)"}
+        for key, (ready, first, wall, text) in rows.items():
+            print(f"{count:>6} {labels[key]:<44} {ready:>10.2f} {first:>11.2f} {wall:>8.2f}  {_ready_note(text)}")
+        ratio = rows["(a)"][2] / rows["(e)"][2]
+        target = 0.9 if count <= 48 else 1.2
+        print(f"       (a)/(e) total time {ratio:.2f}   target >= {target} {verdict(ratio, target)};"
+              f"  (e) start-up {rows['(e)'][0]:.2f}s vs the loop's {rows['(a)'][0]:.2f}s")
+        verdicts.append((f"startup {count} images (a)/(e)", ratio, target))
+    # A long-lived cluster: the second job's workers hold the encoders already.
+    manifest = args.base / f"in-startup-{args.startup_images.split(',')[0]}" / "manifest.jsonl"
+    with local_cluster(2) as cluster:
+        jobs = []
+        for job in ("first", "second"):
+            store = args.base / f"warm-{job}"
+            ready, first, wall, text = timed_command([*cli, "--scheduler", cluster.scheduler_address, "--input", str(manifest),
+                                                      "--output", str(store)], store / "index", ".parquet")
+            found = re.search(r"start-up ([0-9.]+)s", text)
+            loaded = next((line for line in text.splitlines() if line.startswith("encoders ready")), "").rsplit(", ", 1)[-1]
+            jobs.append((job, float(found.group(1)) if found else float("nan"), ready, wall, loaded))
+    print(f"\n  warm --scheduler cluster (2 x 1), the {manifest.parent.name} images, two jobs into new stores:")
+    for job, startup, ready, wall, loaded in jobs:
+        print(f"    {job:<6} job: start-up {startup:.2f}s in run_encode (manifest, store snapshot, encoders, planning); "
+              f"{ready:.2f}s to ready and {wall:.2f}s to exit from process start; {loaded}")
+    return verdicts
+
+
 def plan(name: str, args) -> tuple[Workload, list[tuple[str, object]]] | None:
     """The workload and its ways: (row name, thunk(out_dir) -> Row)."""
     if name == "compute":
@@ -421,7 +540,8 @@ def main() -> None:
     ap.add_argument("--repeat-compute", type=int, default=2, help="runs of each way on the compute workload (best counts)")
     ap.add_argument("--repeat-decode", type=int, default=2, help="runs of each way on the decode workload (~1 s of work each)")
     ap.add_argument("--taef2", default=str(SHARED / "weights" / "taef2"), help="folder with taef2_encoder.pth")
-    ap.add_argument("--workloads", default="compute,decode")
+    ap.add_argument("--workloads", default="startup,compute,decode")
+    ap.add_argument("--startup-images", default="48,160", help="image counts of the startup workload")
     ap.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -439,6 +559,9 @@ def main() -> None:
     verdicts = []
     try:
         for name in args.workloads.split(","):
+            if name == "startup":
+                verdicts += run_startup(args)
+                continue
             planned = plan(name, args)
             if planned is None:
                 continue

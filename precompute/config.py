@@ -46,11 +46,20 @@ class RunConfig:
     # Seconds a task may spend reading and decoding its inputs; an input still not read then (a
     # FIFO, a hung network read) becomes a reject saying so. 0 = no limit.
     task_timeout: float = 1800.0
+    # Where a job without --scheduler runs (precompute.executors): "threads" in this process (the
+    # encoders load once and the first sample comes soonest), "processes" (a LocalCluster of
+    # worker processes: a killed worker's task runs again on another), or "auto": threads for a
+    # job of at most threads_max_samples samples on at most one device, else processes.
+    # `--workers N` means processes.
+    executor: Literal["auto", "threads", "processes"] = "auto"
+    threads_max_samples: int = 256
 
     def __post_init__(self) -> None:
         for name in ("samples_per_task", "batch_size", "decode_threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"run.{name} must be >= 1, got {getattr(self, name)}")
+        if self.threads_max_samples < 0:
+            raise ConfigError(f"run.threads_max_samples must be >= 0, got {self.threads_max_samples}")
         if self.task_timeout < 0:
             raise ConfigError(f"run.task_timeout must be >= 0 seconds (0: no limit), got {self.task_timeout}")
 

@@ -1,9 +1,10 @@
-"""The client side of ``mmcache encode``: plan the job, run it on a Dask cluster, report.
+"""The client side of ``mmcache encode``: plan the job, run it where it fits (this process's
+threads, a local cluster of worker processes, an external Dask cluster: precompute.executors).
 
 1. Read the input manifest (bad rows become rejects at once).
-2. Ask one worker to load the encoders and describe them (fields, fingerprints), so the client
-   never loads a model; create the store, or check that an existing one was made by the same
-   encoders (fail closed).
+2. Have the workers load the encoders and describe them (fields, fingerprints), while the store
+   is opened; create the store, or check that the existing one was made by the same encoders
+   (fail closed). With the in-process executor the encoders load here, once, in the background.
 3. Skip every row already committed (or already rejected), group the rest into tasks of
    ``run.samples_per_task`` rows, each named by a hash of its rows and the encoders' digests,
    and map them over the workers. Each task commits one shard.
@@ -12,7 +13,6 @@ A job killed at any moment loses nothing committed; running it again does only w
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -29,24 +29,12 @@ from featstore.config import from_dict
 from featstore.errors import FingerprintMismatchError
 from featstore.secrets import RedactedOptions
 from precompute.config import TINY_PATH, EncodeConfig, default_cache_dir
-from precompute.devices import resolve_device, worker_device
+from precompute.executors import choose_placement, open_executor, preserved_environ
 from precompute.inputs import InputRow, Reject, read_inputs
 from precompute.prompts import store_prompt_embeddings
 from precompute.stale import describe as describe_stale
 from precompute.stale import stale_samples
-from precompute.tasks import QUIET_OFFLINE_ENV, EncoderSpec, TaskSpec, describe_encoders, encode_task
-
-
-# Dask settings for the workers of a LocalCluster (jobs/ sets the same for external clusters):
-# - the nanny's MALLOC_TRIM_THRESHOLD_ turns off glibc's adaptive mmap threshold, so every large
-#   activation is mmap'd and faulted in afresh (~15-20% of CPU encoder time measured here);
-# - the worker's statistical profiler wakes every 10 ms to walk every thread's stack under the
-#   GIL; with the encoder on all cores that cost ~5% of a worker's throughput in
-#   benchmarks/encode_bench.py (its samples only feed the dashboard's profile page).
-WORKER_CONFIG = {
-    "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
-    "distributed.worker.profile.enabled": False,
-}
+from precompute.tasks import QUIET_OFFLINE_ENV, EncoderSpec, TaskSpec
 
 
 @dataclass(kw_only=True)
@@ -60,6 +48,7 @@ class EncodeSummary:
     seconds: float
     startup_seconds: float
     stale: int = 0  # committed samples whose input changed since (reported, not re-encoded)
+    executor: str = ""  # where the tasks ran: threads | processes | scheduler (precompute.executors)
 
     def line(self) -> str:
         rate = self.samples_written / self.seconds if self.seconds > 0 else 0.0
@@ -135,19 +124,6 @@ def fields_to_write(rows: list[InputRow], store: featstore.Store, fields: list[s
     return groups
 
 
-@contextlib.contextmanager
-def preserved_environ():
-    """Put ``os.environ`` back as it was on the way out. ``run_encode`` wears it as a decorator:
-    it sets quiet/offline variables for the workers, and Dask's nanny writes its own here."""
-    saved = dict(os.environ)
-    try:
-        yield
-    finally:
-        for key in set(os.environ) - set(saved):
-            del os.environ[key]
-        os.environ.update(saved)
-
-
 @preserved_environ()
 def run_encode(
     config: EncodeConfig,
@@ -162,8 +138,6 @@ def run_encode(
     prompts: list[str] | None = None,
     log=print,
 ) -> EncodeSummary:
-    from distributed import Client
-
     # Workers inherit the environment: models load from local folders only, without progress
     # bars or hub look-ups cluttering the job's output.
     for key, value in QUIET_OFFLINE_ENV.items():
@@ -185,35 +159,24 @@ def run_encode(
         allow_empty=config.data.allow_empty,
         allow_text_only=takes_text_only(specs),
     )
-    cores = os.cpu_count() or 1
-    # Sizing a local cluster needs this machine's devices; an external cluster's workers resolve
-    # their own (the client may have none).
-    device_type, device_count = resolve_device(config.device) if not scheduler else (config.device, 0)
-    if workers is None:
-        workers = device_count if device_type not in ("cpu", "auto") and device_count else max(1, min(cores, 4))
-    threads = config.run.threads_per_worker or max(1, cores // workers)
-    in_process = output_url.startswith("memory://")  # memory:// lives in this process only
+    # The store's snapshot: read here at most once, by the size estimate when the choice of
+    # executor needs it, else while the encoders load.
+    existing: list[featstore.Store | None] = []
 
-    with contextlib.ExitStack() as stack:
-        if scheduler:
-            client = stack.enter_context(Client(scheduler))
-            cluster = None
-        else:
-            cluster = stack.enter_context(local_cluster(workers, processes=not in_process, dashboard=_has_bokeh()))
-            client = stack.enter_context(Client(cluster))
-        if client.dashboard_link and _has_bokeh():
-            log(f"dask dashboard: {client.dashboard_link}")
-        # A local cluster: all its workers; an external one: at least one (more may join later).
-        client.wait_for_workers(workers if cluster is not None else 1, timeout=300)
-        addresses = sorted(client.scheduler_info()["workers"])
-        # Each worker resolves its own device (it, not the client, has the accelerators); the
-        # values here are only for the log line.
-        devices = {addr: config.device for addr in addresses}
-        # Every worker loads its encoders now, in parallel, rather than inside its first task.
-        loads = [client.submit(_describe_on_worker, specs, config.device, threads, workers=[a], pure=False) for a in addresses]
-        described = loads[0].result()
-        for load in loads[1:]:
-            load.result()
+    def samples_to_encode() -> int:
+        if len(rows) <= config.run.threads_max_samples:
+            return len(rows)  # an upper bound that already decides
+        existing.append(_open_existing(output_url, storage_options))
+        return _samples_to_encode(rows, existing[0], specs)
+
+    placement = choose_placement(config, scheduler=scheduler, workers=workers, output_url=output_url, samples=samples_to_encode)
+    with open_executor(placement, scheduler) as executor:
+        if executor.dashboard_link:
+            log(f"dask dashboard: {executor.dashboard_link}")
+        loading = executor.load_encoders(specs, config.device)
+        if not existing:
+            existing.append(_open_existing(output_url, storage_options))
+        described = loading.result()
         fields = described["fields"]
         settings = {
             "resize": dataclasses.asdict(config.resize),
@@ -230,15 +193,18 @@ def run_encode(
         for spec in fields.values():
             # Each field's record names its input preparation too, so it rebuilds on its own.
             spec["meta"]["encoder"]["transform"] = transform
-        store = _open_or_create(output_url, fields, storage_options, transform, log)
+        store = _open_or_create(output_url, fields, storage_options, transform, log, existing[0])
         # The empty prompt's embedding always, and the validation prompts' when given.
-        store_prompt_embeddings(client, addresses[0], specs, config.device, threads, fields, store, prompts or [], log)
+        store_prompt_embeddings(executor, specs, config.device, fields, store, prompts or [], log)
         startup = time.perf_counter() - t0
-        log(f"encoders ready on {len(devices)} worker(s) ({device_type}) in {startup:.1f}s")
+        unit = "thread(s) of this process" if placement.kind == "threads" else "worker(s)"
+        loaded = f"{described['loaded']} model load(s)" if described["loaded"] else "all models already loaded"
+        log(f"encoders ready in {startup:.1f}s on {executor.workers} {unit} ({placement.device_type}; "
+            f"{placement.kind}: {placement.reason}), {loaded}")
 
         rejected = _rejected_sources(store)
         rejected_before = rejected if not config.data.retry_rejects else set()
-        stale = stale_samples(rows, store, client=client, storage_options=input_storage_options, check_content=config.data.check_content)
+        stale = stale_samples(rows, store, client=executor.client, storage_options=input_storage_options, check_content=config.data.check_content)
         if stale:
             log(describe_stale(stale))
         text_fields = {name for name, spec in fields.items() if spec["meta"]["section"] == "text"}
@@ -253,7 +219,7 @@ def run_encode(
                 log(f"adding {', '.join(missing)} to {len(group)} sample(s) already in the store")
         digest = hashlib.sha256(json.dumps({k: v["meta"]["fingerprint"]["digest"] for k, v in fields.items()}, sort_keys=True).encode()).hexdigest()
         # At least two tasks per worker when the job is small, so no worker sits idle.
-        per_task = max(1, min(config.run.samples_per_task, -(-todo // (2 * len(addresses)))))
+        per_task = max(1, min(config.run.samples_per_task, -(-todo // (2 * executor.workers))))
         # A retried reject gets a task of a new name: the one that rejected it is committed.
         retry = _retry_salt(store) if config.data.retry_rejects and any(r.source in rejected for g in groups.values() for r in g) else ""
         tasks = [task for (missing, new), group in groups.items() for task in plan_tasks(group, digest, per_task, list(missing), new, salt=retry)]
@@ -262,58 +228,19 @@ def run_encode(
         # its sibling tasks' parts: a shard's name is a hash of its rows and fields, so one named
         # like a sibling holds that sibling's rows, none of this task's (a request per sibling
         # committed first, saved).
-        # (A task's result, not scattered data: if the worker holding it dies, it is recomputed.)
-        known = client.submit(list, sorted(set(store.shards) | {t.shard for t in tasks}), pure=False) if tasks else None
-        summary = _run_tasks(client, tasks, known, output_url, storage_options, specs, threads, settings, progress, log)
-        summary.update(samples_skipped=skipped, startup_seconds=startup, stale=len(stale))
+        known = executor.share(sorted(set(store.shards) | {t.shard for t in tasks})) if tasks else None
+        summary = _run_tasks(executor, tasks, known, output_url, storage_options, specs, settings, progress)
+        summary.update(samples_skipped=skipped, startup_seconds=startup, stale=len(stale), executor=placement.kind)
         summary["rejected"] += len(new_plan_rejects)
         return EncodeSummary(store_url=store.url, seconds=time.perf_counter() - t0 - startup, **summary)
 
 
-@contextlib.contextmanager
-def local_cluster(workers: int, *, processes: bool = True, dashboard: bool = False):
-    """A LocalCluster for encoding (one thread per worker, WORKER_CONFIG applied) that leaves this
-    process's environment as it found it. Dask's nanny puts its pre-spawn variables
-    (OMP_NUM_THREADS=1, MKL_NUM_THREADS=1, MALLOC_TRIM_THRESHOLD_ unless told otherwise) into
-    the parent's own ``os.environ`` before it spawns a worker, so without this they leak into the
-    caller and into everything it starts afterwards: measured here, a plain torch process started
-    after another cluster's run inherited MALLOC_TRIM_THRESHOLD_ and ran its conv encoder ~15%
-    slower, and so did the next cluster's workers (an inherited variable cannot be unset by
-    pre-spawn-environ, so the workers here are spawned without it)."""
-    import dask
-    from distributed import LocalCluster
-
-    with preserved_environ():
-        # Workers inherit this process's environment at spawn, and glibc reads the variable only
-        # then: one left here by an earlier cluster's nanny would reach them despite WORKER_CONFIG.
-        os.environ.pop("MALLOC_TRIM_THRESHOLD_", None)
-        with dask.config.set(WORKER_CONFIG):
-            cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=processes,
-                                   dashboard_address=":0" if dashboard else None, silence_logs=40)
-        with cluster:
-            yield cluster
-
-
-
-
-def _run_tasks(client, tasks, known, output_url, storage_options, specs, threads, settings, progress, log) -> dict[str, int]:
-    from distributed import as_completed
-
+def _run_tasks(executor, tasks, known, output_url, storage_options, specs, settings, progress) -> dict[str, int]:
     total = sum(len(t.rows) for t in tasks)
     meter = ProgressMeter(total, enabled=sys.stderr.isatty() if progress is None else progress)
-    # No placement hints: the scheduler spreads the tasks, and a task whose worker died (an OOM
-    # kill) runs on whichever worker is alive, the nanny's restart of it included. A task pinned
-    # to the dead worker's address would wait for it forever. Dask gives up on a task that kills
-    # its worker repeatedly (distributed.scheduler.allowed-failures) and the job fails saying so.
-    futures = [
-        client.submit(
-            _run_on_worker, task, output_url, storage_options, specs, settings["device"], threads, settings, known,
-            key=f"encode-{task.shard}", retries=3, pure=False,
-        )
-        for task in tasks
-    ]
+    futures = [executor.submit_task(task, output_url, storage_options, specs, settings["device"], settings, known) for task in tasks]
     counts = {"tasks": len(tasks), "tasks_skipped": 0, "samples_written": 0, "rejected": 0}
-    for future in as_completed(futures):
+    for future in executor.as_completed(futures):
         result = future.result()
         counts["tasks_skipped"] += result["skipped"]
         counts["samples_written"] += result["samples"]
@@ -328,33 +255,31 @@ def _retry_salt(store: featstore.Store) -> str:
     return hashlib.sha256(" ".join(sorted(n for n, info in store.shards.items() if info.num_rejected)).encode()).hexdigest()[:16]
 
 
-def _device_here(requested: str) -> str:
-    """This worker's device: one worker per device, worker ``n`` (a LocalCluster name, kept across
-    restarts) on device ``n``; workers with other names (one per device, each launched with its own
-    CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES) on device 0."""
-    from distributed import get_worker
-
-    device_type, count = resolve_device(requested)
-    name = get_worker().name
-    return worker_device(device_type, count, name if isinstance(name, int) else 0)
-
-
-def _describe_on_worker(specs, requested, threads):
-    return describe_encoders(specs, _device_here(requested), threads)
-
-
-def _run_on_worker(task, output_url, storage_options, specs, requested, threads, settings, known):
-    device = _device_here(requested)
-    return encode_task(task, store_url=output_url, storage_options=storage_options, specs=specs, device=device, threads=threads, settings=settings, known_shards=known)
-
-
-def _open_or_create(url: str, fields: dict[str, Any], storage_options: dict[str, Any] | None, transform: dict[str, Any], log) -> featstore.Store:
-    """The output store: created with the configured fields, or an existing one checked against
-    them (fail closed). Configured fields it lacks are added to it, so a new encoder (or a changed
-    one under a new field name) extends a store in place."""
+def _open_existing(url: str, storage_options: dict[str, Any] | None) -> featstore.Store | None:
+    """The output store as it is now (its snapshot), or None where there is none yet."""
     try:
-        store = featstore.open(url, storage_options, mode="a")
+        return featstore.open(url, storage_options, mode="a")
     except featstore.NotAStoreError:
+        return None
+
+
+def _samples_to_encode(rows: list[InputRow], store: featstore.Store | None, specs: list[EncoderSpec]) -> int:
+    """How many rows lack one of the configured fields (the job's size, before any model loads:
+    an encoder names its fields from its config). Rows rejected before count too: a bound."""
+    if store is None:
+        return len(rows)
+    from precompute.encoders import build_encoder
+
+    names = [name for spec in specs for name in build_encoder(spec.name, spec.options).fields()]
+    return sum(len(group) for group in fields_to_write(rows, store, names).values())
+
+
+def _open_or_create(url: str, fields: dict[str, Any], storage_options: dict[str, Any] | None, transform: dict[str, Any], log,
+                    store: featstore.Store | None) -> featstore.Store:
+    """The output store: created with the configured fields, or the existing ``store`` checked
+    against them (fail closed). Configured fields it lacks are added to it, so a new encoder (or a
+    changed one under a new field name) extends a store in place."""
+    if store is None:
         from featstore.reader import create_store
 
         return create_store(url, fields, storage_options=storage_options, attrs={"transform": transform})
@@ -399,12 +324,6 @@ def _commit_plan_rejects(store: featstore.Store, rejects: list[Reject]) -> None:
     for r in rejects:
         writer.reject(r.source, r.reason, id=r.sample_id)
     writer.commit(name)
-
-
-def _has_bokeh() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("bokeh") is not None
 
 
 class ProgressMeter:

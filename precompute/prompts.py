@@ -6,7 +6,8 @@ field's fingerprint beside the samples (``featstore.prompts``). The empty prompt
 needs for caption dropout and classifier-free guidance; the prompts are what it samples from
 during and after training, without loading the text encoder again.
 
-The embeddings are computed on one worker by the encoder it has already loaded (the client
+The embeddings are computed where the encoders are already loaded (one worker, or this
+process's threads) (the client
 never loads a model), then written by the client as one immutable object per field and prompt
 set; a re-run with the same prompts writes nothing.
 """
@@ -42,12 +43,9 @@ def text_sections(fields: dict[str, Any]) -> dict[str, str]:
             if spec["meta"].get("modality") == "text" and spec["ndim"] == 2 and spec["dtype"] in ("bfloat16", "float16", "float32")}
 
 
-def encode_prompts_on_worker(specs, requested: str, threads: int, sections: dict[str, str], prompts: list[str]) -> dict[str, dict[str, np.ndarray]]:
-    """Run on a worker: field -> prompt -> embedding, the empty prompt included."""
-    from precompute.pipeline import _device_here
-    from precompute.tasks import loaded_encoders
-
-    encoders = loaded_encoders(specs, _device_here(requested), threads)
+def encode_prompts(encoders: dict[str, Any], sections: dict[str, str], prompts: list[str]) -> dict[str, dict[str, np.ndarray]]:
+    """Where the encoders are loaded (a worker, or this process's threads): field -> prompt ->
+    embedding, the empty prompt included."""
     wanted = [EMPTY_PROMPT, *dict.fromkeys(p for p in prompts if p != EMPTY_PROMPT)]
     out: dict[str, dict[str, np.ndarray]] = {}
     for field, section in sections.items():
@@ -56,7 +54,7 @@ def encode_prompts_on_worker(specs, requested: str, threads: int, sections: dict
     return out
 
 
-def store_prompt_embeddings(client, address: str, specs, requested: str, threads: int, fields: dict[str, Any], store, prompts: list[str], log) -> int:
+def store_prompt_embeddings(executor, specs, requested: str, fields: dict[str, Any], store, prompts: list[str], log) -> int:
     """Encode and store the prompt embeddings of every text field; returns how many objects were
     written (0 when the store already had them)."""
     sections = text_sections(fields)
@@ -68,7 +66,7 @@ def store_prompt_embeddings(client, address: str, specs, requested: str, threads
     todo = {f: s for f, s in sections.items() if not store.storage.exists(part_key(f, fields[f]["meta"]["fingerprint"]["digest"], wanted))}
     if not todo:
         return 0  # stored by an earlier run: no worker round trip
-    embeddings = client.submit(encode_prompts_on_worker, specs, requested, threads, todo, prompts, workers=[address], pure=False).result()
+    embeddings = executor.encode_prompts(specs, requested, todo, prompts)
     written = sum(write_prompts(store, field, by_prompt) is not None for field, by_prompt in embeddings.items())
     if written and prompts:
         log(f"stored the embeddings of {len(prompts)} prompt(s) and the empty prompt for {', '.join(todo)}")

@@ -1,4 +1,5 @@
-"""What runs on a Dask worker: load the encoders once, then turn one task's rows into one shard.
+"""What runs where the tasks run (a Dask worker, or a thread of the in-process executor): load
+the encoders once, then turn one task's rows into one shard.
 
 A task is a fixed list of input rows with a deterministic shard name (a hash of the rows and the
 encoders' fingerprints). It reads and decodes its media on a few CPU threads while the encoder
@@ -8,11 +9,13 @@ fail become rejects in the same commit. Nothing but a small summary travels back
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -34,12 +37,6 @@ QUIET_OFFLINE_ENV = {
     "DIFFUSERS_VERBOSITY": "error",
     "TOKENIZERS_PARALLELISM": "false",
 }
-
-# Per worker process: section key -> loaded encoder. Loading a model is seconds to minutes; a
-# worker does it once for the whole job, not once per task.
-_ENCODERS: dict[str, Any] = {}
-_LOAD_LOCK = threading.Lock()
-
 
 @dataclass(frozen=True, kw_only=True)
 class EncoderSpec:
@@ -78,31 +75,81 @@ class TaskResult:
         return out
 
 
-def loaded_encoders(specs: list[EncoderSpec], device: str, threads: int) -> dict[str, Any]:
-    from precompute.encoders import build_encoder
+class EncoderCache:
+    """Loaded encoders, kept for as long as their process (or Dask worker) lives: a model loads
+    once for all the tasks of a job and for the jobs after it (a long-lived ``--scheduler``
+    cluster, repeated in-process runs). An entry is keyed by the encoder's config and device and
+    reused only while its model files are unchanged (path, size and mtime of every file under
+    ``path``): a checkpoint rewritten in place is loaded again, so the fingerprint a job records
+    is always that of the weights on disk. ``loads`` counts the models actually loaded."""
 
-    with _LOAD_LOCK:
-        if not _ENCODERS:
+    def __init__(self) -> None:
+        self._entries: dict[tuple[str, str], tuple[Any, tuple]] = {}
+        self._lock = threading.Lock()
+        self.loads = 0
+
+    def get(self, specs: list[EncoderSpec], device: str) -> dict[str, Any]:
+        """Section -> loaded encoder for ``specs`` on ``device``, loading only what is missing or stale."""
+        from precompute.encoders import build_encoder
+
+        with self._lock:
             for key, value in QUIET_OFFLINE_ENV.items():
                 os.environ.setdefault(key, value)
             if device.startswith("npu"):
                 import torch_npu  # noqa: F401  (registers the device; see BRIEF on auto-loading)
-        if threads and not _ENCODERS:
-            import torch
+            out = {}
+            for spec in specs:
+                signature = _files_signature(spec.options.get("path"))
+                entry = self._entries.get((spec.key, device))
+                if entry is None or entry[1] != signature:
+                    encoder = build_encoder(spec.name, spec.options)
+                    encoder.load(device)
+                    self.loads += 1
+                    entry = self._entries[(spec.key, device)] = (encoder, signature)
+                out[spec.section] = entry[0]
+            return out
 
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+def _files_signature(path: str | None) -> tuple:
+    """(relative path, size, mtime) of every file under ``path``: what says a model folder changed."""
+    if not path or not os.path.exists(path):
+        return ()
+    if os.path.isfile(path):
+        st = os.stat(path)
+        return (("", st.st_size, st.st_mtime_ns),)
+    out = []
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            full = os.path.join(root, name)
+            with contextlib.suppress(FileNotFoundError):
+                st = os.stat(full)
+                out.append((os.path.relpath(full, path), st.st_size, st.st_mtime_ns))
+    return tuple(sorted(out))
+
+
+# This process's encoders: the in-process (threads) executor's, and a fallback for a Dask worker
+# without the encoder plugin (see precompute.worker_plugin).
+PROCESS_ENCODERS = EncoderCache()
+
+
+def loaded_encoders(specs: list[EncoderSpec], device: str, threads: int, cache: EncoderCache | None = None) -> dict[str, Any]:
+    if threads:
+        import torch
+
+        # Set for every job, not only the first: a long-lived worker may serve jobs sized differently.
+        if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
-        for spec in specs:
-            if spec.key not in _ENCODERS:
-                encoder = build_encoder(spec.name, spec.options)
-                encoder.load(device)
-                _ENCODERS[spec.key] = encoder
-        return {spec.section: _ENCODERS[spec.key] for spec in specs}
+    return (cache or PROCESS_ENCODERS).get(specs, device)
 
 
-def describe_encoders(specs: list[EncoderSpec], device: str, threads: int) -> dict[str, Any]:
-    """Fields, fingerprints and field metadata of the configured encoders (run on a worker, so
-    the client never loads a model)."""
-    encoders = loaded_encoders(specs, device, threads)
+def describe_encoders(specs: list[EncoderSpec], device: str, threads: int, cache: EncoderCache | None = None) -> dict[str, Any]:
+    """Fields, fingerprints and field metadata of the configured encoders (run where the tasks
+    run: a worker, or this process with the in-process executor), loading them if need be."""
+    encoders = loaded_encoders(specs, device, threads, cache)
     fields: dict[str, Any] = {}
     for section, encoder in encoders.items():
         metadata = encoder.field_metadata()
@@ -129,6 +176,7 @@ def encode_task(
     threads: int,
     settings: dict[str, Any],
     known_shards: list[str] | None = None,
+    cache: EncoderCache | None = None,
 ) -> dict[str, Any]:
     """Encode one task into one committed shard; idempotent (a committed shard is skipped, and so
     is one another writer commits first). ``known_shards``: the shards the client planned from,
@@ -145,7 +193,7 @@ def encode_task(
         # What the client planned around need not be re-read before this task commits; only
         # shards committed since (by a concurrent run) are.
         store.assume_checked(known_shards or ())
-        done = _encode_rows(task, store, specs, device, threads, settings, result)
+        done = _encode_rows(task, store, specs, device, threads, settings, result, cache)
         writer = store.writer(shard_prefix=task.shard[:60], shard_bytes=1 << 62, fields=task.fields)
         # One task is one shard, whatever its size: an automatic mid-task commit would get a name
         # a retried task could collide with.
@@ -169,11 +217,11 @@ def encode_task(
         store.close()
 
 
-def _encode_rows(task: TaskSpec, store, specs, device, threads, settings, result: TaskResult) -> list:
+def _encode_rows(task: TaskSpec, store, specs, device, threads, settings, result: TaskResult, cache: EncoderCache | None = None) -> list:
     """(row, arrays or None, meta) for each row that was not rejected; rejects go to ``result``."""
     from precompute.media import FrameSampling, MediaError, ResizeConfig
 
-    configured = loaded_encoders(specs, device, threads)
+    configured = loaded_encoders(specs, device, threads, cache)
     # Only the encoders of the fields this task writes run (a field added to committed samples).
     encoders = {section: encoder for section, encoder in configured.items() if set(encoder.fields()) & set(task.fields)}
     resize = ResizeConfig(**settings["resize"])
@@ -212,17 +260,56 @@ def _encode_rows(task: TaskSpec, store, specs, device, threads, settings, result
     timeout = settings.get("task_timeout") or None
     deadline = None if timeout is None else time.monotonic() + timeout
     # Decoding runs ahead on CPU threads (Pillow and PyAV release the GIL) while the encoder works
-    # on the batches already formed. Not a `with` block: a thread stuck on an input (a FIFO, a
-    # hung read) must not keep the task from finishing once the deadline turned it into a reject.
-    pool = ThreadPoolExecutor(settings["decode_threads"], thread_name_prefix="decode")
+    # on the batches already formed. A thread stuck on an input (a hung read) must not keep the
+    # task, nor the process, from finishing once the deadline turned it into a reject.
+    pool = DaemonPool(settings["decode_threads"], "decode")
     try:
         futures = [(row, pool.submit(prepare, row)) for row in task.rows]
         for batch in _bucketed(futures, settings["batch_size"], reject, MediaError, deadline, timeout):
             _encode_batch(batch, encoders, reject, done, primary)
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        pool.shutdown()
     _encode_text(done, encoders.get("text"), settings["batch_size"], reject)
     return done
+
+
+class DaemonPool:
+    """A few daemon threads running submitted calls, with concurrent.futures Futures. Unlike a
+    ThreadPoolExecutor's threads, which the interpreter joins at exit, one stuck on an input that
+    never arrives cannot keep the process from exiting after its task gave up on it: with the
+    in-process executor, that process is the user's command."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = threads
+        for i in range(threads):
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue  # cancelled before it started
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(exc)
+
+    def shutdown(self, *, cancel_pending: bool = True) -> None:
+        """Each thread ends after the calls submitted (``cancel_pending``: after the call it is in,
+        if that ever returns; the others are cancelled)."""
+        with contextlib.suppress(queue.Empty):
+            while cancel_pending:
+                item = self._queue.get_nowait()
+                if item is not None:
+                    item[0].cancel()
+        for _ in range(self._threads):
+            self._queue.put(None)
 
 
 def read_input_bytes(uri: str, storage_options: dict[str, Any] | None, max_bytes: int | None = None) -> bytes:

@@ -259,7 +259,7 @@ def test_local_cluster_settings_stay_with_its_workers(dataset, tmp_path):
     import dask
     from distributed import Client
 
-    from precompute.pipeline import local_cluster
+    from precompute.executors import local_cluster
 
     before = dict(os.environ)
     with local_cluster(1) as cluster, Client(cluster) as client:

@@ -1,0 +1,319 @@
+"""Where the tasks of ``mmcache encode`` run, chosen per job.
+
+- ``threads``: in this process. The encoders load once, here, while the store is opened, and
+  the tasks run on a few threads (torch, Pillow and PyAV release the GIL), so a small job starts
+  as fast as a plain loop would: no cluster to spawn, no interpreter per worker importing torch
+  and loading the models again. What it cannot give: a task whose process is killed (an OOM
+  kill) is not run again elsewhere; the job dies, and running it again resumes it.
+- ``processes``: a Dask LocalCluster of worker processes (one per device, or per CPU core up
+  to 4). A killed worker is restarted by its nanny and its task runs again on a live worker.
+- ``scheduler``: an existing Dask cluster (``--scheduler``). Its workers keep their encoders
+  loaded between jobs (see precompute.worker_plugin).
+
+``auto`` (the default of ``run.executor``) takes threads for a job of at most
+``run.threads_max_samples`` samples on at most one device, and processes otherwise; ``--workers``
+asks for processes. The outcome is the same store either way (the same tasks and shards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import as_completed as futures_as_completed
+from dataclasses import dataclass
+from typing import Any
+
+from precompute.config import EncodeConfig
+from precompute.devices import resolve_device, worker_device
+from precompute.tasks import PROCESS_ENCODERS, DaemonPool, EncoderSpec, describe_encoders, encode_task, loaded_encoders
+
+# Dask settings for the workers of a LocalCluster (jobs/ sets the same for external clusters):
+# - the nanny's MALLOC_TRIM_THRESHOLD_ turns off glibc's adaptive mmap threshold, so every large
+#   activation is mmap'd and faulted in afresh (~15-20% of CPU encoder time measured here);
+# - the worker's statistical profiler wakes every 10 ms to walk every thread's stack under the
+#   GIL; with the encoder on all cores that cost ~5% of a worker's throughput in
+#   benchmarks/encode_bench.py (its samples only feed the dashboard's profile page).
+WORKER_CONFIG = {
+    "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
+    "distributed.worker.profile.enabled": False,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    kind: str          # "threads" | "processes" | "scheduler"
+    workers: int       # worker processes, or task threads in this process
+    threads: int       # torch intra-op threads per worker (per task thread in this process)
+    device_type: str   # for this machine's executors; the config's request for an external cluster
+    device_count: int
+    reason: str        # why this kind, for the log
+
+
+def choose_placement(config: EncodeConfig, *, scheduler: str | None, workers: int | None, output_url: str,
+                     samples: Callable[[], int]) -> Placement:
+    """Where this job runs; ``samples()`` (the job's size, which may read the store) is asked only
+    when the choice depends on it."""
+    cores = os.cpu_count() or 1
+    run = config.run
+    if scheduler:
+        # An external cluster's workers resolve their own devices (the client may have none).
+        count = workers or max(1, min(cores, 4))
+        return Placement(kind="scheduler", workers=count, threads=run.threads_per_worker or max(1, cores // count),
+                         device_type=config.device, device_count=0, reason=f"--scheduler {scheduler}")
+    device_type, device_count = resolve_device(config.device)
+    accelerated = device_type not in ("cpu", "auto") and device_count
+    count = workers or (device_count if accelerated else max(1, min(cores, 4)))
+    if output_url.startswith("memory://"):
+        kind, reason = "threads", "a memory:// store lives in this process only"
+    elif workers is not None:
+        kind, reason = "processes", f"--workers {workers}"
+    elif run.executor != "auto":
+        kind, reason = run.executor, f"run.executor={run.executor}"
+    elif device_count > 1:
+        kind, reason = "processes", f"one worker per device ({device_count} {device_type})"
+    elif (n := samples()) <= run.threads_max_samples:
+        kind, reason = "threads", f"{n} sample(s) to encode <= run.threads_max_samples={run.threads_max_samples}"
+    else:
+        kind, reason = "processes", f"{n} sample(s) to encode > run.threads_max_samples={run.threads_max_samples}"
+    return Placement(kind=kind, workers=count, threads=run.threads_per_worker or max(1, cores // count),
+                     device_type=device_type, device_count=device_count, reason=reason)
+
+
+class ThreadClient:
+    """The part of dask.distributed.Client's API that an encode job uses (submit, map), on this
+    process's threads; ``retries`` as Dask's: a call that raises runs again, up to that often.
+    Daemon threads: a job that fails or is interrupted exits without waiting for the tasks still
+    running, as a killed job would (each task's shard commits atomically or not at all)."""
+
+    def __init__(self, threads: int) -> None:
+        self._pool = DaemonPool(threads, "encode")
+
+    def submit(self, fn: Callable, *args: Any, retries: int = 0, key: str | None = None, pure: bool | None = None,
+               workers: Any = None, **kwargs: Any) -> Future:
+        def attempt() -> Any:
+            for tries_left in range(retries, -1, -1):
+                try:
+                    return fn(*args, **kwargs)
+                except Exception:
+                    if not tries_left:
+                        raise
+            raise AssertionError("unreachable")
+
+        return self._pool.submit(attempt)
+
+    def map(self, fn: Callable, items: Iterable, **kwargs: Any) -> list[Future]:
+        return [self.submit(fn, item, **kwargs) for item in items]
+
+    def close(self) -> None:
+        self._pool.shutdown()  # tasks not started are dropped
+
+
+class ThreadExecutor:
+    """Tasks on threads of this process, with its own encoder cache (loaded once per process)."""
+
+    kind = "threads"
+    dashboard_link = None
+
+    def __init__(self, placement: Placement) -> None:
+        self.placement = placement
+        self.device = worker_device(placement.device_type, placement.device_count, 0)
+        self.client = ThreadClient(placement.workers)
+        self.workers = placement.workers
+
+    def load_encoders(self, specs: list[EncoderSpec], requested: str) -> Future:
+        """Loads in the background (the caller opens the store meanwhile); -> {fields, loaded}."""
+        def load() -> dict[str, Any]:
+            before = PROCESS_ENCODERS.loads
+            described = describe_encoders(specs, self.device, self.placement.threads, PROCESS_ENCODERS)
+            return {**described, "loaded": PROCESS_ENCODERS.loads - before}
+
+        loader = DaemonPool(1, "load-encoders")
+        future = loader.submit(load)
+        loader.shutdown(cancel_pending=False)  # its thread ends after the load
+        return future
+
+    def share(self, value: Any) -> Any:
+        return value  # one process: every task sees the same object
+
+    def encode_prompts(self, specs, requested, sections, prompts) -> dict[str, Any]:
+        from precompute.prompts import encode_prompts
+
+        return encode_prompts(loaded_encoders(specs, self.device, self.placement.threads, PROCESS_ENCODERS), sections, prompts)
+
+    def submit_task(self, task, output_url, storage_options, specs, requested, settings, known) -> Future:
+        return self.client.submit(
+            encode_task, task, store_url=output_url, storage_options=storage_options, specs=specs, device=self.device,
+            threads=self.placement.threads, settings=settings, known_shards=known, cache=PROCESS_ENCODERS, retries=3,
+        )
+
+    def as_completed(self, futures: list) -> Iterator:
+        return futures_as_completed(futures)
+
+
+class DaskExecutor:
+    """Tasks on a Dask cluster: a LocalCluster of worker processes, or an external one."""
+
+    def __init__(self, client: Any, placement: Placement, wait_for: int) -> None:
+        from precompute.worker_plugin import EncoderPlugin
+
+        self.client, self.placement, self.kind = client, placement, placement.kind
+        self.dashboard_link = client.dashboard_link if _has_bokeh() else None
+        # Idempotent: on a long-lived cluster the plugin a previous job left keeps its encoders.
+        client.register_plugin(EncoderPlugin())
+        # A local cluster: all its workers; an external one: at least one (more may join later).
+        client.wait_for_workers(wait_for, timeout=300)
+        self.addresses = sorted(client.scheduler_info()["workers"])
+        self.workers = len(self.addresses)
+
+    def load_encoders(self, specs: list[EncoderSpec], requested: str) -> Any:
+        """Every worker loads its encoders now, in parallel, rather than inside its first task."""
+        loads = [self.client.submit(_describe_on_worker, specs, requested, self.placement.threads, workers=[a], pure=False)
+                 for a in self.addresses]
+        return _AllOf(loads)
+
+    def encode_prompts(self, specs, requested, sections, prompts) -> dict[str, Any]:
+        """On the first worker, by the encoders it has loaded (the client never loads a model)."""
+        return self.client.submit(_prompts_on_worker, specs, requested, self.placement.threads, sections, prompts,
+                                  workers=[self.addresses[0]], pure=False).result()
+
+    def share(self, value: Any) -> Any:
+        # A task's result, not scattered data: if the worker holding it dies, it is recomputed.
+        return self.client.submit(list, value, pure=False)
+
+    def submit_task(self, task, output_url, storage_options, specs, requested, settings, known) -> Any:
+        # No placement hints: the scheduler spreads the tasks, and a task whose worker died (an OOM
+        # kill) runs on whichever worker is alive, the nanny's restart of it included. A task pinned
+        # to the dead worker's address would wait for it forever. Dask gives up on a task that kills
+        # its worker repeatedly (distributed.scheduler.allowed-failures) and the job fails saying so.
+        return self.client.submit(
+            _run_on_worker, task, output_url, storage_options, specs, requested, self.placement.threads, settings, known,
+            key=f"encode-{task.shard}", retries=3, pure=False,
+        )
+
+    def as_completed(self, futures: list) -> Iterator:
+        from distributed import as_completed
+
+        return iter(as_completed(futures))
+
+
+class _AllOf:
+    """Waits for every worker's load; the first one's description, the models loaded by all."""
+
+    def __init__(self, futures: list) -> None:
+        self.futures = futures
+
+    def result(self) -> dict[str, Any]:
+        results = [f.result() for f in self.futures]
+        return {**results[0], "loaded": sum(r["loaded"] for r in results)}
+
+
+@contextlib.contextmanager
+def open_executor(placement: Placement, scheduler: str | None) -> Iterator[ThreadExecutor | DaskExecutor]:
+    if placement.kind == "threads":
+        import torch
+
+        # torch's thread count is the process's: the job sets it for its task threads (cores /
+        # task threads, as a worker process would), and the caller gets its own back.
+        saved = torch.get_num_threads()
+        torch.set_num_threads(placement.threads)
+        executor = ThreadExecutor(placement)
+        try:
+            yield executor
+        finally:
+            executor.client.close()
+            torch.set_num_threads(saved)
+        return
+    from distributed import Client
+
+    with contextlib.ExitStack() as stack:
+        if placement.kind == "scheduler":
+            client = stack.enter_context(Client(scheduler))
+            wait_for = 1
+        else:
+            cluster = stack.enter_context(local_cluster(placement.workers, dashboard=_has_bokeh()))
+            client = stack.enter_context(Client(cluster))
+            wait_for = placement.workers
+        yield DaskExecutor(client, placement, wait_for)
+
+
+@contextlib.contextmanager
+def preserved_environ():
+    """Put ``os.environ`` back as it was on the way out. ``run_encode`` wears it as a decorator:
+    it sets quiet/offline variables for the workers, and Dask's nanny writes its own here."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        for key in set(os.environ) - set(saved):
+            del os.environ[key]
+        os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def local_cluster(workers: int, *, processes: bool = True, dashboard: bool = False):
+    """A LocalCluster for encoding (one thread per worker, WORKER_CONFIG applied) that leaves this
+    process's environment as it found it. Dask's nanny puts its pre-spawn variables
+    (OMP_NUM_THREADS=1, MKL_NUM_THREADS=1, MALLOC_TRIM_THRESHOLD_ unless told otherwise) into
+    the parent's own ``os.environ`` before it spawns a worker, so without this they leak into the
+    caller and into everything it starts afterwards: measured here, a plain torch process started
+    after another cluster's run inherited MALLOC_TRIM_THRESHOLD_ and ran its conv encoder ~15%
+    slower, and so did the next cluster's workers (an inherited variable cannot be unset by
+    pre-spawn-environ, so the workers here are spawned without it)."""
+    import dask
+    from distributed import LocalCluster
+
+    with preserved_environ():
+        # Workers inherit this process's environment at spawn, and glibc reads the variable only
+        # then: one left here by an earlier cluster's nanny would reach them despite WORKER_CONFIG.
+        os.environ.pop("MALLOC_TRIM_THRESHOLD_", None)
+        # The scheduler serves HTTP (/health, metrics) even without a dashboard, by default on
+        # port 8787, and warns ("Port 8787 is already in use") when another cluster holds it: a
+        # free loopback port instead, so no warning reaches a user who asked for no dashboard.
+        http = {"dashboard": dashboard, "dashboard_address": ":0" if dashboard else "127.0.0.1:0"}
+        with dask.config.set(WORKER_CONFIG):
+            cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=processes,
+                                   dashboard_address=None, scheduler_kwargs=http, silence_logs=40)
+        with cluster:
+            yield cluster
+
+
+def _has_bokeh() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("bokeh") is not None
+
+
+def _device_here(requested: str) -> str:
+    """This worker's device: one worker per device, worker ``n`` (a LocalCluster name, kept across
+    restarts) on device ``n``; workers with other names (one per device, each launched with its own
+    CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES) on device 0."""
+    from distributed import get_worker
+
+    device_type, count = resolve_device(requested)
+    name = get_worker().name
+    return worker_device(device_type, count, name if isinstance(name, int) else 0)
+
+
+def _describe_on_worker(specs, requested, threads):
+    from precompute.worker_plugin import worker_cache
+
+    cache = worker_cache()
+    before = cache.loads
+    described = describe_encoders(specs, _device_here(requested), threads, cache)
+    return {**described, "loaded": cache.loads - before}
+
+
+def _prompts_on_worker(specs, requested, threads, sections, prompts):
+    from precompute.prompts import encode_prompts
+    from precompute.worker_plugin import worker_cache
+
+    return encode_prompts(loaded_encoders(specs, _device_here(requested), threads, worker_cache()), sections, prompts)
+
+
+def _run_on_worker(task, output_url, storage_options, specs, requested, threads, settings, known):
+    from precompute.worker_plugin import worker_cache
+
+    return encode_task(task, store_url=output_url, storage_options=storage_options, specs=specs, device=_device_here(requested),
+                       threads=threads, settings=settings, known_shards=known, cache=worker_cache())

@@ -1,0 +1,168 @@
+"""Where `mmcache encode` runs (precompute.executors): this process's threads for a small job,
+worker processes for a big one or on request, an external cluster whose workers keep their
+encoders loaded between jobs. Real encoders (tiny), a real LocalCluster, real HTTP sources."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+import featstore
+from precompute.config import EncodeConfig
+from precompute.demo_data import make_dataset
+from precompute.executors import choose_placement, local_cluster
+from precompute.pipeline import encoder_specs, run_encode
+from tests.test_encode import manifest_rows, tiny_config, write_manifest
+from tests.test_encode_faults import StallingServer
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A long-lived cluster of run_encode's own kind, passed to the jobs as --scheduler."""
+    from distributed import Client
+
+    with local_cluster(2) as local, Client(local) as client:
+        yield local.scheduler_address, client
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp("data"), num_images=6, num_videos=2)
+
+
+def quiet(config: EncodeConfig, manifest: Path, out: Path, lines: list[str] | None = None, **kw):
+    return run_encode(config, str(manifest), str(out), progress=False, log=(lines.append if lines is not None else lambda *_: None), **kw)
+
+
+def ready_line(lines: list[str]) -> str:
+    return next(line for line in lines if line.startswith("encoders ready"))
+
+
+def _data_objects(store: featstore.Store) -> dict[tuple[str, str], bytes]:
+    """(shard, object path inside the shard) -> bytes; the attempt suffix of a shard's data
+    folder differs from write to write by design, the bytes under it must not."""
+    out = {}
+    for name, info in store.shards.items():
+        for key in info.objects:
+            out[(name, key[len(info.data_root) :])] = (Path(store.url.removeprefix("file://")) / key).read_bytes()
+    return out
+
+
+def test_in_process_threads_write_the_same_store_as_worker_processes(dataset, tmp_path, cluster):
+    # Tasks of 2 rows: the same tasks (and shard names) whatever the thread or worker count (2-4).
+    config = tiny_config("run.samples_per_task=2")
+    threads = quiet(config, dataset, tmp_path / "threads")
+    workers = quiet(config, dataset, tmp_path / "workers", scheduler=cluster[0])
+    assert (threads.executor, workers.executor) == ("threads", "scheduler")
+    assert threads.samples_written == workers.samples_written == 8 and threads.tasks == workers.tasks == 4
+    a, b = featstore.open(str(tmp_path / "threads")), featstore.open(str(tmp_path / "workers"))
+    ia, ib = a.index.sort_by("id"), b.index.sort_by("id")
+    # (Column order follows the order index parts are listed in, which the file system decides.)
+    assert sorted(ia.column_names) == sorted(ib.column_names)
+    assert {c: ia.column(c).to_pylist() for c in ia.column_names if not ia.column(c).equals(ib.column(c))} == {}
+    assert sorted(a.shards) == sorted(b.shards)
+    objects = _data_objects(a)
+    assert objects == _data_objects(b) and len(objects) == 4 * 5  # per shard: its group, 2 fields x (array, chunk)
+
+
+def test_second_job_on_a_warm_cluster_loads_no_encoder(dataset, tmp_path, cluster):
+    from precompute.worker_plugin import encoder_loads
+
+    address, client = cluster
+    rows = manifest_rows(dataset)
+    first, second = write_manifest(dataset.parent / "a.jsonl", rows[:3]), write_manifest(dataset.parent / "b.jsonl", rows[3:5])
+    # A text encoder setting no other test uses: its model is not loaded on these workers yet.
+    config = tiny_config("text.max_length=17")
+    before = client.run(encoder_loads)
+    lines: list[str] = []
+    quiet(config, first, tmp_path / "one", lines, scheduler=address)
+    loaded = client.run(encoder_loads)
+    assert len(loaded) == 2 and all(loaded[w] > before.get(w, 0) for w in loaded)
+    assert "all models already loaded" not in ready_line(lines)
+    lines.clear()
+    second_job = quiet(config, second, tmp_path / "two", lines, scheduler=address)
+    assert second_job.samples_written == 2
+    assert client.run(encoder_loads) == loaded  # nothing loaded again
+    assert "all models already loaded" in ready_line(lines)
+    # A model folder rewritten in place (its files' mtimes change) is loaded again, so the
+    # fingerprint recorded is always that of the weights on disk.
+    vae = Path(next(s for s in encoder_specs(tiny_config()) if s.section == "vae").options["path"])
+    copy = shutil.copytree(vae, tmp_path / "vae")
+    moved = tiny_config(f"vae.path={copy}")
+    quiet(moved, second, tmp_path / "three", scheduler=address)
+    after_copy = client.run(encoder_loads)
+    assert all(after_copy[w] == loaded[w] + 1 for w in loaded)  # only the VAE, once per worker
+    for file in copy.iterdir():
+        os.utime(file, ns=(time.time_ns(), time.time_ns() + 10**9))
+    quiet(moved, second, tmp_path / "four", scheduler=address)
+    assert all(n == after_copy[w] + 1 for w, n in client.run(encoder_loads).items())
+
+
+def test_stuck_input_in_process_becomes_a_reject_and_the_command_exits(dataset, tmp_path):
+    """The in-process path keeps the task deadline, and a decode thread still stuck on the input
+    does not keep the command from exiting (the source here stalls for 120 s)."""
+    server = StallingServer()
+    try:
+        rows = [{"path": str(dataset.parent / r["path"]), "caption": r["caption"]} for r in manifest_rows(dataset)[:2]]
+        manifest = write_manifest(tmp_path / "m.jsonl", [*rows, {"path": server.url("never.png"), "caption": "never"}])
+        out = tmp_path / "store"
+        cmd = [sys.executable, "-m", "precompute.cli", "encode", "--config", "tiny", "--input", str(manifest), "--output", str(out),
+               "--set", "run.task_timeout=3", "--set", "data.allow_outside_root=true"]
+        start = time.monotonic()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, check=False)
+        assert proc.returncode == 0, proc.stderr
+        assert server.requested.is_set() and time.monotonic() - start < 100
+    finally:
+        server.release()
+    assert "threads: 3 sample(s) to encode" in proc.stderr, proc.stderr
+    store = featstore.open(str(out))
+    assert len(store) == 2 and store.num_rejected() == 1
+    assert "run.task_timeout=3s" in store.rejects.to_pylist()[0]["reason"]
+
+
+def test_no_dashboard_port_warning_without_a_dashboard():
+    """The scheduler serves HTTP even without a dashboard, by default on port 8787, and warns
+    when another cluster holds it: a local cluster here takes a free port instead."""
+    held = socket.socket()
+    try:
+        held.bind(("127.0.0.1", 8787))
+        held.listen()
+    except OSError:
+        pass  # someone else holds it already: the same situation
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with local_cluster(1, processes=False) as cluster:
+                assert cluster.scheduler.http_server.port != 8787
+    finally:
+        held.close()
+    assert not [w for w in caught if "already in use" in str(w.message)], [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "kw", "samples", "kind"),
+    [
+        ([], {}, 40, "threads"),
+        (["run.threads_max_samples=39"], {}, 40, "processes"),
+        (["run.executor=processes"], {}, 1, "processes"),
+        (["run.executor=threads", "run.threads_max_samples=0"], {}, 40, "threads"),
+        ([], {"workers": 1}, 1, "processes"),
+        ([], {"workers": 2, "output_url": "memory://x"}, 1, "threads"),
+        ([], {"scheduler": "tcp://127.0.0.1:1"}, 10**6, "scheduler"),
+    ],
+)
+def test_the_executor_is_chosen_by_job_size_unless_asked(overrides, kw, samples, kind):
+    config = tiny_config("device=cpu", *overrides)
+    placement = choose_placement(config, scheduler=kw.get("scheduler"), workers=kw.get("workers"),
+                                 output_url=kw.get("output_url", "./store"), samples=lambda: samples)
+    assert placement.kind == kind, placement
+    cores = os.cpu_count() or 1
+    assert placement.threads == max(1, cores // placement.workers)
