@@ -189,7 +189,7 @@ def test_drift(store, tmp_path):
     other = build_tiny_model("t5", tmp_path / "t5-other", seed=1)
     reweighted = runner.invoke(cli, ["drift", "--features", store, "--fields", "text_emb", "--set", f"encoders.text_emb.path={other}", "--json"])
     assert reweighted.exit_code == 1
-    report = json.loads(reweighted.output[: reweighted.output.rindex("]") + 1])[0]
+    report = json.loads(reweighted.stdout[: reweighted.stdout.rindex("]") + 1])[0]
     assert not report["ok"] and report["rel_l2"] > 0.1 and "weights_sha256" in report["fingerprint_differs"]
     # fit with a live field refuses to mix disagreeing features, saying what differs.
     with pytest.raises(featstore.FeatstoreError, match=r"disagree with the cached features.*resize.resample cached 'bicubic', now 'lanczos'"):
@@ -227,7 +227,7 @@ def test_dry_run_describes_each_field(store):
     result = CliRunner().invoke(cli, ["fit", "--config", "tiny-dit", "--features", store, "--dry-run",
                                       "--set", "encoders.text_emb.mode=train", "--set", "encoders.text_emb.train=[encoder.final_layer_norm.*]"])
     assert result.exit_code == 0, result.output
-    encoders = json.loads(result.output)["encoders"]
+    encoders = json.loads(result.stdout)["encoders"]
     assert encoders["latent"] == {"mode": "cached", "parameters": None}
     text = encoders["text_emb"]
     assert text["mode"] == "train" and text["parameters"] > text["trainable_parameters"] == 32
