@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import pytest
 
 
-@contextlib.contextmanager
-def serve_s3():
+@pytest.fixture(scope="session")
+def s3_server():
     """A moto S3 server on a free loopback port, with the standard AWS variables pointing at it
     for this process and every process it starts (so no flags are needed, as for a user)."""
     pytest.importorskip("moto.server", reason="moto[server] is not installed (`pip install -e .[dev]` installs it)")
@@ -28,12 +27,6 @@ def serve_s3():
             else:
                 os.environ[key] = value
         server.stop()
-
-
-@pytest.fixture(scope="session")
-def s3_server():
-    with serve_s3() as server:
-        yield server
 
 
 @pytest.fixture

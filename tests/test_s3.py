@@ -30,17 +30,6 @@ def run(args: list[str], env: dict[str, str], outputs: list[str], check: bool = 
 
 
 @pytest.fixture(scope="module")
-def s3_server():
-    """This module's own server, not the session's: its end-to-end commands failed every request
-    through the fault proxy when they ran after the rest of the suite (in two full runs; each time
-    alone they pass), so they start from a server that no other module has used."""
-    from tests.conftest import serve_s3
-
-    with serve_s3() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def outputs() -> list[str]:
     """Everything the commands printed or wrote, checked for credentials at the end."""
     return []
