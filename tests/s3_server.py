@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import random
-import select
+import selectors
 import socket
 import struct
 import threading
@@ -296,24 +296,29 @@ def _pump(client: socket.socket, upstream: socket.socket, cut: bool) -> int:
     """Copy bytes both ways until the server closes; the bytes forwarded to the client. ``cut``:
     forward only part of the answer, then reset the connection (a response cut short mid-body)."""
     sent_back = 0
-    open_up = True
-    while True:
-        readable, _, _ = select.select([client, upstream] if open_up else [upstream], [], [], 30)
-        if not readable:
-            return sent_back
-        for sock in readable:
-            chunk = sock.recv(1 << 16)
-            if sock is upstream:
-                if not chunk:
-                    return sent_back
-                if cut:
-                    client.sendall(chunk[: max(1, len(chunk) // 2)])
-                    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                    return sent_back + max(1, len(chunk) // 2)
-                client.sendall(chunk)
-                sent_back += len(chunk)
-            else:
-                if not chunk:
-                    open_up = False  # the client finished sending; wait for the answer
-                    continue
-                upstream.sendall(chunk)
+    # A selector, not select.select: select() refuses descriptors >= 1024 (FD_SETSIZE), which a
+    # long test process reaches, and the proxy then closed every connection it was handed.
+    with selectors.DefaultSelector() as selector:
+        selector.register(client, selectors.EVENT_READ)
+        selector.register(upstream, selectors.EVENT_READ)
+        while True:
+            events = selector.select(30)
+            if not events:
+                return sent_back
+            for key, _ in events:
+                sock = key.fileobj
+                chunk = sock.recv(1 << 16)
+                if sock is upstream:
+                    if not chunk:
+                        return sent_back
+                    if cut:
+                        client.sendall(chunk[: max(1, len(chunk) // 2)])
+                        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        return sent_back + max(1, len(chunk) // 2)
+                    client.sendall(chunk)
+                    sent_back += len(chunk)
+                else:
+                    if not chunk:
+                        selector.unregister(client)  # the client finished sending; wait for the answer
+                        continue
+                    upstream.sendall(chunk)
