@@ -24,6 +24,7 @@ import mmap
 import os
 import threading
 import uuid
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -143,6 +144,9 @@ class LocalStorage(Storage):
         self.url = str(self.root)
         self._fds: OrderedDict[str, list] = OrderedDict()
         self._lock = threading.Lock()
+        # Raw descriptors are not closed by the interpreter: without this, a store opened and
+        # dropped without close() kept up to MAX_OPEN_FILES of them for the life of the process.
+        weakref.finalize(self, _close_descriptors, self._fds)
 
     def _path(self, key: str) -> Path:
         return self.root / key if key else self.root
@@ -282,6 +286,13 @@ class LocalStorage(Storage):
             for entry in self._fds.values():
                 self._retire(entry)
             self._fds.clear()
+
+
+def _close_descriptors(fds: OrderedDict[str, list]) -> None:
+    """A dropped LocalStorage's descriptors (nothing reads through it any more)."""
+    for entry in fds.values():
+        os.close(entry[0])
+    fds.clear()
 
 
 @dataclass(frozen=True)
