@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from featstore.errors import ConfigError
-from train.checkpoint import checkpoint_dir, latest_checkpoint
+from train.checkpoint import checkpoints
 from train.models.registry import EXPORT_FORMAT, ModelFamily, get_model_family
 
 
@@ -105,21 +105,20 @@ def load_trained(path: str | Path, checkpoint: int | None = None) -> Trained:
     info = run_info(where)
     family, model_config, model = _build(info)
     final = where / "model.safetensors"
-    found = latest_checkpoint(where)
+    found = dict(checkpoints(where))  # step -> folder, oldest first
     if checkpoint is None and final.is_file():
         # Written after the last checkpoint: the same weights as the newest checkpoint.
         _load_safetensors(model, final)
-        step, weights = (found[0] if found else None), str(final)
+        step, weights = (max(found) if found else None), str(final)
     else:
         if checkpoint is not None:
-            chosen = checkpoint_dir(where, checkpoint)
-            if not chosen.is_dir():
-                have = sorted(int(p.name.split("-")[1]) for p in (where / "checkpoints").glob("step-*") if p.name[5:].isdigit()) if (where / "checkpoints").is_dir() else []
-                raise RunFolderError(f"{where} has no checkpoint of step {checkpoint} (it has: {', '.join(map(str, have)) or 'none'})")
-        elif found is None:
+            if checkpoint not in found:
+                raise RunFolderError(f"{where} has no checkpoint of step {checkpoint} (it has: {', '.join(map(str, found)) or 'none'})")
+            chosen = found[checkpoint]
+        elif not found:
             raise RunFolderError(f"{where} has no weights yet (no model.safetensors, no checkpoint): train it first")
         else:
-            chosen = found[1]
+            chosen = found[max(found)]
         step, weights = _load_dcp(model, chosen), str(chosen)
     info["step"] = step
     return Trained(family=family, model_config=model_config, model=model.eval(), info=info, step=step, weights=weights)
