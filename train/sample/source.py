@@ -126,7 +126,7 @@ def load_trained(path: str | Path, checkpoint: int | None = None) -> Trained:
 
 def export_run(run_dir: str | Path, out: str | Path, checkpoint: int | None = None) -> dict[str, Any]:
     """``mmtrain export``: the run's model (a checkpoint's, or the final one) written the family's
-    way (``ModelFamily.export_model``) into ``out``."""
+    way (``ModelFamily.write_export``) into ``out``."""
     trained = load_trained(run_dir, checkpoint)
     if "format" in trained.info:
         raise RunFolderError(f"{run_dir} is already an export; export a run folder")
@@ -134,5 +134,5 @@ def export_run(run_dir: str | Path, out: str | Path, checkpoint: int | None = No
     if out_dir.exists() and any(out_dir.iterdir()):
         raise RunFolderError(f"--out {out_dir} exists and is not empty; choose a new folder")
     info = {**trained.info, "model_config": dataclasses.asdict(trained.model_config), "exported_from": str(trained.weights)}
-    files = trained.family.export_model(trained.model, out_dir, info)
+    files = trained.family.write_export(trained.model, out_dir, info)
     return {"out": str(out_dir), "files": files, "step": trained.step, "weights": trained.weights}
