@@ -151,8 +151,11 @@ def export_vlm(model: VLM, out: Path) -> list[Path]:
     (``from_pretrained``-loadable: config.json + model.safetensors), and ``out/projector``, the
     projector's weights (safetensors) with a config.json saying how to rebuild it
     (``load_projector``). Written beside ``out`` first, then moved into place, so a re-run never
-    leaves a mix of two exports. The tokenizer is the one the store was encoded with (its
-    fingerprint is in run.json): copy that folder next to ``llm`` to ship a complete model."""
+    leaves a mix of two exports. ``out`` is shared with the run's trained encoders
+    (``train.live.joint`` writes ``out/<field>`` with an export record): those are kept, whichever
+    of the two exports runs first; anything else in ``out`` is from an earlier export and goes.
+    The tokenizer is the one the store was encoded with (its fingerprint is in run.json): copy
+    that folder next to ``llm`` to ship a complete model."""
     from safetensors.torch import save_file
 
     from train.models.hf import save_hf
@@ -175,6 +178,12 @@ def export_vlm(model: VLM, out: Path) -> list[Path]:
         "norm_eps": norm.eps,
     }
     (projector / "config.json").write_text(json.dumps(spec, indent=2))
+    from train.live.reattach import EXPORT_RECORD  # marks a trained encoder's folder
+
+    if out.is_dir():
+        for entry in out.iterdir():
+            if entry.is_dir() and (entry / EXPORT_RECORD).is_file() and entry.name not in ("llm", "projector"):
+                entry.replace(staging / entry.name)
     shutil.rmtree(out, ignore_errors=True)
     staging.replace(out)
     return [out / "llm", out / "projector"]
