@@ -237,7 +237,7 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
         if rank == 0:
             log(f"validation: {len(held_out)} held-out sample(s), val_loss every {config.sample.every} steps")
         validator = Validator(store, held_out, data_adapter, family, objective, dp_rank=meshes.dp_rank, dp_size=dims.dp_size,
-                              dp_group=meshes.dp.get_group(), device=device, dtype=dtype)
+                              dp_group=meshes.dp.get_group(), device=device, dtype=dtype, live=joint.live)
     if config.sample.prompts and config.sample.every:
         if "in_channels" not in sizes:
             raise ConfigError(f"sample.prompts: sampling pictures is for DiT runs; model {family.name!r} has no latents to sample")
