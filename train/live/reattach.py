@@ -266,8 +266,8 @@ class LiveEncoder:
         return [self._pixels(row) for row in rows]
 
     def _pixels(self, row: Mapping[str, Any]) -> np.ndarray:
-        from precompute.media import MediaError, prepare, read_source
-        from precompute.tasks import encoder_input, size_rule_for
+        from precompute.media import MediaError, read_source
+        from precompute.tasks import encoder_input
 
         url = self.locate(row)
         sid = row.get("id")
@@ -284,15 +284,43 @@ class LiveEncoder:
             raise LiveInputError(f"sample {sid!r}: {exc}") from None
         if row.get("content_hash") and hashlib.sha256(data).hexdigest() != row["content_hash"]:
             raise LiveInputError(f"sample {sid!r}: {url} changed since it was encoded (content hash differs); its cached features are stale: re-encode it")
-        if self._rule is None:
-            self._rule = size_rule_for(self.encoder, self.size_multiple)
         modality = str(row.get("modality"))
-        try:
-            prepared = prepare(data, url, modality=modality, resize=self.resize, rule=self._rule, sampling=self.frames)  # type: ignore[arg-type]
-        except MediaError as exc:
-            raise LiveInputError(f"sample {sid!r}: {exc}") from None
+        prepared = self._prepare(data, url, modality, f"sample {sid!r}")
         self._check_geometry(row, prepared.provenance)
         return encoder_input(self.section, modality, prepared.pixels)
+
+    def _prepare(self, data: bytes, url: str, modality: str, what: str) -> Any:
+        """Decoded media, resized and framed by the recorded rule (``mmcache encode``'s code)."""
+        from precompute.media import MediaError, prepare
+        from precompute.tasks import size_rule_for
+
+        if self._rule is None:
+            self._rule = size_rule_for(self.encoder, self.size_multiple)
+        try:
+            return prepare(data, url, modality=modality, resize=self.resize, rule=self._rule, sampling=self.frames)  # type: ignore[arg-type]
+        except MediaError as exc:
+            raise LiveInputError(f"{what}: {exc}") from None
+
+    def encode_files(self, paths: Sequence[str]) -> list[np.ndarray]:
+        """Media that are in no store (the images a VLM is asked about) -> features, prepared as
+        ``mmcache encode`` prepares a sample's media with this field's recorded settings."""
+        from precompute.inputs import modality_of
+        from precompute.media import MediaError, read_source
+        from precompute.tasks import encoder_input
+
+        if self.is_text:
+            raise LiveInputError(f"field {self.field!r} is made by a text encoder, not from media")
+        inputs = []
+        for path in paths:
+            modality = modality_of(path)
+            if modality is None:
+                raise LiveInputError(f"{path}: not an image or video file (by its name's suffix)")
+            try:
+                data = read_source(path, self.storage_options)
+            except MediaError as exc:
+                raise LiveInputError(f"{path}: {exc}") from None
+            inputs.append(encoder_input(self.section, modality, self._prepare(data, path, modality, path).pixels))
+        return self.encode_inputs(inputs)
 
     def _check_geometry(self, row: Mapping[str, Any], provenance: Mapping[str, Any]) -> None:
         # The primary visual section's geometry is under the plain names, another's prefixed.
