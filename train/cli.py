@@ -128,17 +128,23 @@ def drift(features, field_names, samples, seed, media_root, tolerance, config_na
 @click.option("--vae", default=None, metavar="DIR", help="The VAE folder the store was encoded with (checked against its fingerprint).")
 @click.option("--latents-only", is_flag=True, help="Write the sampled latents (latents.safetensors) instead of decoding them.")
 @click.option("--features", default=None, help="Feature store URL for the prompts' embeddings (default: the run's store).")
-@click.option("--image", "images", multiple=True, metavar="PATH", help="VLM runs: an image to answer about.")
+@click.option("--image", "images", multiple=True, metavar="PATH", help="VLM runs: an image to answer about (repeatable).")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="VLM runs: 0 = greedy answers; > 0 samples (with --seed).")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="VLM runs: nucleus sampling's probability mass (with --temperature).")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True, help="VLM runs: the longest answer.")
 @storage_options_option
-def sample(run, checkpoint, prompt, prompts_file, out, seeds, steps, guidance, shift, size, frames, fps, vae, latents_only, features, images, storage_options) -> None:
+def sample(run, checkpoint, prompt, prompts_file, out, seeds, steps, guidance, shift, size, frames, fps, vae, latents_only, features, images,
+           temperature, top_p, max_new_tokens, storage_options) -> None:
     """Sample pictures from a trained DiT: a PNG per prompt and seed (WebP for videos), grid.png,
-    samples.json. Same run, prompt and seed -> the same bytes."""
+    samples.json. From a VLM: answers about each --image (to each --prompt, or a caption without
+    one) in answers.jsonl. Same run, input and seed -> the same bytes."""
     from train.sample.command import sample_command
 
     check_output_location(out, "--out")
     doc = sample_command(run, checkpoint=checkpoint, prompt=prompt, prompts_file=prompts_file, out=out, seeds=seeds, steps=steps,
                          guidance=guidance, shift=shift, size=size, frames=frames, fps=fps, vae=vae, latents_only=latents_only,
-                         features=features, storage_options=parse_storage_options(storage_options), images=images)
+                         features=features, storage_options=parse_storage_options(storage_options), images=images,
+                         temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
     what = doc.get("note") or f"{len(doc['samples'])} sample(s)"
     click.echo(f"{what} from {doc['weights']} -> {out}")
 
