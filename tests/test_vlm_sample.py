@@ -136,7 +136,12 @@ def test_a_run_that_trained_its_vit_answers_with_the_trained_vit(setup):
     from train.sample.source import load_trained, reattach_trained
 
     root = setup["root"]
-    run = train(setup["store"], root / "vit-run", 4, "checkpoint.every=2", "encoders.vit_features.mode=train", "encoders.vit_features.last_blocks=1")
+    # With a held-out split (2 of the 8, hence a global batch of 4): val_loss reads the held-out
+    # samples' images through the training ViT.
+    run = train(setup["store"], root / "vit-run", 4, "checkpoint.every=2", "encoders.vit_features.mode=train", "encoders.vit_features.last_blocks=1",
+                "data.validation_fraction=0.3", "data.global_batch=4", "sample.every=2", "sample.at_start=true")
+    val = {r["step"]: r["val_loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r}
+    assert sorted(val) == [0, 2, 4] and all(np.isfinite(list(val.values()))) and val[4] < val[0]
     # The VLM's export and the trained ViT's share RUN/export; both are there.
     assert sorted(p.name for p in (run / "export").iterdir()) == ["llm", "projector", "vit_features"]
     store = featstore.open(setup["store"])
