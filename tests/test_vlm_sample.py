@@ -136,7 +136,7 @@ def test_a_run_that_trained_its_vit_answers_with_the_trained_vit(setup):
     from train.sample.source import load_trained, reattach_trained
 
     root = setup["root"]
-    # With a held-out split (2 of the 8, hence a global batch of 4): val_loss reads the held-out
+    # With a held-out split (3 of the 8, hence a global batch of 4): val_loss reads the held-out
     # samples' images through the training ViT.
     run = train(setup["store"], root / "vit-run", 4, "checkpoint.every=2", "encoders.vit_features.mode=train", "encoders.vit_features.last_blocks=1",
                 "data.validation_fraction=0.3", "data.global_batch=4", "sample.every=2", "sample.at_start=true")
