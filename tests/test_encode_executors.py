@@ -4,6 +4,7 @@ encoders loaded between jobs. Real encoders (tiny), a real LocalCluster, real HT
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -18,7 +19,7 @@ import pytest
 import featstore
 from precompute.config import EncodeConfig
 from precompute.demo_data import make_dataset
-from precompute.executors import choose_placement, local_cluster
+from precompute.executors import choose_placement, connect, local_cluster
 from precompute.pipeline import encoder_specs, run_encode
 from tests.test_encode import manifest_rows, tiny_config, write_manifest
 from tests.test_encode_faults import StallingServer
@@ -26,11 +27,20 @@ from tests.test_encode_faults import StallingServer
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A long-lived cluster of run_encode's own kind, passed to the jobs as --scheduler."""
+    """A long-lived cluster of run_encode's own kind, passed to the jobs as --scheduler. Its workers
+    start loading the tiny encoders at once, as a job's first step does, so they import torch and
+    load while the first test's in-process job does the same here (~3 s of this module's run time
+    on 2 cores). No test counts on it: the warm-cluster test uses encoder settings of its own."""
     from distributed import Client
 
     with local_cluster(2) as local, Client(local) as client:
-        yield local.scheduler_address, client
+        config = tiny_config()
+        placement = choose_placement(config, scheduler=local.scheduler_address, workers=None, output_url="", samples=lambda: 0)
+        with connect(placement, local.scheduler_address) as executor:
+            specs, _ = executor.resolve_specs(config)
+            loading = executor.load_encoders(specs, config.device)  # not waited for: it runs meanwhile
+            yield local.scheduler_address, client
+            loading.result()  # (a load that failed fails the module's teardown)
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +116,38 @@ def test_second_job_on_a_warm_cluster_loads_no_encoder(dataset, tmp_path, cluste
     assert all(n == after_copy[w] + 1 for w, n in client.run(encoder_loads).items())
 
 
+# What the client of an external cluster must not import: the encoders run on the workers (torch,
+# transformers, diffusers), so does decoding (Pillow, PyAV), and ml_dtypes alone takes ~0.5 s to
+# import while the client makes no array. Its start-up on a warm cluster is its imports.
+NOT_IN_THE_CLIENT = ("torch", "transformers", "diffusers", "PIL", "av", "ml_dtypes")
+# The real command, run as `mmcache encode` runs it, reporting every module it imported on its way out.
+MODULES_PROBE = """
+import json, os, sys
+from precompute.cli import main
+try:
+    main()
+finally:
+    with open(os.environ["MODULES_OUT"], "w") as out:
+        json.dump(sorted(sys.modules), out)
+"""
+
+
+def test_the_client_of_a_cluster_imports_no_encoder_nor_decoder(dataset, tmp_path, cluster):
+    out, modules, prompts = tmp_path / "store", tmp_path / "modules.json", tmp_path / "prompts.txt"
+    prompts.write_text("a red fox in the snow\n")
+    cmd = [sys.executable, "-c", MODULES_PROBE, "encode", "--config", "tiny", "--scheduler", cluster[0], "--input", str(dataset),
+           "--output", str(out), "--prompts", str(prompts)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False, env={**os.environ, "MODULES_OUT": str(modules)})
+    assert proc.returncode == 0, proc.stderr
+    assert "scheduler: --scheduler" in proc.stderr, proc.stderr
+    imported = json.loads(modules.read_text())
+    assert "distributed" in imported and "featstore" in imported  # the probe saw the command's modules
+    assert [m for m in imported if m.split(".")[0] in NOT_IN_THE_CLIENT] == []
+    store = featstore.open(str(out))
+    assert len(store) == 8 and store.num_rejected() == 0  # images and videos, decoded on the workers
+    assert set(featstore.read_prompts(store, "text_emb")) == {"", "a red fox in the snow"}  # written by a worker
+
+
 def test_stuck_input_in_process_becomes_a_reject_and_the_command_exits(dataset, tmp_path):
     """The in-process path keeps the task deadline, and a decode thread still stuck on the input
     does not keep the command from exiting (the source here stalls for 120 s)."""
@@ -114,8 +156,10 @@ def test_stuck_input_in_process_becomes_a_reject_and_the_command_exits(dataset, 
         rows = [{"path": str(dataset.parent / r["path"]), "caption": r["caption"]} for r in manifest_rows(dataset)[:2]]
         manifest = write_manifest(tmp_path / "m.jsonl", [*rows, {"path": server.url("never.png"), "caption": "never"}])
         out = tmp_path / "store"
+        # A deadline of 1 s instead of the default 30 min, for the stuck input's task to give up on
+        # (each input is a task of its own here; the good ones decode in milliseconds).
         cmd = [sys.executable, "-m", "precompute.cli", "encode", "--config", "tiny", "--input", str(manifest), "--output", str(out),
-               "--set", "run.task_timeout=3", "--set", "data.allow_outside_root=true"]
+               "--set", "run.task_timeout=1", "--set", "data.allow_outside_root=true"]
         start = time.monotonic()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, check=False)
         assert proc.returncode == 0, proc.stderr
@@ -125,7 +169,7 @@ def test_stuck_input_in_process_becomes_a_reject_and_the_command_exits(dataset, 
     assert "threads: 3 sample(s) to encode" in proc.stderr, proc.stderr
     store = featstore.open(str(out))
     assert len(store) == 2 and store.num_rejected() == 1
-    assert "run.task_timeout=3s" in store.rejects.to_pylist()[0]["reason"]
+    assert "run.task_timeout=1s" in store.rejects.to_pylist()[0]["reason"]
 
 
 def test_no_dashboard_port_warning_without_a_dashboard():
