@@ -489,20 +489,6 @@ def run_startup(args) -> list[tuple[str, float, float]]:
     return verdicts
 
 
-# What the client of an external cluster must not import (the encoders and decoding run on its
-# workers; ml_dtypes alone costs ~0.5 s): the probe below reports what the command imported.
-HEAVY_MODULES = ("torch", "transformers", "diffusers", "PIL", "av", "ml_dtypes")
-MODULES_PROBE = """
-import json, os, sys
-from precompute.cli import main
-try:
-    main()
-finally:
-    with open(os.environ["MODULES_OUT"], "w") as out:
-        json.dump(sorted(sys.modules), out)
-"""
-
-
 def planning_seconds(manifest: Path, per_task: int) -> float:
     """What planning this job costs (manifest read and checked, tasks named), timed here, imports
     done: the part of a job's start-up that grows with the job and is not start-up overhead."""
@@ -529,8 +515,9 @@ def run_warm(args) -> list[tuple[str, float, float]]:
     manifest = args.base / f"in-startup-{count}" / "manifest.jsonl"
     if not manifest.is_file():
         manifest = make_images(args.base / "in-warm", count)
-    cli = [sys.executable, "-c", MODULES_PROBE, "encode", "--config", "taef2", "--set", f"vae.path={Path(args.taef2).resolve()}",
-           "--no-progress"]
+    from tests.client_probe import NOT_IN_THE_CLIENT, imported, not_in_the_client, probed_command
+
+    cli = probed_command("encode", "--config", "taef2", "--set", f"vae.path={Path(args.taef2).resolve()}", "--no-progress")
     modules = args.base / "warm-modules.json"
     os.environ["MODULES_OUT"] = str(modules)  # for the probe, in the commands' environment
     jobs = [("first job (loads the encoders)", [])]
@@ -546,10 +533,10 @@ def run_warm(args) -> list[tuple[str, float, float]]:
             ready, first, wall, text = timed_command([*cli, *extra, "--scheduler", cluster.scheduler_address, "--input", str(manifest),
                                                       "--output", str(store)], store / "index", ".parquet")
             found = re.search(r"start-up ([0-9.]+)s", text)
-            heavy = sorted({m.split(".")[0] for m in json.loads(modules.read_text())} & set(HEAVY_MODULES))
+            heavy = not_in_the_client(imported(modules))
             loaded = next((line for line in text.splitlines() if line.startswith("encoders ready")), "").rsplit(", ", 1)[-1]
             print(f"{label:<44} {ready:>8.2f} {first:>11.2f} {wall:>8.2f} {float(found.group(1)) if found else float('nan'):>21.2f}  "
-                  f"{', '.join(heavy) or 'none of ' + '/'.join(HEAVY_MODULES)}; {loaded}")
+                  f"{', '.join(heavy) or 'none of ' + '/'.join(NOT_IN_THE_CLIENT)}; {loaded}")
             if extra:
                 firsts.append(first)
     planning = planning_seconds(manifest, 1)

@@ -4,7 +4,6 @@ encoders loaded between jobs. Real encoders (tiny), a real LocalCluster, real HT
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -21,6 +20,7 @@ from precompute.config import EncodeConfig
 from precompute.demo_data import make_dataset
 from precompute.executors import choose_placement, connect, local_cluster
 from precompute.pipeline import encoder_specs, run_encode
+from tests.client_probe import imported, not_in_the_client, probed_command
 from tests.test_encode import manifest_rows, tiny_config, write_manifest
 from tests.test_encode_faults import StallingServer
 
@@ -116,33 +116,17 @@ def test_second_job_on_a_warm_cluster_loads_no_encoder(dataset, tmp_path, cluste
     assert all(n == after_copy[w] + 1 for w, n in client.run(encoder_loads).items())
 
 
-# What the client of an external cluster must not import: the encoders run on the workers (torch,
-# transformers, diffusers), so does decoding (Pillow, PyAV), and ml_dtypes alone takes ~0.5 s to
-# import while the client makes no array. Its start-up on a warm cluster is its imports.
-NOT_IN_THE_CLIENT = ("torch", "transformers", "diffusers", "PIL", "av", "ml_dtypes")
-# The real command, run as `mmcache encode` runs it, reporting every module it imported on its way out.
-MODULES_PROBE = """
-import json, os, sys
-from precompute.cli import main
-try:
-    main()
-finally:
-    with open(os.environ["MODULES_OUT"], "w") as out:
-        json.dump(sorted(sys.modules), out)
-"""
-
-
 def test_the_client_of_a_cluster_imports_no_encoder_nor_decoder(dataset, tmp_path, cluster):
     out, modules, prompts = tmp_path / "store", tmp_path / "modules.json", tmp_path / "prompts.txt"
     prompts.write_text("a red fox in the snow\n")
-    cmd = [sys.executable, "-c", MODULES_PROBE, "encode", "--config", "tiny", "--scheduler", cluster[0], "--input", str(dataset),
-           "--output", str(out), "--prompts", str(prompts)]
+    cmd = probed_command("encode", "--config", "tiny", "--scheduler", cluster[0], "--input", str(dataset), "--output", str(out),
+                         "--prompts", str(prompts))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False, env={**os.environ, "MODULES_OUT": str(modules)})
     assert proc.returncode == 0, proc.stderr
     assert "scheduler: --scheduler" in proc.stderr, proc.stderr
-    imported = json.loads(modules.read_text())
-    assert "distributed" in imported and "featstore" in imported  # the probe saw the command's modules
-    assert [m for m in imported if m.split(".")[0] in NOT_IN_THE_CLIENT] == []
+    loaded = imported(modules)
+    assert "distributed" in loaded and "featstore" in loaded  # the probe saw the command's modules
+    assert not_in_the_client(loaded) == []
     store = featstore.open(str(out))
     assert len(store) == 8 and store.num_rejected() == 0  # images and videos, decoded on the workers
     assert set(featstore.read_prompts(store, "text_emb")) == {"", "a red fox in the snow"}  # written by a worker
