@@ -18,7 +18,7 @@ import pytest
 import featstore
 from precompute.config import EncodeConfig
 from precompute.demo_data import make_dataset
-from precompute.executors import choose_placement, connect, local_cluster
+from precompute.executors import choose_placement, local_cluster
 from precompute.pipeline import encoder_specs, run_encode
 from tests.client_probe import imported, not_in_the_client, probed_command
 from tests.test_encode import manifest_rows, tiny_config, write_manifest
@@ -27,20 +27,11 @@ from tests.test_encode_faults import StallingServer
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A long-lived cluster of run_encode's own kind, passed to the jobs as --scheduler. Its workers
-    start loading the tiny encoders at once, as a job's first step does, so they import torch and
-    load while the first test's in-process job does the same here (~3 s of this module's run time
-    on 2 cores). No test counts on it: the warm-cluster test uses encoder settings of its own."""
+    """A long-lived cluster of run_encode's own kind, passed to the jobs as --scheduler."""
     from distributed import Client
 
     with local_cluster(2) as local, Client(local) as client:
-        config = tiny_config()
-        placement = choose_placement(config, scheduler=local.scheduler_address, workers=None, output_url="", samples=lambda: 0)
-        with connect(placement, local.scheduler_address) as executor:
-            specs, _ = executor.resolve_specs(config)
-            loading = executor.load_encoders(specs, config.device)  # not waited for: it runs meanwhile
-            yield local.scheduler_address, client
-            loading.result()  # (a load that failed fails the module's teardown)
+        yield local.scheduler_address, client
 
 
 @pytest.fixture(scope="module")
