@@ -23,7 +23,8 @@ from featstore.errors import ConfigError
 from tests.s3_server import FaultProxy
 from train.balance import BalanceConfig, CostModel
 from train.data import FeatureStream, LatentTextData
-from train.order import EpochOrder, auto_window, resolve_window, shard_positions, shard_read_bytes
+from train.config import DataSection
+from train.order import EpochOrder, auto_window, plan_order, resolve_window, shard_positions, shard_read_bytes
 from train.packing import SAMPLE_ID
 
 BIN = Path(sys.executable).parent
@@ -175,6 +176,29 @@ def test_a_cache_of_a_quarter_of_the_store_downloads_it_about_once_per_epoch(s3_
         # quarter of an epoch downloads more than the whole windowed epoch did.
         shuffled, _, _ = epoch_through_cache(s3_store, proxy, tmp_path / "global", bound, None, steps=SHARDS * PER_SHARD // 32)
         assert shuffled["bytes_downloaded"] > 1.3 * store_bytes, shuffled
+
+
+def test_plan_order_warns_when_the_cache_cannot_hold_the_order(s3_store, tmp_path):
+    sizes = shard_read_bytes(featstore.open(s3_store), ["latent", "text_emb"])
+    mean = sum(sizes) / len(sizes)
+    fields = ["latent", "text_emb"]
+    # Room for two shards, not for them and the 3 global batches in flight (prefetch 2 + 1).
+    small = featstore.open(s3_store, cache_dir=tmp_path / "small", cache_bytes=int(2 * mean))
+    plan = plan_order(small, fields, DataSection(cache_bytes=int(2 * mean)), None)
+    assert plan.window == 1 and plan.store_bytes == sum(sizes)
+    (warning,) = plan.warnings
+    assert "holds less than 3 global batches" in warning and "Raise data.cache_bytes" in warning
+    # data.cache_bytes unset: the cache is bounded by its disk (here as if that disk were small)
+    # and the order is a global shuffle, which downloads the store several times per epoch.
+    (warning,) = plan_order(small, fields, DataSection(), None).warnings
+    assert "does not fit the cache" in warning and "Set data.cache_bytes" in warning
+    # Room enough: no warning; without a cache (a local read) none either.
+    roomy = featstore.open(s3_store, cache_dir=tmp_path / "roomy", cache_bytes=int(8 * mean))
+    assert plan_order(roomy, fields, DataSection(cache_bytes=int(8 * mean)), None) == plan_order(
+        featstore.open(s3_store), fields, DataSection(cache_bytes=int(8 * mean)), None)
+    assert plan_order(roomy, fields, DataSection(cache_bytes=int(8 * mean)), None).warnings == ()
+    # A resumed run keeps the window it recorded.
+    assert plan_order(small, fields, DataSection(cache_bytes=int(2 * mean)), {"shuffle_window": 3}).window == 3
 
 
 def test_objects_that_will_not_fit_are_read_by_ranges(s3_store, tmp_path):

@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 import featstore
-from featstore.cache import LOW_WATER
 from featstore.config import to_dict
 from featstore.errors import ConfigError
 from train.checkpoint import export_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -32,7 +31,7 @@ from train.live.dropout import CaptionDropout
 from train.live.joint import JointEncoders
 from train.models import count_parameters, export_model, get_model_family
 from train.objective import sample_generators
-from train.order import resolve_window, shard_read_bytes
+from train.order import plan_order
 from train.parallel.dims import MESH_DIMS, ParallelDims, device_and_backend
 from train.parallel.fsdp import apply_fsdp, local_state_bytes
 from train.parallel.sequence_parallel import apply_sequence_parallel
@@ -197,35 +196,22 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
     stop = steps if steps is not None else o.total_steps
     dim = getattr(model_config, "dim", 64)
     held_out = validation_ids(store, list(data_adapter.required_fields), config.data.validation_fraction, config.data.validation_ids)
-    # The epoch order's window, from the config and the snapshot alone (never the world size).
-    shard_bytes = shard_read_bytes(store, fields)
-    # Besides two windows the cache holds what the ranks read at once: up to prefetch + 1 global
-    # batches (the ranks' readers run up to prefetch steps apart), which may span windows.
-    in_flight = (config.data.prefetch + 1) * config.data.global_batch * sum(shard_bytes) / max(len(store), 1)
-    window = resolve_window(config.data.shuffle_window, config.data.cache_bytes, shard_bytes,
-                            None if before is None else before.get("data_order", {}), in_flight)
+    # The epoch order, from the config and the snapshot alone (never the world size).
+    order = plan_order(store, fields, config.data, None if before is None else before.get("data_order", {}))
     stream = FeatureStream(
         store, data=data_adapter, global_batch=config.data.global_batch, seed=config.seed,
         dp_size=dims.dp_size, dp_rank=meshes.dp_rank, balance=config.balance, cost=config.balance.cost_model(dim),
-        tokens_per_sample=lambda shape: family.tokens_per_sample(model_config, shape), repeat=config.data.repeat, window=window,
+        tokens_per_sample=lambda shape: family.tokens_per_sample(model_config, shape), repeat=config.data.repeat, window=order.window,
         live=joint.live, on_missing=config.data.on_missing,
         caption_dropout=CaptionDropout(store, fields, config.data.caption_dropout, config.seed, joint.live.produced) if config.data.caption_dropout else None,
         exclude=frozenset(held_out),
     )
-    data_order = {"shuffle_window": window, "shards": stream.order.num_shards}
+    data_order = {"shuffle_window": order.window, "shards": stream.order.num_shards}
     if rank == 0:
-        log(f"epoch order: {'a global shuffle' if window is None else f'shards shuffled, then samples within windows of {window} shard(s)'}"
-            f" ({stream.order.num_shards} shard(s), {sum(shard_bytes) / 2**20:.1f} MiB read per epoch)")
-        cache = stream.cache
-        mean_shard = sum(shard_bytes) / max(1, sum(1 for b in shard_bytes if b))
-        if cache is not None and window is not None and LOW_WATER * cache.max_bytes < in_flight + 2 * mean_shard:
-            log(f"warning: the cache ({cache.max_bytes / 2**20:.1f} MiB) holds less than {config.data.prefetch + 1} global batches "
-                f"({in_flight / 2**20:.1f} MiB) and two shards ({2 * mean_shard / 2**20:.1f} MiB): objects are evicted before "
-                "their samples are read and downloaded again. Raise data.cache_bytes, or lower data.global_batch / data.prefetch")
-        if cache is not None and window is None and config.data.cache_bytes is None and sum(shard_bytes) > LOW_WATER * cache.max_bytes:
-            log(f"warning: the store ({sum(shard_bytes) / 2**30:.2f} GiB) does not fit the cache ({cache.max_bytes / 2**30:.2f} GiB) and the "
-                "order is a global shuffle: each epoch downloads it several times. Set data.cache_bytes (the order then fits it) or data.shuffle_window")
-    epoch_cache = EpochCacheStats(stream, store_bytes=sum(shard_bytes), device=device) if stream.cache is not None else None
+        log(order.describe(stream.order.num_shards))
+        for warning in order.warnings:
+            log(f"warning: {warning}")
+    epoch_cache = EpochCacheStats(stream, store_bytes=order.store_bytes, device=device) if stream.cache is not None else None
     if stream.skipped:
         log(f"training on {stream.num_samples} of the {len(store)} samples: {stream.skipped} lack {' or '.join(map(repr, data_adapter.required_fields))}")
     if rank == 0 and joint.live.fillable and stream.is_live.any():
