@@ -19,12 +19,13 @@ import pytest
 
 import featstore
 from featstore.cache import LAYOUT
+from featstore.config import load_config
 from featstore.errors import ConfigError
 from tests.s3_server import FaultProxy
 from train.balance import BalanceConfig, CostModel
 from train.data import FeatureStream, LatentTextData
-from train.config import DataSection
-from train.order import EpochOrder, auto_window, plan_order, resolve_window, shard_positions, shard_read_bytes
+from train.config import DataSection, TrainConfig
+from train.order import auto_window, plan_order, resolve_window, shard_positions, shard_read_bytes
 from train.packing import SAMPLE_ID
 
 BIN = Path(sys.executable).parent
@@ -91,8 +92,9 @@ def test_each_epoch_is_a_permutation_read_window_by_window(local_store):
     global_order = np.random.default_rng([3, 1]).permutation(SHARDS * PER_SHARD)
     assert np.array_equal(stream(store, window=None).order(1), global_order)
     assert np.array_equal(stream(store, window=SHARDS).order(1), global_order)
-    with pytest.raises(ConfigError, match="shuffle_window must be >= 1"):
-        EpochOrder(0, shard_of, 0)
+    # A window below one shard is refused where the config is loaded (the one check of it).
+    with pytest.raises(ConfigError, match="shuffle_window must be a number of shards >= 1"):
+        load_config(TrainConfig, "tiny-dit", "train", ["data.shuffle_window=0"])
 
 
 def test_same_batches_at_any_world_size_and_after_a_resume(local_store):

@@ -32,8 +32,7 @@ class EpochOrder:
     """``order(epoch)``: a permutation of the stream's positions ``0..len(shard_of)-1``."""
 
     def __init__(self, seed: int, shard_of: np.ndarray, window: int | None) -> None:
-        if window is not None and window < 1:
-            raise ConfigError(f"data.shuffle_window must be >= 1 shard (or unset), got {window}")
+        assert window is None or window >= 1, window  # data.shuffle_window is checked at config load
         self.seed = seed
         self.num_samples = len(shard_of)
         # Positions grouped by shard, each group ascending (a stable sort): the input of the
@@ -93,9 +92,7 @@ def resolve_window(setting: int | None, cache_bytes: int | None, shard_bytes: Se
     None is the global permutation. ``recorded``: run.json's ``data_order`` (``{}`` for a run
     that predates windows: it used the global permutation)."""
     count = sum(1 for b in shard_bytes if b > 0)
-    if setting is not None:
-        if setting < 1:
-            raise ConfigError(f"data.shuffle_window must be >= 1 shard (or unset), got {setting}")
+    if setting is not None:  # >= 1: checked at config load (train.config.DataSection)
         window = None if setting >= count else setting
         if recorded is not None and recorded.get("shuffle_window") != window:
             raise ConfigError(
