@@ -214,7 +214,7 @@ class FeatureStream:
         # an object store), then handed out to the micro-batches.
         positions = [j for mb in plan[self.dp_rank] for j in mb.indices]
         # Caption dropout depends on (seed, step, position in the global batch) only, like noise.
-        drop = [self.dropout.dropped(step, j) for j in range(len(indices))] if self.dropout else []
+        drop = self.dropout.mask(step, len(indices)).tolist() if self.dropout else []
         # Only this thread reads through the store, so the counters' change is this step's cost.
         before = self.cache.stats() if self.cache is not None else None
         read = iter(self.read([indices[j] for j in positions], [drop[j] for j in positions] if drop else None))
