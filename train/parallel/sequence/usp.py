@@ -215,7 +215,6 @@ def usp_attention(
     scale: float | None = None,
     backend: str = "auto",
     document_ids: torch.Tensor | None = None,
-    chunks_per_block: int | None = None,
     document_plan: DocumentMaskPlan | None = None,
 ) -> torch.Tensor:
     """Exact (ulysses x ring) sequence-parallel attention; returns the local output shard.
@@ -230,7 +229,7 @@ def usp_attention(
     ``document_ids`` (``[B, seq_len]`` int, the FULL unsharded ids of a packed batch, ``-1``
     for padding): causal attention within each document (needs ``causal=True`` and a
     layout); ring tiles the document mask hides are skipped (see ``DocumentMaskPlan``; its
-    chunks are the layout's, or ``chunks_per_block`` per block). A ``document_plan`` from
+    chunks are the layout's). A ``document_plan`` from
     ``build_document_plan`` may be passed instead, to reuse it across layers.
     """
     check_attention_inputs(q, k, v)
@@ -245,8 +244,7 @@ def usp_attention(
 
     plan = document_plan
     if plan is None and document_ids is not None:
-        plan = build_document_plan(document_ids, layout, causal=causal, batch_size=q.shape[0],
-                                   device=q.device, chunks_per_block=chunks_per_block)
+        plan = build_document_plan(document_ids, layout, causal=causal, batch_size=q.shape[0], device=q.device)
     if plan is not None:
         key_padding_mask = None  # padding is document -1: the plan hides it
     k = replicate_kv_heads(k, num_heads, ulysses_size)
@@ -269,7 +267,6 @@ def build_document_plan(
     causal: bool = True,
     batch_size: int,
     device: torch.device | str | None = None,
-    chunks_per_block: int | None = None,
 ) -> DocumentMaskPlan:
     """The ring tiles of this rank for the full ``[B, seq_len]`` ``document_ids``. The plan's
     chunks are the layout's chunks over a ring (each one contiguous run of positions), else
@@ -285,8 +282,7 @@ def build_document_plan(
         )
     padded = pad_document_ids(document_ids.to(device), layout.padded_len)
     blocks = [layout.ring_block_positions(r) for r in range(layout.ring_size)]
-    if chunks_per_block is None:
-        chunks_per_block = layout.chunks_per_block if layout.zigzag else 2
+    chunks_per_block = layout.chunks_per_block if layout.zigzag else 2
     if blocks[0].numel() % chunks_per_block:  # only without a ring (chunked blocks divide)
         chunks_per_block = 1
     return DocumentMaskPlan(padded, blocks, layout.ring_rank, chunks_per_block)
