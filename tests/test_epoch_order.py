@@ -241,23 +241,27 @@ def records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_fit_from_s3_on_two_ranks_reports_the_cache_per_epoch(s3_store, tmp_path):
-    # Two ranks sharing one cache directory (the ranks of a node): the counters are summed over
-    # them, so the epoch record is what the node downloaded. (That the ranks train on the same
+def test_fit_from_s3_on_four_ranks_reports_the_cache_per_epoch(s3_store, tmp_path):
+    # Four ranks sharing one cache directory (the ranks of a node): 2 data-parallel ranks, each a
+    # 2-way Ulysses group whose ranks read the same samples. The counters are summed over the
+    # ranks, so the epoch record is what the node downloaded, and the bytes read count each
+    # sample once per data-parallel rank, not once per rank. (That the ranks train on the same
     # global batches as one process is test_same_batches_at_any_world_size_and_after_a_resume
     # plus test_train's parity tests, which hold for any order the stream hands out.)
     bound = sum(shard_read_bytes(featstore.open(s3_store), ["latent", "text_emb"])) // 4
     epoch = SHARDS * PER_SHARD // 8
     run = tmp_path / "run"
-    result = mmtrain_fit(s3_store, run, "--steps", str(epoch + 2), "--cache-dir", str(tmp_path / "cache"), "--set", f"data.cache_bytes={bound}", nproc=2)
+    result = mmtrain_fit(s3_store, run, "--steps", str(epoch + 2), "--cache-dir", str(tmp_path / "cache"), "--set", f"data.cache_bytes={bound}",
+                         "--set", "parallel.ulysses=2", nproc=4)
     # Cache: 8 shards' worth; 90% of it less 3 global batches of 8 (3 shards) leaves two windows of 2.
     assert "windows of 2 shard(s)" in result.stdout and "epoch 0: downloaded" in result.stdout and "warning" not in result.stdout
     info = json.loads((run / "run.json").read_text())
-    assert info["data_order"] == {"shuffle_window": 2, "shards": SHARDS} and info["world_size"] == 2
+    assert info["data_order"] == {"shuffle_window": 2, "shards": SHARDS} and info["world_size"] == 4
+    assert (info["mesh"]["dp_shard"], info["mesh"]["ulysses"]) == (2, 2)
     rows = records(run)
     assert len(rows) == epoch + 2 and all("cache_bytes_downloaded" in r for r in rows)
     summary = [r["epoch_cache"] for r in rows if "epoch_cache" in r]
     assert len(summary) == 1 and summary[0]["epoch"] == 0 and summary[0]["steps"] == epoch
-    # Both ranks' reads: the epoch's samples once (plus each rank's own copy of the chunk indexes).
+    # The data-parallel ranks' reads: the epoch's samples once (plus each rank's own copy of the chunk indexes).
     assert summary[0]["store_bytes"] <= summary[0]["bytes_read"] <= 1.01 * summary[0]["store_bytes"]
     assert summary[0]["download_ratio"] <= 1.3 and summary[0]["hit_rate"] > 0.5

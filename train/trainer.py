@@ -211,7 +211,9 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
         log(order.describe(stream.order.num_shards))
         for warning in order.warnings:
             log(f"warning: {warning}")
-    epoch_cache = EpochCacheStats(stream, store_bytes=order.store_bytes, device=device) if stream.cache is not None else None
+    # One rank per sequence-parallel group counts what the group reads (its ranks read alike).
+    sp_leader = all(c == 0 for c in meshes.sp.get_coordinate() or ())
+    epoch_cache = EpochCacheStats(stream, store_bytes=order.store_bytes, device=device, counts_reads=sp_leader) if stream.cache is not None else None
     if stream.skipped:
         log(f"training on {stream.num_samples} of the {len(store)} samples: {stream.skipped} lack {' or '.join(map(repr, data_adapter.required_fields))}")
     if rank == 0 and joint.live.fillable and stream.is_live.any():
@@ -367,19 +369,27 @@ class EpochCacheStats:
     """What the local cache cost per epoch, summed over the ranks (a step's reads are counted by
     the reader thread as it makes them, so prefetching ahead does not shift them between steps).
     Every rank calls ``add`` at every step; the step that finishes an epoch sums the counters over
-    all ranks (one small all-reduce per epoch) and returns the ``epoch_cache`` record."""
+    all ranks (one small all-reduce per epoch) and returns the ``epoch_cache`` record.
+
+    The ranks of one sequence-parallel group read the same samples (each slices its tokens from
+    the whole sample), so ``bytes_read`` counts one rank per group (``counts_reads``): it is what
+    the data-parallel ranks read, about the store once per epoch at any SP degree. Downloads,
+    requests and hits are every rank's: what the caches really did (SP peers that share a node's
+    cache download an object once and hit it after)."""
 
     KEYS = ("requests", "hits", "bytes_downloaded", "bytes_read")
 
-    def __init__(self, stream: FeatureStream, *, store_bytes: int, device: torch.device) -> None:
+    def __init__(self, stream: FeatureStream, *, store_bytes: int, device: torch.device, counts_reads: bool = True) -> None:
         self.stream, self.store_bytes, self.device = stream, store_bytes, device
+        self.counts_reads = counts_reads
         self.totals = dict.fromkeys(self.KEYS, 0.0)
         self.wait_s = self.step_s = 0.0
         self.steps = 0
 
     def add(self, data, step_time_s: float) -> dict[str, Any]:
         for key in self.KEYS:
-            self.totals[key] += (data.cache or {}).get(key, 0)
+            if key != "bytes_read" or self.counts_reads:
+                self.totals[key] += (data.cache or {}).get(key, 0)
         self.wait_s += data.wait_s
         self.step_s += step_time_s
         self.steps += 1
