@@ -206,7 +206,8 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
         caption_dropout=CaptionDropout(store, fields, config.data.caption_dropout, config.seed, joint.live.produced) if config.data.caption_dropout else None,
         exclude=frozenset(held_out),
     )
-    data_order = {"shuffle_window": order.window, "shards": stream.order.num_shards}
+    run_record = RunRecord(config=config, dims=dims, store=store, fingerprints=fingerprints, input_sizes=sizes, parameters=num_params,
+                           data_order={"shuffle_window": order.window, "shards": stream.order.num_shards})
     if rank == 0:
         log(order.describe(stream.order.num_shards))
         for warning in order.warnings:
@@ -265,8 +266,7 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
             optimizer.step()
             step = data.step + 1
             if step == start + 1:  # after the first step: optimizer state and gradients exist
-                _write_run_json(run, config, dims, fingerprints, num_params, model, optimizer, store, sizes, rank, data_order,
-                                {"encoders": joint.describe(), "drift": joint.drift})
+                _write_run_json(run, run_record, model, optimizer, rank, {"encoders": joint.describe(), "drift": joint.drift})
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             joint.step()
@@ -414,7 +414,22 @@ class EpochCacheStats:
         return out
 
 
-def _write_run_json(run: Path, config, dims, fingerprints, num_params, model, optimizer, store, sizes, rank, data_order, extra: dict[str, Any] | None = None) -> None:
+@dataclasses.dataclass(kw_only=True)
+class RunRecord:
+    """What run.json records of a run that is settled before step 1 (``_write_run_json`` adds
+    what each rank holds after it)."""
+
+    config: TrainConfig
+    dims: ParallelDims
+    store: featstore.Store  # the run's snapshot
+    fingerprints: dict[str, Any]  # of the fields the run reads
+    input_sizes: dict[str, int]
+    parameters: int
+    data_order: dict[str, Any]  # the epoch order's window (None: global shuffle) and shard count
+
+
+def _write_run_json(run: Path, record: RunRecord, model, optimizer, rank: int, extra: dict[str, Any] | None = None) -> None:
+    store, config = record.store, record.config
     held = local_state_bytes(model, optimizer)
     grads = sum((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).numel() * p.element_size() for p in model.parameters() if p.grad is not None)
     snapshot = snapshot_digest(list(store.shards))
@@ -430,18 +445,18 @@ def _write_run_json(run: Path, config, dims, fingerprints, num_params, model, op
     latent = store.fields.get(config.data.latent_field)  # a DiT store: record its normalisation
     doc = {
         "config": to_dict(config),
-        "mesh": dict(zip(MESH_DIMS, dims.shape)),
-        "world_size": dims.world_size,
+        "mesh": dict(zip(MESH_DIMS, record.dims.shape)),
+        "world_size": record.dims.world_size,
         # The snapshot the run trains on; --resume reopens exactly these shards.
         "store": {"url": store.url, "samples": len(store), "shards": sorted(store.shards), "snapshot": snapshot},
         # The epoch order's window (None: global shuffle); --resume keeps it.
-        "data_order": data_order,
-        "fingerprints": fingerprints,
+        "data_order": record.data_order,
+        "fingerprints": record.fingerprints,
         # The trained fields' metadata (normalisation, VAE compression...): what sampling and
         # export need to turn the model's output back into pictures, even without the store.
-        "fields": {name: store.fields[name].meta for name in fingerprints if name in store.fields},
-        "input_sizes": sizes,
-        "parameters": num_params,
+        "fields": {name: store.fields[name].meta for name in record.fingerprints if name in store.fields},
+        "input_sizes": record.input_sizes,
+        "parameters": record.parameters,
         "ranks": [{"rank": r, "param_bytes": int(t[0]), "grad_bytes": int(t[1]), "optim_bytes": int(t[2])} for r, t in enumerate(everyone)],
         **(extra or {}),
     }
