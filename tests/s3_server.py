@@ -223,6 +223,12 @@ class FaultProxy:
             self.counts["passed"] += 1
             return None
 
+    def _count_down(self, nbytes: int) -> None:
+        # Counted before the bytes go out: a client that has its answer finds them counted, even
+        # while the server has yet to close the connection (when the pump ends).
+        with self._lock:
+            self.bytes_down += nbytes
+
     def _handle(self, client: socket.socket) -> None:
         upstream = None
         try:
@@ -251,9 +257,7 @@ class FaultProxy:
                 return
             upstream = socket.create_connection(self.upstream, timeout=30)
             upstream.sendall(_force_close(head) + rest)
-            sent = _pump(client, upstream, cut=kind == "cut")
-            with self._lock:
-                self.bytes_down += sent
+            _pump(client, upstream, cut=kind == "cut", count=self._count_down)
         except OSError:
             pass
         finally:
@@ -292,10 +296,10 @@ def _drain(sock: socket.socket, nbytes: int) -> None:
         nbytes -= len(chunk)
 
 
-def _pump(client: socket.socket, upstream: socket.socket, cut: bool) -> int:
-    """Copy bytes both ways until the server closes; the bytes forwarded to the client. ``cut``:
-    forward only part of the answer, then reset the connection (a response cut short mid-body)."""
-    sent_back = 0
+def _pump(client: socket.socket, upstream: socket.socket, cut: bool, count: Callable[[int], None]) -> None:
+    """Copy bytes both ways until the server closes, passing ``count`` the size of each part of
+    the answer before forwarding it to the client. ``cut``: forward only part of the answer, then
+    reset the connection (a response cut short mid-body)."""
     # A selector, not select.select: select() refuses descriptors >= 1024 (FD_SETSIZE), which a
     # long test process reaches, and the proxy then closed every connection it was handed.
     with selectors.DefaultSelector() as selector:
@@ -304,19 +308,20 @@ def _pump(client: socket.socket, upstream: socket.socket, cut: bool) -> int:
         while True:
             events = selector.select(30)
             if not events:
-                return sent_back
+                return
             for key, _ in events:
                 sock = key.fileobj
                 chunk = sock.recv(1 << 16)
                 if sock is upstream:
                     if not chunk:
-                        return sent_back
+                        return
                     if cut:
+                        count(max(1, len(chunk) // 2))
                         client.sendall(chunk[: max(1, len(chunk) // 2)])
                         client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                        return sent_back + max(1, len(chunk) // 2)
+                        return
+                    count(len(chunk))
                     client.sendall(chunk)
-                    sent_back += len(chunk)
                 else:
                     if not chunk:
                         selector.unregister(client)  # the client finished sending; wait for the answer
