@@ -38,6 +38,12 @@ QUIET_OFFLINE_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 
+
+def quiet_offline_env() -> None:
+    """Set the QUIET_OFFLINE_ENV variables that are not set yet (a user's own setting wins)."""
+    for key, value in QUIET_OFFLINE_ENV.items():
+        os.environ.setdefault(key, value)
+
 @dataclass(frozen=True, kw_only=True)
 class EncoderSpec:
     section: str         # "vae" | "vit" | "text"
@@ -93,8 +99,7 @@ class EncoderCache:
         from precompute.encoders import build_encoder
 
         with self._lock:
-            for key, value in QUIET_OFFLINE_ENV.items():
-                os.environ.setdefault(key, value)
+            quiet_offline_env()
             if device.startswith("npu"):
                 import torch_npu  # noqa: F401  (registers the device; see BRIEF on auto-loading)
             out = {}

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import os
 import posixpath
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -127,7 +126,7 @@ def reattach_encoder(
     overrides recorded resize settings (what the drift check uses to show a changed rule)."""
     from precompute.encoders import UnknownEncoderError, build_encoder
     from precompute.media import FrameSampling, ResizeConfig
-    from precompute.tasks import QUIET_OFFLINE_ENV
+    from precompute.tasks import quiet_offline_env
 
     record = encoder_record(store, field_name, rebuild)
     meta = store.fields[field_name].meta
@@ -140,8 +139,7 @@ def reattach_encoder(
             f"field {field_name!r}: the encoder's model folder {path} (recorded when {store.url} was encoded) does not exist; "
             f"pass where it is now (--set encoders.{field_name}.path=DIR)"
         )
-    for key, value in QUIET_OFFLINE_ENV.items():
-        os.environ.setdefault(key, value)  # models load from local folders only
+    quiet_offline_env()  # models load from local folders only
     try:
         encoder = build_encoder(record["encoder"], options)
     except UnknownEncoderError as exc:
