@@ -74,9 +74,9 @@ def test_moved_media_name_the_root_to_pass(store, tmp_path):
     try:
         live = reattach_encoder(s, "latent")
         with pytest.raises(MediaMovedError, match=rf"--media ROOT.*{rows[0]['source_path']}.*it was {root}"):
-            live.encode_media(rows)
+            live.encode_rows(rows)
         again = reattach_encoder(s, "latent", media_root=str(moved))
-        np.testing.assert_array_equal(as_float(again.encode_media(rows)[0]), as_float(s.read(rows[0]["id"], ["latent"])["latent"]))
+        np.testing.assert_array_equal(as_float(again.encode_rows(rows)[0]), as_float(s.read(rows[0]["id"], ["latent"])["latent"]))
     finally:
         shutil.move(hidden, root)
 

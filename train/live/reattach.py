@@ -345,18 +345,17 @@ class LiveEncoder:
     def encode_inputs(self, inputs: Sequence[Any]) -> list[np.ndarray]:
         return [out[self.field] for out in self.encoder.encode(list(inputs))]
 
-    def encode_media(self, rows: Sequence[Mapping[str, Any]]) -> list[np.ndarray]:
-        """Sample rows (``sample_rows``) -> features as cached, decoded with the recorded preparation."""
-        return self.encode_inputs(self.inputs(rows))
-
     def encode_rows(self, rows: Sequence[Mapping[str, Any]]) -> list[np.ndarray]:
-        """Text or media, whichever this field is made from."""
+        """Sample rows (``sample_rows``) -> features as cached: their captions, or their media
+        decoded with the recorded preparation, whichever this field is made from."""
         return self.encode_inputs(self.inputs(rows))
 
     def features(self, inputs: Sequence[Any], dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
         """Differentiable features, rounded to the stored dtype (so a step sees the values the cache
         holds) and returned in ``dtype``; gradients pass the rounding unchanged."""
-        stored = _TORCH_DTYPES[self.dtype]
+        from precompute.encoders.base import torch_dtype
+
+        stored = torch_dtype(self.dtype)
         out = []
         for item in self.encoder.features(list(inputs)):
             value = item[self.field]
@@ -365,9 +364,6 @@ class LiveEncoder:
 
     def module(self) -> torch.nn.Module:
         return self.encoder.trainable_module()
-
-
-_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class _RoundThrough(torch.autograd.Function):
