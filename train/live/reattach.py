@@ -73,9 +73,10 @@ class LiveInputError(ReattachError):
 
 
 def sample_rows(store: featstore.Store, sample_ids: Sequence[str]) -> list[dict[str, Any]]:
-    """Each sample's first index row as a dict: caption, modality, source and geometry columns."""
-    table = store.index
-    return [table.slice(store.row(sid), 1).to_pylist()[0] for sid in sample_ids]
+    """Each sample's id and recorded metadata (caption, modality, source and geometry columns),
+    from the store's per-column lists (built once per store; slicing the index per sample cost
+    a pyarrow call per row on the data pipeline's path)."""
+    return [{"id": sid, **store.meta(sid)} for sid in sample_ids]
 
 
 def encoder_record(store: featstore.Store, field_name: str, rebuild: Mapping[str, Any] | None = None) -> dict[str, Any]:
