@@ -83,7 +83,7 @@ def drift(features, field_names, samples, seed, media_root, tolerance, config_na
     from featstore.config import load_config
     from train.config import TrainConfig
     from train.live.drift import measure_drift, pick_samples
-    from train.live.reattach import reattach_encoder
+    from train.live.reattach import reattach_field
 
     if samples < 1:
         raise click.UsageError("--samples must be >= 1")
@@ -95,12 +95,8 @@ def drift(features, field_names, samples, seed, media_root, tolerance, config_na
         raise click.UsageError(f"{store.url} records no encoder for any field; name them with --fields (and --set encoders.<field>.rebuild...)")
     reports = []
     for name in names:
-        section = config.encoders.get(name)
-        live = reattach_encoder(
-            store, name, weights_path=section.path if section else None, media_root=media_root or config.data.media_root,
-            storage_options=options, rebuild=(section.rebuild or None) if section else None,
-            resize=(section.resize or None) if section else None, check_fingerprint=False,
-        )
+        live = reattach_field(store, name, config.encoders.get(name), media_root=media_root or config.data.media_root,
+                              storage_options=options, check_fingerprint=False)
         reports.append(measure_drift(store, live, pick_samples(store, name, samples, seed), tolerance))
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in reports], indent=2))

@@ -26,7 +26,7 @@ from torch import nn
 
 import featstore
 from featstore.errors import ConfigError
-from train.live.reattach import LiveEncoder, reattach_encoder, sample_rows
+from train.live.reattach import LiveEncoder, reattach_field, sample_rows
 
 RAW = "__live_input__:"  # sample-dict key prefix of a train field's prepared encoder input
 
@@ -70,11 +70,7 @@ class LiveFields:
         fields = {}
         for name, mode in wanted.items():
             section = config.encoders.get(name)
-            encoder = reattach_encoder(
-                store, name, weights_path=section.path if section else None, device=device,
-                media_root=config.data.media_root, storage_options=storage_options,
-                rebuild=(section.rebuild or None) if section else None, resize=(section.resize or None) if section else None,
-            )
+            encoder = reattach_field(store, name, section, device=device, media_root=config.data.media_root, storage_options=storage_options)
             fields[name] = LiveField(name=name, mode=mode, encoder=encoder, lr_scale=section.lr_scale if section else 1.0)
         return cls(store, fields, optional)
 

@@ -167,6 +167,25 @@ def reattach_encoder(
     return live
 
 
+def reattach_field(
+    store: featstore.Store,
+    field_name: str,
+    section: Any | None,
+    *,
+    device: str | torch.device = "cpu",
+    media_root: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    check_fingerprint: bool = True,
+) -> LiveEncoder:
+    """``reattach_encoder`` with a train config's ``encoders.<field>`` section (``path``,
+    ``rebuild``, ``resize``; None: as recorded)."""
+    return reattach_encoder(
+        store, field_name, weights_path=section.path if section else None, device=device, media_root=media_root,
+        storage_options=storage_options, rebuild=(section.rebuild or None) if section else None,
+        resize=(section.resize or None) if section else None, check_fingerprint=check_fingerprint,
+    )
+
+
 @dataclass(kw_only=True)
 class LiveEncoder:
     """A loaded encoder of one store field, with the recorded preparation of its inputs."""
