@@ -111,7 +111,7 @@ class FeatureStream:
 
     def __init__(self, store: featstore.Store, *, data, global_batch: int, seed: int,
                  dp_size: int, dp_rank: int, balance, cost, tokens_per_sample, repeat: bool = False,
-                 live=None, on_missing: str = "skip", caption_dropout=None, exclude: frozenset[str] = frozenset(),
+                 live=None, on_missing: str = "error", caption_dropout=None, exclude: frozenset[str] = frozenset(),
                  window: int | None = None) -> None:
         # A store may hold a field for only some samples (one added after they were encoded).
         # ``live`` (train.live.fields.LiveFields): fields made live are not needed from the cache.
