@@ -21,6 +21,13 @@ import featstore
 from train.live.reattach import LiveEncoder, LiveInputError, sample_rows
 
 # One relative step (ulp at the bottom of a binade) of each stored dtype: storage rounding only.
+# A live encoder runs at the encode's recorded thread count, but it cannot always reproduce the
+# batch a sample was encoded in: oneDNN picks its convolution algorithm by batch size and thread
+# count (measured on TAESD-F2 and the tiny VAE: one sample alone rounds differently from the same
+# sample in a batch of two or more, and at 2+ threads the batch split matters too), so ~0.1% of a
+# bf16 latent's values may land one step away. Encoding every sample alone (the only batch-
+# invariant layout found; torch.backends.mkldnn has no deterministic switch for it, and turning
+# oneDNN off is process-wide) cost ~1.5x the encode's CPU time here and more on an accelerator.
 TOLERANCE = {"bfloat16": 2.0**-7, "float16": 2.0**-10, "float32": 1e-6}
 
 

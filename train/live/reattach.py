@@ -2,13 +2,15 @@
 
 This is the one place ``train`` imports ``precompute``'s encoders. ``mmcache encode`` records,
 in each field's metadata, the encoder's registry name and typed config (``meta["encoder"]``:
-``{"encoder": NAME, "config": {...}, "transform": {resize, frames, size_multiple}}``) beside its
-fingerprint, and per sample the media's source (``source_uri``, ``source_path`` as the manifest
+``{"encoder": NAME, "config": {...}, "transform": {resize, frames, size_multiple}, "threads": N}``)
+beside its fingerprint, and per sample the media's source (``source_uri``, ``source_path`` as the manifest
 wrote it, ``content_hash``) and what was done to it (crop box, size, frame indices). From that,
 the encoder is rebuilt through ``precompute``'s registry and ``from_pretrained(local_dir)``, its
 fingerprint is checked against the recorded one (fail closed), and media are decoded with the
-same code as ``mmcache encode`` and checked against the recorded geometry, so a live encoder
-reproduces the cached features (up to storage rounding).
+same code as ``mmcache encode`` and checked against the recorded geometry, and a CPU encoder runs
+at the recorded intra-op thread count, so a live encoder reproduces the cached features: bit for
+bit where the batch a sample was encoded in does not change its rounding, else up to one step of
+the stored dtype (see ``train.live.drift.TOLERANCE``).
 
 Public API (stable; the sampling helper uses it to encode prompts with a run's text encoder)::
 
@@ -31,10 +33,11 @@ since it was encoded, or preparing it now gives another crop/size/frames than re
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import posixpath
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from pathlib import Path
@@ -161,6 +164,7 @@ def reattach_encoder(
         media_root=media_root,
         storage_options=storage_options,
         weights_path=weights_path,
+        threads=record.get("threads"),
     )
     if check_fingerprint:
         live.check_fingerprint()
@@ -201,6 +205,7 @@ class LiveEncoder:
     media_root: str | None = None
     storage_options: dict[str, Any] | None = None
     weights_path: str | None = None
+    threads: int | None = None  # torch intra-op threads the encode ran at (recorded); None: the caller's
     _rule: Any = dataclass_field(default=None, repr=False)
 
     # -- identity -----------------------------------------------------------------------------
@@ -356,14 +361,34 @@ class LiveEncoder:
             )
 
     # -- encoding -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _recorded_threads(self) -> Iterator[None]:
+        """Run the encoder at the intra-op thread count the encode ran at. CPU kernels split their
+        reductions by thread count (GroupNorm's statistics, oneDNN's convolutions), so the same
+        input gives other low bits at another count, and the calling thread's count is whatever
+        the process left it at (the trainer's, torchrun's OMP_NUM_THREADS, or what an in-process
+        encode set). ``torch.set_num_threads`` takes effect for the calling thread (OpenMP keeps
+        the count per thread) and is put back on the way out."""
+        want, device = self.threads, self.encoder.device
+        saved = torch.get_num_threads()
+        if not want or device is None or device.type != "cpu" or saved == want:
+            yield
+            return
+        torch.set_num_threads(want)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(saved)
+
     def encode_texts(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Captions -> features exactly as ``mmcache encode`` stores them (unpadded, stored dtype)."""
         if not self.is_text:
             raise LiveInputError(f"field {self.field!r} is made by a {self.encoder.modality} encoder, not a text encoder")
-        return [out[self.field] for out in self.encoder.encode(list(texts))]
+        return self.encode_inputs(list(texts))
 
     def encode_inputs(self, inputs: Sequence[Any]) -> list[np.ndarray]:
-        return [out[self.field] for out in self.encoder.encode(list(inputs))]
+        with self._recorded_threads():
+            return [out[self.field] for out in self.encoder.encode(list(inputs))]
 
     def encode_rows(self, rows: Sequence[Mapping[str, Any]]) -> list[np.ndarray]:
         """Sample rows (``sample_rows``) -> features as cached: their captions, or their media
@@ -377,7 +402,9 @@ class LiveEncoder:
 
         stored = torch_dtype(self.dtype)
         out = []
-        for item in self.encoder.features(list(inputs)):
+        with self._recorded_threads():
+            computed = self.encoder.features(list(inputs))
+        for item in computed:
             value = item[self.field]
             out.append(_round_through(value, stored).to(dtype))
         return out
