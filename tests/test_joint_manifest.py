@@ -15,11 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch.distributed as dist
+from click.testing import CliRunner
 from PIL import Image
 
 import featstore
 from featstore.config import load_config
 from tests.joint_store import dataset, encode, manifest_rows, subset_manifest
+from train.cli import cli
 from train.config import TrainConfig
 from train.live.manifest import ManifestResumeError
 from train.trainer import fit
@@ -170,6 +172,10 @@ def test_vlm_tokenizer_live_and_absent_samples(vlm, tmp_path):
         train(vlm["full"], tmp_path / "refused", *tokens, *sets, preset="tiny-vlm", steps=1)
     with pytest.raises(featstore.ConfigError, match=r"the conversations of 1 sample\(s\) in data\.manifest are not the ones they were tokenized from"):
         train(vlm["full"], tmp_path / "edited", f"data.manifest={vlm['edited']}", *tokens, *sets, preset="tiny-vlm", steps=1)
+    dry = CliRunner().invoke(cli, ["fit", "--config", "tiny-vlm", "--features", vlm["full"], "--dry-run", "--set", manifest,
+                                   *[a for s in tokens for a in ("--set", s)]])
+    assert dry.exit_code == 0, dry.output
+    assert json.loads(dry.stdout)["encoders"]["input_ids"] == {"mode": "live", "encoder": "tokenizer", "parameters": None}
     lines = train(vlm["full"], tmp_path / "tokens", manifest, *tokens, *sets, preset="tiny-vlm", steps=3)
     assert any(line.startswith("drift check: input_ids:") and line.endswith("ok") for line in lines)
     assert losses(tmp_path / "tokens") == losses(tmp_path / "cached")  # the same token ids

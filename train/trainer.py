@@ -112,17 +112,18 @@ def dry_run(config: TrainConfig, features: str, storage_options: dict | None) ->
         "parameters": count_parameters(family.name, model_config, **sizes),
         "parts": model_parts(model),
         "store": {"url": store.url, "samples": len(store)},
-        "encoders": _describe_encoders(config, store, family.data(model_config, config.data, store)),
+        "encoders": _describe_encoders(config, store, family.data(model_config, config.data, store), storage_options),
     }
 
 
-def _describe_encoders(config: TrainConfig, store: featstore.Store, adapter) -> dict[str, Any]:
+def _describe_encoders(config: TrainConfig, store: featstore.Store, adapter, storage_options: dict | None = None) -> dict[str, Any]:
     """Per field the run reads: its mode and, for live/train fields, the re-attached encoder's
     parameter count and which parameters train (what memory and speed the mix costs)."""
     from train.live.fields import LiveFields
 
     fields = list(adapter.required_fields) + [f for f in adapter.optional_fields if f in store.fields]
-    live = LiveFields.build(config, store, fields, optional=list(adapter.optional_fields))
+    manifest = TrainingManifest.read(config.data.manifest, storage_options, store) if config.data.manifest else None
+    live = LiveFields.build(config, store, fields, optional=list(adapter.optional_fields), manifest=manifest)
     live.set_trainable(config)
     described = live.describe()
     return {name: described.get(name, {"mode": "cached", "parameters": None}) for name in fields}
