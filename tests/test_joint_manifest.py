@@ -8,48 +8,26 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch.distributed as dist
 from click.testing import CliRunner
 from PIL import Image
 
 import featstore
-from featstore.config import load_config
-from tests.joint_store import dataset, encode, manifest_rows, subset_manifest
+from tests import joint_store
+from tests.joint_store import ROOT, dataset, encode, fit_ranks, losses, manifest_rows, records, subset_manifest
 from train.cli import cli
-from train.config import TrainConfig
 from train.live.manifest import ManifestResumeError
-from train.trainer import fit
 
-BIN = Path(sys.executable).parent
-ROOT = Path(__file__).resolve().parents[1]
 PARITY = ["optim.grad_clip=0"]  # clipping is exact too, but its norm adds rounding across ranks
 SHARED = ROOT.parent / "shared" / "media"
 
 
 def train(store: str, out: Path, *sets: str, steps: int = 4, resume: bool = False, preset: str = "tiny-dit") -> list[str]:
-    """``mmtrain fit`` in this process (one rank): the preset plus ``sets``; the log lines."""
-    config = load_config(TrainConfig, preset, "train", ["log_every=1", "data.prefetch=1", *sets])
-    lines: list[str] = []
-    try:
-        fit(config, store, str(out), steps=steps, resume=resume, log=lines.append)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return lines
-
-
-def records(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def losses(run: Path) -> list[float]:
-    return [r["loss"] for r in records(run)]
+    """One in-process run (4 steps by default); its log lines."""
+    return joint_store.train(store, out, *sets, steps=steps, resume=resume, preset=preset)[1]
 
 
 @pytest.fixture(scope="module")
@@ -108,12 +86,7 @@ def test_absent_samples_error_skip_and_live(seven, data, live_run, cached_run, t
 
 
 def test_absent_samples_at_two_ranks(seven, data, live_run, tmp_path):
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "train.cli", "fit",
-            "--config", "tiny-dit", "--features", seven, "--out", str(tmp_path / "two"), "--steps", "4",
-            *[a for s in ["log_every=1", "data.prefetch=1", f"data.manifest={data}", *LIVE] for a in ("--set", s)]]
-    env = {"OMP_NUM_THREADS": "1", "PATH": str(BIN) + ":/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stdout + result.stderr
+    fit_ranks(seven, tmp_path / "two", f"data.manifest={data}", *LIVE, steps=4)
     assert losses(tmp_path / "two") == pytest.approx(losses(live_run), rel=1e-5)
     assert [r["live_samples"] for r in records(tmp_path / "two")] == [r["live_samples"] for r in records(live_run)]
 
