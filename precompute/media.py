@@ -418,6 +418,42 @@ def prepare(data: bytes, uri: str, *, modality: Literal["image", "video"], resiz
     return prepare_video(data, uri, resize=resize, sampling=sampling or FrameSampling(), rule=rule)
 
 
+def prepared_shape(data: bytes, uri: str, *, modality: Literal["image", "video"], resize: ResizeConfig, rule: SizeRule,
+                   sampling: FrameSampling | None = None) -> tuple[int, ...]:
+    """The shape of ``prepare(...).pixels`` for these bytes, from the headers only (an image's size
+    and EXIF orientation, a video's frame count and rate): what a trainer plans batches with
+    before it decodes a sample it has no cached features for. Corrupt pixel data past a valid
+    header is found only by ``prepare``."""
+    if modality == "video":
+        import av
+
+        if not data:
+            raise MediaError("empty file", uri)
+        total, fps, orig = _probe_video(av, data, uri)
+        indices, _ = select_frames(total, fps, sampling or FrameSampling(), require_4k_plus_1=rule.temporal == "4k+1", uri=uri)
+        width, height = choose_size(*orig, resize=resize, rule=rule)
+        return (len(indices), height, width, 3)
+    if not data:
+        raise MediaError("empty file", uri)
+    try:
+        image = Image.open(io.BytesIO(data))
+        orig = image.size
+        # exif_transpose (decode_image) turns the image upright: orientations 5-8 swap its sides.
+        if image.getexif().get(0x0112) in (5, 6, 7, 8):
+            orig = orig[::-1]
+    except UnidentifiedImageError:
+        raise MediaError("not an image file", uri) from None
+    except _PILLOW_DECODE_ERRORS as exc:
+        raise MediaError(f"truncated or corrupt image ({exc})", uri) from None
+    if rule.tiling is not None:
+        assert rule.fixed_size is not None, "tiling needs a square tile"
+        tile = rule.fixed_size[0]
+        rows, cols = choose_tile_grid(*orig, tile, rule.tiling)
+        return (rows * cols + (1 if rule.tiling.thumbnail and rows * cols > 1 else 0), tile, tile, 3)
+    width, height = choose_size(*orig, resize=resize, rule=rule)
+    return (height, width, 3)
+
+
 def _probe_video(av: Any, data: bytes, uri: str) -> tuple[int, float, tuple[int, int]]:
     """(frame count, fps, (width, height)) from the container, checked against its packets."""
     try:

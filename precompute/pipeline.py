@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from precompute.inputs import InputRow, Reject, read_inputs
 from precompute.prompts import store_prompt_embeddings
 from precompute.stale import describe as describe_stale
 from precompute.stale import stale_samples
-from precompute.tasks import QUIET_OFFLINE_ENV, EncoderSpec, TaskSpec
+from precompute.tasks import EncoderSpec, TaskSpec, quiet_offline_env
 
 
 @dataclass(kw_only=True)
@@ -141,8 +140,7 @@ def run_encode(
 ) -> EncodeSummary:
     # Workers inherit the environment: models load from local folders only, without progress
     # bars or hub look-ups cluttering the job's output.
-    for key, value in QUIET_OFFLINE_ENV.items():
-        os.environ.setdefault(key, value)
+    quiet_offline_env()
     # Storage options may hold credentials and travel to the workers as task arguments, which
     # Dask prints when a task fails: they go as a dict whose repr hides the values.
     storage_options = RedactedOptions(storage_options) if storage_options else None

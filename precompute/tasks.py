@@ -38,6 +38,12 @@ QUIET_OFFLINE_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 
+
+def quiet_offline_env() -> None:
+    """Set the QUIET_OFFLINE_ENV variables that are not set yet (a user's own setting wins)."""
+    for key, value in QUIET_OFFLINE_ENV.items():
+        os.environ.setdefault(key, value)
+
 @dataclass(frozen=True, kw_only=True)
 class EncoderSpec:
     section: str         # "vae" | "vit" | "text"
@@ -93,8 +99,7 @@ class EncoderCache:
         from precompute.encoders import build_encoder
 
         with self._lock:
-            for key, value in QUIET_OFFLINE_ENV.items():
-                os.environ.setdefault(key, value)
+            quiet_offline_env()
             if device.startswith("npu"):
                 import torch_npu  # noqa: F401  (registers the device; see BRIEF on auto-loading)
             out = {}
@@ -150,6 +155,11 @@ def describe_encoders(specs: list[EncoderSpec], device: str, threads: int, cache
     """Fields, fingerprints and field metadata of the configured encoders (run where the tasks
     run: a worker, or this process with the in-process executor), loading them if need be."""
     encoders = loaded_encoders(specs, device, threads, cache)
+    import torch
+
+    # The intra-op thread count the tasks encode at: CPU kernels' low bits depend on it, so a live
+    # encoder (train.live.reattach) runs at the same count to reproduce the cached values.
+    used = torch.get_num_threads()
     fields: dict[str, Any] = {}
     for section, encoder in encoders.items():
         metadata = encoder.field_metadata()
@@ -161,7 +171,7 @@ def describe_encoders(specs: list[EncoderSpec], device: str, threads: int, cache
                 # "encoder": what rebuilds this encoder later (``train.live.reattach``), its
                 # registry name and typed config as plain JSON.
                 "meta": {"section": section, "modality": spec.modality, "fingerprint": encoder.fingerprint(),
-                         "encoder": encoder.config_record(), **metadata.get(name, {})},
+                         "encoder": {**encoder.config_record(), "threads": used}, **metadata.get(name, {})},
             }
     return {"fields": fields}
 

@@ -93,7 +93,7 @@ def drift(features, field_names, samples, seed, media_root, tolerance, config_na
     from featstore.config import load_config
     from train.config import TrainConfig
     from train.live.drift import measure_drift, pick_samples
-    from train.live.reattach import reattach_encoder
+    from train.live.reattach import reattach_field
 
     if samples < 1:
         raise click.UsageError("--samples must be >= 1")
@@ -103,15 +103,16 @@ def drift(features, field_names, samples, seed, media_root, tolerance, config_na
     names = [n.strip() for n in field_names.split(",") if n.strip()] if field_names else [n for n, f in store.fields.items() if "encoder" in f.meta]
     if not names:
         raise click.UsageError(f"{store.url} records no encoder for any field; name them with --fields (and --set encoders.<field>.rebuild...)")
+    manifest = None
+    if config.data.manifest:  # the conversations a tokenizer field was encoded from
+        from train.live.manifest import TrainingManifest
+
+        manifest = TrainingManifest.read(config.data.manifest, options, store)
     reports = []
     for name in names:
-        section = config.encoders.get(name)
-        live = reattach_encoder(
-            store, name, weights_path=section.path if section else None, media_root=media_root or config.data.media_root,
-            storage_options=options, rebuild=(section.rebuild or None) if section else None,
-            resize=(section.resize or None) if section else None, check_fingerprint=False,
-        )
-        reports.append(measure_drift(store, live, pick_samples(store, name, samples, seed), tolerance))
+        live = reattach_field(store, name, config.encoders.get(name), media_root=media_root or config.data.media_root,
+                              storage_options=options, check_fingerprint=False)
+        reports.append(measure_drift(store, live, pick_samples(store, name, samples, seed), tolerance, manifest=manifest))
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in reports], indent=2))
     else:

@@ -29,6 +29,8 @@ from train.config import TrainConfig
 from train.data import FeatureStream, check_fingerprints, latent_normalisation, open_features, snapshot_digest
 from train.live.dropout import CaptionDropout
 from train.live.joint import JointEncoders
+from train.live.manifest import TrainingManifest, manifest_line
+from train.live.manifest import check_resume as check_manifest_resume
 from train.models import count_parameters, export_model, get_model_family
 from train.objective import sample_generators
 from train.order import plan_order
@@ -109,17 +111,18 @@ def dry_run(config: TrainConfig, features: str, storage_options: dict | None) ->
         "parameters": count_parameters(family.name, model_config, **sizes),
         "parts": model_parts(model),
         "store": {"url": store.url, "samples": len(store)},
-        "encoders": _describe_encoders(config, store, family.data(model_config, config.data, store)),
+        "encoders": _describe_encoders(config, store, family.data(model_config, config.data, store), storage_options),
     }
 
 
-def _describe_encoders(config: TrainConfig, store: featstore.Store, adapter) -> dict[str, Any]:
+def _describe_encoders(config: TrainConfig, store: featstore.Store, adapter, storage_options: dict | None = None) -> dict[str, Any]:
     """Per field the run reads: its mode and, for live/train fields, the re-attached encoder's
     parameter count and which parameters train (what memory and speed the mix costs)."""
     from train.live.fields import LiveFields
 
     fields = list(adapter.required_fields) + [f for f in adapter.optional_fields if f in store.fields]
-    live = LiveFields.build(config, store, fields, optional=list(adapter.optional_fields))
+    manifest = TrainingManifest.read(config.data.manifest, storage_options, store) if config.data.manifest else None
+    live = LiveFields.build(config, store, fields, optional=list(adapter.optional_fields), manifest=manifest)
     live.set_trainable(config)
     described = live.describe()
     return {name: described.get(name, {"mode": "cached", "parameters": None}) for name in fields}
@@ -159,6 +162,8 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
         # A resumed run must see the features it started with.
         expected = {**{k: v.get("digest") for k, v in before["fingerprints"].items()}, **expected}
     fingerprints = check_fingerprints(store, fields, expected, config.data.allow_fingerprint_mismatch)
+    manifest = TrainingManifest.read(config.data.manifest, storage_options, store) if config.data.manifest else None
+    check_manifest_resume(before, manifest, str(run))
 
     dims = ParallelDims.from_config(config.parallel, world)
     meshes = dims.build_meshes(device.type)
@@ -166,7 +171,7 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
     # before step 1; nothing is loaded when every field is cached.
     joint = JointEncoders.setup(config, store, fields, device=device, fsdp_mesh=meshes.fsdp, storage_options=storage_options,
                                 lr_lambda=lr_lambda(config), log=log if rank == 0 else (lambda *_: None),
-                                optional=list(data_adapter.optional_fields))
+                                optional=list(data_adapter.optional_fields), manifest=manifest)
     sizes = data_adapter.input_sizes()
     model = family.builder(model_config, **sizes).to(device)
     dims.check_heads(getattr(model, "attention_heads", getattr(model_config, "heads", 1)))
@@ -204,7 +209,7 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
         tokens_per_sample=lambda shape: family.tokens_per_sample(model_config, shape), repeat=config.data.repeat, window=order.window,
         live=joint.live, on_missing=config.data.on_missing,
         caption_dropout=CaptionDropout(store, fields, config.data.caption_dropout, config.seed, joint.live.produced) if config.data.caption_dropout else None,
-        exclude=frozenset(held_out),
+        exclude=frozenset(held_out), manifest=manifest,
     )
     run_record = RunRecord(config=config, dims=dims, store=store, fingerprints=fingerprints, input_sizes=sizes, parameters=num_params,
                            data_order={"shuffle_window": order.window, "shards": stream.order.num_shards})
@@ -216,7 +221,9 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
     sp_leader = all(c == 0 for c in meshes.sp.get_coordinate() or ())
     epoch_cache = EpochCacheStats(stream, store_bytes=order.store_bytes, device=device, counts_reads=sp_leader) if stream.cache is not None else None
     if stream.skipped:
-        log(f"training on {stream.num_samples} of the {len(store)} samples: {stream.skipped} lack {' or '.join(map(repr, data_adapter.required_fields))}")
+        log(f"training on {stream.num_samples} of the {stream.named} samples: {stream.skipped} lack {' or '.join(map(repr, data_adapter.required_fields))}")
+    if rank == 0 and manifest is not None:
+        log(manifest_line(manifest, store, stream, config.data.on_missing))
     if rank == 0 and joint.live.fillable and stream.is_live.any():
         log(f"data.on_missing=live: {int(stream.is_live.sum())} of the {stream.num_samples} samples lack {' or '.join(map(repr, sorted(joint.live.fillable)))} and are encoded live")
     collate = joint.live.wrap_collate(data_adapter.collate)
@@ -266,7 +273,7 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
             optimizer.step()
             step = data.step + 1
             if step == start + 1:  # after the first step: optimizer state and gradients exist
-                _write_run_json(run, run_record, model, optimizer, rank, {"encoders": joint.describe(), "drift": joint.drift})
+                _write_run_json(run, run_record, model, optimizer, rank, {"encoders": joint.describe(), "drift": joint.drift, **({"manifest": manifest.record(store)} if manifest else {})})
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             joint.step()

@@ -92,13 +92,10 @@ def load_decoder(latent_meta: dict[str, Any], vae_path: str | None, device: str 
     """The decoder of the VAE that made a latent field (its field meta), or None when none is at
     hand (no ``vae_path`` and no matching tiny model here). A ``vae_path`` holding other weights
     is an error."""
-    import os
-
     from precompute.encoders import build_encoder
-    from precompute.tasks import QUIET_OFFLINE_ENV
+    from precompute.tasks import quiet_offline_env
 
-    for key, value in QUIET_OFFLINE_ENV.items():  # local folders only, no hub look-ups or banners
-        os.environ.setdefault(key, value)
+    quiet_offline_env()  # local folders only, no hub look-ups or banners
     fingerprint = latent_meta.get("fingerprint") or {}
     name = fingerprint.get("encoder")
     if name not in DECODERS:
