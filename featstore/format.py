@@ -356,33 +356,46 @@ def byte_ranges(chunks: np.ndarray, layout: ChunkLayout, start: int, count: int,
     return ranges
 
 
-# Two CRC-32C libraries on the CPU's CRC instruction (SSE4.2 / ARMv8; 15-30 GB/s a core here),
-# and which one runs decides whether checksums run in parallel: google_crc32c holds the GIL for
-# anything but ``bytes``, so a thread checking a mapped or fetched block (a numpy array) blocks
-# every other thread for the whole call; crc32c releases it. crc32c is used only where it runs on
-# that instruction rather than its software fallback.
-try:
-    import crc32c as _crc32c_ext
+# Two CRC-32C libraries on the CPU's CRC instruction (SSE4.2 / ARMv8; ~16 GB/s a core from
+# memory, 20-30 GB/s from cache, here), and which one runs decides whether checksums run in
+# parallel: google_crc32c holds the GIL for anything but ``bytes``, so a thread checking a mapped
+# or fetched block (a numpy array) blocks every other thread for the whole call; crc32c releases
+# it on request. crc32c is imported on first use (its import takes ~12 ms, which a CLI command
+# that never checks a large buffer should not pay); where it is missing, or runs in software,
+# google_crc32c does all.
+_LARGE = 1 << 20  # from here on (or on request) a buffer goes to crc32c, without the GIL
 
-    CRC32C_RELEASES_GIL = bool(_crc32c_ext.hardware_based)
-except ImportError:  # not installed (a platform without its wheel): google_crc32c alone
-    CRC32C_RELEASES_GIL = False
-_AUTO, _HOLD, _RELEASE = -1, 0, 1  # crc32c's gil_release_mode: by size (>= 32 KiB), never, always
+
+@functools.cache
+def _releasing_crc32c() -> Callable[[Any, int], int] | None:
+    """crc32c's CRC-32C (data, crc) -> crc without the GIL, or None (not installed, no hardware CRC)."""
+    try:
+        import crc32c as library
+    except ImportError:
+        return None
+    if not library.hardware_based:
+        return None
+    call = library.crc32c
+    return lambda data, crc: call(data, crc, 1)  # gil_release_mode=1: always
+
+
+def crc32c_releases_gil() -> bool:
+    return _releasing_crc32c() is not None
 
 
 def crc32c(data: Any, crc: int = 0, *, release_gil: bool | None = None) -> int:
-    """CRC-32C of a buffer (continuing from ``crc``), hardware-accelerated where available.
+    """CRC-32C of a buffer (continuing from ``crc``), hardware-accelerated.
 
-    ``release_gil``: True on a background thread, so the check runs beside the caller's Python
-    code; False for many short calls on a thread that other threads wait on (each release may
-    hand the GIL to a waiting thread for a whole switch interval); None: by size. Only where
-    ``CRC32C_RELEASES_GIL``; otherwise the GIL is held (for ``bytes`` of >= 1 MiB, released)."""
-    # Both accept contiguous buffers; a view as uint8 makes any dtype (bfloat16 too) acceptable,
+    ``release_gil``: True on a background thread, so the check runs beside other threads' Python
+    code; False for many short calls on a thread others wait on (each release may hand the GIL to
+    a waiting thread for a whole switch interval); None: released for buffers of 1 MiB or more.
+    The GIL is released only where ``crc32c_releases_gil()``."""
+    # A view as uint8 makes any contiguous array (bfloat16 too) acceptable to both libraries,
     # and google_crc32c takes no writable memoryview.
     if not isinstance(data, bytes):
         data = np.frombuffer(data, dtype=np.uint8) if isinstance(data, (bytearray, memoryview)) else np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-    if CRC32C_RELEASES_GIL:
-        return _crc32c_ext.crc32c(data, crc, _AUTO if release_gil is None else _RELEASE if release_gil else _HOLD)
+    if release_gil is not False and (release_gil or len(data) >= _LARGE) and (releasing := _releasing_crc32c()) is not None:
+        return releasing(data, crc)
     return google_crc32c.extend(crc, data)
 
 
@@ -390,9 +403,9 @@ def crc32c_function(*, release_gil: bool) -> Callable[[Any], int]:
     """``crc32c(data, release_gil=...)`` for hot loops over contiguous uint8 arrays: the library
     call itself, without ``crc32c``'s conversions (a few microseconds a call, as much as the
     checksum of a 32 KB sample takes)."""
-    if CRC32C_RELEASES_GIL:
-        call, mode = _crc32c_ext.crc32c, _RELEASE if release_gil else _HOLD
-        return lambda data: call(data, 0, mode)
+    releasing = _releasing_crc32c() if release_gil else None
+    if releasing is not None:
+        return lambda data: releasing(data, 0)
     return functools.partial(google_crc32c.extend, 0)
 
 

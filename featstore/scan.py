@@ -14,10 +14,10 @@ the field's object, so a block costs one sequential read per field:
   field are fetched in one batched ``read_into`` (concurrent requests) into one new buffer.
 
 Blocks are loaded and CRC-checked on background threads, up to ``readahead_bytes`` ahead of the
-consumer: page faults, preadv and the checksum (``fmt.crc32c`` with the ``crc32c`` library)
-release the GIL, so the checks of several blocks run at once and beside the caller's work, and the
-caller's thread only cuts views. (Without ``crc32c`` the checks hold the GIL: google_crc32c
-releases it for ``bytes`` only.)
+consumer: page faults, preadv and the checksum (``fmt.crc32c`` with the crc32c library) release
+the GIL, so the checks of several blocks run at once and beside the caller's work, and the
+caller's thread only cuts views. (Without crc32c the checks hold the GIL: google_crc32c releases
+it for ``bytes`` only.)
 
 Not ``MADV_WILLNEED`` for a cold scan: the kernel reads those pages into the page cache in 4 KiB
 pages, and a page cache of 4 KiB pages makes every later warm scan of the file fault and map page
@@ -241,7 +241,7 @@ def _fault_in(view: np.ndarray) -> None:
     owner, mapping = _mapping_of(view)
     if mapping is None or not view.size:
         return
-    if fmt.CRC32C_RELEASES_GIL:
+    if fmt.crc32c_releases_gil():
         # A checksum pass (its value unused) faults every page in without the GIL, so the
         # consumer runs meanwhile; Python's mmap.madvise holds the GIL for the whole populate,
         # and MADV_POPULATE_READ called from 8 threads through libc (without the GIL) read a cold

@@ -120,16 +120,21 @@ def test_scan_detects_a_flipped_byte_naming_shard_and_sample(backend, readahead_
     assert len(list(unchecked.scan())) == len(samples)
 
 
+def _checksum_library(library: str, monkeypatch) -> None:
+    """crc32c (releases the GIL) where installed, else google_crc32c alone: both must check."""
+    if library == "crc32c" and not fmt.crc32c_releases_gil():
+        pytest.skip("the crc32c library (on a hardware CRC instruction) is not installed here")
+    if library == "google_crc32c":
+        monkeypatch.setattr(fmt, "_releasing_crc32c", lambda: None)
+
+
 @pytest.mark.parametrize("library", ["crc32c", "google_crc32c"])
 @pytest.mark.parametrize("where", ["loading threads", "consumer"])
 def test_both_places_a_checksum_is_checked_catch_a_flipped_byte(where, library, tmp_path, monkeypatch):
     # Blocks of large samples are checked where they are loaded, blocks of small ones as each
     # sample is handed out; the threshold moves every block of this store to one or the other.
     monkeypatch.setattr(scan_module, "CHECK_AHEAD_BYTES", 0 if where == "loading threads" else 1 << 40)
-    # crc32c (releases the GIL) where installed, else google_crc32c: the fallback must check too.
-    if library == "crc32c" and not fmt.CRC32C_RELEASES_GIL:
-        pytest.skip("the crc32c library (hardware-based) is not installed here")
-    monkeypatch.setattr(fmt, "CRC32C_RELEASES_GIL", library == "crc32c")
+    _checksum_library(library, monkeypatch)
     url = str(tmp_path / "store")
     samples = _write(url, n=20)
     clean = featstore.open(url)
@@ -145,13 +150,11 @@ def test_both_places_a_checksum_is_checked_catch_a_flipped_byte(where, library, 
 
 @pytest.mark.parametrize("library", ["crc32c", "google_crc32c"])
 def test_both_checksum_libraries_compute_the_same_crc32c(library, monkeypatch):
-    if library == "crc32c" and not fmt.CRC32C_RELEASES_GIL:
-        pytest.skip("the crc32c library (hardware-based) is not installed here")
-    monkeypatch.setattr(fmt, "CRC32C_RELEASES_GIL", library == "crc32c")
-    assert fmt.crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value (RFC 3720's polynomial)
+    _checksum_library(library, monkeypatch)
+    assert fmt.crc32c(b"123456789") == fmt.crc32c(b"123456789", release_gil=True) == 0xE3069283  # the check value
     rng = np.random.default_rng(0)
-    # Around crc32c's 32 KiB GIL threshold and google_crc32c's 1 MiB one, and empty.
-    for size in (0, 1, 7, (32 << 10) - 1, (32 << 10) + 1, (1 << 20) + 3):
+    # Around the 1 MiB from which fmt.crc32c releases the GIL unasked, and empty.
+    for size in (0, 1, 7, 40_000, (1 << 20) - 1, (1 << 20) + 3):
         data = rng.integers(0, 256, size=size, dtype=np.uint8)
         want = google_crc32c.value(data.tobytes())
         for release_gil in (None, True, False):
