@@ -356,19 +356,30 @@ def byte_ranges(chunks: np.ndarray, layout: ChunkLayout, start: int, count: int,
     return ranges
 
 
-# Two CRC-32C libraries on the CPU's CRC instruction (SSE4.2 / ARMv8; ~16 GB/s a core from
-# memory, 20-30 GB/s from cache, here), and which one runs decides whether checksums run in
-# parallel: google_crc32c holds the GIL for anything but ``bytes``, so a thread checking a mapped
-# or fetched block (a numpy array) blocks every other thread for the whole call; crc32c releases
-# it on request. crc32c is imported on first use (its import takes ~12 ms, which a CLI command
-# that never checks a large buffer should not pay); where it is missing, or runs in software,
+# CRC-32C libraries, and which one runs decides whether checksums run in parallel and how fast:
+# * google_crc32c (the CPU's CRC instruction: ~16 GB/s a core from memory here) holds the GIL for
+#   anything but ``bytes``, so a thread checking a mapped or fetched block (a numpy array) blocks
+#   every other thread for the whole call;
+# * crc32c (a dependency; the same instruction, the same speed) releases it on request;
+# * awscrt, where installed (optional: installing it also switches botocore to its signer):
+#   carry-less multiplication over AVX-512 where the CPU has it, ~25 GB/s a core from memory
+#   here, and it releases the GIL above 5 KiB.
+# The releasing one is imported on first use (crc32c: ~12 ms, awscrt: ~27 ms, which a CLI
+# command that never checks a large buffer should not pay); where neither is usable,
 # google_crc32c does all.
-_LARGE = 1 << 20  # from here on (or on request) a buffer goes to crc32c, without the GIL
+_LARGE = 1 << 20  # from here on (or on request) a buffer goes to the releasing library
 
 
 @functools.cache
 def _releasing_crc32c() -> Callable[[Any, int], int] | None:
-    """crc32c's CRC-32C (data, crc) -> crc without the GIL, or None (not installed, no hardware CRC)."""
+    """A CRC-32C (data, crc) -> crc that releases the GIL: awscrt's, else crc32c's (on a hardware
+    CRC instruction), else None."""
+    try:
+        from awscrt import checksums
+    except ImportError:
+        pass
+    else:
+        return checksums.crc32c  # type: ignore[no-any-return]
     try:
         import crc32c as library
     except ImportError:
