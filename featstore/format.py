@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -364,12 +365,68 @@ def byte_ranges(chunks: np.ndarray, layout: ChunkLayout, start: int, count: int,
     return ranges
 
 
-def crc32c(data: Any, crc: int = 0) -> int:
-    """CRC-32C of a buffer (continuing from ``crc``), hardware-accelerated where available."""
-    # google_crc32c accepts bytes or numpy arrays, not writable memoryviews.
+# CRC-32C libraries, and which one runs decides whether checksums run in parallel and how fast:
+# * google_crc32c (the CPU's CRC instruction: ~16 GB/s a core from memory here) holds the GIL for
+#   anything but ``bytes``, so a thread checking a mapped or fetched block (a numpy array) blocks
+#   every other thread for the whole call;
+# * crc32c (a dependency; the same instruction, the same speed) releases it on request;
+# * awscrt, where installed (optional: installing it also switches botocore to its signer):
+#   carry-less multiplication over AVX-512 where the CPU has it, ~25 GB/s a core from memory
+#   here, and it releases the GIL above 5 KiB.
+# The releasing one is imported on first use (crc32c: ~12 ms, awscrt: ~27 ms, which a CLI
+# command that never checks a large buffer should not pay); where neither is usable,
+# google_crc32c does all.
+_LARGE = 1 << 20  # from here on (or on request) a buffer goes to the releasing library
+
+
+@functools.cache
+def _releasing_crc32c() -> Callable[[Any, int], int] | None:
+    """A CRC-32C (data, crc) -> crc that releases the GIL: awscrt's, else crc32c's (on a hardware
+    CRC instruction), else None."""
+    try:
+        from awscrt import checksums
+    except ImportError:
+        pass
+    else:
+        return checksums.crc32c  # type: ignore[no-any-return]
+    try:
+        import crc32c as library
+    except ImportError:
+        return None
+    if not library.hardware_based:
+        return None
+    call = library.crc32c
+    return lambda data, crc: call(data, crc, 1)  # gil_release_mode=1: always
+
+
+def crc32c_releases_gil() -> bool:
+    return _releasing_crc32c() is not None
+
+
+def crc32c(data: Any, crc: int = 0, *, release_gil: bool | None = None) -> int:
+    """CRC-32C of a buffer (continuing from ``crc``), hardware-accelerated.
+
+    ``release_gil``: True on a background thread, so the check runs beside other threads' Python
+    code; False for many short calls on a thread others wait on (each release may hand the GIL to
+    a waiting thread for a whole switch interval); None: released for buffers of 1 MiB or more.
+    The GIL is released only where ``crc32c_releases_gil()``."""
+    # A view as uint8 makes any contiguous array (bfloat16 too) acceptable to both libraries,
+    # and google_crc32c takes no writable memoryview.
     if not isinstance(data, bytes):
         data = np.frombuffer(data, dtype=np.uint8) if isinstance(data, (bytearray, memoryview)) else np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    if release_gil is not False and (release_gil or len(data) >= _LARGE) and (releasing := _releasing_crc32c()) is not None:
+        return releasing(data, crc)
     return google_crc32c.extend(crc, data)
+
+
+def crc32c_function(*, release_gil: bool) -> Callable[[Any], int]:
+    """``crc32c(data, release_gil=...)`` for hot loops over contiguous uint8 arrays: the library
+    call itself, without ``crc32c``'s conversions (a few microseconds a call, as much as the
+    checksum of a 32 KB sample takes)."""
+    releasing = _releasing_crc32c() if release_gil else None
+    if releasing is not None:
+        return lambda data: releasing(data, 0)
+    return functools.partial(google_crc32c.extend, 0)
 
 
 # CRC-32C (reflected polynomial 0x82F63B78) of a concatenation from the CRCs of its parts, as
