@@ -75,6 +75,11 @@ class StoreWriter:
     def store(self) -> Store:
         return self._store
 
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of the samples added and not committed yet."""
+        return self._pending_bytes
+
     # ---- adding -------------------------------------------------------------------------
     def add(self, sample_id: str, arrays: dict[str, Any], meta: dict[str, Any] | None = None) -> None:
         self._check_open()
