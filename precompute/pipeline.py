@@ -27,6 +27,7 @@ import featstore
 from featstore import secrets
 from featstore.config import from_dict
 from featstore.errors import FingerprintMismatchError
+from featstore.format import EXCLUSIVE_COMMIT_VERSION
 from featstore.secrets import RedactedOptions
 from precompute.config import TINY_PATH, EncodeConfig, default_cache_dir
 from precompute.executors import DaskExecutor, ThreadExecutor, choose_placement, connect, open_executor, preserved_environ
@@ -201,6 +202,7 @@ def run_encode(
             "task_timeout": config.run.task_timeout,
             "device": config.device,
             "max_input_bytes": config.data.max_input_bytes,
+            "commit_ahead_bytes": config.run.commit_ahead_bytes,
         }
         transform = {k: settings[k] for k in ("resize", "frames", "size_multiple")}
         for spec in fields.values():
@@ -243,6 +245,11 @@ def run_encode(
         # like a sibling holds that sibling's rows, none of this task's (a request per sibling
         # committed first, saved).
         known = executor.share(sorted(set(store.shards) | {t.shard for t in tasks})) if tasks else None
+        if tasks:
+            # Raised here once (an older store), so that the tasks, which open the store from the
+            # manifest planned with, do not each declare it again.
+            store.require_format_version(EXCLUSIVE_COMMIT_VERSION)
+            settings["store_manifest"] = store.manifest
         summary = _run_tasks(executor, tasks, known, output_url, storage_options, specs, settings, progress)
         summary.update(samples_skipped=skipped, startup_seconds=startup, stale=len(stale), executor=placement.kind)
         summary["rejected"] += len(new_plan_rejects)
