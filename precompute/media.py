@@ -433,6 +433,8 @@ def prepared_shape(data: bytes, uri: str, *, modality: Literal["image", "video"]
         indices, _ = select_frames(total, fps, sampling or FrameSampling(), require_4k_plus_1=rule.temporal == "4k+1", uri=uri)
         width, height = choose_size(*orig, resize=resize, rule=rule)
         return (len(indices), height, width, 3)
+    from PIL import Image, UnidentifiedImageError
+
     if not data:
         raise MediaError("empty file", uri)
     try:
