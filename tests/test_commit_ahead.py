@@ -7,13 +7,11 @@ LocalCluster of one single-threaded worker (so only seceding can overlap two tas
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 import featstore
-from precompute.commit_ahead import commit_ahead, committing_bytes
 from featstore.verify import verify_store
+from precompute.commit_ahead import commit_ahead, committing_bytes
 from precompute.demo_data import make_dataset
 from precompute.executors import local_cluster
 from precompute.pipeline import run_encode
@@ -106,7 +104,7 @@ def _hold_commit(nbytes: int, limit: int, release: str, started: str) -> dict:
         Event(started).set()
         held = committing_bytes()
         Event(release).wait(30)
-    return json.loads(json.dumps({"ahead": ahead, "held": held}))
+    return {"ahead": ahead, "held": held}
 
 
 def test_commits_off_the_pool_stay_within_the_byte_budget(cluster):
