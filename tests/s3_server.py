@@ -226,6 +226,13 @@ class S3ServerProcess:
     env = S3Server.env
     make_bucket = S3Server.make_bucket
 
+    def cpu_seconds(self) -> float:
+        """CPU time the server process has used so far (user + system)."""
+        import os
+
+        fields = open(f"/proc/{self._proc.pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
         if self._proc.stdin:
             self._proc.stdin.close()
