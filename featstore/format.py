@@ -19,13 +19,14 @@ uint16 bits, with ``attributes["mmcache"]["dtype"] == "bfloat16"`` saying how to
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import google_crc32c
-import ml_dtypes
 import numpy as np
 
 from featstore.errors import FormatVersionError, NotAStoreError, SchemaError
@@ -57,22 +58,26 @@ DECLARATIONS_DIR = "declarations"
 # small enough that they need not fetch a whole shard for one sample.
 INNER_CHUNK_BYTES = 4 << 20
 
-# Store dtype name -> (numpy dtype the caller sees, zarr data_type on disk).
-DTYPES: dict[str, tuple[np.dtype, str]] = {
-    "bfloat16": (np.dtype(ml_dtypes.bfloat16), "uint16"),
-    "float16": (np.dtype("float16"), "float16"),
-    "float32": (np.dtype("float32"), "float32"),
-    "float64": (np.dtype("float64"), "float64"),
-    "int8": (np.dtype("int8"), "int8"),
-    "int16": (np.dtype("int16"), "int16"),
-    "int32": (np.dtype("int32"), "int32"),
-    "int64": (np.dtype("int64"), "int64"),
-    "uint8": (np.dtype("uint8"), "uint8"),
-    "uint16": (np.dtype("uint16"), "uint16"),
-    "uint32": (np.dtype("uint32"), "uint32"),
-    "uint64": (np.dtype("uint64"), "uint64"),
-    "bool": (np.dtype("bool"), "bool"),
+# Store dtype name -> zarr data_type on disk. The numpy dtype a caller sees is numpy's own of
+# that name, but for bfloat16: ml_dtypes', imported only when a bfloat16 array is made or read,
+# because importing ml_dtypes costs ~0.5 s on these machines (the initialisation of its C
+# extension alone, numpy 2.4 / ml_dtypes 0.7), and a process that only plans or inspects a store
+# (the client of `mmcache encode --scheduler`, `mmcache info`) never makes an array.
+ZARR_DTYPES: dict[str, str] = {
+    "bfloat16": "uint16",
+    **{name: name for name in ("float16", "float32", "float64", "int8", "int16", "int32", "int64",
+                               "uint8", "uint16", "uint32", "uint64", "bool")},
 }
+
+
+@functools.cache  # on every read's path: a dict look-up, as when this was a table
+def _numpy_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
 
 # Sample ids, shard names and field names end up in object keys and URLs: keep them boring.
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:=+-]{0,199}$")
@@ -89,11 +94,17 @@ def check_name(kind: str, name: Any) -> str:
     return name
 
 
-def dtype_info(name: str) -> tuple[np.dtype, str]:
+def _zarr_dtype(name: str) -> str:
     try:
-        return DTYPES[name]
+        return ZARR_DTYPES[name]
     except KeyError:
-        raise SchemaError(f"unknown dtype {name!r}; supported: {', '.join(DTYPES)}") from None
+        raise SchemaError(f"unknown dtype {name!r}; supported: {', '.join(ZARR_DTYPES)}") from None
+
+
+def dtype_info(name: str) -> tuple[np.dtype, str]:
+    """(numpy dtype the caller sees, zarr data_type on disk) of store dtype ``name``."""
+    on_disk = _zarr_dtype(name)  # first: an unknown name is a SchemaError
+    return _numpy_dtype(name), on_disk
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,7 +120,7 @@ class FieldSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _SAFE_FIELD.match(self.name):
             raise SchemaError(f"field name {self.name!r} must match {_SAFE_FIELD.pattern}")
-        dtype_info(self.dtype)
+        _zarr_dtype(self.dtype)  # a known name (without building its numpy dtype)
         if self.ndim is not None and (not isinstance(self.ndim, int) or self.ndim < 0):
             raise SchemaError(f"field {self.name!r}: ndim must be a non-negative integer")
 
@@ -119,7 +130,7 @@ class FieldSpec:
 
     @property
     def zarr_dtype(self) -> str:
-        return dtype_info(self.dtype)[1]
+        return _zarr_dtype(self.dtype)
 
     def to_dict(self) -> dict[str, Any]:
         return {"dtype": self.dtype, "ndim": self.ndim, "meta": self.meta}
@@ -354,12 +365,68 @@ def byte_ranges(chunks: np.ndarray, layout: ChunkLayout, start: int, count: int,
     return ranges
 
 
-def crc32c(data: Any, crc: int = 0) -> int:
-    """CRC-32C of a buffer (continuing from ``crc``), hardware-accelerated where available."""
-    # google_crc32c accepts bytes or numpy arrays, not writable memoryviews.
+# CRC-32C libraries, and which one runs decides whether checksums run in parallel and how fast:
+# * google_crc32c (the CPU's CRC instruction: ~16 GB/s a core from memory here) holds the GIL for
+#   anything but ``bytes``, so a thread checking a mapped or fetched block (a numpy array) blocks
+#   every other thread for the whole call;
+# * crc32c (a dependency; the same instruction, the same speed) releases it on request;
+# * awscrt, where installed (optional: installing it also switches botocore to its signer):
+#   carry-less multiplication over AVX-512 where the CPU has it, ~25 GB/s a core from memory
+#   here, and it releases the GIL above 5 KiB.
+# The releasing one is imported on first use (crc32c: ~12 ms, awscrt: ~27 ms, which a CLI
+# command that never checks a large buffer should not pay); where neither is usable,
+# google_crc32c does all.
+_LARGE = 1 << 20  # from here on (or on request) a buffer goes to the releasing library
+
+
+@functools.cache
+def _releasing_crc32c() -> Callable[[Any, int], int] | None:
+    """A CRC-32C (data, crc) -> crc that releases the GIL: awscrt's, else crc32c's (on a hardware
+    CRC instruction), else None."""
+    try:
+        from awscrt import checksums
+    except ImportError:
+        pass
+    else:
+        return checksums.crc32c  # type: ignore[no-any-return]
+    try:
+        import crc32c as library
+    except ImportError:
+        return None
+    if not library.hardware_based:
+        return None
+    call = library.crc32c
+    return lambda data, crc: call(data, crc, 1)  # gil_release_mode=1: always
+
+
+def crc32c_releases_gil() -> bool:
+    return _releasing_crc32c() is not None
+
+
+def crc32c(data: Any, crc: int = 0, *, release_gil: bool | None = None) -> int:
+    """CRC-32C of a buffer (continuing from ``crc``), hardware-accelerated.
+
+    ``release_gil``: True on a background thread, so the check runs beside other threads' Python
+    code; False for many short calls on a thread others wait on (each release may hand the GIL to
+    a waiting thread for a whole switch interval); None: released for buffers of 1 MiB or more.
+    The GIL is released only where ``crc32c_releases_gil()``."""
+    # A view as uint8 makes any contiguous array (bfloat16 too) acceptable to both libraries,
+    # and google_crc32c takes no writable memoryview.
     if not isinstance(data, bytes):
         data = np.frombuffer(data, dtype=np.uint8) if isinstance(data, (bytearray, memoryview)) else np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    if release_gil is not False and (release_gil or len(data) >= _LARGE) and (releasing := _releasing_crc32c()) is not None:
+        return releasing(data, crc)
     return google_crc32c.extend(crc, data)
+
+
+def crc32c_function(*, release_gil: bool) -> Callable[[Any], int]:
+    """``crc32c(data, release_gil=...)`` for hot loops over contiguous uint8 arrays: the library
+    call itself, without ``crc32c``'s conversions (a few microseconds a call, as much as the
+    checksum of a 32 KB sample takes)."""
+    releasing = _releasing_crc32c() if release_gil else None
+    if releasing is not None:
+        return lambda data: releasing(data, 0)
+    return functools.partial(google_crc32c.extend, 0)
 
 
 # CRC-32C (reflected polynomial 0x82F63B78) of a concatenation from the CRCs of its parts, as

@@ -5,15 +5,23 @@ bigger than that is a block of its own). Per field, a block's samples are one co
 the field's object, so a block costs one sequential read per field:
 
 * locally the object is memory-mapped (copy-on-write), so the page cache *is* the buffer: no
-  read into a buffer of ours, no copy; a cold scan is told to read ahead sequentially. (The
-  price: a disk that fails a read under a mapping raises SIGBUS, not OSError. A file shorter
-  than its commit record says is refused before it is mapped.)
+  read into a buffer of ours, no copy. The mapping asks for huge pages: a cold scan then reads
+  the file into the page cache in 2 MiB pages (4 MiB per fault, several loading threads at once),
+  and every later scan maps 2 MiB per page-table entry instead of 4 KiB, which is what lets a warm
+  scan run at memory speed. (The price: a disk that fails a read under a mapping raises SIGBUS,
+  not OSError. A file shorter than its commit record says is refused before it is mapped.)
 * elsewhere (object stores, ``memory://``, a cache over either) the block's ranges of every
   field are fetched in one batched ``read_into`` (concurrent requests) into one new buffer.
 
 Blocks are loaded and CRC-checked on background threads, up to ``readahead_bytes`` ahead of the
-consumer: page faults, preadv and google_crc32c release the GIL, so the checks run beside the
-caller's work at memory speed, and the caller's thread only cuts views.
+consumer: page faults, preadv and the checksum (``fmt.crc32c`` with the crc32c library) release
+the GIL, so the checks of several blocks run at once and beside the caller's work, and the
+caller's thread only cuts views. (Without crc32c the checks hold the GIL: google_crc32c releases
+it for ``bytes`` only.)
+
+Not ``MADV_WILLNEED`` for a cold scan: the kernel reads those pages into the page cache in 4 KiB
+pages, and a page cache of 4 KiB pages makes every later warm scan of the file fault and map page
+by page (measured: 3x slower). The loading threads' own faults read ahead instead.
 
 Ownership rule: a block's buffer is never reused or written by the store. A yielded array views
 its block and keeps it alive (and nothing else does): hold samples as long as you like, they
@@ -25,7 +33,6 @@ are the page cache's; elsewhere up to ``BLOCK_BYTES`` of memory): ``np.array(x)`
 from __future__ import annotations
 
 import math
-import os
 import mmap
 import threading
 from collections import OrderedDict, deque
@@ -34,9 +41,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import google_crc32c
 import numpy as np
 
+from featstore import format as fmt
 from featstore.errors import CorruptionError
 
 if TYPE_CHECKING:
@@ -125,24 +132,11 @@ class Scanner:
         # CRC. Small ones are checked as they are handed out: here, thousands of short calls
         # would pass the GIL back and forth with the consumer's loop, which costs more.
         checked = store.verify_reads and block.nbytes >= CHECK_AHEAD_BYTES * len(block.rows)
-        bad = self._check(block, flat) if checked else None
+        bad = self._check(block, flat) if checked else None  # (the check faults the pages in)
         if not checked:
             for array in flat.values():
-                _populate(array)
+                _fault_in(array)
         return _Loaded(block, flat, self._elsewhere(block, flat), bad, checked)
-
-    def will_need(self, block: _Block) -> None:
-        """Start reading a local block's pages from disk (asynchronously) as it is queued, so a
-        cold scan keeps ``readahead_bytes`` of requests in flight instead of a page fault's worth."""
-        if self.store.storage.is_remote:
-            return
-        info = self.store.shards[block.shard]
-        for name, (lo, hi) in block.fields.items():
-            key = info.data_key(name)
-            mapped = self._map(block.shard, name, key, info.objects[key]["nbytes"])
-            ranges = self.store._ranges(block.shard, self.store.fields[name], lo, hi - lo)
-            if mapped is not None and ranges:
-                _will_need(mapped, ranges[0][0], ranges[-1][1])
 
     def _map(self, shard: str, field: str, key: str, nbytes: int) -> np.ndarray | None:
         if self.store.storage.is_remote:
@@ -171,6 +165,7 @@ class Scanner:
         with their own check, by ``_elsewhere``)."""
         store = self.store
         rows = self._yielded(block)
+        crc32c = fmt.crc32c_function(release_gil=True)  # the GIL is free for others meanwhile
         bad: tuple[int, str] | None = None
         for name, (lo, _) in block.fields.items():
             data, shapes = flat[name], store._shapes[name]
@@ -180,7 +175,7 @@ class Scanner:
                 if bad is not None and row >= bad[0]:
                     break
                 at = (int(offsets[row]) - lo) * itemsize
-                if google_crc32c.extend(0, data[at : at + math.prod(shapes[row]) * itemsize]) != crcs[row]:
+                if crc32c(data[at : at + math.prod(shapes[row]) * itemsize]) != crcs[row]:
                     bad = (row, name)
                     break
         return bad
@@ -213,6 +208,7 @@ class Scanner:
             views.append((name, loaded.flat[name], dtype, dtype.itemsize, lo, store._offsets[name][first:stop].tolist(),
                           store._shapes[name][first:stop], store._crcs[name][first:stop].tolist()))
         check_here = store.verify_reads and not loaded.checked
+        crc32c = fmt.crc32c_function(release_gil=False)  # short calls: releasing costs more
         for i, row in enumerate(block.rows):
             sample_id = store._ids[row]
             if self.whole and store._row_of[sample_id] != row:
@@ -224,7 +220,7 @@ class Scanner:
                 shape = shapes[i]
                 at = (offsets[i] - lo) * itemsize
                 raw = data[at : at + math.prod(shape) * itemsize]
-                if check_here and google_crc32c.extend(0, raw) != crcs[i]:
+                if check_here and crc32c(raw) != crcs[i]:
                     raise self._corrupt(block.shard, sample_id, name)
                 sample[name] = raw.view(dtype).reshape(shape)
             if loaded.elsewhere:
@@ -239,17 +235,23 @@ class Scanner:
         )
 
 
-def _populate(view: np.ndarray) -> None:
-    """Map a mapped block's pages in now, on this (loading) thread, in one call, rather than
-    one page fault after another on the consumer's (Linux 5.14+; elsewhere a no-op)."""
+def _fault_in(view: np.ndarray) -> None:
+    """Bring a mapped block's pages in now, on this (loading) thread, rather than one page fault
+    after another on the consumer's: for a cold block, its reads from disk."""
     owner, mapping = _mapping_of(view)
     if mapping is None or not view.size:
         return
-    madvise = mapping.madvise
+    if fmt.crc32c_releases_gil():
+        # A checksum pass (its value unused) faults every page in without the GIL, so the
+        # consumer runs meanwhile; Python's mmap.madvise holds the GIL for the whole populate,
+        # and MADV_POPULATE_READ called from 8 threads through libc (without the GIL) read a cold
+        # store here at 2/3 the speed of these passes' faults.
+        fmt.crc32c(view, release_gil=True)
+        return
     start = view.__array_interface__["data"][0] - owner.__array_interface__["data"][0]
     aligned = start - start % mmap.PAGESIZE
     try:
-        madvise(_MADV_POPULATE_READ, aligned, start + view.size - aligned)
+        mapping.madvise(_MADV_POPULATE_READ, aligned, start + view.size - aligned)  # Linux 5.14+
     except OSError:
         pass  # an older kernel: the consumer's page faults do the same, a page at a time
 
@@ -266,21 +268,9 @@ def _mapping_of(view: np.ndarray) -> tuple[np.ndarray, mmap.mmap | None]:
     return owner, exporter if isinstance(exporter, mmap.mmap) else None
 
 
-def _will_need(mapped: np.ndarray, start: int, end: int) -> None:
-    """Ask the kernel to read a mapped range now, asynchronously, in large requests: a cold scan
-    otherwise faults page by page, each fault reading only the kernel's small read-ahead."""
-    mapping = _mapping_of(mapped)[1]
-    if mapping is not None and end > start:
-        madvise = mapping.madvise
-        aligned = start - start % mmap.PAGESIZE
-        madvise(mmap.MADV_WILLNEED, aligned, end - aligned)
-
-
-def pipelined(blocks: Iterator[_Block], load: Callable[[_Block], _Loaded], readahead_bytes: int, workers: int,
-              queued: Callable[[_Block], None] = lambda block: None) -> Iterator[_Loaded]:
+def pipelined(blocks: Iterator[_Block], load: Callable[[_Block], _Loaded], readahead_bytes: int, workers: int) -> Iterator[_Loaded]:
     """``load`` of each block in order, up to ``readahead_bytes`` of blocks ahead of the one the
-    caller holds (always at least one), on ``workers`` threads; 0 loads in the caller's thread.
-    ``queued`` is told of each block as it is queued."""
+    caller holds (always at least one), on ``workers`` threads; 0 loads in the caller's thread."""
     if readahead_bytes <= 0:
         yield from map(load, blocks)
         return
@@ -296,7 +286,6 @@ def pipelined(blocks: Iterator[_Block], load: Callable[[_Block], _Loaded], reada
                     if block is None:
                         exhausted = True
                         break
-                    queued(block)
                     ahead.append((block.nbytes, pool.submit(load, block)))
                     in_flight += block.nbytes
                 if not ahead:
@@ -312,7 +301,9 @@ def pipelined(blocks: Iterator[_Block], load: Callable[[_Block], _Loaded], reada
 def scan_samples(store: Store, shards: Sequence[str], fields: Sequence[str] | None, *, whole: bool, readahead_bytes: int, block_bytes: int | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
     scanner = Scanner(store, fields, whole=whole)
     blocks = (b for shard in shards for b in plan_blocks(store, shard, fields, block_bytes))
-    # Remote: requests in flight. Local: threads checking CRCs (one per core, a few at most).
-    workers = 4 if store.storage.is_remote else max(2, min(4, os.cpu_count() or 2))
-    for loaded in pipelined(blocks, scanner.load, readahead_bytes, workers, scanner.will_need):
+    # Remote: requests in flight. Local: every block of the read-ahead window loading at once
+    # (within reason): their page faults are a cold scan's disk reads in flight (4 threads read a
+    # cold store here at a third of the speed of 8), and their checks share the cores.
+    workers = 4 if store.storage.is_remote else max(2, min(16, readahead_bytes // (block_bytes or BLOCK_BYTES)))
+    for loaded in pipelined(blocks, scanner.load, readahead_bytes, workers):
         yield from scanner.samples(loaded)

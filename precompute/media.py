@@ -8,7 +8,9 @@ with the configured Pillow filter. Anything that cannot be decoded raises ``Medi
 short reason that goes into the rejects table; nothing is skipped silently.
 
 No torch here: preprocessing runs on CPU threads next to the encoders and must stay cheap to
-import. Encoders convert the uint8 pixels to their own value range.
+import; Pillow and PyAV are imported by the functions that decode, since the client of a job
+imports this module for its configs alone (``ResizeConfig``, ``FrameSampling``) and decodes
+nothing. Encoders convert the uint8 pixels to their own value range.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import io
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 from featstore.errors import ConfigError, StorageError
 from featstore.retry import describe, is_transient, remote_filesystem, with_retries
@@ -31,7 +35,6 @@ from precompute.inputs import DEFAULT_MAX_INPUT_BYTES, InputFileError, read_loca
 # Landscape and portrait variants of the usual photo/video aspect ratios (width / height).
 DEFAULT_ASPECT_RATIOS = (1.0, 5 / 4, 4 / 5, 4 / 3, 3 / 4, 3 / 2, 2 / 3, 16 / 9, 9 / 16, 2.0, 0.5, 21 / 9, 9 / 21)
 
-_RESAMPLE = {"bicubic": Image.Resampling.BICUBIC, "lanczos": Image.Resampling.LANCZOS}
 _ALPHA_MODES = {"RGBA", "LA", "PA", "RGBa", "La"}
 _SIXTEEN_BIT_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N"}
 # Leading bytes of container formats we recognise, so a file that *is* a video but fails to
@@ -214,11 +217,14 @@ def center_crop_box(orig_width: int, orig_height: int, width: int, height: int) 
 def crop_and_resize(image: Image.Image, box: tuple[int, int, int, int], size: tuple[int, int], resample: str) -> Image.Image:
     """Crop first, then resize: Pillow's ``resize(box=...)`` may sample pixels outside the box,
     which would break the "source cropped to box then resized" contract."""
+    from PIL import Image
+
     left, top, crop_width, crop_height = box
     cropped = image.crop((left, top, left + crop_width, top + crop_height))
     if cropped.size == size:
         return cropped
-    return cropped.resize(size, resample=_RESAMPLE[resample])
+    filters = {"bicubic": Image.Resampling.BICUBIC, "lanczos": Image.Resampling.LANCZOS}
+    return cropped.resize(size, resample=filters[resample])
 
 
 def _size_for_aspect(target_area: int, multiple: int, aspect: float) -> tuple[int, int]:
@@ -247,6 +253,8 @@ def _provenance(uri: str, data: bytes, orig: tuple[int, int], box: tuple[int, in
 
 def decode_image(data: bytes, uri: str = "", *, alpha: Literal["white", "drop"] = "white") -> Image.Image:
     """Bytes -> upright RGB Pillow image (first frame of an animation)."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
     if not data:
         raise MediaError("empty file", uri)
     try:
@@ -272,6 +280,8 @@ def decode_image(data: bytes, uri: str = "", *, alpha: Literal["white", "drop"] 
 
 def to_rgb(image: Image.Image, *, alpha: Literal["white", "drop"] = "white") -> Image.Image:
     """Any Pillow mode -> 8-bit RGB, with explicit rules where Pillow's default would be wrong."""
+    from PIL import Image
+
     if image.mode in _SIXTEEN_BIT_MODES:
         # Pillow's convert("L") clips 16-bit values at 255 instead of scaling them; scale 0..65535.
         values = np.asarray(image, dtype=np.float64)
@@ -423,6 +433,8 @@ def prepared_shape(data: bytes, uri: str, *, modality: Literal["image", "video"]
         indices, _ = select_frames(total, fps, sampling or FrameSampling(), require_4k_plus_1=rule.temporal == "4k+1", uri=uri)
         width, height = choose_size(*orig, resize=resize, rule=rule)
         return (len(indices), height, width, 3)
+    from PIL import Image, UnidentifiedImageError
+
     if not data:
         raise MediaError("empty file", uri)
     try:

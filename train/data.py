@@ -168,13 +168,11 @@ class FeatureStream:
         if global_batch < dp_size:
             raise featstore.SchemaError(f"data.global_batch={global_batch} is smaller than the {dp_size} data-parallel ranks; raise it")
         self.store, self.data = store, data
-        self.fields = required
         self.global_batch, self.seed = global_batch, seed
         self.dp_size, self.dp_rank = dp_size, dp_rank
         self.balance, self.cost = balance, cost
         self.ids = ids
         self.num_samples = len(ids)
-        self.held_out = len(exclude)
         # Samples lacking one of the required fields (the store's; those it lacks entirely: absent_skipped).
         self.skipped = len(universe) - sum(1 for i in ids if i in store) - len(exclude & set(universe))
         self.rows = np.array([store.row(i) if i in store else -1 for i in ids], dtype=np.int64)  # -1: absent from the store
@@ -254,7 +252,7 @@ class FeatureStream:
         # an object store), then handed out to the micro-batches.
         positions = [j for mb in plan[self.dp_rank] for j in mb.indices]
         # Caption dropout depends on (seed, step, position in the global batch) only, like noise.
-        drop = [self.dropout.dropped(step, j) for j in range(len(indices))] if self.dropout else []
+        drop = self.dropout.mask(step, len(indices)).tolist() if self.dropout else []
         # Only this thread reads through the store, so the counters' change is this step's cost.
         before = self.cache.stats() if self.cache is not None else None
         read = iter(self.read([indices[j] for j in positions], [drop[j] for j in positions] if drop else None))

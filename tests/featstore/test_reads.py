@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import uuid
 
+import google_crc32c
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
 
 import featstore
+from featstore import format as fmt
 from featstore import scan as scan_module
 from featstore.errors import CorruptionError, MissingFieldError, SchemaError
 from featstore.sample import Sample
@@ -117,11 +120,21 @@ def test_scan_detects_a_flipped_byte_naming_shard_and_sample(backend, readahead_
     assert len(list(unchecked.scan())) == len(samples)
 
 
+def _checksum_library(library: str, monkeypatch) -> None:
+    """crc32c (releases the GIL) where installed, else google_crc32c alone: both must check."""
+    if library == "crc32c" and not fmt.crc32c_releases_gil():
+        pytest.skip("the crc32c library (on a hardware CRC instruction) is not installed here")
+    if library == "google_crc32c":
+        monkeypatch.setattr(fmt, "_releasing_crc32c", lambda: None)
+
+
+@pytest.mark.parametrize("library", ["crc32c", "google_crc32c"])
 @pytest.mark.parametrize("where", ["loading threads", "consumer"])
-def test_both_places_a_checksum_is_checked_catch_a_flipped_byte(where, tmp_path, monkeypatch):
+def test_both_places_a_checksum_is_checked_catch_a_flipped_byte(where, library, tmp_path, monkeypatch):
     # Blocks of large samples are checked where they are loaded, blocks of small ones as each
     # sample is handed out; the threshold moves every block of this store to one or the other.
     monkeypatch.setattr(scan_module, "CHECK_AHEAD_BYTES", 0 if where == "loading threads" else 1 << 40)
+    _checksum_library(library, monkeypatch)
     url = str(tmp_path / "store")
     samples = _write(url, n=20)
     clean = featstore.open(url)
@@ -133,6 +146,25 @@ def test_both_places_a_checksum_is_checked_catch_a_flipped_byte(where, tmp_path,
         for sid, _ in featstore.open(url).scan():
             seen.append(sid)
     assert seen == [s[0] for s in samples[:11]]
+
+
+@pytest.mark.parametrize("library", ["crc32c", "google_crc32c"])
+def test_both_checksum_libraries_compute_the_same_crc32c(library, monkeypatch):
+    _checksum_library(library, monkeypatch)
+    assert fmt.crc32c(b"123456789") == fmt.crc32c(b"123456789", release_gil=True) == 0xE3069283  # the check value
+    rng = np.random.default_rng(0)
+    # Around the 1 MiB from which fmt.crc32c releases the GIL unasked, and empty.
+    for size in (0, 1, 7, 40_000, (1 << 20) - 1, (1 << 20) + 3):
+        data = rng.integers(0, 256, size=size, dtype=np.uint8)
+        want = google_crc32c.value(data.tobytes())
+        for release_gil in (None, True, False):
+            assert fmt.crc32c(data, release_gil=release_gil) == want
+        assert fmt.crc32c_function(release_gil=True)(data) == fmt.crc32c_function(release_gil=False)(data) == want
+        assert fmt.crc32c(bytearray(data)) == fmt.crc32c(memoryview(bytearray(data))) == fmt.crc32c(data.tobytes()) == want
+        cut = size // 3
+        assert fmt.crc32c(data[cut:], fmt.crc32c(data[:cut])) == want  # continued from a CRC
+    bf16 = rng.standard_normal((3, 5, 7)).astype(ml_dtypes.bfloat16)
+    assert fmt.crc32c(bf16) == fmt.crc32c(bf16.view(np.uint16)) == google_crc32c.value(bf16.tobytes())
 
 
 def test_truncated_local_object_is_an_error_not_a_crash(tmp_path):

@@ -119,8 +119,8 @@ class Projector(nn.Module):
 
     def __init__(self, vit_dim: int, llm_dim: int, *, shuffle: bool, eps: float) -> None:
         super().__init__()
-        self.shuffle = shuffle
-        width = vit_dim * 4 if shuffle else vit_dim
+        self.vit_dim, self.shuffle = vit_dim, shuffle
+        width = vit_dim * 4 if shuffle else vit_dim  # the 2x2 shuffle stacks 4 patches' states
         self.norm = nn.LayerNorm(width, eps=eps)
         self.fc1 = nn.Linear(width, llm_dim)
         self.fc2 = nn.Linear(llm_dim, llm_dim)
@@ -168,14 +168,13 @@ def export_vlm(model: VLM, out: Path) -> list[Path]:
     projector.mkdir(parents=True)
     save_file({k: v.detach().cpu().contiguous() for k, v in model.projector.state_dict().items()},
               str(projector / "model.safetensors"), metadata={"format": "pt"})
-    norm = model.projector.norm
     spec = {
         "format": PROJECTOR_FORMAT,
         "architecture": "pixel_shuffle(2x2)? -> LayerNorm -> Linear(fc1) -> GELU -> Linear(fc2)",
-        "vit_dim": norm.normalized_shape[0] // 4 if model.projector.shuffle else norm.normalized_shape[0],
+        "vit_dim": model.projector.vit_dim,
         "llm_dim": model.projector.fc2.out_features,
         "pixel_shuffle": model.projector.shuffle,
-        "norm_eps": norm.eps,
+        "norm_eps": model.projector.norm.eps,
     }
     (projector / "config.json").write_text(json.dumps(spec, indent=2))
     from train.live.reattach import EXPORT_RECORD  # marks a trained encoder's folder
