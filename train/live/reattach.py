@@ -33,11 +33,11 @@ since it was encoded, or preparing it now gives another crop/size/frames than re
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import posixpath
-from collections.abc import Iterator, Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from pathlib import Path
@@ -423,24 +423,17 @@ class LiveEncoder:
             )
 
     # -- encoding -----------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _recorded_threads(self) -> Iterator[None]:
-        """Run the encoder at the intra-op thread count the encode ran at. CPU kernels split their
+    def _at_recorded_threads(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` at the intra-op thread count the encode ran at. CPU kernels split their
         reductions by thread count (GroupNorm's statistics, oneDNN's convolutions), so the same
         input gives other low bits at another count, and the calling thread's count is whatever
         the process left it at (the trainer's, torchrun's OMP_NUM_THREADS, or what an in-process
-        encode set). ``torch.set_num_threads`` takes effect for the calling thread (OpenMP keeps
-        the count per thread) and is put back on the way out."""
+        encode set). A calling thread at another count hands the call to a thread kept at the
+        recorded one (``_pinned_thread``)."""
         want, device = self.threads, self.encoder.device
-        saved = torch.get_num_threads()
-        if not want or device is None or device.type != "cpu" or saved == want:
-            yield
-            return
-        torch.set_num_threads(want)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(saved)
+        if not want or device is None or device.type != "cpu" or torch.get_num_threads() == want:
+            return fn(*args)
+        return _pinned_thread(want).submit(fn, *args).result()
 
     def encode_texts(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Captions -> features exactly as ``mmcache encode`` stores them (unpadded, stored dtype)."""
@@ -449,8 +442,7 @@ class LiveEncoder:
         return self.encode_inputs(list(texts))
 
     def encode_inputs(self, inputs: Sequence[Any]) -> list[np.ndarray]:
-        with self._recorded_threads():
-            return [out[self.field] for out in self.encoder.encode(list(inputs))]
+        return [out[self.field] for out in self._at_recorded_threads(self.encoder.encode, list(inputs))]
 
     def encode_rows(self, rows: Sequence[Mapping[str, Any]]) -> list[np.ndarray]:
         """Sample rows (``sample_rows``) -> features as cached: their captions, or their media
@@ -459,20 +451,49 @@ class LiveEncoder:
 
     def features(self, inputs: Sequence[Any], dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
         """Differentiable features, rounded to the stored dtype (so a step sees the values the cache
-        holds) and returned in ``dtype``; gradients pass the rounding unchanged."""
+        holds, up to the rounding of the step's thread count: a trained encoder runs on the training
+        thread, whose autograd state it needs) and returned in ``dtype``; gradients pass the
+        rounding unchanged."""
         from precompute.encoders.base import torch_dtype
 
         stored = torch_dtype(self.dtype)
-        out = []
-        with self._recorded_threads():
-            computed = self.encoder.features(list(inputs))
-        for item in computed:
-            value = item[self.field]
-            out.append(_round_through(value, stored).to(dtype))
-        return out
+        return [_round_through(item[self.field], stored).to(dtype) for item in self.encoder.features(list(inputs))]
 
     def module(self) -> torch.nn.Module:
         return self.encoder.trainable_module()
+
+
+_PINNED: dict[int, Any] = {}
+_PINNED_LOCK = threading.Lock()
+
+
+def _pinned_thread(threads: int) -> Any:
+    """A thread (``precompute.tasks.DaemonPool``) whose intra-op thread count is ``threads``, set
+    once when it starts. Switching the count around each call instead would cost every thread of
+    the process: ``torch.set_num_threads`` also empties oneDNN's process-wide primitive cache, so
+    the training step's oneDNN kernels are created again after each live encode (measured on the
+    tiny DiT with live fields: median steps up to ~5x slower)."""
+    from precompute.tasks import DaemonPool
+
+    with _PINNED_LOCK:
+        pool = _PINNED.get(threads)
+        if pool is None:
+            caller = torch.get_num_threads()
+            pool = DaemonPool(1, f"live-encoder-{threads}-threads")
+            pinned = pool.submit(_pin, threads).result()
+            assert pinned == threads, (pinned, threads)
+            # set_num_threads also set the count that threads started later begin with: the caller's again.
+            torch.set_num_threads(caller)
+            _PINNED[threads] = pool
+        return pool
+
+
+def _pin(threads: int) -> int:
+    # torch sets a thread's count lazily, from the process default, on its first parallel op:
+    # take that first, so the default put back afterwards cannot replace this thread's count.
+    torch.get_num_threads()
+    torch.set_num_threads(threads)
+    return torch.get_num_threads()
 
 
 class _RoundThrough(torch.autograd.Function):
