@@ -372,19 +372,24 @@ _LARGE = 1 << 20  # from here on (or on request) a buffer goes to the releasing 
 
 @functools.cache
 def _releasing_crc32c() -> Callable[[Any, int], int] | None:
-    """A CRC-32C (data, crc) -> crc that releases the GIL: awscrt's, else crc32c's (on a hardware
-    CRC instruction), else None."""
+    """A CRC-32C (data, crc) -> crc that releases the GIL: awscrt's, else crc32c's, else None."""
+    return awscrt_crc32c() or crc32c_library_crc32c()
+
+
+def awscrt_crc32c() -> Callable[[Any, int], int] | None:
     try:
         from awscrt import checksums
     except ImportError:
-        pass
-    else:
-        return checksums.crc32c  # type: ignore[no-any-return]
+        return None
+    return checksums.crc32c  # type: ignore[no-any-return]
+
+
+def crc32c_library_crc32c() -> Callable[[Any, int], int] | None:
     try:
         import crc32c as library
     except ImportError:
         return None
-    if not library.hardware_based:
+    if not library.hardware_based:  # its software fallback: google_crc32c is the better bet
         return None
     call = library.crc32c
     return lambda data, crc: call(data, crc, 1)  # gil_release_mode=1: always
