@@ -2,16 +2,20 @@
 
     python benchmarks/encode_bench.py [--images 32] [--videos 16] [--repeat-compute 2] [--repeat-decode 2]
                                       [--startup-images 48,160] [--dir /tmp] [--taef2 DIR]
-                                      [--workloads startup,compute,decode] [--keep]
+                                      [--workloads startup,warm,compute,decode] [--repeat-warm 2] [--keep]
 
 Workload startup (the user's view; one run of each, the machine is shared): whole commands, each
 a fresh process timed from its start, imports and model loads included, on copies of the shared
 photos at 256^2 with TAESD-F2: (a) the loop below vs (e) `mmcache encode` as a user runs it (the
 auto executor: this process's threads for small jobs) and (p) the same command with worker
 processes (info). Printed: seconds to the first committed sample (its file seen from outside) and
-to exit; targets (a)/(e) total >= 0.9 at 48 images, >= 1.2 at 160. Then two jobs on a warm
-`--scheduler` LocalCluster: the second one's start-up (EncodeSummary.startup_seconds: from
-run_encode's start to the tasks planned, manifest and store snapshot included) should be < 1 s.
+to exit; targets (a)/(e) total >= 0.9 at 48 images, >= 1.2 at 160.
+
+Workload warm: jobs on a long-lived `--scheduler` LocalCluster whose workers hold the encoders
+after the first job, each a fresh `mmcache encode` process timed from its start (the 48 images).
+Target: a later job's first sample committed (tasks of one sample, so the first committed shard
+is that sample, seen from outside) less its planning (manifest, tasks) < 1 s. Also printed: what
+the client process imported of torch/transformers/diffusers/PIL/av/ml_dtypes (nothing, by design).
 
 Workloads compute and decode: the pipeline's steady state, start-up left out. Same inputs, same
 encoders (built from the same preset through precompute's own registry), four ways:
@@ -55,6 +59,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -443,18 +448,14 @@ def timed_command(cmd: list[str], first: Path, suffix: str) -> tuple[float, floa
 
 def _ready_note(text: str) -> str:
     """Where the command ran, from its "encoders ready ... (cpu; threads: why)" line."""
-    import re
-
     found = re.search(r"^encoders ready .*\((\w+); (\w+): (.*)\), ", text, re.MULTILINE)
     return f"{found.group(2)} ({found.group(3)})" if found else f"torch threads {CORES}"
 
 
 def run_startup(args) -> list[tuple[str, float, float]]:
     """The targets of issue 14: the whole `mmcache encode` command (auto executor) against the
-    whole loop (a fresh process each, imports included), TAESD-F2 256^2; and the start-up of a
-    second job on a warm --scheduler cluster."""
-    import re
-
+    whole loop (a fresh process each, imports included), TAESD-F2 256^2 (the warm --scheduler
+    cluster's jobs: run_warm)."""
     if not (Path(args.taef2) / "taef2_encoder.pth").is_file():
         print(f"\n== workload startup: SKIPPED, no TAESD-F2 weights at {args.taef2} (pass --taef2 DIR)")
         return []
@@ -485,22 +486,65 @@ def run_startup(args) -> list[tuple[str, float, float]]:
         print(f"       (a)/(e) total time {ratio:.2f}   target >= {target} {verdict(ratio, target)};"
               f"  (e) start-up {rows['(e)'][0]:.2f}s vs the loop's {rows['(a)'][0]:.2f}s")
         verdicts.append((f"startup {count} images (a)/(e)", ratio, target))
-    # A long-lived cluster: the second job's workers hold the encoders already.
-    manifest = args.base / f"in-startup-{args.startup_images.split(',')[0]}" / "manifest.jsonl"
+    return verdicts
+
+
+def planning_seconds(manifest: Path, per_task: int) -> float:
+    """What planning this job costs (manifest read and checked, tasks named), timed here, imports
+    done: the part of a job's start-up that grows with the job and is not start-up overhead."""
+    from precompute.inputs import read_inputs
+    from precompute.pipeline import plan_tasks
+
+    t0 = time.perf_counter()
+    rows, _ = read_inputs(str(manifest))
+    plan_tasks(rows, "0" * 64, per_task, ["latent", "text_emb"])
+    return time.perf_counter() - t0
+
+
+def run_warm(args) -> list[tuple[str, float, float]]:
+    """Jobs on a long-lived --scheduler LocalCluster (2 workers x 1 thread), TAESD-F2 256^2, each a
+    fresh `mmcache encode` process timed from its start: the first job loads the encoders into the
+    workers; the later ones find them loaded. A later job runs twice as a user runs it (its first
+    committed shard holds a whole task: 1/4 of the images here) and twice with tasks of one sample,
+    whose first committed shard is the first sample: that one, from the process's start, less the
+    job's planning, is the start-up the issue's target is for (< 1 s)."""
+    if not (Path(args.taef2) / "taef2_encoder.pth").is_file():
+        print(f"\n== workload warm: SKIPPED, no TAESD-F2 weights at {args.taef2} (pass --taef2 DIR)")
+        return []
+    count = int(args.startup_images.split(",")[0])
+    manifest = args.base / f"in-startup-{count}" / "manifest.jsonl"
+    if not manifest.is_file():
+        manifest = make_images(args.base / "in-warm", count)
+    from tests.client_probe import NOT_IN_THE_CLIENT, imported, not_in_the_client, probed_command
+
+    cli = probed_command("encode", "--config", "taef2", "--set", f"vae.path={Path(args.taef2).resolve()}", "--no-progress")
+    modules = args.base / "warm-modules.json"
+    os.environ["MODULES_OUT"] = str(modules)  # for the probe, in the commands' environment
+    jobs = [("first job (loads the encoders)", [])]
+    for rep in range(args.repeat_warm):
+        jobs += [(f"later job, run {rep + 1}", []), (f"later job, tasks of 1 sample, run {rep + 1}", ["--set", "run.samples_per_task=1"])]
+    print(f"\n== workload warm: a --scheduler LocalCluster (2 workers x 1 thread), {count} images 256^2, TAESD-F2 + tiny T5; "
+          "whole commands from process start")
+    print(f"{'job':<44} {'ready s':>8} {'1st shard s':>11} {'total s':>8} {'run_encode start-up s':>21}  client imported")
+    firsts = []
     with local_cluster(2) as cluster:
-        jobs = []
-        for job in ("first", "second"):
-            store = args.base / f"warm-{job}"
-            ready, first, wall, text = timed_command([*cli, "--scheduler", cluster.scheduler_address, "--input", str(manifest),
+        for i, (label, extra) in enumerate(jobs):
+            store = args.base / f"warm-{i}"
+            ready, first, wall, text = timed_command([*cli, *extra, "--scheduler", cluster.scheduler_address, "--input", str(manifest),
                                                       "--output", str(store)], store / "index", ".parquet")
             found = re.search(r"start-up ([0-9.]+)s", text)
+            heavy = not_in_the_client(imported(modules))
             loaded = next((line for line in text.splitlines() if line.startswith("encoders ready")), "").rsplit(", ", 1)[-1]
-            jobs.append((job, float(found.group(1)) if found else float("nan"), ready, wall, loaded))
-    print(f"\n  warm --scheduler cluster (2 x 1), the {manifest.parent.name} images, two jobs into new stores:")
-    for job, startup, ready, wall, loaded in jobs:
-        print(f"    {job:<6} job: start-up {startup:.2f}s in run_encode (manifest, store snapshot, encoders, planning); "
-              f"{ready:.2f}s to ready and {wall:.2f}s to exit from process start; {loaded}")
-    return verdicts
+            print(f"{label:<44} {ready:>8.2f} {first:>11.2f} {wall:>8.2f} {float(found.group(1)) if found else float('nan'):>21.2f}  "
+                  f"{', '.join(heavy) or 'none of ' + '/'.join(NOT_IN_THE_CLIENT)}; {loaded}")
+            if extra:
+                firsts.append(first)
+    planning = planning_seconds(manifest, 1)
+    best_first = min(firsts)
+    print(f"  planning ({count} rows: manifest read and checked, tasks named; timed in this process): {planning:.3f}s")
+    print(f"  later job's first sample committed {best_first:.2f}s after its process started (best of {len(firsts)}), "
+          f"{best_first - planning:.2f}s without planning; target < 1 s: {'PASS' if best_first - planning < 1.0 else 'FAIL'}")
+    return []
 
 
 def plan(name: str, args) -> tuple[Workload, list[tuple[str, object]]] | None:
@@ -540,7 +584,8 @@ def main() -> None:
     ap.add_argument("--repeat-compute", type=int, default=2, help="runs of each way on the compute workload (best counts)")
     ap.add_argument("--repeat-decode", type=int, default=2, help="runs of each way on the decode workload (~1 s of work each)")
     ap.add_argument("--taef2", default=str(SHARED / "weights" / "taef2"), help="folder with taef2_encoder.pth")
-    ap.add_argument("--workloads", default="startup,compute,decode")
+    ap.add_argument("--workloads", default="startup,warm,compute,decode")
+    ap.add_argument("--repeat-warm", type=int, default=2, help="runs of each later job on the warm cluster (workload warm)")
     ap.add_argument("--startup-images", default="48,160", help="image counts of the startup workload")
     ap.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch folder")
@@ -561,6 +606,9 @@ def main() -> None:
         for name in args.workloads.split(","):
             if name == "startup":
                 verdicts += run_startup(args)
+                continue
+            if name == "warm":
+                verdicts += run_warm(args)
                 continue
             planned = plan(name, args)
             if planned is None:

@@ -16,14 +16,20 @@ about --mb MB, in shards of 16 MiB, written locally then `copy`-ed to s3.
 3. encode: ``mmcache encode`` (tiny encoders, a 2-worker LocalCluster already warm; 48 generated
    images and videos, 8 per task = per shard) to local disk vs to s3 (samples/s). The tiny
    encoders take milliseconds, so this shows the per-shard cost of S3 requests at its worst.
-   Also the requests the server answered per committed shard (counted by the server itself).
+   Also the requests the server answered per committed shard (counted by the server itself),
+   the CPU time per shard of the workers, of this process and of the server (what the requests
+   cost on a machine whose cores the server shares), and the same encode with 20 ms added to
+   every answer, with and without commits overlapping the next task (``run.commit_ahead_bytes``).
 4. write: ``StoreWriter`` commits of small shards (16 samples of 3 fields, ~40 KB each) to local
    disk vs to s3, shards/s, with the requests per commit; again with 20 ms added to every answer
    of the server (an object store farther away), where the round trips of a commit are counted.
    ``--writes-only`` runs 3 and 4 only.
 
-The moto server runs in this process (Python, GIL shared with the client), so absolute s3 figures
-are far below a real object store; the ratios compare like with like. MB = 10^6 bytes of payload.
+The moto server (the tests' own) runs in a child process, so its Python work takes no time from
+this process's threads (the Dask scheduler, the client), as a real object store's would not; it
+still takes CPU time of this machine, and it closes the connection after every answer, so
+absolute s3 figures are far below a real object store; the ratios compare like with like.
+MB = 10^6 bytes of payload.
 """
 
 from __future__ import annotations
@@ -172,25 +178,51 @@ def bench_encode(server, bucket: str, workdir: Path, repeat: int) -> dict[str, f
     from precompute.pipeline import run_encode
 
     manifest = make_dataset(workdir / "media", num_images=40, num_videos=8)
-    config = load_config(EncodeConfig, "tiny", "encode", ["run.samples_per_task=8"])
     out: dict[str, float] = {}
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None, silence_logs=40) as cluster, Client(cluster):
-        def encode(dest: str) -> float:
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None, silence_logs=40) as cluster, Client(cluster) as client:
+        def cpu() -> tuple[float, float, float]:
+            """CPU seconds so far: the workers, this process (client and scheduler), the server."""
+            return sum(client.run(time.process_time).values()), time.process_time(), server.cpu_seconds()
+
+        def encode(dest: str, *overrides: str) -> float:
+            config = load_config(EncodeConfig, "tiny", "encode", ["run.samples_per_task=8", *overrides])
             summary = run_encode(config, str(manifest), dest, scheduler=cluster.scheduler_address, progress=False, log=lambda *_: None)
             assert summary.samples_written == 48, summary
             return summary.samples_written / summary.seconds
 
         encode(str(workdir / "warmup"))  # encoders load once per worker
-        local, remote, per_shard = [], [], []
+        encode(f"{bucket}/warmup")  # and each worker makes its s3 client once
+        local, remote, per_shard, cpu_local, cpu_remote = [], [], [], [], []
         for i in range(repeat):
+            before = cpu()
             local.append(encode(str(workdir / f"enc-local-{i}")))
+            middle = cpu()
             with server.recording() as requests:
                 remote.append(encode(f"{bucket}/enc-{i}"))
+            after = cpu()
+            cpu_local.append([b - a for a, b in zip(before, middle, strict=True)])
+            cpu_remote.append([b - a for a, b in zip(middle, after, strict=True)])
             per_shard.append(len(requests) / len(featstore.open(f"{bucket}/enc-{i}").shards))
+        # A farther object store (20 ms added to every answer), where a commit's round trips
+        # cost real time: with a worker encoding its next task while the last commits (the
+        # default) and without (run.commit_ahead_bytes=0).
+        far_on, far_off = [], []
+        for i in range(repeat):
+            with server.slowed(0.02):
+                far_on.append(encode(f"{bucket}/far-on-{i}"))
+                far_off.append(encode(f"{bucket}/far-off-{i}", "run.commit_ahead_bytes=0"))
+    shards = 6
+    for name, runs in (("local", cpu_local), ("s3", cpu_remote)):
+        best = min(runs, key=sum)
+        out[f"encode_{name}_cpu_ms_per_shard_workers"] = 1000 * best[0] / shards
+        out[f"encode_{name}_cpu_ms_per_shard_client"] = 1000 * best[1] / shards
+        out[f"encode_{name}_cpu_ms_per_shard_server"] = 1000 * best[2] / shards
     out["encode_s3_requests_per_shard"] = min(per_shard)
     out["encode_local_samples_per_s"] = max(local)
     out["encode_s3_samples_per_s"] = max(remote)
     out["encode_s3_vs_local"] = out["encode_s3_samples_per_s"] / out["encode_local_samples_per_s"]
+    out["encode_s3_20ms_vs_local"] = max(far_on) / out["encode_local_samples_per_s"]
+    out["encode_s3_20ms_no_overlap_vs_local"] = max(far_off) / out["encode_local_samples_per_s"]
     return out
 
 
@@ -202,9 +234,9 @@ def main() -> None:
     parser.add_argument("--writes-only", action="store_true", help="only the encode and write comparisons")
     args = parser.parse_args()
 
-    from tests.s3_server import S3Server
+    from tests.s3_server import S3ServerProcess
 
-    server = S3Server()
+    server = S3ServerProcess()
     os.environ.update(server.env())
     workdir = Path(tempfile.mkdtemp(prefix="s3bench-"))
     try:
@@ -220,6 +252,11 @@ def main() -> None:
                 ("encode to s3", f"{results['encode_s3_samples_per_s']:8.2f} samples/s"),
                 ("  ratio s3 / local (goal >= 0.85)", f"{results['encode_s3_vs_local']:8.2f} x"),
                 ("  s3 requests per shard (whole task)", f"{results['encode_s3_requests_per_shard']:8.1f}"),
+                ("  CPU ms per shard, local: workers/client/-", "{encode_local_cpu_ms_per_shard_workers:6.1f} {encode_local_cpu_ms_per_shard_client:6.1f}".format(**results)),
+                ("  CPU ms per shard, s3: workers/client/moto", "{encode_s3_cpu_ms_per_shard_workers:6.1f} {encode_s3_cpu_ms_per_shard_client:6.1f} "
+                 "{encode_s3_cpu_ms_per_shard_server:6.1f}".format(**results)),
+                ("  s3 with 20 ms per answer / local", f"{results['encode_s3_20ms_vs_local']:8.2f} x"),
+                ("  the same, each commit before the next task", f"{results['encode_s3_20ms_no_overlap_vs_local']:8.2f} x"),
             ]
         results.update(bench_writes(server, bucket, workdir, args.repeat))
         rows += [

@@ -110,7 +110,8 @@ def verify(url: str, storage_options: str | None, quiet: bool) -> None:
         click.echo(f"problem: {line}", err=True)
     if not quiet or not report.ok:
         status = "OK" if report.ok else f"FAILED ({len(report.problems)} problem(s))"
-        click.echo(f"{status}: {report.shards_checked} shard(s), {report.samples_checked} sample(s), {_human(report.bytes_checked)} checked")
+        prompts = f", {report.prompts_checked} prompt-embedding object(s)" if report.prompts_checked else ""
+        click.echo(f"{status}: {report.shards_checked} shard(s), {report.samples_checked} sample(s){prompts}, {_human(report.bytes_checked)} checked")
     sys.exit(0 if report.ok else 1)
 
 

@@ -18,6 +18,13 @@ is an earlier copy of the source (its shards are some of the source's); with ``m
 any store with the same fields, and each source shard is committed there without the rows whose
 (sample id, field) the destination already holds (an index part rewritten over the same objects),
 so every sample stays in one shard. The source is read as the snapshot taken when the copy starts.
+
+Prompt embeddings (``prompts/``, see ``featstore.prompts``) are copied too, each object checked
+(its CRC-32Cs, its metadata against its name) and created only if absent, before any shard. The
+destination's embedding of a prompt wins: a plain copy refuses a destination that holds another
+embedding of a source prompt (same field and encoder); ``merge`` leaves such prompts out of the
+source's object (written under the name of what is left), so every (field, encoder, prompt) keeps
+one embedding in the destination, as every (sample, field) keeps one shard.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ class CopySummary:
     bytes_copied: int
     seconds: float
     samples_dropped: int = 0  # --merge: rows left out because the destination holds those samples
+    prompts_copied: int = 0  # prompt-embedding objects written at the destination
+    prompts_dropped: int = 0  # --merge: embeddings left out because the destination holds others
 
     def line(self) -> str:
         rate = self.bytes_copied / self.seconds / 1e6 if self.seconds > 0 else 0.0
@@ -54,6 +63,8 @@ class CopySummary:
             f"copied {self.shards_copied} shard(s) ({self.bytes_copied / 1e6:.1f} MB, {rate:.1f} MB/s, "
             f"{self.objects_kept} object(s) kept from an earlier try), {self.shards_skipped} already there"
             + (f", {self.samples_dropped} sample(s) the destination already held left out" if self.samples_dropped else "")
+            + (f", {self.prompts_copied} prompt-embedding object(s)" if self.prompts_copied else "")
+            + (f" ({self.prompts_dropped} prompt(s) the destination holds otherwise left out)" if self.prompts_dropped else "")
             + f" -> {self.dst}"
         )
 
@@ -128,6 +139,10 @@ def copy_store(
             held.update((source._ids[r], f) for r in rows for f in info.layouts if source._ids[r] not in drop)
             dropped += len(drop)
             todo.append((info, drop))
+        prompts, prompts_dropped = _plan_prompts(source, dest, merge)
+        for key, raw in prompts:  # small objects, each created only if absent
+            if not dest.write_new(key, raw):
+                raise SchemaError(f"{dest.url}/{key} was written with other content meanwhile; run the copy again")
         counts = {"objects_copied": 0, "objects_kept": 0, "bytes_copied": 0}
         lock = threading.Lock()
         budget = _ByteBudget(max_inflight_bytes)
@@ -156,7 +171,7 @@ def copy_store(
                 raise
         return CopySummary(
             src=source.url, dst=dest.url, shards=len(source.shards), shards_copied=len(todo), shards_skipped=skipped,
-            seconds=time.perf_counter() - t0, samples_dropped=dropped, **counts,
+            seconds=time.perf_counter() - t0, samples_dropped=dropped, prompts_copied=len(prompts), prompts_dropped=prompts_dropped, **counts,
         )
     finally:
         source.close()
@@ -186,6 +201,50 @@ def _put_manifest(source: Any, dest: Storage) -> None:
         if not dest.exists(f"{fmt.SHARDS_DIR}/zarr.json"):
             dest.write_atomic(f"{fmt.SHARDS_DIR}/zarr.json", fmt.group_json())
         dest.write_atomic(fmt.MANIFEST_KEY, raw)
+
+
+def _plan_prompts(source: Any, dest: Storage, merge: bool) -> tuple[list[tuple[str, bytes]], int]:
+    """The prompt-embedding objects to create at ``dest`` (key, bytes), and how many embeddings
+    ``merge`` left out. Every object on both sides is read and checked; a damaged one is an error."""
+    from featstore.prompts import list_parts, part_bytes, read_part
+
+    # What the destination held before this copy: (field, digest, prompt) -> embedding. (The
+    # source is compared with it only: a source whose own objects differ on a prompt, e.g. encoded
+    # on two devices, is copied as it is.)
+    held: dict[tuple[str, str, str], tuple[str, tuple[int, ...], bytes]] = {}
+    there = set()
+    for key in list_parts(dest):
+        try:
+            part = read_part(dest.read(key), key, dest.url)
+        except CorruptionError as exc:
+            raise CorruptionError(f"{exc}: the destination is damaged; delete that object (the copy writes it again) and retry") from None
+        there.add(key)
+        for prompt, value in part.embeddings.items():
+            held.setdefault((part.field, part.digest, prompt), value)  # readers take the first in name order
+    todo, dropped = [], 0
+    for key in list_parts(source.storage):
+        try:
+            raw = source.storage.read(key)
+            part = read_part(raw, key, source.url)
+        except CorruptionError as exc:
+            raise CorruptionError(f"{exc}: the source is damaged, run `mmcache verify {source.url}`") from None
+        other = {p for p, v in part.embeddings.items() if held.get((part.field, part.digest, p), v) != v}
+        if other and not merge:
+            shown = ", ".join("the empty prompt" if p == "" else repr(p[:40]) for p in sorted(other)[:3])
+            raise SchemaError(
+                f"{dest.url} holds other embeddings of {shown} (field {part.field!r}, encoder {part.digest}) than {source.url}/{key}: "
+                "it is not a copy of this store; copy into a new location, or pass --merge to keep the destination's"
+            )
+        dropped += len(other)
+        if key in there:
+            continue  # the destination holds this set of prompts already (an earlier copy's, or its own)
+        kept = {p: v for p, v in part.embeddings.items() if p not in other}
+        if other and kept:
+            key, raw = part_bytes(part.field, part.fingerprint, kept)  # the source's object without them
+        if kept and key not in there:
+            todo.append((key, raw))
+            there.add(key)
+    return todo, dropped
 
 
 def _held_at(url: str | os.PathLike[str], options: dict[str, Any] | None) -> set[tuple[str, str]]:

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import google_crc32c
-import ml_dtypes
 import numpy as np
 
 from featstore.errors import FormatVersionError, NotAStoreError, SchemaError
@@ -59,22 +58,26 @@ DECLARATIONS_DIR = "declarations"
 # small enough that they need not fetch a whole shard for one sample.
 INNER_CHUNK_BYTES = 4 << 20
 
-# Store dtype name -> (numpy dtype the caller sees, zarr data_type on disk).
-DTYPES: dict[str, tuple[np.dtype, str]] = {
-    "bfloat16": (np.dtype(ml_dtypes.bfloat16), "uint16"),
-    "float16": (np.dtype("float16"), "float16"),
-    "float32": (np.dtype("float32"), "float32"),
-    "float64": (np.dtype("float64"), "float64"),
-    "int8": (np.dtype("int8"), "int8"),
-    "int16": (np.dtype("int16"), "int16"),
-    "int32": (np.dtype("int32"), "int32"),
-    "int64": (np.dtype("int64"), "int64"),
-    "uint8": (np.dtype("uint8"), "uint8"),
-    "uint16": (np.dtype("uint16"), "uint16"),
-    "uint32": (np.dtype("uint32"), "uint32"),
-    "uint64": (np.dtype("uint64"), "uint64"),
-    "bool": (np.dtype("bool"), "bool"),
+# Store dtype name -> zarr data_type on disk. The numpy dtype a caller sees is numpy's own of
+# that name, but for bfloat16: ml_dtypes', imported only when a bfloat16 array is made or read,
+# because importing ml_dtypes costs ~0.5 s on these machines (the initialisation of its C
+# extension alone, numpy 2.4 / ml_dtypes 0.7), and a process that only plans or inspects a store
+# (the client of `mmcache encode --scheduler`, `mmcache info`) never makes an array.
+ZARR_DTYPES: dict[str, str] = {
+    "bfloat16": "uint16",
+    **{name: name for name in ("float16", "float32", "float64", "int8", "int16", "int32", "int64",
+                               "uint8", "uint16", "uint32", "uint64", "bool")},
 }
+
+
+@functools.cache  # on every read's path: a dict look-up, as when this was a table
+def _numpy_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
 
 # Sample ids, shard names and field names end up in object keys and URLs: keep them boring.
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:=+-]{0,199}$")
@@ -91,11 +94,17 @@ def check_name(kind: str, name: Any) -> str:
     return name
 
 
-def dtype_info(name: str) -> tuple[np.dtype, str]:
+def _zarr_dtype(name: str) -> str:
     try:
-        return DTYPES[name]
+        return ZARR_DTYPES[name]
     except KeyError:
-        raise SchemaError(f"unknown dtype {name!r}; supported: {', '.join(DTYPES)}") from None
+        raise SchemaError(f"unknown dtype {name!r}; supported: {', '.join(ZARR_DTYPES)}") from None
+
+
+def dtype_info(name: str) -> tuple[np.dtype, str]:
+    """(numpy dtype the caller sees, zarr data_type on disk) of store dtype ``name``."""
+    on_disk = _zarr_dtype(name)  # first: an unknown name is a SchemaError
+    return _numpy_dtype(name), on_disk
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,7 +120,7 @@ class FieldSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _SAFE_FIELD.match(self.name):
             raise SchemaError(f"field name {self.name!r} must match {_SAFE_FIELD.pattern}")
-        dtype_info(self.dtype)
+        _zarr_dtype(self.dtype)  # a known name (without building its numpy dtype)
         if self.ndim is not None and (not isinstance(self.ndim, int) or self.ndim < 0):
             raise SchemaError(f"field {self.name!r}: ndim must be a non-negative integer")
 
@@ -121,7 +130,7 @@ class FieldSpec:
 
     @property
     def zarr_dtype(self) -> str:
-        return dtype_info(self.dtype)[1]
+        return _zarr_dtype(self.dtype)
 
     def to_dict(self) -> dict[str, Any]:
         return {"dtype": self.dtype, "ndim": self.ndim, "meta": self.meta}

@@ -19,6 +19,7 @@ fingerprint. Plain pyarrow reads it; numpy (``ml_dtypes`` for bfloat16) rebuilds
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -76,6 +77,95 @@ def part_key(field: str, fingerprint_digest: str, prompts: Sequence[str]) -> str
     return f"{PROMPTS_DIR}/{field}.{fingerprint_digest}.{hashlib.sha256(body).hexdigest()[:16]}.parquet"
 
 
+def parse_part_name(name: str) -> tuple[str, str, str] | None:
+    """``<field>.<fingerprint digest>.<set digest>.parquet`` -> (field, digest, set digest), or
+    None for any other name (a writer's temporary file)."""
+    parts = name.split(".")
+    if len(parts) != 4 or parts[3] != "parquet" or not all(parts[:3]):
+        return None
+    return parts[0], parts[1], parts[2]
+
+
+# prompt -> (dtype name, shape, the array's little-endian C-order bytes): a part's rows as stored.
+RawEmbeddings = dict[str, tuple[str, tuple[int, ...], bytes]]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PromptPart:
+    """One ``prompts/`` object, read and checked (``read_part``)."""
+
+    key: str
+    field: str
+    fingerprint: dict[str, Any]
+    embeddings: RawEmbeddings
+
+    @property
+    def digest(self) -> str:
+        return str(self.fingerprint.get("digest"))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {prompt: np.frombuffer(data, dtype=fmt.dtype_info(dtype)[0].newbyteorder("<")).reshape(shape)
+                for prompt, (dtype, shape, data) in self.embeddings.items()}
+
+
+def part_bytes(field: str, fingerprint: Mapping[str, Any], embeddings: RawEmbeddings) -> tuple[str, bytes]:
+    """The key and Parquet bytes of the object holding ``embeddings`` (rows in prompt order, so
+    the same embeddings always give the same bytes)."""
+    key = part_key(field, _fingerprint_digest(fingerprint, field), list(embeddings))
+    rows: dict[str, list[Any]] = {"prompt": [], "dtype": [], "shape": [], "data": [], "crc32c": []}
+    for prompt in sorted(embeddings):
+        dtype, shape, data = embeddings[prompt]
+        rows["prompt"].append(prompt)
+        rows["dtype"].append(dtype)
+        rows["shape"].append(list(shape))
+        rows["data"].append(data)
+        rows["crc32c"].append(fmt.crc32c(data))
+    schema = pa.schema([("prompt", pa.string()), ("dtype", pa.string()), ("shape", pa.list_(pa.int64())),
+                        ("data", pa.binary()), ("crc32c", pa.uint32())],
+                       metadata={METADATA_KEY: json.dumps({"field": field, "fingerprint": dict(fingerprint)}, sort_keys=True).encode()})
+    buffer = io.BytesIO()
+    pq.write_table(pa.Table.from_pydict(rows, schema=schema), buffer)
+    return key, buffer.getvalue()
+
+
+def read_part(raw: bytes, key: str, where: str) -> PromptPart:
+    """Parse and check one object: its name, its metadata against the name (field, fingerprint
+    digest, the set of prompts), and every embedding against its CRC-32C and its shape. Raises
+    ``CorruptionError`` naming ``where/key`` and what is wrong."""
+    parsed = parse_part_name(key.rsplit("/", 1)[-1])
+    if parsed is None:
+        raise CorruptionError(f"{where}/{key}: not a prompt-embedding object name (<field>.<fingerprint>.<set>.parquet)")
+    field, digest, _ = parsed
+    try:
+        table = pq.read_table(io.BytesIO(raw))
+        info = json.loads((table.schema.metadata or {}).get(METADATA_KEY, b"{}"))
+        columns = [table.column(c).to_pylist() for c in ("prompt", "dtype", "shape", "data", "crc32c")]
+    except (pa.ArrowException, KeyError, ValueError, OSError) as exc:
+        raise CorruptionError(f"{where}/{key}: not a readable prompt-embedding object ({exc})") from None
+    fingerprint = info.get("fingerprint") or {}
+    if info.get("field") != field or fingerprint.get("digest") != digest:
+        raise CorruptionError(f"{where}/{key}: its metadata names field {info.get('field')!r}, fingerprint {fingerprint.get('digest')}, not what its name says")
+    embeddings: RawEmbeddings = {}
+    for prompt, dtype, shape, data, crc in zip(*columns, strict=True):
+        if fmt.crc32c(data) != crc:
+            raise CorruptionError(f"{where}/{key}: the embedding of prompt {prompt[:40]!r} fails its CRC-32C")
+        try:
+            itemsize = fmt.dtype_info(dtype)[0].itemsize
+        except (KeyError, ValueError, TypeError):
+            raise CorruptionError(f"{where}/{key}: prompt {prompt[:40]!r} has unknown dtype {dtype!r}") from None
+        if int(np.prod(shape, dtype=np.int64)) * itemsize != len(data):
+            raise CorruptionError(f"{where}/{key}: prompt {prompt[:40]!r} holds {len(data)} bytes, not a {dtype} array of shape {shape}")
+        embeddings[prompt] = (dtype, tuple(shape), data)
+    if part_key(field, digest, list(embeddings)) != key:
+        raise CorruptionError(f"{where}/{key}: it holds another set of prompts than its name says")
+    return PromptPart(key=key, field=field, fingerprint=fingerprint, embeddings=embeddings)
+
+
+def list_parts(storage) -> list[str]:
+    """The keys of every prompt-embedding object, in name order (the order readers take them in)."""
+    return [f"{PROMPTS_DIR}/{name}" for name in storage.list_dir(PROMPTS_DIR) if parse_part_name(name)]
+
+
 def write_prompts(store, field: str, embeddings: Mapping[str, np.ndarray]) -> str | None:
     """Store ``embeddings`` (prompt -> array in the field's dtype) for text field ``field`` of
     ``store`` (opened with ``mode="a"``), tagged with the field's fingerprint. Idempotent: the
@@ -91,23 +181,14 @@ def write_prompts(store, field: str, embeddings: Mapping[str, np.ndarray]) -> st
     if store.storage.exists(key):
         return None
     want = spec.numpy_dtype
-    rows: dict[str, list[Any]] = {"prompt": [], "dtype": [], "shape": [], "data": [], "crc32c": []}
-    for prompt in sorted(embeddings):
-        array = np.ascontiguousarray(embeddings[prompt])
+    raw: RawEmbeddings = {}
+    for prompt, value in embeddings.items():
+        array = np.ascontiguousarray(value)
         if array.dtype != want or (spec.ndim is not None and array.ndim != spec.ndim):
             raise SchemaError(f"prompt {prompt[:40]!r}: embedding {array.dtype} {array.shape} does not fit field {field!r} ({spec.dtype}, ndim {spec.ndim})")
-        data = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
-        rows["prompt"].append(prompt)
-        rows["dtype"].append(spec.dtype)
-        rows["shape"].append(list(array.shape))
-        rows["data"].append(data)
-        rows["crc32c"].append(fmt.crc32c(data))
-    schema = pa.schema([("prompt", pa.string()), ("dtype", pa.string()), ("shape", pa.list_(pa.int64())),
-                        ("data", pa.binary()), ("crc32c", pa.uint32())],
-                       metadata={METADATA_KEY: json.dumps({"field": field, "fingerprint": fingerprint}, sort_keys=True).encode()})
-    buffer = io.BytesIO()
-    pq.write_table(pa.Table.from_pydict(rows, schema=schema), buffer)
-    store.storage.write_new(key, buffer.getvalue())
+        raw[prompt] = (spec.dtype, tuple(array.shape), array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes())
+    key, data = part_bytes(field, fingerprint, raw)
+    store.storage.write_new(key, data)
     return key
 
 
@@ -120,17 +201,10 @@ def read_prompts(store, field: str, *, fingerprint_digest: str | None = None) ->
     digest = fingerprint_digest or _fingerprint_digest(spec.meta.get("fingerprint") or {}, field)
     out: dict[str, np.ndarray] = {}
     for name in sorted(store.storage.list_names(PROMPTS_DIR, f"{field}.{digest}.")):
-        if not name.endswith(".parquet"):
+        if parse_part_name(name) is None:
             continue  # a temporary file of a writer
         key = f"{PROMPTS_DIR}/{name}"
-        table = pq.read_table(io.BytesIO(store.storage.read(key)))
-        info = json.loads((table.schema.metadata or {}).get(METADATA_KEY, b"{}"))
-        if info.get("field") != field or (info.get("fingerprint") or {}).get("digest") != digest:
-            raise CorruptionError(f"{store.url}/{key}: its metadata names field {info.get('field')!r}, fingerprint {(info.get('fingerprint') or {}).get('digest')}, not what its name says")
-        for prompt, dtype, shape, data, crc in zip(*(table.column(c).to_pylist() for c in ("prompt", "dtype", "shape", "data", "crc32c")), strict=True):
-            if fmt.crc32c(data) != crc:
-                raise CorruptionError(f"{store.url}/{key}: the embedding of prompt {prompt[:40]!r} fails its CRC-32C")
-            array = np.frombuffer(data, dtype=fmt.dtype_info(dtype)[0].newbyteorder("<")).reshape(shape)
+        for prompt, array in read_part(store.storage.read(key), key, store.url).arrays().items():
             out.setdefault(prompt, array)
     return out
 

@@ -10,6 +10,7 @@ Full scans read whole blocks of shards instead (featstore.scan).
 
 from __future__ import annotations
 
+import copy
 import io
 import operator
 import os
@@ -37,7 +38,8 @@ from featstore.tensors import in_format
 class Store:
     """A feature store opened for reading (``mode="r"``) or for adding shards (``mode="a"``)."""
 
-    def __init__(self, storage: Storage, manifest: dict[str, Any], *, mode: str = "r", verify_reads: bool = True, strict: bool = True, load_index: bool = True, shards: Sequence[str] | None = None) -> None:
+    def __init__(self, storage: Storage, manifest: dict[str, Any], *, mode: str = "r", verify_reads: bool = True, strict: bool = True, load_index: bool = True, shards: Sequence[str] | None = None,
+                 merge_declarations: bool = True) -> None:
         if mode not in ("r", "a"):
             raise ValueError(f"mode must be 'r' or 'a', got {mode!r}")
         self.storage = storage
@@ -48,8 +50,9 @@ class Store:
         # and listed in ``damaged`` (what `mmcache verify` wants).
         self.strict = strict
         self.damaged: dict[str, str] = {}
-        # Changes declared by writers but not yet folded into zarr.json are in effect already.
-        self._manifest = manifests.merged(storage, manifest)
+        # Changes declared by writers but not yet folded into zarr.json are in effect already
+        # (merge_declarations=False: ``manifest`` is one a Store already merged).
+        self._manifest = manifests.merged(storage, manifest) if merge_declarations else manifest
         self._lock = threading.Lock()
         self._chunk_index: dict[tuple[str, str], np.ndarray] = {}
         # load_index=False: a writer that only adds shards (an encode task) need not read every
@@ -71,6 +74,12 @@ class Store:
             cached = (self._manifest, {name: fmt.FieldSpec.from_value(name, value) for name, value in self._manifest["fields"].items()})
             self._fields = cached
         return cached[1]
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        """The manifest in effect for this store (``zarr.json`` with the declarations merged), as
+        plain JSON: what ``open_store(..., manifest=...)`` takes."""
+        return copy.deepcopy(self._manifest)
 
     @property
     def attrs(self) -> dict[str, Any]:
@@ -509,12 +518,19 @@ class Store:
 
 
 def open_store(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *, mode: str = "r", verify_reads: bool = True, strict: bool = True, load_index: bool = True,
-               cache_dir: str | os.PathLike[str] | None = None, cache_bytes: int | None = None, shards: Sequence[str] | None = None) -> Store:
+               cache_dir: str | os.PathLike[str] | None = None, cache_bytes: int | None = None, shards: Sequence[str] | None = None,
+               manifest: dict[str, Any] | None = None) -> Store:
+    """``manifest``: the store's ``Store.manifest`` as a producer's planner read it; the store
+    then opens without reading ``zarr.json`` and the declarations (two requests on an object
+    store, for each of a job's tasks). Changes made since reach such a store's writers where they
+    matter: a first commit re-reads the manifest to fix a field's ndim."""
     storage = open_storage(url, storage_options)
     if cache_dir is not None and storage.is_remote:
         from featstore.cache import CachingStorage
 
         storage = CachingStorage(storage, cache_dir, cache_bytes)
+    if manifest is not None:
+        return Store(storage, copy.deepcopy(manifest), mode=mode, verify_reads=verify_reads, strict=strict, load_index=load_index, shards=shards, merge_declarations=False)
     try:
         raw = storage.read(fmt.MANIFEST_KEY)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):

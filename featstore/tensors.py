@@ -11,12 +11,11 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from featstore.errors import SchemaError
+from featstore.format import dtype_info
 
-_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 FORMATS = ("numpy", "torch")
 
 
@@ -34,7 +33,7 @@ def tensor_to_numpy(value: Any) -> np.ndarray:
         tensor = tensor.cpu()
     tensor = tensor.contiguous()
     if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(_BFLOAT16)
+        return tensor.view(torch.int16).numpy().view(dtype_info("bfloat16")[0])
     try:
         return tensor.numpy()
     except TypeError as err:  # e.g. complex32, float8: dtypes no store field can hold
@@ -50,7 +49,7 @@ def numpy_to_tensor(array: np.ndarray) -> Any:
     """A torch tensor sharing ``array``'s memory, bfloat16 kept as bfloat16."""
     import torch
 
-    if array.dtype == _BFLOAT16:
+    if array.dtype.name == "bfloat16":  # ml_dtypes' (imported by whoever made the array)
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(array)
 

@@ -2,8 +2,9 @@
 
 ``verify`` re-reads every byte a commit record lists: object sizes and whole-object CRC-32C
 (any flipped, missing or truncated byte), zarr metadata against the commit record, each shard
-index, and each sample's CRC-32C and extent (index/data disagreement). Problems name the shard,
-object or sample at fault.
+index, and each sample's CRC-32C and extent (index/data disagreement), and every prompt-embedding
+object (``prompts/``: each embedding's CRC-32C and shape, the object's metadata against its
+name, its field against the manifest). Problems name the shard, object or sample at fault.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class VerifyReport:
     shards_checked: int = 0
     samples_checked: int = 0
     bytes_checked: int = 0
+    prompts_checked: int = 0  # prompt-embedding objects
 
     @property
     def ok(self) -> bool:
@@ -87,11 +89,50 @@ def verify_store(store: Store, progress: Callable[[str], None] | None = None) ->
         report.problems.append(f"{fmt.SHARDS_DIR}/zarr.json is missing")
     # An open takes the rows of most parts from an index checkpoint: it must agree with them.
     check_checkpoints(store.storage, report.problems, report.warnings)
+    _verify_prompts(store, report)
     committed = {info.data_root.rsplit("/", 1)[-1] for info in store.shards.values() if info.num_samples}
     for leftover in store.storage.list_dir(fmt.SHARDS_DIR):
         if leftover not in committed and leftover != "zarr.json":
             report.warnings.append(f"shard {leftover!r} has data but no index part (a writer stopped before committing it); it is ignored")
     return report
+
+
+def _verify_prompts(store: Store, report: VerifyReport) -> None:
+    """Every ``prompts/`` object: readable, its CRC-32Cs, its metadata against its name, a field the
+    manifest declares in that field's dtype. Embeddings of another encoder than the field's
+    current one, and a prompt whose embedding differs between two objects, are warnings: readers
+    ignore the former and take the first object in name order for the latter."""
+    from featstore.prompts import PROMPTS_DIR, parse_part_name, read_part
+
+    seen: dict[tuple[str, str, str], tuple[str, Any]] = {}  # (field, digest, prompt) -> (first key, embedding)
+    for name in store.storage.list_dir(PROMPTS_DIR):
+        key = f"{PROMPTS_DIR}/{name}"
+        if parse_part_name(name) is None:
+            report.warnings.append(f"{key} is not a prompt-embedding object (a writer's temporary file?); readers ignore it")
+            continue
+        raw = store.storage.read(key)
+        report.bytes_checked += len(raw)
+        report.prompts_checked += 1
+        try:
+            part = read_part(raw, key, store.url)
+        except CorruptionError as exc:
+            report.problems.append(f"{exc}; delete it and run `mmcache encode ... --prompts FILE` again to rewrite it")
+            continue
+        spec = store.fields.get(part.field)
+        if spec is None:
+            report.problems.append(f"{key}: prompt embeddings of field {part.field!r}, which the store manifest does not declare")
+            continue
+        wrong = sorted({dtype for dtype, shape, _ in part.embeddings.values() if dtype != spec.dtype or (spec.ndim is not None and len(shape) != spec.ndim)})
+        if wrong:
+            report.problems.append(f"{key}: embeddings of dtype {', '.join(wrong)} or another rank than field {part.field!r} ({spec.dtype}, ndim {spec.ndim})")
+        current = (spec.meta.get("fingerprint") or {}).get("digest")
+        if part.digest != current:
+            report.warnings.append(f"{key}: made by encoder {part.digest}, not field {part.field!r}'s current one ({current}); readers ignore it")
+        for prompt, value in part.embeddings.items():
+            first = seen.setdefault((part.field, part.digest, prompt), (key, value))
+            if first[1] != value:
+                shown = "the empty prompt" if prompt == "" else repr(prompt[:40])
+                report.warnings.append(f"{key}: its embedding of {shown} differs from the one in {first[0]}, which readers take")
 
 
 def check_checkpoints(storage: Storage, problems: list[str], notes: list[str]) -> int:

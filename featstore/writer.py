@@ -75,6 +75,11 @@ class StoreWriter:
     def store(self) -> Store:
         return self._store
 
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of the samples added and not committed yet."""
+        return self._pending_bytes
+
     # ---- adding -------------------------------------------------------------------------
     def add(self, sample_id: str, arrays: dict[str, Any], meta: dict[str, Any] | None = None) -> None:
         self._check_open()
@@ -129,9 +134,10 @@ class StoreWriter:
         there was nothing to commit and no name was asked for.
 
         Samples that another writer committed (with any of this writer's fields) since this
-        store's snapshot are dropped first (listed in ``dropped``). If another writer commits a
+        store's snapshot are left out (listed in ``dropped``). If another writer commits a
         shard of the same ``name`` first, this one's objects are deleted and
-        ``ShardCommittedError`` says so; nothing of the other writer's is touched."""
+        ``ShardCommittedError`` says so; nothing of the other writer's is touched. On an object
+        store a commit is three round trips: the data objects at once, one listing, the index part."""
         self._check_open()
         if not self._pending and not self._rejects and name is None:
             return None
@@ -141,12 +147,10 @@ class StoreWriter:
             self._seq += 1
         else:
             fmt.check_shard_name(name)
-        # One listing of index/ tells both whether the name is taken and what was committed
-        # since the snapshot (each request to an object store is a round trip).
-        if chosen or self._pending:
-            committed = self._store.refresh_committed()
-            if chosen and (name in committed or name in self._store.shards):
+            if name in self._store.shards:
                 raise ShardCommittedError(f"shard {name!r} is already committed in {self._store.url}")
+        # Samples this writer already knows to be committed elsewhere (its snapshot, its own
+        # earlier commits) are left out before anything is written; no request is needed for it.
         self._drop_committed_elsewhere()
         self._store.fix_ndims({f: a.ndim for f, a in self._pending[0].arrays.items()} if self._pending else {})
         self._store.require_format_version(fmt.EXCLUSIVE_COMMIT_VERSION)
@@ -158,8 +162,18 @@ class StoreWriter:
         # A failure (or a kill) from here on leaves objects that no index part names: readers
         # never see them, and `mmcache verify` lists them as leftovers.
         table, commit_info = self._write_objects(name, root, objects)
-        # Check again, now that the (slow) data writes are done: only a commit in the moment
-        # between this listing and the commit point below can still overlap this shard.
+        # The check, once the (slow) data writes are done, so that only a commit in the moment
+        # between this listing and the commit point can still overlap this shard: one listing of
+        # index/ tells whether the name is taken and what was committed since the snapshot.
+        # (Checking before the data writes too would cost every commit a round trip, to save
+        # only a losing writer's uploads.)
+        if chosen or table.num_rows:
+            committed = self._store.refresh_committed()
+            if chosen and name in committed:
+                self._clear_pending()
+                self._discard(objects)
+                discarded = "; this writer's copy was discarded" if objects else ""
+                raise ShardCommittedError(f"shard {name!r} is already committed in {self._store.url}{discarded}")
         table, commit_info = self._without_committed_elsewhere(table, commit_info)
         # Readers resolve a (sample id, field) that racing writers both committed by the
         # earliest commit, then the shard name: deterministic for every reader of the same shards.
@@ -168,7 +182,7 @@ class StoreWriter:
         # is created only if absent, so of two writers of one shard name exactly one commits.
         won = self._storage.write_new(fmt.index_part_key(name), part)
         ids = table.column("id").to_pylist()
-        self._pending, self._pending_ids, self._pending_bytes, self._rejects = [], set(), 0, []
+        self._clear_pending()
         if not won:
             self._discard(objects)
             raise ShardCommittedError(
@@ -181,8 +195,8 @@ class StoreWriter:
         return name
 
     def _drop_committed_elsewhere(self) -> None:
-        """Drop pending samples that already have one of this writer's fields in a shard
-        committed since the snapshot (just re-read): each (sample id, field) in one shard."""
+        """Drop pending samples that already have one of this writer's fields in a shard this
+        writer knows of (its snapshot, shards re-read by earlier checks, its own commits)."""
         if not self._pending:
             return
         keep = [p for p in self._pending if not self._store.is_known(p.sample_id, self.fields)]
@@ -192,17 +206,17 @@ class StoreWriter:
             self._pending_bytes = sum(a.nbytes for p in keep for a in p.arrays.values())
 
     def _without_committed_elsewhere(self, table: pa.Table, commit_info: dict[str, Any]) -> tuple[pa.Table, dict[str, Any]]:
-        """The index rows minus samples another writer committed since the first check (their
-        bytes stay in this shard's data objects, unreferenced)."""
+        """The index rows minus samples another writer committed since the snapshot, as the
+        check just before the commit point found them (their bytes stay in this shard's data
+        objects, unreferenced)."""
         if not table.num_rows:
             return table, commit_info
-        self._store.refresh_committed()
         ids = table.column("id").to_pylist()
-        gone = [i for i in ids if self._store.is_known(i, self.fields)]
+        gone = {i for i in ids if self._store.is_known(i, self.fields)}
         if not gone:
             return table, commit_info
-        self.dropped.extend(gone)
-        keep = pa.array([i not in set(gone) for i in ids])
+        self.dropped.extend(i for i in ids if i in gone)
+        keep = pa.array([i not in gone for i in ids])
         return table.filter(keep), {**commit_info, "num_samples": len(ids) - len(gone)}
 
     def _write_objects(self, name: str, root: str, objects: dict[str, dict[str, int]]) -> tuple[pa.Table, dict[str, Any]]:
@@ -258,8 +272,11 @@ class StoreWriter:
 
     def abort(self) -> None:
         """Drop what is pending; committed shards stay."""
-        self._pending, self._pending_ids, self._pending_bytes, self._rejects = [], set(), 0, []
+        self._clear_pending()
         self._closed = True
+
+    def _clear_pending(self) -> None:
+        self._pending, self._pending_ids, self._pending_bytes, self._rejects = [], set(), 0, []
 
     def __enter__(self) -> StoreWriter:
         return self

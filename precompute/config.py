@@ -53,8 +53,15 @@ class RunConfig:
     # `--workers N` means processes.
     executor: Literal["auto", "threads", "processes"] = "auto"
     threads_max_samples: int = 256
+    # Encoded bytes per worker process that may still be committing (uploading, fsyncing) while
+    # the worker encodes its next task (precompute.commit_ahead); 0: each task commits before
+    # the worker starts the next.
+    commit_ahead_bytes: int | str = "1GiB"
 
     def __post_init__(self) -> None:
+        if self.commit_ahead_bytes not in (0, "0"):  # 0: off
+            self.commit_ahead_bytes = parse_size(self.commit_ahead_bytes, "run.commit_ahead_bytes")
+        self.commit_ahead_bytes = int(self.commit_ahead_bytes)
         for name in ("samples_per_task", "batch_size", "decode_threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"run.{name} must be >= 1, got {getattr(self, name)}")

@@ -8,7 +8,9 @@
 - ``processes``: a Dask LocalCluster of worker processes (one per device, or per CPU core up
   to 4). A killed worker is restarted by its nanny and its task runs again on a live worker.
 - ``scheduler``: an existing Dask cluster (``--scheduler``). Its workers keep their encoders
-  loaded between jobs (see precompute.worker_plugin).
+  loaded between jobs (see precompute.worker_plugin), and resolve the encoders' specs for the
+  client (``DaskExecutor.resolve_specs``), which never imports torch: on a warm cluster a job's
+  start-up is the client's imports of distributed and featstore, and a few round trips.
 
 ``auto`` (the default of ``run.executor``) takes threads for a job of at most
 ``run.threads_max_samples`` samples on at most one device, and processes otherwise; ``--workers``
@@ -137,10 +139,10 @@ class ThreadExecutor:
     def share(self, value: Any) -> Any:
         return value  # one process: every task sees the same object
 
-    def encode_prompts(self, specs, requested, sections, prompts) -> dict[str, Any]:
-        from precompute.prompts import encode_prompts
+    def store_prompts(self, specs, requested, sections, prompts, store, output_url, storage_options) -> int:
+        from precompute.prompts import encode_and_store_prompts
 
-        return encode_prompts(loaded_encoders(specs, self.device, self.placement.threads, PROCESS_ENCODERS), sections, prompts)
+        return encode_and_store_prompts(loaded_encoders(specs, self.device, self.placement.threads, PROCESS_ENCODERS), store, sections, prompts)
 
     def submit_task(self, task, output_url, storage_options, specs, requested, settings, known) -> Future:
         return self.client.submit(
@@ -167,16 +169,26 @@ class DaskExecutor:
         self.addresses = sorted(client.scheduler_info()["workers"])
         self.workers = len(self.addresses)
 
+    def resolve_specs(self, config: EncodeConfig) -> tuple[list[EncoderSpec], bool]:
+        """(the encoders' specs, whether text-only rows are samples: ``takes_text_only``), resolved
+        by a worker: the encoder classes that check the options import torch, which the client of
+        an external cluster need not (a worker has it already). ``path: tiny`` is built, by that
+        worker, where this process would have built it (its MMCACHE_CACHE)."""
+        from precompute.config import default_cache_dir
+
+        return self.client.submit(_specs_on_worker, config, str(default_cache_dir()), pure=False).result()
+
     def load_encoders(self, specs: list[EncoderSpec], requested: str) -> Any:
         """Every worker loads its encoders now, in parallel, rather than inside its first task."""
         loads = [self.client.submit(_describe_on_worker, specs, requested, self.placement.threads, workers=[a], pure=False)
                  for a in self.addresses]
         return _AllOf(loads)
 
-    def encode_prompts(self, specs, requested, sections, prompts) -> dict[str, Any]:
-        """On the first worker, by the encoders it has loaded (the client never loads a model)."""
-        return self.client.submit(_prompts_on_worker, specs, requested, self.placement.threads, sections, prompts,
-                                  workers=[self.addresses[0]], pure=False).result()
+    def store_prompts(self, specs, requested, sections, prompts, store, output_url, storage_options) -> int:
+        """Encoded and written by the first worker, with the encoders it has loaded: the client
+        never loads a model, nor handles an embedding (a bfloat16 one would import ml_dtypes)."""
+        return self.client.submit(_prompts_on_worker, specs, requested, self.placement.threads, sections, prompts, output_url,
+                                  storage_options, workers=[self.addresses[0]], pure=False).result()
 
     def share(self, value: Any) -> Any:
         # A task's result, not scattered data: if the worker holding it dies, it is recomputed.
@@ -225,17 +237,24 @@ def open_executor(placement: Placement, scheduler: str | None) -> Iterator[Threa
             executor.client.close()
             torch.set_num_threads(saved)
         return
+    if placement.kind == "scheduler":
+        assert scheduler, placement
+        with connect(placement, scheduler) as executor:
+            yield executor
+        return
     from distributed import Client
 
-    with contextlib.ExitStack() as stack:
-        if placement.kind == "scheduler":
-            client = stack.enter_context(Client(scheduler))
-            wait_for = 1
-        else:
-            cluster = stack.enter_context(local_cluster(placement.workers, dashboard=_has_bokeh()))
-            client = stack.enter_context(Client(cluster))
-            wait_for = placement.workers
-        yield DaskExecutor(client, placement, wait_for)
+    with local_cluster(placement.workers, dashboard=_has_bokeh()) as cluster, Client(cluster) as client:
+        yield DaskExecutor(client, placement, placement.workers)
+
+
+@contextlib.contextmanager
+def connect(placement: Placement, scheduler: str) -> Iterator[DaskExecutor]:
+    """The executor of an external cluster (``--scheduler``), ready once one worker is."""
+    from distributed import Client
+
+    with Client(scheduler) as client:
+        yield DaskExecutor(client, placement, 1)
 
 
 @contextlib.contextmanager
@@ -305,11 +324,26 @@ def _describe_on_worker(specs, requested, threads):
     return {**described, "loaded": cache.loads - before}
 
 
-def _prompts_on_worker(specs, requested, threads, sections, prompts):
-    from precompute.prompts import encode_prompts
+def _specs_on_worker(config, cache_dir):
+    from pathlib import Path
+
+    from precompute.pipeline import encoder_specs, takes_text_only
+
+    specs = encoder_specs(config, Path(cache_dir))
+    return specs, takes_text_only(specs)
+
+
+def _prompts_on_worker(specs, requested, threads, sections, prompts, output_url, storage_options):
+    from featstore.reader import open_store
+    from precompute.prompts import encode_and_store_prompts
     from precompute.worker_plugin import worker_cache
 
-    return encode_prompts(loaded_encoders(specs, _device_here(requested), threads, worker_cache()), sections, prompts)
+    encoders = loaded_encoders(specs, _device_here(requested), threads, worker_cache())
+    store = open_store(output_url, storage_options, mode="a", load_index=False)
+    try:
+        return encode_and_store_prompts(encoders, store, sections, prompts)
+    finally:
+        store.close()
 
 
 def _run_on_worker(task, output_url, storage_options, specs, requested, threads, settings, known):

@@ -8,7 +8,9 @@ with the configured Pillow filter. Anything that cannot be decoded raises ``Medi
 short reason that goes into the rejects table; nothing is skipped silently.
 
 No torch here: preprocessing runs on CPU threads next to the encoders and must stay cheap to
-import. Encoders convert the uint8 pixels to their own value range.
+import; Pillow and PyAV are imported by the functions that decode, since the client of a job
+imports this module for its configs alone (``ResizeConfig``, ``FrameSampling``) and decodes
+nothing. Encoders convert the uint8 pixels to their own value range.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import io
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 from featstore.errors import ConfigError, StorageError
 from featstore.retry import describe, is_transient, remote_filesystem, with_retries
@@ -31,7 +35,6 @@ from precompute.inputs import DEFAULT_MAX_INPUT_BYTES, InputFileError, read_loca
 # Landscape and portrait variants of the usual photo/video aspect ratios (width / height).
 DEFAULT_ASPECT_RATIOS = (1.0, 5 / 4, 4 / 5, 4 / 3, 3 / 4, 3 / 2, 2 / 3, 16 / 9, 9 / 16, 2.0, 0.5, 21 / 9, 9 / 21)
 
-_RESAMPLE = {"bicubic": Image.Resampling.BICUBIC, "lanczos": Image.Resampling.LANCZOS}
 _ALPHA_MODES = {"RGBA", "LA", "PA", "RGBa", "La"}
 _SIXTEEN_BIT_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N"}
 # Leading bytes of container formats we recognise, so a file that *is* a video but fails to
@@ -214,11 +217,14 @@ def center_crop_box(orig_width: int, orig_height: int, width: int, height: int) 
 def crop_and_resize(image: Image.Image, box: tuple[int, int, int, int], size: tuple[int, int], resample: str) -> Image.Image:
     """Crop first, then resize: Pillow's ``resize(box=...)`` may sample pixels outside the box,
     which would break the "source cropped to box then resized" contract."""
+    from PIL import Image
+
     left, top, crop_width, crop_height = box
     cropped = image.crop((left, top, left + crop_width, top + crop_height))
     if cropped.size == size:
         return cropped
-    return cropped.resize(size, resample=_RESAMPLE[resample])
+    filters = {"bicubic": Image.Resampling.BICUBIC, "lanczos": Image.Resampling.LANCZOS}
+    return cropped.resize(size, resample=filters[resample])
 
 
 def _size_for_aspect(target_area: int, multiple: int, aspect: float) -> tuple[int, int]:
@@ -247,6 +253,8 @@ def _provenance(uri: str, data: bytes, orig: tuple[int, int], box: tuple[int, in
 
 def decode_image(data: bytes, uri: str = "", *, alpha: Literal["white", "drop"] = "white") -> Image.Image:
     """Bytes -> upright RGB Pillow image (first frame of an animation)."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
     if not data:
         raise MediaError("empty file", uri)
     try:
@@ -272,6 +280,8 @@ def decode_image(data: bytes, uri: str = "", *, alpha: Literal["white", "drop"] 
 
 def to_rgb(image: Image.Image, *, alpha: Literal["white", "drop"] = "white") -> Image.Image:
     """Any Pillow mode -> 8-bit RGB, with explicit rules where Pillow's default would be wrong."""
+    from PIL import Image
+
     if image.mode in _SIXTEEN_BIT_MODES:
         # Pillow's convert("L") clips 16-bit values at 255 instead of scaling them; scale 0..65535.
         values = np.asarray(image, dtype=np.float64)
@@ -406,6 +416,44 @@ def prepare(data: bytes, uri: str, *, modality: Literal["image", "video"], resiz
     if modality == "image":
         return prepare_image(data, uri, resize=resize, rule=rule)
     return prepare_video(data, uri, resize=resize, sampling=sampling or FrameSampling(), rule=rule)
+
+
+def prepared_shape(data: bytes, uri: str, *, modality: Literal["image", "video"], resize: ResizeConfig, rule: SizeRule,
+                   sampling: FrameSampling | None = None) -> tuple[int, ...]:
+    """The shape of ``prepare(...).pixels`` for these bytes, from the headers only (an image's size
+    and EXIF orientation, a video's frame count and rate): what a trainer plans batches with
+    before it decodes a sample it has no cached features for. Corrupt pixel data past a valid
+    header is found only by ``prepare``."""
+    if modality == "video":
+        import av
+
+        if not data:
+            raise MediaError("empty file", uri)
+        total, fps, orig = _probe_video(av, data, uri)
+        indices, _ = select_frames(total, fps, sampling or FrameSampling(), require_4k_plus_1=rule.temporal == "4k+1", uri=uri)
+        width, height = choose_size(*orig, resize=resize, rule=rule)
+        return (len(indices), height, width, 3)
+    from PIL import Image, UnidentifiedImageError
+
+    if not data:
+        raise MediaError("empty file", uri)
+    try:
+        image = Image.open(io.BytesIO(data))
+        orig = image.size
+        # exif_transpose (decode_image) turns the image upright: orientations 5-8 swap its sides.
+        if image.getexif().get(0x0112) in (5, 6, 7, 8):
+            orig = orig[::-1]
+    except UnidentifiedImageError:
+        raise MediaError("not an image file", uri) from None
+    except _PILLOW_DECODE_ERRORS as exc:
+        raise MediaError(f"truncated or corrupt image ({exc})", uri) from None
+    if rule.tiling is not None:
+        assert rule.fixed_size is not None, "tiling needs a square tile"
+        tile = rule.fixed_size[0]
+        rows, cols = choose_tile_grid(*orig, tile, rule.tiling)
+        return (rows * cols + (1 if rule.tiling.thumbnail and rows * cols > 1 else 0), tile, tile, 3)
+    width, height = choose_size(*orig, resize=resize, rule=rule)
+    return (height, width, 3)
 
 
 def _probe_video(av: Any, data: bytes, uri: str) -> tuple[int, float, tuple[int, int]]:

@@ -13,10 +13,10 @@ A job killed at any moment loses nothing committed; running it again does only w
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -27,14 +27,15 @@ import featstore
 from featstore import secrets
 from featstore.config import from_dict
 from featstore.errors import FingerprintMismatchError
+from featstore.format import EXCLUSIVE_COMMIT_VERSION
 from featstore.secrets import RedactedOptions
 from precompute.config import TINY_PATH, EncodeConfig, default_cache_dir
-from precompute.executors import choose_placement, open_executor, preserved_environ
+from precompute.executors import DaskExecutor, ThreadExecutor, choose_placement, connect, open_executor, preserved_environ
 from precompute.inputs import InputRow, Reject, read_inputs
 from precompute.prompts import store_prompt_embeddings
 from precompute.stale import describe as describe_stale
 from precompute.stale import stale_samples
-from precompute.tasks import QUIET_OFFLINE_ENV, EncoderSpec, TaskSpec
+from precompute.tasks import EncoderSpec, TaskSpec, quiet_offline_env
 
 
 @dataclass(kw_only=True)
@@ -140,8 +141,7 @@ def run_encode(
 ) -> EncodeSummary:
     # Workers inherit the environment: models load from local folders only, without progress
     # bars or hub look-ups cluttering the job's output.
-    for key, value in QUIET_OFFLINE_ENV.items():
-        os.environ.setdefault(key, value)
+    quiet_offline_env()
     # Storage options may hold credentials and travel to the workers as task arguments, which
     # Dask prints when a task fails: they go as a dict whose repr hides the values.
     storage_options = RedactedOptions(storage_options) if storage_options else None
@@ -149,28 +149,42 @@ def run_encode(
     for options in (storage_options, input_storage_options):
         secrets.register(options or {})
     t0 = time.perf_counter()
-    specs = encoder_specs(config)
-    rows, plan_rejects = read_inputs(
-        input_url,
-        storage_options=input_storage_options,
-        allow_empty_caption=config.data.allow_empty_caption,
-        allow_outside_root=config.data.allow_outside_root,
-        max_input_bytes=int(config.data.max_input_bytes),
-        allow_empty=config.data.allow_empty,
-        allow_text_only=takes_text_only(specs),
-    )
-    # The store's snapshot: read here at most once, by the size estimate when the choice of
-    # executor needs it, else while the encoders load.
-    existing: list[featstore.Store | None] = []
+    with contextlib.ExitStack() as stack:
+        executor: ThreadExecutor | DaskExecutor | None = None
+        if scheduler:
+            # An external cluster's placement does not depend on the job's size: connect first and
+            # let a worker resolve the encoders (check their options, build ``path: tiny``). Their
+            # classes import torch, which this process, planning the job only, then never does: on
+            # a warm cluster the job starts in the time of a few round trips.
+            placement = choose_placement(config, scheduler=scheduler, workers=workers, output_url=output_url, samples=lambda: 0)
+            cluster = stack.enter_context(connect(placement, scheduler))
+            specs, text_only = cluster.resolve_specs(config)
+            executor = cluster
+        else:
+            specs = encoder_specs(config)
+            text_only = takes_text_only(specs)
+        rows, plan_rejects = read_inputs(
+            input_url,
+            storage_options=input_storage_options,
+            allow_empty_caption=config.data.allow_empty_caption,
+            allow_outside_root=config.data.allow_outside_root,
+            max_input_bytes=int(config.data.max_input_bytes),
+            allow_empty=config.data.allow_empty,
+            allow_text_only=text_only,
+        )
+        # The store's snapshot: read here at most once, by the size estimate when the choice of
+        # executor needs it, else while the encoders load.
+        existing: list[featstore.Store | None] = []
 
-    def samples_to_encode() -> int:
-        if len(rows) <= config.run.threads_max_samples:
-            return len(rows)  # an upper bound that already decides
-        existing.append(_open_existing(output_url, storage_options))
-        return _samples_to_encode(rows, existing[0], specs)
+        def samples_to_encode() -> int:
+            if len(rows) <= config.run.threads_max_samples:
+                return len(rows)  # an upper bound that already decides
+            existing.append(_open_existing(output_url, storage_options))
+            return _samples_to_encode(rows, existing[0], specs)
 
-    placement = choose_placement(config, scheduler=scheduler, workers=workers, output_url=output_url, samples=samples_to_encode)
-    with open_executor(placement, scheduler) as executor:
+        if executor is None:
+            placement = choose_placement(config, scheduler=scheduler, workers=workers, output_url=output_url, samples=samples_to_encode)
+            executor = stack.enter_context(open_executor(placement, scheduler))
         if executor.dashboard_link:
             log(f"dask dashboard: {executor.dashboard_link}")
         loading = executor.load_encoders(specs, config.device)
@@ -188,6 +202,7 @@ def run_encode(
             "task_timeout": config.run.task_timeout,
             "device": config.device,
             "max_input_bytes": config.data.max_input_bytes,
+            "commit_ahead_bytes": config.run.commit_ahead_bytes,
         }
         transform = {k: settings[k] for k in ("resize", "frames", "size_multiple")}
         for spec in fields.values():
@@ -195,7 +210,8 @@ def run_encode(
             spec["meta"]["encoder"]["transform"] = transform
         store = _open_or_create(output_url, fields, storage_options, transform, log, existing[0])
         # The empty prompt's embedding always, and the validation prompts' when given.
-        store_prompt_embeddings(executor, specs, config.device, fields, store, prompts or [], log)
+        store_prompt_embeddings(executor, specs, config.device, fields, store, prompts or [], log,
+                                output_url=output_url, storage_options=storage_options)
         startup = time.perf_counter() - t0
         unit = "thread(s) of this process" if placement.kind == "threads" else "worker(s)"
         loaded = f"{described['loaded']} model load(s)" if described["loaded"] else "all models already loaded"
@@ -229,6 +245,11 @@ def run_encode(
         # like a sibling holds that sibling's rows, none of this task's (a request per sibling
         # committed first, saved).
         known = executor.share(sorted(set(store.shards) | {t.shard for t in tasks})) if tasks else None
+        if tasks:
+            # Raised here once (an older store), so that the tasks, which open the store from the
+            # manifest planned with, do not each declare it again.
+            store.require_format_version(EXCLUSIVE_COMMIT_VERSION)
+            settings["store_manifest"] = store.manifest
         summary = _run_tasks(executor, tasks, known, output_url, storage_options, specs, settings, progress)
         summary.update(samples_skipped=skipped, startup_seconds=startup, stale=len(stale), executor=placement.kind)
         summary["rejected"] += len(new_plan_rejects)

@@ -7,9 +7,8 @@ needs for caption dropout and classifier-free guidance; the prompts are what it 
 during and after training, without loading the text encoder again.
 
 The embeddings are computed where the encoders are already loaded (one worker, or this
-process's threads) (the client
-never loads a model), then written by the client as one immutable object per field and prompt
-set; a re-run with the same prompts writes nothing.
+process's threads; the client never loads a model) and written there, as one immutable object
+per field and prompt set; a re-run with the same prompts writes nothing (and asks no worker).
 """
 
 from __future__ import annotations
@@ -54,7 +53,15 @@ def encode_prompts(encoders: dict[str, Any], sections: dict[str, str], prompts: 
     return out
 
 
-def store_prompt_embeddings(executor, specs, requested: str, fields: dict[str, Any], store, prompts: list[str], log) -> int:
+def encode_and_store_prompts(encoders: dict[str, Any], store, sections: dict[str, str], prompts: list[str]) -> int:
+    """Where the encoders are loaded: encode the prompts and write them to ``store`` (open with
+    ``mode="a"``); returns how many objects were written."""
+    embeddings = encode_prompts(encoders, sections, prompts)
+    return sum(write_prompts(store, field, by_prompt) is not None for field, by_prompt in embeddings.items())
+
+
+def store_prompt_embeddings(executor, specs, requested: str, fields: dict[str, Any], store, prompts: list[str], log, *,
+                            output_url: str, storage_options: dict[str, Any] | None) -> int:
     """Encode and store the prompt embeddings of every text field; returns how many objects were
     written (0 when the store already had them)."""
     sections = text_sections(fields)
@@ -66,8 +73,7 @@ def store_prompt_embeddings(executor, specs, requested: str, fields: dict[str, A
     todo = {f: s for f, s in sections.items() if not store.storage.exists(part_key(f, fields[f]["meta"]["fingerprint"]["digest"], wanted))}
     if not todo:
         return 0  # stored by an earlier run: no worker round trip
-    embeddings = executor.encode_prompts(specs, requested, todo, prompts)
-    written = sum(write_prompts(store, field, by_prompt) is not None for field, by_prompt in embeddings.items())
+    written = executor.store_prompts(specs, requested, todo, prompts, store, output_url, storage_options)
     if written and prompts:
         log(f"stored the embeddings of {len(prompts)} prompt(s) and the empty prompt for {', '.join(todo)}")
     return written

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -25,6 +25,7 @@ import numpy as np
 from featstore.errors import ShardCommittedError
 from featstore.reader import open_store
 from featstore.secrets import redact_url
+from precompute.commit_ahead import commit_ahead
 from precompute.inputs import InputRow
 
 # Models load from local folders only, without progress bars or hub look-ups cluttering the
@@ -37,6 +38,12 @@ QUIET_OFFLINE_ENV = {
     "DIFFUSERS_VERBOSITY": "error",
     "TOKENIZERS_PARALLELISM": "false",
 }
+
+
+def quiet_offline_env() -> None:
+    """Set the QUIET_OFFLINE_ENV variables that are not set yet (a user's own setting wins)."""
+    for key, value in QUIET_OFFLINE_ENV.items():
+        os.environ.setdefault(key, value)
 
 @dataclass(frozen=True, kw_only=True)
 class EncoderSpec:
@@ -93,8 +100,7 @@ class EncoderCache:
         from precompute.encoders import build_encoder
 
         with self._lock:
-            for key, value in QUIET_OFFLINE_ENV.items():
-                os.environ.setdefault(key, value)
+            quiet_offline_env()
             if device.startswith("npu"):
                 import torch_npu  # noqa: F401  (registers the device; see BRIEF on auto-loading)
             out = {}
@@ -150,6 +156,11 @@ def describe_encoders(specs: list[EncoderSpec], device: str, threads: int, cache
     """Fields, fingerprints and field metadata of the configured encoders (run where the tasks
     run: a worker, or this process with the in-process executor), loading them if need be."""
     encoders = loaded_encoders(specs, device, threads, cache)
+    import torch
+
+    # The intra-op thread count the tasks encode at: CPU kernels' low bits depend on it, so a live
+    # encoder (train.live.reattach) runs at the same count to reproduce the cached values.
+    used = torch.get_num_threads()
     fields: dict[str, Any] = {}
     for section, encoder in encoders.items():
         metadata = encoder.field_metadata()
@@ -161,7 +172,7 @@ def describe_encoders(specs: list[EncoderSpec], device: str, threads: int, cache
                 # "encoder": what rebuilds this encoder later (``train.live.reattach``), its
                 # registry name and typed config as plain JSON.
                 "meta": {"section": section, "modality": spec.modality, "fingerprint": encoder.fingerprint(),
-                         "encoder": encoder.config_record(), **metadata.get(name, {})},
+                         "encoder": {**encoder.config_record(), "threads": used}, **metadata.get(name, {})},
             }
     return {"fields": fields}
 
@@ -184,16 +195,22 @@ def encode_task(
 
     start = time.perf_counter()
     result = TaskResult(shard=task.shard)
-    # The client planned disjoint tasks from its snapshot; a task only adds one shard.
-    store = open_store(store_url, storage_options, mode="a", load_index=False)
+    # The client planned disjoint tasks from its snapshot; a task only adds one shard. It opens
+    # the store from the manifest the client planned with (no request).
+    store = open_store(store_url, storage_options, mode="a", load_index=False, manifest=settings.get("store_manifest"))
     try:
-        if store.has_shard(task.shard):
-            result.skipped = True
-            return result.summary()
-        # What the client planned around need not be re-read before this task commits; only
-        # shards committed since (by a concurrent run) are.
-        store.assume_checked(known_shards or ())
-        done = _encode_rows(task, store, specs, device, threads, settings, result, cache)
+        # Whether this shard is committed (by an earlier try of this task, or a concurrent run of
+        # the same plan) is asked while the rows encode, not before: a round trip less per task,
+        # at the price of encoding such a rare task's rows for nothing.
+        with ThreadPoolExecutor(1, thread_name_prefix="has-shard") as pool:
+            committed = pool.submit(store.has_shard, task.shard)
+            # What the client planned around need not be re-read before this task commits; only
+            # shards committed since (by a concurrent run) are.
+            store.assume_checked(known_shards or ())
+            done = _encode_rows(task, store, specs, device, threads, settings, result, cache)
+            if committed.result():
+                result.skipped = True
+                return result.summary()
         writer = store.writer(shard_prefix=task.shard[:60], shard_bytes=1 << 62, fields=task.fields)
         # One task is one shard, whatever its size: an automatic mid-task commit would get a name
         # a retried task could collide with.
@@ -202,13 +219,15 @@ def encode_task(
         for row, arrays, meta in done:
             if arrays is not None:
                 writer.add(row.sample_id, arrays, meta)
-        try:
-            writer.commit(task.shard)
-        except ShardCommittedError:
-            # A zombie of this task (its worker was presumed dead) or a concurrent run of the
-            # same plan committed it first: theirs is kept, ours was discarded.
-            result.skipped = True
-            return result.summary()
+        # The worker may start its next task while this one commits (precompute.commit_ahead).
+        with commit_ahead(writer.pending_bytes, int(settings.get("commit_ahead_bytes", 0))):
+            try:
+                writer.commit(task.shard)
+            except ShardCommittedError:
+                # A zombie of this task (its worker was presumed dead) or a concurrent run of the
+                # same plan committed it first: theirs is kept, ours was discarded.
+                result.skipped = True
+                return result.summary()
         result.samples = sum(1 for _, arrays, _ in done if arrays is not None) - len(writer.dropped)
         result.dropped = len(writer.dropped)
         result.seconds = time.perf_counter() - start

@@ -3,7 +3,9 @@
 ``S3Server`` runs ``moto.server.ThreadedMotoServer`` on a free loopback port, and can record the
 requests it answers (``recording()``: method, key, query, start and end time), so a test counts
 what a client really sends over HTTP; ``latency`` adds a delay to every answer, as a distant
-object store has (and so requests sent concurrently surely overlap). ``FaultProxy``
+object store has (and so requests sent concurrently surely overlap). ``S3ServerProcess`` is
+the same server in a child process, controlled over its own port (benchmarks: moto's work then
+takes no time from the measured process). ``FaultProxy``
 sits between a client and that server and, for a share of requests (and/or every N-th), answers 503 SlowDown,
 resets or drops the connection, cuts a response short, or stalls until the client times out;
 rules can make a fault persistent (every request to one object) or refuse writes (a read-only
@@ -13,6 +15,8 @@ credential). It is bounded (at most ``max_faults`` random faults) and stops itse
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import random
 import selectors
@@ -74,6 +78,7 @@ class S3Server:
         self.host, self.port = host, port
         self.endpoint = f"http://{host}:{port}"
         self._records: list[list[Request]] = []
+        self._remote: dict[int, list[Request]] = {}  # recordings an S3ServerProcess started
         self._lock = threading.Lock()
         self.latency = 0.0  # seconds added before every answer
         # Every request passes through this wrapper of moto's WSGI app on its way in and out.
@@ -81,6 +86,8 @@ class S3Server:
         app = wsgi.app
 
         def recorded(environ, start_response):
+            if environ.get("PATH_INFO", "").startswith(_CONTROL):
+                return self._control(environ, start_response)
             start = time.perf_counter()
             if self.latency:
                 time.sleep(self.latency)
@@ -140,6 +147,110 @@ class S3Server:
 
     def stop(self) -> None:
         self._server.stop()
+
+    def _control(self, environ, start_response):
+        """``S3ServerProcess``'s requests: start or collect a recording, set the latency.
+        (No S3 bucket can be named like the control path: underscores are not allowed.)"""
+        command = environ["PATH_INFO"][len(_CONTROL):]
+        query = dict(p.partition("=")[::2] for p in environ.get("QUERY_STRING", "").split("&") if p)
+        body: object = None
+        if command == "record":
+            with self._lock:
+                self._records.append([])
+                self._remote[id(self._records[-1])] = self._records[-1]
+                body = id(self._records[-1])
+        elif command == "collect":
+            with self._lock:
+                record = self._remote.pop(int(query["id"]))
+                self._records.remove(record)
+            body = [dataclasses.asdict(r) for r in record]
+        elif command == "latency":
+            self.latency = float(query["seconds"])
+        else:
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"unknown control command"]
+        data = json.dumps(body).encode()
+        start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(data)))])
+        return [data]
+
+
+_CONTROL = "/_mmcache_control/"
+
+
+class S3ServerProcess:
+    """An ``S3Server`` in a child process, with the same interface: the server's own work (moto
+    answers every request in Python) then takes no time from this process's threads, as a real
+    object store's would not. Benchmarks use it; the tests share one in-process server. The child
+    exits when this process does (it watches its stdin)."""
+
+    def __init__(self) -> None:
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        self._proc = subprocess.Popen([sys.executable, "-m", "tests.s3_server"], cwd=Path(__file__).resolve().parents[1],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = self._proc.stdout.readline() if self._proc.stdout else ""
+        if not line.startswith("http://"):
+            self._proc.kill()
+            raise RuntimeError(f"the S3 server process did not start (it said {line!r})")
+        self.endpoint = line.strip()
+        host, _, port = self.endpoint.removeprefix("http://").rpartition(":")
+        self.host, self.port = host, int(port)
+
+    def _ask(self, command: str, **query: object) -> object:
+        import urllib.request
+
+        url = f"{self.endpoint}{_CONTROL}{command}" + ("?" + "&".join(f"{k}={v}" for k, v in query.items()) if query else "")
+        with urllib.request.urlopen(url, timeout=30) as answer:
+            return json.loads(answer.read())
+
+    @contextmanager
+    def slowed(self, latency: float) -> Iterator[None]:
+        self._ask("latency", seconds=latency)
+        try:
+            yield
+        finally:
+            self._ask("latency", seconds=0.0)
+
+    @contextmanager
+    def recording(self) -> Iterator[list[Request]]:
+        """The requests answered while the block runs; the list fills when the block ends."""
+        handle = self._ask("record")
+        record: list[Request] = []
+        try:
+            yield record
+        finally:
+            record.extend(Request(**r) for r in self._ask("collect", id=handle))  # type: ignore[union-attr]
+
+    env = S3Server.env
+    make_bucket = S3Server.make_bucket
+
+    def cpu_seconds(self) -> float:
+        """CPU time the server process has used so far (user + system)."""
+        import os
+
+        fields = open(f"/proc/{self._proc.pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        if self._proc.stdin:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(10)
+        except Exception:
+            self._proc.kill()
+            raise
+
+
+def _serve() -> None:
+    """``python -m tests.s3_server``: serve until stdin closes (the parent went away)."""
+    import sys
+
+    server = S3Server()
+    print(server.endpoint, flush=True)
+    sys.stdin.read()
+    server.stop()
 
 
 class FaultProxy:
@@ -223,6 +334,12 @@ class FaultProxy:
             self.counts["passed"] += 1
             return None
 
+    def _count_down(self, nbytes: int) -> None:
+        # Counted before the bytes go out: a client that has its answer finds them counted, even
+        # while the server has yet to close the connection (when the pump ends).
+        with self._lock:
+            self.bytes_down += nbytes
+
     def _handle(self, client: socket.socket) -> None:
         upstream = None
         try:
@@ -251,9 +368,7 @@ class FaultProxy:
                 return
             upstream = socket.create_connection(self.upstream, timeout=30)
             upstream.sendall(_force_close(head) + rest)
-            sent = _pump(client, upstream, cut=kind == "cut")
-            with self._lock:
-                self.bytes_down += sent
+            _pump(client, upstream, cut=kind == "cut", count=self._count_down)
         except OSError:
             pass
         finally:
@@ -292,10 +407,10 @@ def _drain(sock: socket.socket, nbytes: int) -> None:
         nbytes -= len(chunk)
 
 
-def _pump(client: socket.socket, upstream: socket.socket, cut: bool) -> int:
-    """Copy bytes both ways until the server closes; the bytes forwarded to the client. ``cut``:
-    forward only part of the answer, then reset the connection (a response cut short mid-body)."""
-    sent_back = 0
+def _pump(client: socket.socket, upstream: socket.socket, cut: bool, count: Callable[[int], None]) -> None:
+    """Copy bytes both ways until the server closes, passing ``count`` the size of each part of
+    the answer before forwarding it to the client. ``cut``: forward only part of the answer, then
+    reset the connection (a response cut short mid-body)."""
     # A selector, not select.select: select() refuses descriptors >= 1024 (FD_SETSIZE), which a
     # long test process reaches, and the proxy then closed every connection it was handed.
     with selectors.DefaultSelector() as selector:
@@ -304,21 +419,26 @@ def _pump(client: socket.socket, upstream: socket.socket, cut: bool) -> int:
         while True:
             events = selector.select(30)
             if not events:
-                return sent_back
+                return
             for key, _ in events:
                 sock = key.fileobj
                 chunk = sock.recv(1 << 16)
                 if sock is upstream:
                     if not chunk:
-                        return sent_back
+                        return
                     if cut:
+                        count(max(1, len(chunk) // 2))
                         client.sendall(chunk[: max(1, len(chunk) // 2)])
                         client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                        return sent_back + max(1, len(chunk) // 2)
+                        return
+                    count(len(chunk))
                     client.sendall(chunk)
-                    sent_back += len(chunk)
                 else:
                     if not chunk:
                         selector.unregister(client)  # the client finished sending; wait for the answer
                         continue
                     upstream.sendall(chunk)
+
+
+if __name__ == "__main__":
+    _serve()

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from benchmarks.causal_ring_work import layouts, long_tailed_packs, plan_area_per_rank, ratio
-from train.parallel.sequence.causal_layout import balanced_owners, chunk_work, packed_causal_layout, zigzag_owners
+from train.parallel.sequence.causal_layout import balanced_owners, chunk_work, packed_causal_layout
 from train.parallel.sequence.document_mask import DocumentMaskPlan, pad_document_ids, visible_pairs
-from train.parallel.sequence.usp import SequenceLayout
+from train.parallel.sequence.usp import SequenceLayout, zigzag_owners
 
 
 def test_balanced_layout_evens_ring_work_on_long_tailed_packs():
@@ -96,3 +96,18 @@ def test_chunk_owner_must_split_evenly():
 
     with pytest.raises(SequenceParallelConfigError, match="same number of chunks"):
         SequenceLayout(seq_len=8, ring_size=2, ulysses_size=1, ring_rank=0, ulysses_rank=0, zigzag=True, chunk_owner=(0, 0, 0, 1))
+
+
+def test_static_zigzag_is_the_head_tail_chunk_layout():
+    from train.parallel.sequence import zigzag_indices
+
+    for ring, ulysses in ((2, 1), (4, 1), (2, 2), (4, 3)):
+        layouts = [SequenceLayout.for_ranks(45, ring_size=ring, ulysses_size=ulysses, ring_rank=r, ulysses_rank=0, causal=True)
+                   for r in range(ring)]
+        assert all(lay.zigzag and lay.chunk_owner == zigzag_owners(ring) and lay.chunks_per_block == 2 for lay in layouts)
+        for r, lay in enumerate(layouts):  # ring rank r holds chunks r and 2R-1-r of 2R
+            assert torch.equal(lay.ring_block_positions(r), zigzag_indices(lay.padded_len, ring, r))
+    # Without a ring, or bidirectional: contiguous blocks, no chunks.
+    for ring, causal in ((1, True), (4, False)):
+        lay = SequenceLayout.for_ranks(45, ring_size=ring, ulysses_size=1, ring_rank=0, ulysses_rank=0, causal=causal)
+        assert not lay.zigzag and lay.chunk_owner is None and lay.chunks_per_block == 1

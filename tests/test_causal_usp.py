@@ -8,19 +8,13 @@ block-attention kernel table per device.
 
 from __future__ import annotations
 
-import queue as queue_module
-import socket
-import time
-import traceback
-from datetime import timedelta
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from tests.ranks import run_on_ranks
 from train.parallel.dims import ParallelDims
 from train.parallel.sequence import (
     SequenceLayout,
@@ -43,7 +37,6 @@ from train.parallel.sequence_parallel import (
 )
 
 TOL = 2e-5
-DEADLINE_S = 150
 
 # Documents of uneven lengths per batch row (-1 = tail padding). Row 0 has a document that
 # crosses every chunk boundary of a 4-way ring; row 1 is short documents and more padding.
@@ -83,57 +76,6 @@ def reference_mask(docs: torch.Tensor) -> torch.Tensor:
 def masked_sdpa(q, k, v, docs):
     """The exact single-process reference ([B, H, S, D], GQA allowed)."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=reference_mask(docs), enable_gqa=True)
-
-
-# ---------------------------------------------------------------------------------
-# Process harness: real gloo ranks; the first failure's traceback comes back to pytest
-
-
-def _worker(case, rank: int, world: int, port: int, results) -> None:
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=60))
-        case(rank, world)
-        results.put((rank, None))
-    except BaseException:  # noqa: BLE001 - everything goes back to the parent
-        results.put((rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def run_on_ranks(case, world: int) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(case, r, world, port, results), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    reports: dict[int, str | None] = {}
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while len(reports) < world and not any(reports.values()):
-            try:
-                rank, err = results.get(timeout=0.5)
-                reports[rank] = err
-            except queue_module.Empty:
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in reports]
-                if dead:
-                    reports.update({i: f"rank {i} died with exit code {procs[i].exitcode}" for i in dead})
-                elif time.monotonic() > deadline:
-                    pytest.fail(f"{getattr(case, '__name__', case)}: no result from ranks {set(range(world)) - set(reports)}")
-    finally:
-        for p in procs:
-            if p.is_alive() and (len(reports) < world or any(reports.values())):
-                p.terminate()  # peers of a failed rank may wait in a collective
-            p.join(timeout=10)
-    failures = {r: e for r, e in reports.items() if e}
-    if failures:
-        rank = min(failures)
-        pytest.fail(f"{getattr(case, '__name__', case)} failed on rank {rank}:\n{failures[rank]}")
 
 
 def _sp_groups(ulysses: int, ring: int, world: int):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import numpy as np
 import pytest
@@ -290,3 +291,14 @@ def test_presets_sizes_on_meta_device():
     with torch.device("meta"):
         model = build_model("dit", "osp", in_channels=8, text_dim=4096)
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_a_model_narrower_than_one_patch_token_warns():
+    tiny = get_model_family("dit").presets["tiny"]
+    # 32 channels (TAESD-F2) x 2x2 patch = 128 values per token against the tiny width of 64
+    with pytest.warns(UserWarning, match=r"model.args.dim >= 128"):
+        build_model("dit", tiny, in_channels=32, text_dim=TEXT_DIM)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_model("dit", dataclasses.replace(tiny, dim=128), in_channels=32, text_dim=TEXT_DIM)
+        build_model("dit", tiny, in_channels=CHANNELS, text_dim=TEXT_DIM)

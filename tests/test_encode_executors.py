@@ -20,6 +20,7 @@ from precompute.config import EncodeConfig
 from precompute.demo_data import make_dataset
 from precompute.executors import choose_placement, local_cluster
 from precompute.pipeline import encoder_specs, run_encode
+from tests.client_probe import imported, not_in_the_client, probed_command
 from tests.test_encode import manifest_rows, tiny_config, write_manifest
 from tests.test_encode_faults import StallingServer
 
@@ -106,6 +107,22 @@ def test_second_job_on_a_warm_cluster_loads_no_encoder(dataset, tmp_path, cluste
     assert all(n == after_copy[w] + 1 for w, n in client.run(encoder_loads).items())
 
 
+def test_the_client_of_a_cluster_imports_no_encoder_nor_decoder(dataset, tmp_path, cluster):
+    out, modules, prompts = tmp_path / "store", tmp_path / "modules.json", tmp_path / "prompts.txt"
+    prompts.write_text("a red fox in the snow\n")
+    cmd = probed_command("encode", "--config", "tiny", "--scheduler", cluster[0], "--input", str(dataset), "--output", str(out),
+                         "--prompts", str(prompts))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False, env={**os.environ, "MODULES_OUT": str(modules)})
+    assert proc.returncode == 0, proc.stderr
+    assert "scheduler: --scheduler" in proc.stderr, proc.stderr
+    loaded = imported(modules)
+    assert "distributed" in loaded and "featstore" in loaded  # the probe saw the command's modules
+    assert not_in_the_client(loaded) == []
+    store = featstore.open(str(out))
+    assert len(store) == 8 and store.num_rejected() == 0  # images and videos, decoded on the workers
+    assert set(featstore.read_prompts(store, "text_emb")) == {"", "a red fox in the snow"}  # written by a worker
+
+
 def test_stuck_input_in_process_becomes_a_reject_and_the_command_exits(dataset, tmp_path):
     """The in-process path keeps the task deadline, and a decode thread still stuck on the input
     does not keep the command from exiting (the source here stalls for 120 s)."""
@@ -114,8 +131,10 @@ def test_stuck_input_in_process_becomes_a_reject_and_the_command_exits(dataset, 
         rows = [{"path": str(dataset.parent / r["path"]), "caption": r["caption"]} for r in manifest_rows(dataset)[:2]]
         manifest = write_manifest(tmp_path / "m.jsonl", [*rows, {"path": server.url("never.png"), "caption": "never"}])
         out = tmp_path / "store"
+        # A deadline of 1 s instead of the default 30 min, for the stuck input's task to give up on
+        # (each input is a task of its own here; the good ones decode in milliseconds).
         cmd = [sys.executable, "-m", "precompute.cli", "encode", "--config", "tiny", "--input", str(manifest), "--output", str(out),
-               "--set", "run.task_timeout=3", "--set", "data.allow_outside_root=true"]
+               "--set", "run.task_timeout=1", "--set", "data.allow_outside_root=true"]
         start = time.monotonic()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, check=False)
         assert proc.returncode == 0, proc.stderr
@@ -125,7 +144,7 @@ def test_stuck_input_in_process_becomes_a_reject_and_the_command_exits(dataset, 
     assert "threads: 3 sample(s) to encode" in proc.stderr, proc.stderr
     store = featstore.open(str(out))
     assert len(store) == 2 and store.num_rejected() == 1
-    assert "run.task_timeout=3s" in store.rejects.to_pylist()[0]["reason"]
+    assert "run.task_timeout=1s" in store.rejects.to_pylist()[0]["reason"]
 
 
 def test_no_dashboard_port_warning_without_a_dashboard():

@@ -19,11 +19,13 @@ import pytest
 
 import featstore
 from featstore.cache import LAYOUT
+from featstore.config import load_config
 from featstore.errors import ConfigError
 from tests.s3_server import FaultProxy
 from train.balance import BalanceConfig, CostModel
 from train.data import FeatureStream, LatentTextData
-from train.order import EpochOrder, auto_window, resolve_window, shard_positions, shard_read_bytes
+from train.config import DataSection, TrainConfig
+from train.order import auto_window, plan_order, resolve_window, shard_positions, shard_read_bytes
 from train.packing import SAMPLE_ID
 
 BIN = Path(sys.executable).parent
@@ -90,8 +92,9 @@ def test_each_epoch_is_a_permutation_read_window_by_window(local_store):
     global_order = np.random.default_rng([3, 1]).permutation(SHARDS * PER_SHARD)
     assert np.array_equal(stream(store, window=None).order(1), global_order)
     assert np.array_equal(stream(store, window=SHARDS).order(1), global_order)
-    with pytest.raises(ConfigError, match="shuffle_window must be >= 1"):
-        EpochOrder(0, shard_of, 0)
+    # A window below one shard is refused where the config is loaded (the one check of it).
+    with pytest.raises(ConfigError, match="shuffle_window must be a number of shards >= 1"):
+        load_config(TrainConfig, "tiny-dit", "train", ["data.shuffle_window=0"])
 
 
 def test_same_batches_at_any_world_size_and_after_a_resume(local_store):
@@ -177,6 +180,29 @@ def test_a_cache_of_a_quarter_of_the_store_downloads_it_about_once_per_epoch(s3_
         assert shuffled["bytes_downloaded"] > 1.3 * store_bytes, shuffled
 
 
+def test_plan_order_warns_when_the_cache_cannot_hold_the_order(s3_store, tmp_path):
+    sizes = shard_read_bytes(featstore.open(s3_store), ["latent", "text_emb"])
+    mean = sum(sizes) / len(sizes)
+    fields = ["latent", "text_emb"]
+    # Room for two shards, not for them and the 3 global batches in flight (prefetch 2 + 1).
+    small = featstore.open(s3_store, cache_dir=tmp_path / "small", cache_bytes=int(2 * mean))
+    plan = plan_order(small, fields, DataSection(cache_bytes=int(2 * mean)), None)
+    assert plan.window == 1 and plan.store_bytes == sum(sizes)
+    (warning,) = plan.warnings
+    assert "holds less than 3 global batches" in warning and "Raise data.cache_bytes" in warning
+    # data.cache_bytes unset: the cache is bounded by its disk (here as if that disk were small)
+    # and the order is a global shuffle, which downloads the store several times per epoch.
+    (warning,) = plan_order(small, fields, DataSection(), None).warnings
+    assert "does not fit the cache" in warning and "Set data.cache_bytes" in warning
+    # Room enough: no warning; without a cache (a local read) none either.
+    roomy = featstore.open(s3_store, cache_dir=tmp_path / "roomy", cache_bytes=int(8 * mean))
+    assert plan_order(roomy, fields, DataSection(cache_bytes=int(8 * mean)), None) == plan_order(
+        featstore.open(s3_store), fields, DataSection(cache_bytes=int(8 * mean)), None)
+    assert plan_order(roomy, fields, DataSection(cache_bytes=int(8 * mean)), None).warnings == ()
+    # A resumed run keeps the window it recorded.
+    assert plan_order(small, fields, DataSection(cache_bytes=int(2 * mean)), {"shuffle_window": 3}).window == 3
+
+
 def test_objects_that_will_not_fit_are_read_by_ranges(s3_store, tmp_path):
     plain = featstore.open(s3_store)
     latents = {k: o["nbytes"] for info in plain.shards.values() for k, o in info.objects.items() if "/latent/" in k}
@@ -200,8 +226,9 @@ def test_objects_that_will_not_fit_are_read_by_ranges(s3_store, tmp_path):
 
 
 def mmtrain_fit(store: str, out: Path, *args: str, nproc: int = 1) -> subprocess.CompletedProcess:
+    # No checkpoint mid-run (tiny-dit saves every 20 steps): what is tested here is the cache.
     cmd = [str(BIN / "mmtrain"), "fit", "--config", "tiny-dit", "--features", store, "--out", str(out),
-           "--set", "log_every=100", "--set", "checkpoint.every=0", "--set", "optim.grad_clip=0", *args]
+           "--set", "checkpoint.every=0", *args]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *cmd]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -214,23 +241,27 @@ def records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_fit_from_s3_on_two_ranks_reports_the_cache_per_epoch(s3_store, tmp_path):
-    # Two ranks sharing one cache directory (the ranks of a node): the counters are summed over
-    # them, so the epoch record is what the node downloaded. (That the ranks train on the same
+def test_fit_from_s3_on_four_ranks_reports_the_cache_per_epoch(s3_store, tmp_path):
+    # Four ranks sharing one cache directory (the ranks of a node): 2 data-parallel ranks, each a
+    # 2-way Ulysses group whose ranks read the same samples. The counters are summed over the
+    # ranks, so the epoch record is what the node downloaded, and the bytes read count each
+    # sample once per data-parallel rank, not once per rank. (That the ranks train on the same
     # global batches as one process is test_same_batches_at_any_world_size_and_after_a_resume
     # plus test_train's parity tests, which hold for any order the stream hands out.)
     bound = sum(shard_read_bytes(featstore.open(s3_store), ["latent", "text_emb"])) // 4
     epoch = SHARDS * PER_SHARD // 8
     run = tmp_path / "run"
-    result = mmtrain_fit(s3_store, run, "--steps", str(epoch + 2), "--cache-dir", str(tmp_path / "cache"), "--set", f"data.cache_bytes={bound}", nproc=2)
+    result = mmtrain_fit(s3_store, run, "--steps", str(epoch + 2), "--cache-dir", str(tmp_path / "cache"), "--set", f"data.cache_bytes={bound}",
+                         "--set", "parallel.ulysses=2", nproc=4)
     # Cache: 8 shards' worth; 90% of it less 3 global batches of 8 (3 shards) leaves two windows of 2.
     assert "windows of 2 shard(s)" in result.stdout and "epoch 0: downloaded" in result.stdout and "warning" not in result.stdout
     info = json.loads((run / "run.json").read_text())
-    assert info["data_order"] == {"shuffle_window": 2, "shards": SHARDS} and info["world_size"] == 2
+    assert info["data_order"] == {"shuffle_window": 2, "shards": SHARDS} and info["world_size"] == 4
+    assert (info["mesh"]["dp_shard"], info["mesh"]["ulysses"]) == (2, 2)
     rows = records(run)
     assert len(rows) == epoch + 2 and all("cache_bytes_downloaded" in r for r in rows)
     summary = [r["epoch_cache"] for r in rows if "epoch_cache" in r]
     assert len(summary) == 1 and summary[0]["epoch"] == 0 and summary[0]["steps"] == epoch
-    # Both ranks' reads: the epoch's samples once (plus each rank's own copy of the chunk indexes).
+    # The data-parallel ranks' reads: the epoch's samples once (plus each rank's own copy of the chunk indexes).
     assert summary[0]["store_bytes"] <= summary[0]["bytes_read"] <= 1.01 * summary[0]["store_bytes"]
     assert summary[0]["download_ratio"] <= 1.3 and summary[0]["hit_rate"] > 0.5

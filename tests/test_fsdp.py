@@ -4,18 +4,12 @@ The parity tests train the tiny DiT for 3 Adam steps in two spawned processes (F
 ZeRO-3 and HSDP, each rank holding part of the global batch) and compare the result with the same
 3 steps on the whole batch in this process. They run in float64: Adam divides by sqrt(v) + 1e-8,
 which turns float32 round-off in near-zero gradients (summed in a different order across ranks)
-into visible weight differences, and we want to test the sharding, not float32. Workers report results or tracebacks through a queue;
-the parent enforces a deadline and terminates its workers, so a broken collective fails the test
+into visible weight differences, and we want to test the sharding, not float32. The ranks are
+tests.ranks': a rank's traceback fails the test, and a broken collective fails it at a deadline
 instead of hanging it.
 """
 
 from __future__ import annotations
-
-import multiprocessing as mp
-import queue as queue_module
-import time
-import traceback
-from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -23,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from featstore.errors import ConfigError
+from tests.ranks import run_on_ranks
 from train.balance import karmarkar_karp, plan_micro_batches
 from train.models import LatentTextBatch, build_model
 from train.objective import flow_matching_terms
@@ -33,7 +28,6 @@ from train.parallel.fsdp import FSDPConfigError, apply_fsdp, local_state_bytes
 WORLD = 2
 STEPS = 3
 CHANNELS, TEXT_DIM = 4, 16
-WORKER_DEADLINE_S = 120
 
 
 # ---- the shared training problem (identical in workers and in the reference) ----------------
@@ -157,75 +151,23 @@ def _scenario_meshes(rank: int) -> dict:
     }
 
 
-SCENARIOS = {"train": _scenario_train, "meshes": _scenario_meshes}
-
-
-def _worker(scenario: str, rank: int, port: int, results) -> None:
-    try:
-        torch.set_num_threads(1)
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
-        results.put((rank, "ok", SCENARIOS[scenario](rank)))
-    except BaseException:  # noqa: BLE001 - everything goes back to the parent
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _rendezvous_store() -> dist.TCPStore:
-    """A TCPStore server this process holds for the whole run, on a port the OS picks while
-    binding it (a port picked first and bound later by rank 0 can be taken in between)."""
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-
-
-def _run(scenario: str) -> list:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    store = _rendezvous_store()  # held until the workers are gone
-    port = store.port
-    procs = [ctx.Process(target=_worker, args=(scenario, rank, port, results), daemon=True) for rank in range(WORLD)]
-    for proc in procs:
-        proc.start()
-    reports: dict[int, tuple[str, object]] = {}
-    deadline = time.monotonic() + WORKER_DEADLINE_S
-    try:
-        while len(reports) < WORLD and time.monotonic() < deadline:
-            try:
-                rank, status, payload = results.get(timeout=0.5)
-            except queue_module.Empty:
-                silent_deaths = [p for r, p in enumerate(procs) if r not in reports and p.exitcode not in (None, 0)]
-                if silent_deaths:
-                    break
-                continue
-            reports[rank] = (status, payload)
-            if status == "error":
-                break  # the other rank may be stuck in a collective with it: stop now
-    finally:
-        for proc in procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=5)
-    errors = [f"rank {r}:\n{payload}" for r, (status, payload) in sorted(reports.items()) if status == "error"]
-    if errors:
-        pytest.fail("worker failed:\n" + "\n".join(errors))
-    missing = [r for r in range(WORLD) if r not in reports]
-    if missing:
-        codes = {r: procs[r].exitcode for r in missing}
-        pytest.fail(
-            f"worker(s) {missing} exited or hung without reporting (exit codes {codes}; None = still "
-            f"running at the {WORKER_DEADLINE_S}s deadline, then terminated)"
-        )
-    return [reports[r][1] for r in range(WORLD)]
+def _scenarios(rank: int, world: int) -> dict:
+    """Both scenarios in one launch of the ranks (what starting them costs is paid once)."""
+    assert world == WORLD
+    return {"train": _scenario_train(rank), "meshes": _scenario_meshes(rank)}
 
 
 # ---- tests -----------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def trained():
-    return _run("train")
+def launched() -> list[dict]:
+    return run_on_ranks(_scenarios, WORLD)
+
+
+@pytest.fixture(scope="module")
+def trained(launched):
+    return [rank["train"] for rank in launched]
 
 
 @pytest.fixture(scope="module")
@@ -278,8 +220,8 @@ def test_two_ranks_hold_half_the_parameter_and_optimizer_bytes(trained, referenc
     assert trained[0]["hsdp"]["bytes"]["params"] == single["params"]
 
 
-def test_device_meshes_for_each_layout():
-    rank0, rank1 = _run("meshes")
+def test_device_meshes_for_each_layout(launched):
+    rank0, rank1 = (rank["meshes"] for rank in launched)
     assert rank0["fill"] == {**rank0["fill"], "world": (1, 2, 1, 1), "dp": 2, "fsdp": (2,), "sp": (1, 1)}
     assert rank0["fill"]["fsdp_names"] == ("dp_shard_cp",)
     assert (rank0["fill"]["dp_rank"], rank1["fill"]["dp_rank"]) == (0, 1)

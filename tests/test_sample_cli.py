@@ -120,3 +120,5 @@ def test_bad_input_is_a_clear_error(run):
     assert result.returncode == 1 and "'never encoded'" in result.stderr and "--prompts FILE" in result.stderr and "live failed too" in result.stderr, result.stderr
     result = mmtrain("sample", "--run", str(root), "--prompt", "x", "--out", str(root / "none"), cache=run["cache"], check=False)
     assert result.returncode == 1 and "neither a run folder" in result.stderr
+    result = mmtrain("sample", "--run", str(run["run"]), "--image", str(blank), "--out", str(root / "img"), cache=run["cache"], check=False)
+    assert result.returncode == 1 and "--image is for VLM runs; this is a DiT run" in result.stderr, result.stderr

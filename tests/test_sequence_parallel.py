@@ -1,22 +1,20 @@
 """Sequence-parallel attention (Ulysses, ring, USP) against single-process SDPA.
 
-Multi-rank tests spawn 4 real gloo processes once per test function and loop over
-cases inside the workers. Each worker reports ``(rank, traceback or None)`` on a
-queue; the parent fails with the first real message and never waits forever.
+Multi-rank tests run 4 real gloo processes once per test function (tests.ranks) and loop
+over cases inside the workers; the first failing rank's traceback fails the test, and a
+deadline keeps it from waiting forever.
 """
 
 from __future__ import annotations
 
-import queue as queue_module
-import time
-import traceback
-from datetime import timedelta
+import functools
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+from tests.ranks import run_on_ranks
 
 from train.parallel.sequence import (
     SequenceLayout,
@@ -42,79 +40,20 @@ from train.parallel.sequence import (
 
 WORLD = 4
 TOL = 1e-5
-WORKER_DEADLINE_S = 120
 _WORST_ERROR = [0.0]  # per worker process: the largest error any comparison saw
 
 # ---------------------------------------------------------------------------------
-# Process harness
+# Process harness: tests.ranks; each case reports the largest error any comparison saw
 
 
-def _rendezvous_store() -> dist.TCPStore:
-    """A TCPStore server the parent holds for the whole run, on a port the OS picks while binding
-    it: a port picked first and bound later by rank 0 can be taken in between (by another test's
-    store, whose ranks ours would then meet)."""
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+def _run_case(case_fn_name: str, rank: int, world: int) -> float:
+    globals()[case_fn_name](rank, world)
+    return _WORST_ERROR[0]
 
 
-def _worker_main(rank: int, world: int, port: int, case_fn_name: str, results) -> None:
-    torch.set_num_threads(1)
-    try:
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world,
-            timeout=timedelta(seconds=60),  # a mismatched collective errors instead of hanging
-        )
-        globals()[case_fn_name](rank, world)
-        results.put((rank, None, _WORST_ERROR[0]))
-    except BaseException:  # noqa: BLE001 - everything goes back to the parent
-        results.put((rank, traceback.format_exc(), _WORST_ERROR[0]))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def run_on_ranks(case_fn_name: str, world: int = WORLD) -> None:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    store = _rendezvous_store()  # held until the workers are gone
-    port = store.port
-    procs = [
-        ctx.Process(target=_worker_main, args=(r, world, port, case_fn_name, results), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    reports: dict[int, str | None] = {}
-    worst_errors: list[float] = []
-    deadline = time.monotonic() + WORKER_DEADLINE_S
-    try:
-        while len(reports) < world:
-            try:
-                rank, err, worst = results.get(timeout=0.5)
-                reports[rank] = err
-                worst_errors.append(worst)
-                if err is not None:
-                    break  # first real failure is the message we want
-            except queue_module.Empty:
-                dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in reports]
-                if dead and all(procs[i].exitcode not in (0, None) for i in dead):
-                    reports.update({i: f"rank {i} died with exit code {procs[i].exitcode}" for i in dead})
-                    break
-                if time.monotonic() > deadline:
-                    missing = [i for i in range(world) if i not in reports]
-                    pytest.fail(f"{case_fn_name}: ranks {missing} gave no result in {WORKER_DEADLINE_S}s")
-    finally:
-        if len(reports) < world or any(e is not None for e in reports.values()):
-            for p in procs:  # peers of a failed rank may sit in a collective: stop them now
-                if p.is_alive():
-                    p.terminate()
-        for p in procs:
-            p.join(timeout=10)
-    failures = {r: e for r, e in reports.items() if e is not None}
-    if failures:
-        rank, err = min(failures.items())
-        pytest.fail(f"{case_fn_name} failed on rank {rank}:\n{err}")
-    print(f"{case_fn_name}: worst max-abs error over all cases and ranks {max(worst_errors):.3g}")
+def run_cases(case_fn_name: str, world: int = WORLD) -> None:
+    worst = run_on_ranks(functools.partial(_run_case, case_fn_name), world)
+    print(f"{case_fn_name}: worst max-abs error over all cases and ranks {max(worst):.3g}")
 
 
 # ---------------------------------------------------------------------------------
@@ -290,15 +229,15 @@ def _usp_cases(rank: int, world: int) -> None:
 
 
 def test_ulysses_matches_sdpa():
-    run_on_ranks("_ulysses_cases")
+    run_cases("_ulysses_cases")
 
 
 def test_ring_matches_sdpa():
-    run_on_ranks("_ring_cases")
+    run_cases("_ring_cases")
 
 
 def test_usp_matches_sdpa_on_meshes():
-    run_on_ranks("_usp_cases")
+    run_cases("_usp_cases")
 
 
 # ---------------------------------------------------------------------------------

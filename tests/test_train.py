@@ -268,3 +268,49 @@ def test_one_process_group_leaves_the_environment_alone():
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "1 [1.0, 1.0]"
+
+
+def test_caption_dropout_is_the_same_at_any_world_size(tmp_path):
+    """Which captions a step drops depends on (seed, step, position in the global batch) only:
+    the ranks of 2-way data parallelism drop exactly the captions one process drops, and each
+    dropped sample gets the stored empty caption's embedding."""
+    from train.balance import BalanceConfig, CostModel
+    from train.data import FeatureStream, LatentTextData
+    from train.live.dropout import CaptionDropout
+    from train.packing import SAMPLE_ID
+
+    url = str(tmp_path / "store")
+    rng = np.random.default_rng(1)
+    fields = {"latent": {"dtype": "bfloat16", "ndim": 4, "meta": {"latent_channels": 4}},
+              "text_emb": {"dtype": "float32", "ndim": 2, "meta": {"modality": "text", "fingerprint": {"digest": "txt0001"}, "hidden_size": 8}}}
+    with featstore.create(url, fields=fields) as writer:
+        for i in range(40):
+            writer.add(f"s{i:03d}", {"latent": np.zeros((4, 1, 2, 2 + i % 3), ml_dtypes.bfloat16),
+                                     "text_emb": rng.standard_normal((3, 8), dtype=np.float32) + 10})
+    empty = np.zeros((2, 8), np.float32)  # the stored empty caption: unlike any sample's text
+    featstore.write_prompts(featstore.open(url, mode="a"), "text_emb", {"": empty})
+    store = featstore.open(url)
+
+    def stream(dp_size: int, dp_rank: int) -> FeatureStream:
+        # probability 0.3: the default is 0 (off); any value in (0, 1) shows which positions drop
+        dropout = CaptionDropout(store, ["latent", "text_emb"], 0.3, seed=5, produced=set())
+        return FeatureStream(store, data=LatentTextData(store=store, latent_field="latent", text_field="text_emb"), global_batch=8,
+                             seed=5, dp_size=dp_size, dp_rank=dp_rank, balance=BalanceConfig(), cost=CostModel(),
+                             tokens_per_sample=lambda shape: int(np.prod(shape[1:])), caption_dropout=dropout)
+
+    def dropped_ids(data) -> set[str]:
+        return {s[SAMPLE_ID] for _, samples in data.micro_batches for s in samples if np.array_equal(s["text_emb"], empty)}
+
+    one, two = stream(1, 0), [stream(2, r) for r in (0, 1)]
+    total = 0
+    for step in range(12):
+        single, halves = one.plan(step), [s.plan(step) for s in two]
+        mask = one.dropout.mask(step, 8)
+        want = {one.ids[i] for i, drop in zip(single.global_indices, mask, strict=True) if drop}
+        assert dropped_ids(single) == want == dropped_ids(halves[0]) | dropped_ids(halves[1])
+        assert single.captions_dropped == halves[0].captions_dropped == halves[1].captions_dropped == len(want)
+        # A position's draw does not depend on how many are drawn after it.
+        assert np.array_equal(one.dropout.mask(step, 3), mask[:3])
+        total += len(want)
+    assert 0.15 < total / (12 * 8) < 0.45  # about the probability, and the draws differ by step
+    assert len({tuple(one.dropout.mask(step, 8)) for step in range(12)}) > 1

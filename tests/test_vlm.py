@@ -177,3 +177,24 @@ def test_the_family_export_hook_writes_a_from_pretrained_llm_and_the_projector(t
         assert torch.allclose(llm(input_ids=ids).logits, model.llm(ids), atol=1e-5, rtol=0)
         assert torch.equal(projector(features), model.projector(features))
     assert get_model_family("dit").export is None  # a family without an export format: nothing written
+
+
+def test_the_family_export_keeps_the_trained_encoders_beside_it(tmp_path):
+    """RUN/export is shared: the VLM's llm/ + projector/ and each trained encoder's RUN/export/<field>
+    (train.live.joint). Whichever is written first, both are there after; other leftovers go."""
+    from train.live.reattach import EXPORT_RECORD
+    from train.models import build_model, export_model
+
+    config = {"dim": 32, "mlp_dim": 64}
+    model = build_model("vlm", config, vit_dim=12, vocab_size=99)
+    out = tmp_path / "export"
+    encoder = out / "vit_features"
+    encoder.mkdir(parents=True)
+    (encoder / EXPORT_RECORD).write_text("{}")
+    (encoder / "model.safetensors").write_bytes(b"trained encoder")
+    (out / "stale-file").write_text("from an earlier run")
+    export_model("vlm", config, model.state_dict(), out, vit_dim=12, vocab_size=99)
+    assert sorted(p.name for p in out.iterdir()) == ["llm", "projector", "vit_features"]
+    assert (encoder / "model.safetensors").read_bytes() == b"trained encoder"
+    export_model("vlm", config, model.state_dict(), out, vit_dim=12, vocab_size=99)  # again: still there
+    assert sorted(p.name for p in out.iterdir()) == ["llm", "projector", "vit_features"]

@@ -4,12 +4,14 @@ Ring with the zigzag layout and document-masked ring blocks trains like 1 proces
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests.ranks import run_on_ranks
 from tests.test_vlm_train import fit, losses
 from tests.vlm_store import random_store
 
@@ -80,8 +82,4 @@ def _gradients_under_sp(store_url: str, rank: int, world: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_vlm_gradients_under_sequence_parallel_equal_one_process(store, world):
-    import functools
-
-    from tests.test_causal_usp import run_on_ranks
-
     run_on_ranks(functools.partial(_gradients_under_sp, store), world)

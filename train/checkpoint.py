@@ -31,10 +31,17 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step-{step:08d}"
 
 
+def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """The run's complete checkpoints as (step, folder), oldest first (``.partial`` ones excluded)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in root.glob("step-*") if (m := _NAME.match(p.name)) and p.is_dir())
+
+
 def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
-    root = run_dir / "checkpoints"
-    found = [(int(m.group(1)), p) for p in root.glob("step-*") if (m := _NAME.match(p.name)) and p.is_dir()] if root.is_dir() else []
-    return max(found) if found else None
+    found = checkpoints(run_dir)
+    return found[-1] if found else None
 
 
 # name -> (module, optimizer, LR scheduler) trained beside the model (joint finetuning's encoders),
@@ -67,8 +74,8 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
         if final.exists():
             shutil.rmtree(final)
         partial.rename(final)
-        existing = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if _NAME.match(p.name))
-        for old in existing[: max(0, len(existing) - keep)]:
+        existing = checkpoints(run_dir)
+        for _, old in existing[: max(0, len(existing) - keep)]:
             shutil.rmtree(old)
     dist.barrier()
     return final

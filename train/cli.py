@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import click
 
@@ -61,6 +63,14 @@ def fit(config_name, features, run_dir, steps, resume, overrides, dry_run, cache
             dist.destroy_process_group()
     if result["rank"] == 0 and result["losses"]:
         click.echo(f"trained steps {result['start'] + 1}-{result['stop']}: loss {result['losses'][0]:.4f} -> {result['losses'][-1]:.4f}; run in {result['run_dir']}")
+    if os.environ.get("TORCHELASTIC_RUN_ID") is not None:
+        # A torchrun worker whose run has finished and closed its files: the interpreter's
+        # teardown can still destroy torch's C++ threads (gloo, the rendezvous store) while they
+        # are joinable and abort with "terminate called without an active exception" (about 1 in
+        # 6 runs of a 4-rank fit here), which torchrun reports as a failed run.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 @cli.command()
@@ -83,7 +93,7 @@ def drift(features, field_names, samples, seed, media_root, tolerance, config_na
     from featstore.config import load_config
     from train.config import TrainConfig
     from train.live.drift import measure_drift, pick_samples
-    from train.live.reattach import reattach_encoder
+    from train.live.reattach import reattach_field
 
     if samples < 1:
         raise click.UsageError("--samples must be >= 1")
@@ -93,15 +103,16 @@ def drift(features, field_names, samples, seed, media_root, tolerance, config_na
     names = [n.strip() for n in field_names.split(",") if n.strip()] if field_names else [n for n, f in store.fields.items() if "encoder" in f.meta]
     if not names:
         raise click.UsageError(f"{store.url} records no encoder for any field; name them with --fields (and --set encoders.<field>.rebuild...)")
+    manifest = None
+    if config.data.manifest:  # the conversations a tokenizer field was encoded from
+        from train.live.manifest import TrainingManifest
+
+        manifest = TrainingManifest.read(config.data.manifest, options, store)
     reports = []
     for name in names:
-        section = config.encoders.get(name)
-        live = reattach_encoder(
-            store, name, weights_path=section.path if section else None, media_root=media_root or config.data.media_root,
-            storage_options=options, rebuild=(section.rebuild or None) if section else None,
-            resize=(section.resize or None) if section else None, check_fingerprint=False,
-        )
-        reports.append(measure_drift(store, live, pick_samples(store, name, samples, seed), tolerance))
+        live = reattach_field(store, name, config.encoders.get(name), media_root=media_root or config.data.media_root,
+                              storage_options=options, check_fingerprint=False)
+        reports.append(measure_drift(store, live, pick_samples(store, name, samples, seed), tolerance, manifest=manifest))
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in reports], indent=2))
     else:
@@ -128,17 +139,23 @@ def drift(features, field_names, samples, seed, media_root, tolerance, config_na
 @click.option("--vae", default=None, metavar="DIR", help="The VAE folder the store was encoded with (checked against its fingerprint).")
 @click.option("--latents-only", is_flag=True, help="Write the sampled latents (latents.safetensors) instead of decoding them.")
 @click.option("--features", default=None, help="Feature store URL for the prompts' embeddings (default: the run's store).")
-@click.option("--image", "images", multiple=True, metavar="PATH", help="VLM runs: an image to answer about.")
+@click.option("--image", "images", multiple=True, metavar="PATH", help="VLM runs: an image to answer about (repeatable).")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="VLM runs: 0 = greedy answers; > 0 samples (with --seed).")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="VLM runs: nucleus sampling's probability mass (with --temperature).")
+@click.option("--max-new-tokens", type=int, default=64, show_default=True, help="VLM runs: the longest answer.")
 @storage_options_option
-def sample(run, checkpoint, prompt, prompts_file, out, seeds, steps, guidance, shift, size, frames, fps, vae, latents_only, features, images, storage_options) -> None:
+def sample(run, checkpoint, prompt, prompts_file, out, seeds, steps, guidance, shift, size, frames, fps, vae, latents_only, features, images,
+           temperature, top_p, max_new_tokens, storage_options) -> None:
     """Sample pictures from a trained DiT: a PNG per prompt and seed (WebP for videos), grid.png,
-    samples.json. Same run, prompt and seed -> the same bytes."""
+    samples.json. From a VLM: answers about each --image (to each --prompt, or a caption without
+    one) in answers.jsonl. Same run, input and seed -> the same bytes."""
     from train.sample.command import sample_command
 
     check_output_location(out, "--out")
     doc = sample_command(run, checkpoint=checkpoint, prompt=prompt, prompts_file=prompts_file, out=out, seeds=seeds, steps=steps,
                          guidance=guidance, shift=shift, size=size, frames=frames, fps=fps, vae=vae, latents_only=latents_only,
-                         features=features, storage_options=parse_storage_options(storage_options), images=images)
+                         features=features, storage_options=parse_storage_options(storage_options), images=images,
+                         temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
     what = doc.get("note") or f"{len(doc['samples'])} sample(s)"
     click.echo(f"{what} from {doc['weights']} -> {out}")
 

@@ -52,6 +52,12 @@ class DataSection:
     # A sample that lacks a field the run reads: error (say which), skip (train on the rest, with
     # a count), or live (encode it with the field's recorded encoder in the data pipeline).
     on_missing: Literal["error", "skip", "live"] = "error"
+    # The samples to train on, as a manifest `mmcache encode` reads (JSONL/CSV/Parquet with path,
+    # caption, id, conversations; or a folder of media with .txt captions; paths relative to its
+    # folder): samples the store lacks are what on_missing decides about (live: every field of
+    # them encoded from the manifest row). None: the store's own samples. A live tokenizer field
+    # also reads the conversations it was encoded from here.
+    manifest: str | None = None
     # Where the media of live fields are now (the folder the encode manifest's paths were relative
     # to); None: where the store recorded them. `mmtrain fit --media ROOT` sets it.
     media_root: str | None = None

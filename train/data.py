@@ -111,25 +111,47 @@ class FeatureStream:
 
     def __init__(self, store: featstore.Store, *, data, global_batch: int, seed: int,
                  dp_size: int, dp_rank: int, balance, cost, tokens_per_sample, repeat: bool = False,
-                 live=None, on_missing: str = "skip", caption_dropout=None, exclude: frozenset[str] = frozenset(),
-                 window: int | None = None) -> None:
+                 live=None, on_missing: str = "error", caption_dropout=None, exclude: frozenset[str] = frozenset(),
+                 window: int | None = None, manifest=None) -> None:
         # A store may hold a field for only some samples (one added after they were encoded).
         # ``live`` (train.live.fields.LiveFields): fields made live are not needed from the cache.
         # ``exclude``: the held-out validation split, never trained on.
+        # ``manifest`` (train.live.manifest.TrainingManifest): the samples to train on, in its
+        # order, some perhaps absent from the store (on_missing live: every field made live).
         required = list(data.required_fields)
         produced, fillable = (live.produced, live.fillable) if live else (set(), set())
         cached = [f for f in required if f not in produced and f not in fillable]
         ids = store.sample_ids(with_fields=cached) if cached else store.sample_ids()
-        if on_missing == "error" and len(ids) < len(store):
+        universe = store.sample_ids() if manifest is None else [i for i in manifest.sample_ids(store) if i in store]
+        if manifest is not None:
             have = set(ids)
-            lacking = [i for i in store.sample_ids() if i not in have]
-            counts = store.samples_per_field()
+            ids = [i for i in universe if i in have]
+        if on_missing == "error" and len(ids) < len(universe):
+            have = set(ids)
+            lacking = [i for i in universe if i not in have]
+            counts = {f: sum(1 for i in lacking if not store.has_field(i, f)) for f in cached}
             raise MissingSamplesError(
-                f"{len(lacking)} of the {len(store)} samples of {store.url} lack a field this run reads from the cache "
-                f"({', '.join(f'{f}: {len(store) - counts.get(f, 0)} lack it' for f in cached if counts.get(f, 0) < len(store))}), "
+                f"{len(lacking)} of the {len(universe)} samples of {store.url} lack a field this run reads from the cache "
+                f"({', '.join(f'{f}: {n} lack it' for f, n in counts.items() if n)}), "
                 f"e.g. {', '.join(lacking[:5])}; encode them (mmcache encode adds missing fields to committed samples), "
                 "or --set data.on_missing=skip to train on the rest, or data.on_missing=live to encode them live"
             )
+        absent = manifest.absent(store) if manifest is not None else []
+        self.named = len(universe) + len(absent)  # samples the run was asked to train on
+        if absent:
+            from train.live.manifest import describe_absent
+
+            if on_missing == "error":
+                raise MissingSamplesError(
+                    f"{describe_absent(absent, self.named, store, manifest)}; encode them (mmcache encode --input {manifest.url} "
+                    f"--output {store.url} adds them), or --set data.on_missing=skip to train on the rest, or data.on_missing=live to encode them live"
+                )
+            if on_missing == "live":
+                if bad := [i for i in absent if i not in manifest.rows]:
+                    raise MissingSamplesError(f"{describe_absent(bad, self.named, store, manifest)}: they cannot be encoded live; fix those rows, or --set data.on_missing=skip")
+                keep = set(ids) | set(absent)
+                ids = [i for i in manifest.sample_ids(store) if i in keep]
+        self.absent_skipped = len(absent) if absent and on_missing == "skip" else 0
         ids = [i for i in ids if i not in exclude]
         if not ids:
             counts = store.samples_per_field()
@@ -146,15 +168,14 @@ class FeatureStream:
         if global_batch < dp_size:
             raise featstore.SchemaError(f"data.global_batch={global_batch} is smaller than the {dp_size} data-parallel ranks; raise it")
         self.store, self.data = store, data
-        self.fields = required
         self.global_batch, self.seed = global_batch, seed
         self.dp_size, self.dp_rank = dp_size, dp_rank
         self.balance, self.cost = balance, cost
         self.ids = ids
         self.num_samples = len(ids)
-        self.held_out = len(exclude)
-        self.skipped = len(store) - len(ids) - len(exclude)  # samples lacking one of the required fields
-        self.rows = np.array([store.row(i) for i in ids], dtype=np.int64)
+        # Samples lacking one of the required fields (the store's; those it lacks entirely: absent_skipped).
+        self.skipped = len(universe) - sum(1 for i in ids if i in store) - len(exclude & set(universe))
+        self.rows = np.array([store.row(i) if i in store else -1 for i in ids], dtype=np.int64)  # -1: absent from the store
         self.live = live if live else None
         self.dropout = caption_dropout  # train.live.dropout.CaptionDropout or None
         # Per sample, the required fields read from the cache (the rest are made live) and
@@ -164,7 +185,12 @@ class FeatureStream:
         live_optional = [f for f in data.optional_fields if f in produced and f in store.fields]
         self.is_live = np.array([len(r) < len(required) or any(store.has_field(i, f) for f in live_optional)
                                  for r, i in zip(reads, ids, strict=True)], dtype=bool)
-        self.shapes = [self._shape(data, i) for i in ids]
+        planner = data
+        if live and live.fillable:
+            from train.live.manifest import planning_adapter
+
+            planner = planning_adapter(data, store, live)  # sizes what samples lack by its live encoding
+        self.shapes = [self._shape(planner, i) for i in ids]
         self.groups = [data.group_key(s) for s in self.shapes]
         self.tokens = [int(tokens_per_sample(s)) for s in self.shapes]
         data.check_tokens(ids, self.tokens)  # fail before training, naming the samples
@@ -173,16 +199,28 @@ class FeatureStream:
         # Which optional fields each sample has (e.g. an image): read exactly those.
         self.extra = [tuple(f for f in optional if store.has_field(i, f)) for i in ids] if optional else None
         # window: shards per window of the epoch order (None: a global shuffle), see train.order.
-        self.order = EpochOrder(seed, shard_positions(store, self.rows), window)
+        self.order = EpochOrder(seed, self._shard_of(store), window)
         self.cache = store.storage if isinstance(store.storage, CachingStorage) else None
+
+    def _shard_of(self, store: featstore.Store) -> np.ndarray:
+        """Each sample's shard number for the epoch order; samples absent from the store go in
+        pseudo-shards after the real ones, of a shard's mean sample count, in manifest order."""
+        present = self.rows >= 0
+        out = np.zeros(len(self.rows), dtype=np.int64)
+        out[present] = shard_positions(store, self.rows[present])
+        if not present.all():
+            per = max(1, len(store) // max(1, len(store.shards)))
+            out[~present] = len(store.shards) + np.arange(int((~present).sum())) // per
+        return out
 
     @staticmethod
     def _shape(data, sample_id: str) -> tuple:
         try:
             return data.sample_shape(sample_id)
         except featstore.MissingFieldError as exc:
-            # The batch planner sizes samples from the index before anything is read or encoded.
-            raise MissingSamplesError(f"{exc}; the batch planner sizes each sample from that field, so it cannot be made live for it: encode it first") from None
+            # The batch planner sizes samples from the index before anything is read or encoded
+            # (or, with on_missing: live, from the media headers of what a sample lacks).
+            raise MissingSamplesError(f"{exc}; the batch planner sizes each sample from that field: encode it first, or --set data.on_missing=live") from None
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         # One permutation per epoch, kept while steps fall in it (a step spans at most two).
@@ -214,7 +252,7 @@ class FeatureStream:
         # an object store), then handed out to the micro-batches.
         positions = [j for mb in plan[self.dp_rank] for j in mb.indices]
         # Caption dropout depends on (seed, step, position in the global batch) only, like noise.
-        drop = [self.dropout.dropped(step, j) for j in range(len(indices))] if self.dropout else []
+        drop = self.dropout.mask(step, len(indices)).tolist() if self.dropout else []
         # Only this thread reads through the store, so the counters' change is this step's cost.
         before = self.cache.stats() if self.cache is not None else None
         read = iter(self.read([indices[j] for j in positions], [drop[j] for j in positions] if drop else None))

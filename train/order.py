@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 import featstore
-from featstore.cache import LOW_WATER
+from featstore.cache import LOW_WATER, CachingStorage
 from featstore.errors import ConfigError
 
 
@@ -31,8 +32,7 @@ class EpochOrder:
     """``order(epoch)``: a permutation of the stream's positions ``0..len(shard_of)-1``."""
 
     def __init__(self, seed: int, shard_of: np.ndarray, window: int | None) -> None:
-        if window is not None and window < 1:
-            raise ConfigError(f"data.shuffle_window must be >= 1 shard (or unset), got {window}")
+        assert window is None or window >= 1, window  # data.shuffle_window is checked at config load
         self.seed = seed
         self.num_samples = len(shard_of)
         # Positions grouped by shard, each group ascending (a stable sort): the input of the
@@ -92,9 +92,7 @@ def resolve_window(setting: int | None, cache_bytes: int | None, shard_bytes: Se
     None is the global permutation. ``recorded``: run.json's ``data_order`` (``{}`` for a run
     that predates windows: it used the global permutation)."""
     count = sum(1 for b in shard_bytes if b > 0)
-    if setting is not None:
-        if setting < 1:
-            raise ConfigError(f"data.shuffle_window must be >= 1 shard (or unset), got {setting}")
+    if setting is not None:  # >= 1: checked at config load (train.config.DataSection)
         window = None if setting >= count else setting
         if recorded is not None and recorded.get("shuffle_window") != window:
             raise ConfigError(
@@ -106,3 +104,43 @@ def resolve_window(setting: int | None, cache_bytes: int | None, shard_bytes: Se
     if recorded is not None:
         return recorded.get("shuffle_window")
     return auto_window(cache_bytes, shard_bytes, in_flight_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OrderPlan:
+    """A run's epoch order: its window and what the trainer tells the user about it."""
+
+    window: int | None  # shards per window; None: a global shuffle
+    store_bytes: int  # what one epoch reads (of the fields the run reads)
+    warnings: tuple[str, ...]  # the local cache cannot hold what this order needs
+
+    def describe(self, num_shards: int) -> str:
+        how = "a global shuffle" if self.window is None else f"shards shuffled, then samples within windows of {self.window} shard(s)"
+        return f"epoch order: {how} ({num_shards} shard(s), {self.store_bytes / 2**20:.1f} MiB read per epoch)"
+
+
+def plan_order(store: featstore.Store, fields: Sequence[str], data, recorded: dict | None) -> OrderPlan:
+    """The run's epoch order from the config (``data``: the ``data`` section) and the snapshot
+    alone, never the world size; ``recorded``: a resumed run's run.json ``data_order`` (None for
+    a new run). Warns when the store's local cache is too small for it."""
+    shard_bytes = shard_read_bytes(store, fields)
+    store_bytes = sum(shard_bytes)
+    # Besides two windows the cache holds what the ranks read at once: up to prefetch + 1 global
+    # batches (the ranks' readers run up to prefetch steps apart), which may span windows.
+    in_flight = (data.prefetch + 1) * data.global_batch * store_bytes / max(len(store), 1)
+    window = resolve_window(data.shuffle_window, data.cache_bytes, shard_bytes, recorded, in_flight)
+    warnings = []
+    cache = store.storage if isinstance(store.storage, CachingStorage) else None
+    if cache is not None:
+        room = LOW_WATER * cache.max_bytes
+        mean_shard = store_bytes / max(1, sum(1 for b in shard_bytes if b))
+        if window is not None and room < in_flight + 2 * mean_shard:
+            warnings.append(
+                f"the cache ({cache.max_bytes / 2**20:.1f} MiB) holds less than {data.prefetch + 1} global batches "
+                f"({in_flight / 2**20:.1f} MiB) and two shards ({2 * mean_shard / 2**20:.1f} MiB): objects are evicted before "
+                "their samples are read and downloaded again. Raise data.cache_bytes, or lower data.global_batch / data.prefetch")
+        if window is None and data.cache_bytes is None and store_bytes > room:
+            warnings.append(
+                f"the store ({store_bytes / 2**30:.2f} GiB) does not fit the cache ({cache.max_bytes / 2**30:.2f} GiB) and the "
+                "order is a global shuffle: each epoch downloads it several times. Set data.cache_bytes (the order then fits it) or data.shuffle_window")
+    return OrderPlan(window=window, store_bytes=store_bytes, warnings=tuple(warnings))

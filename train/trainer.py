@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 import featstore
-from featstore.cache import LOW_WATER
 from featstore.config import to_dict
 from featstore.errors import ConfigError
 from train.checkpoint import export_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -30,9 +29,11 @@ from train.config import TrainConfig
 from train.data import FeatureStream, check_fingerprints, latent_normalisation, open_features, snapshot_digest
 from train.live.dropout import CaptionDropout
 from train.live.joint import JointEncoders
+from train.live.manifest import TrainingManifest, manifest_line
+from train.live.manifest import check_resume as check_manifest_resume
 from train.models import count_parameters, export_model, get_model_family
 from train.objective import sample_generators
-from train.order import resolve_window, shard_read_bytes
+from train.order import plan_order
 from train.parallel.dims import MESH_DIMS, ParallelDims, device_and_backend
 from train.parallel.fsdp import apply_fsdp, local_state_bytes
 from train.parallel.sequence_parallel import apply_sequence_parallel
@@ -110,17 +111,18 @@ def dry_run(config: TrainConfig, features: str, storage_options: dict | None) ->
         "parameters": count_parameters(family.name, model_config, **sizes),
         "parts": model_parts(model),
         "store": {"url": store.url, "samples": len(store)},
-        "encoders": _describe_encoders(config, store, family.data(model_config, config.data, store)),
+        "encoders": _describe_encoders(config, store, family.data(model_config, config.data, store), storage_options),
     }
 
 
-def _describe_encoders(config: TrainConfig, store: featstore.Store, adapter) -> dict[str, Any]:
+def _describe_encoders(config: TrainConfig, store: featstore.Store, adapter, storage_options: dict | None = None) -> dict[str, Any]:
     """Per field the run reads: its mode and, for live/train fields, the re-attached encoder's
     parameter count and which parameters train (what memory and speed the mix costs)."""
     from train.live.fields import LiveFields
 
     fields = list(adapter.required_fields) + [f for f in adapter.optional_fields if f in store.fields]
-    live = LiveFields.build(config, store, fields, optional=list(adapter.optional_fields))
+    manifest = TrainingManifest.read(config.data.manifest, storage_options, store) if config.data.manifest else None
+    live = LiveFields.build(config, store, fields, optional=list(adapter.optional_fields), manifest=manifest)
     live.set_trainable(config)
     described = live.describe()
     return {name: described.get(name, {"mode": "cached", "parameters": None}) for name in fields}
@@ -160,6 +162,8 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
         # A resumed run must see the features it started with.
         expected = {**{k: v.get("digest") for k, v in before["fingerprints"].items()}, **expected}
     fingerprints = check_fingerprints(store, fields, expected, config.data.allow_fingerprint_mismatch)
+    manifest = TrainingManifest.read(config.data.manifest, storage_options, store) if config.data.manifest else None
+    check_manifest_resume(before, manifest, str(run))
 
     dims = ParallelDims.from_config(config.parallel, world)
     meshes = dims.build_meshes(device.type)
@@ -167,7 +171,7 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
     # before step 1; nothing is loaded when every field is cached.
     joint = JointEncoders.setup(config, store, fields, device=device, fsdp_mesh=meshes.fsdp, storage_options=storage_options,
                                 lr_lambda=lr_lambda(config), log=log if rank == 0 else (lambda *_: None),
-                                optional=list(data_adapter.optional_fields))
+                                optional=list(data_adapter.optional_fields), manifest=manifest)
     sizes = data_adapter.input_sizes()
     model = family.builder(model_config, **sizes).to(device)
     dims.check_heads(getattr(model, "attention_heads", getattr(model_config, "heads", 1)))
@@ -197,37 +201,29 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
     stop = steps if steps is not None else o.total_steps
     dim = getattr(model_config, "dim", 64)
     held_out = validation_ids(store, list(data_adapter.required_fields), config.data.validation_fraction, config.data.validation_ids)
-    # The epoch order's window, from the config and the snapshot alone (never the world size).
-    shard_bytes = shard_read_bytes(store, fields)
-    # Besides two windows the cache holds what the ranks read at once: up to prefetch + 1 global
-    # batches (the ranks' readers run up to prefetch steps apart), which may span windows.
-    in_flight = (config.data.prefetch + 1) * config.data.global_batch * sum(shard_bytes) / max(len(store), 1)
-    window = resolve_window(config.data.shuffle_window, config.data.cache_bytes, shard_bytes,
-                            None if before is None else before.get("data_order", {}), in_flight)
+    # The epoch order, from the config and the snapshot alone (never the world size).
+    order = plan_order(store, fields, config.data, None if before is None else before.get("data_order", {}))
     stream = FeatureStream(
         store, data=data_adapter, global_batch=config.data.global_batch, seed=config.seed,
         dp_size=dims.dp_size, dp_rank=meshes.dp_rank, balance=config.balance, cost=config.balance.cost_model(dim),
-        tokens_per_sample=lambda shape: family.tokens_per_sample(model_config, shape), repeat=config.data.repeat, window=window,
+        tokens_per_sample=lambda shape: family.tokens_per_sample(model_config, shape), repeat=config.data.repeat, window=order.window,
         live=joint.live, on_missing=config.data.on_missing,
         caption_dropout=CaptionDropout(store, fields, config.data.caption_dropout, config.seed, joint.live.produced) if config.data.caption_dropout else None,
-        exclude=frozenset(held_out),
+        exclude=frozenset(held_out), manifest=manifest,
     )
-    data_order = {"shuffle_window": window, "shards": stream.order.num_shards}
+    run_record = RunRecord(config=config, dims=dims, store=store, fingerprints=fingerprints, input_sizes=sizes, parameters=num_params,
+                           data_order={"shuffle_window": order.window, "shards": stream.order.num_shards})
     if rank == 0:
-        log(f"epoch order: {'a global shuffle' if window is None else f'shards shuffled, then samples within windows of {window} shard(s)'}"
-            f" ({stream.order.num_shards} shard(s), {sum(shard_bytes) / 2**20:.1f} MiB read per epoch)")
-        cache = stream.cache
-        mean_shard = sum(shard_bytes) / max(1, sum(1 for b in shard_bytes if b))
-        if cache is not None and window is not None and LOW_WATER * cache.max_bytes < in_flight + 2 * mean_shard:
-            log(f"warning: the cache ({cache.max_bytes / 2**20:.1f} MiB) holds less than {config.data.prefetch + 1} global batches "
-                f"({in_flight / 2**20:.1f} MiB) and two shards ({2 * mean_shard / 2**20:.1f} MiB): objects are evicted before "
-                "their samples are read and downloaded again. Raise data.cache_bytes, or lower data.global_batch / data.prefetch")
-        if cache is not None and window is None and config.data.cache_bytes is None and sum(shard_bytes) > LOW_WATER * cache.max_bytes:
-            log(f"warning: the store ({sum(shard_bytes) / 2**30:.2f} GiB) does not fit the cache ({cache.max_bytes / 2**30:.2f} GiB) and the "
-                "order is a global shuffle: each epoch downloads it several times. Set data.cache_bytes (the order then fits it) or data.shuffle_window")
-    epoch_cache = EpochCacheStats(stream, store_bytes=sum(shard_bytes), device=device) if stream.cache is not None else None
+        log(order.describe(stream.order.num_shards))
+        for warning in order.warnings:
+            log(f"warning: {warning}")
+    # One rank per sequence-parallel group counts what the group reads (its ranks read alike).
+    sp_leader = all(c == 0 for c in meshes.sp.get_coordinate() or ())
+    epoch_cache = EpochCacheStats(stream, store_bytes=order.store_bytes, device=device, counts_reads=sp_leader) if stream.cache is not None else None
     if stream.skipped:
-        log(f"training on {stream.num_samples} of the {len(store)} samples: {stream.skipped} lack {' or '.join(map(repr, data_adapter.required_fields))}")
+        log(f"training on {stream.num_samples} of the {stream.named} samples: {stream.skipped} lack {' or '.join(map(repr, data_adapter.required_fields))}")
+    if rank == 0 and manifest is not None:
+        log(manifest_line(manifest, store, stream, config.data.on_missing))
     if rank == 0 and joint.live.fillable and stream.is_live.any():
         log(f"data.on_missing=live: {int(stream.is_live.sum())} of the {stream.num_samples} samples lack {' or '.join(map(repr, sorted(joint.live.fillable)))} and are encoded live")
     collate = joint.live.wrap_collate(data_adapter.collate)
@@ -237,7 +233,7 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
         if rank == 0:
             log(f"validation: {len(held_out)} held-out sample(s), val_loss every {config.sample.every} steps")
         validator = Validator(store, held_out, data_adapter, family, objective, dp_rank=meshes.dp_rank, dp_size=dims.dp_size,
-                              dp_group=meshes.dp.get_group(), device=device, dtype=dtype)
+                              dp_group=meshes.dp.get_group(), device=device, dtype=dtype, live=joint.live)
     if config.sample.prompts and config.sample.every:
         if "in_channels" not in sizes:
             raise ConfigError(f"sample.prompts: sampling pictures is for DiT runs; model {family.name!r} has no latents to sample")
@@ -277,8 +273,7 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
             optimizer.step()
             step = data.step + 1
             if step == start + 1:  # after the first step: optimizer state and gradients exist
-                _write_run_json(run, config, dims, fingerprints, num_params, model, optimizer, store, sizes, rank, data_order,
-                                {"encoders": joint.describe(), "drift": joint.drift})
+                _write_run_json(run, run_record, model, optimizer, rank, {"encoders": joint.describe(), "drift": joint.drift, **({"manifest": manifest.record(store)} if manifest else {})})
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             joint.step()
@@ -381,19 +376,27 @@ class EpochCacheStats:
     """What the local cache cost per epoch, summed over the ranks (a step's reads are counted by
     the reader thread as it makes them, so prefetching ahead does not shift them between steps).
     Every rank calls ``add`` at every step; the step that finishes an epoch sums the counters over
-    all ranks (one small all-reduce per epoch) and returns the ``epoch_cache`` record."""
+    all ranks (one small all-reduce per epoch) and returns the ``epoch_cache`` record.
+
+    The ranks of one sequence-parallel group read the same samples (each slices its tokens from
+    the whole sample), so ``bytes_read`` counts one rank per group (``counts_reads``): it is what
+    the data-parallel ranks read, about the store once per epoch at any SP degree. Downloads,
+    requests and hits are every rank's: what the caches really did (SP peers that share a node's
+    cache download an object once and hit it after)."""
 
     KEYS = ("requests", "hits", "bytes_downloaded", "bytes_read")
 
-    def __init__(self, stream: FeatureStream, *, store_bytes: int, device: torch.device) -> None:
+    def __init__(self, stream: FeatureStream, *, store_bytes: int, device: torch.device, counts_reads: bool = True) -> None:
         self.stream, self.store_bytes, self.device = stream, store_bytes, device
+        self.counts_reads = counts_reads
         self.totals = dict.fromkeys(self.KEYS, 0.0)
         self.wait_s = self.step_s = 0.0
         self.steps = 0
 
     def add(self, data, step_time_s: float) -> dict[str, Any]:
         for key in self.KEYS:
-            self.totals[key] += (data.cache or {}).get(key, 0)
+            if key != "bytes_read" or self.counts_reads:
+                self.totals[key] += (data.cache or {}).get(key, 0)
         self.wait_s += data.wait_s
         self.step_s += step_time_s
         self.steps += 1
@@ -418,7 +421,22 @@ class EpochCacheStats:
         return out
 
 
-def _write_run_json(run: Path, config, dims, fingerprints, num_params, model, optimizer, store, sizes, rank, data_order, extra: dict[str, Any] | None = None) -> None:
+@dataclasses.dataclass(kw_only=True)
+class RunRecord:
+    """What run.json records of a run that is settled before step 1 (``_write_run_json`` adds
+    what each rank holds after it)."""
+
+    config: TrainConfig
+    dims: ParallelDims
+    store: featstore.Store  # the run's snapshot
+    fingerprints: dict[str, Any]  # of the fields the run reads
+    input_sizes: dict[str, int]
+    parameters: int
+    data_order: dict[str, Any]  # the epoch order's window (None: global shuffle) and shard count
+
+
+def _write_run_json(run: Path, record: RunRecord, model, optimizer, rank: int, extra: dict[str, Any] | None = None) -> None:
+    store, config = record.store, record.config
     held = local_state_bytes(model, optimizer)
     grads = sum((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).numel() * p.element_size() for p in model.parameters() if p.grad is not None)
     snapshot = snapshot_digest(list(store.shards))
@@ -434,18 +452,18 @@ def _write_run_json(run: Path, config, dims, fingerprints, num_params, model, op
     latent = store.fields.get(config.data.latent_field)  # a DiT store: record its normalisation
     doc = {
         "config": to_dict(config),
-        "mesh": dict(zip(MESH_DIMS, dims.shape)),
-        "world_size": dims.world_size,
+        "mesh": dict(zip(MESH_DIMS, record.dims.shape)),
+        "world_size": record.dims.world_size,
         # The snapshot the run trains on; --resume reopens exactly these shards.
         "store": {"url": store.url, "samples": len(store), "shards": sorted(store.shards), "snapshot": snapshot},
         # The epoch order's window (None: global shuffle); --resume keeps it.
-        "data_order": data_order,
-        "fingerprints": fingerprints,
+        "data_order": record.data_order,
+        "fingerprints": record.fingerprints,
         # The trained fields' metadata (normalisation, VAE compression...): what sampling and
         # export need to turn the model's output back into pictures, even without the store.
-        "fields": {name: store.fields[name].meta for name in fingerprints if name in store.fields},
-        "input_sizes": sizes,
-        "parameters": num_params,
+        "fields": {name: store.fields[name].meta for name in record.fingerprints if name in store.fields},
+        "input_sizes": record.input_sizes,
+        "parameters": record.parameters,
         "ranks": [{"rank": r, "param_bytes": int(t[0]), "grad_bytes": int(t[1]), "optim_bytes": int(t[2])} for r, t in enumerate(everyone)],
         **(extra or {}),
     }

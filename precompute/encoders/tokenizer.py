@@ -17,6 +17,9 @@ Which tokens are answers is decided on the rendered *text* (character spans of t
 mapped to tokens through the tokenizer's offsets, so it holds for any template and any BPE merge
 at a boundary (a token overlapping an answer is an answer token).
 A sample is rejected, never truncated, when it is longer than ``max_length`` tokens.
+
+For answering (``mmtrain sample`` on a VLM run), ``generation_prompt`` renders the start of a
+sample the same way, up to where its answer begins, and ``stop_token_ids`` names what ends one.
 """
 
 from __future__ import annotations
@@ -232,6 +235,57 @@ class TokenizerEncoder(Encoder):
         if self._template:
             return (*self._render_chat_template(turns), placeholders)
         return (*self._render_builtin(turns), placeholders)
+
+    # -- answering ----------------------------------------------------------------------
+    def generation_prompt(self, prompt: str | None, images: int = 1) -> np.ndarray:
+        """Token ids [N] that a model continues with an answer: a sample rendered and tokenized as at
+        encode time, cut before its answer's first token. Without ``prompt``, a caption (``bos +
+        caption_prompt``, then the caption and eos); with one, a one-turn conversation (the chat
+        template or the built-in one). A prompt without the image placeholder gets it in front
+        (placeholder + newline + prompt, as LLaVA writes it). Cutting the tokenized sample, not
+        tokenizing the text before the answer, keeps a space that starts the answer in the answer's
+        first token (``Ġword``), as the model was trained."""
+        self.require_loaded()
+        token, answer = self.config.image_token, "Answer"
+        if prompt is None:
+            sample = TextSample(caption=answer, images=images)
+        else:
+            human = prompt if token in prompt or not images else f"{token}\n{prompt}"
+            sample = TextSample(caption="", conversations=(("human", human), ("gpt", answer)), images=images)
+        text, spans, placeholders = self._render(sample)
+        if placeholders != images:
+            raise EncoderInputError(f"the prompt holds {placeholders} {token} placeholder(s) for {images} image(s)")
+        with self._lock:
+            tokens = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = []
+        for token_id, (_, end) in zip(tokens["input_ids"], tokens["offset_mapping"], strict=True):
+            if end > spans[-1][0]:
+                break
+            ids.append(token_id)
+        out = np.asarray(ids, dtype=np.int32)
+        if int((out == self._image_token_id).sum()) != images:
+            raise EncoderInputError(f"the tokenizer splits or merges {token} in the prompt")
+        return out
+
+    def stop_token_ids(self) -> list[int]:
+        """The tokens that end an answer: eos, and the chat template's end-of-turn token (e.g.
+        ``<|im_end|>``) when it closes an assistant turn with another one."""
+        self.require_loaded()
+        stop = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        if self._template:
+            answer = "mmcache-answer"
+            text, spans = self._render_chat_template([("user", "q"), ("assistant", answer)])
+            start, end = spans[-1]
+            closing = text[start + len(answer) : end]
+            if closing:
+                stop.append(int(self.tokenizer.convert_tokens_to_ids(closing)))
+        return sorted(set(stop))
+
+    def decode(self, ids) -> str:
+        """An answer's text: token ids without the special tokens."""
+        self.require_loaded()
+        with self._lock:
+            return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def _render_builtin(self, turns: list[tuple[str, str]]) -> tuple[str, list[tuple[int, int]]]:
         bos, eos = self.tokenizer.bos_token or "", self.tokenizer.eos_token or ""

@@ -21,11 +21,11 @@ from featstore import format as fmt
 from featstore.reader import open_store
 from featstore.verify import verify_store
 
-ALL_DTYPES = list(fmt.DTYPES)
+ALL_DTYPES = list(fmt.ZARR_DTYPES)
 
 
 def random_array(rng: np.random.Generator, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-    np_dtype = fmt.DTYPES[dtype][0]
+    np_dtype = fmt.dtype_info(dtype)[0]
     if dtype == "bool":
         return rng.integers(0, 2, size=shape).astype(bool)
     if np_dtype.kind in "iu":

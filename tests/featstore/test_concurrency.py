@@ -104,9 +104,12 @@ def _check_exactly_once(url, expected: dict[str, dict[str, np.ndarray]]):
     return store, report
 
 
-def test_two_writers_of_one_shard_name(url):
+@pytest.mark.parametrize("when", ["during_data", "before_commit"])
+def test_two_writers_of_one_shard_name(url, when):
     """Two runs of one plan race on one deterministic shard name with bytes one ulp apart: one
-    commits, the other discards its own objects and says so; nothing of the winner's changes."""
+    commits, the other discards its own objects and says so; nothing of the winner's changes.
+    The other commits while this one uploads its data (its check finds the name taken) or
+    between its check and its commit point (the conditional create refuses it)."""
     featstore.create(url, fields=FIELDS).close()
     samples = ragged_samples(6)
     ours = {sid: arrays for sid, arrays, _ in samples}
@@ -118,10 +121,11 @@ def test_two_writers_of_one_shard_name(url):
             other.add(sid, arrays)
         assert other.commit("t-task-0") == "t-task-0"
 
-    writer = _writer(url, interleave=lambda s: Interleave(s, "write_new", fmt.INDEX_DIR, before=other_run_commits_first))
+    op, prefix, message = ("write_many", fmt.SHARDS_DIR, "already committed.*discarded") if when == "during_data" else ("write_new", fmt.INDEX_DIR, "committed by another writer")
+    writer = _writer(url, interleave=lambda s: Interleave(s, op, prefix, before=other_run_commits_first))
     for sid, arrays in ours.items():
         writer.add(sid, arrays)
-    with pytest.raises(featstore.ShardCommittedError, match="committed by another writer"):
+    with pytest.raises(featstore.ShardCommittedError, match=message):
         writer.commit("t-task-0")
     store, report = _check_exactly_once(url, theirs)
     assert list(store.shards) == ["t-task-0"]

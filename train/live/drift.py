@@ -21,6 +21,13 @@ import featstore
 from train.live.reattach import LiveEncoder, LiveInputError, sample_rows
 
 # One relative step (ulp at the bottom of a binade) of each stored dtype: storage rounding only.
+# A live encoder runs at the encode's recorded thread count, but it cannot always reproduce the
+# batch a sample was encoded in: oneDNN picks its convolution algorithm by batch size and thread
+# count (measured on TAESD-F2 and the tiny VAE: one sample alone rounds differently from the same
+# sample in a batch of two or more, and at 2+ threads the batch split matters too), so ~0.1% of a
+# bf16 latent's values may land one step away. Encoding every sample alone (the only batch-
+# invariant layout found; torch.backends.mkldnn has no deterministic switch for it, and turning
+# oneDNN off is process-wide) cost ~1.5x the encode's CPU time here and more on an accelerator.
 TOLERANCE = {"bfloat16": 2.0**-7, "float16": 2.0**-10, "float32": 1e-6}
 
 
@@ -67,12 +74,14 @@ def pick_samples(store: featstore.Store, field_name: str, count: int, seed: int 
     return [ids[i] for i in sorted(chosen.tolist())]
 
 
-def measure_drift(store: featstore.Store, live: LiveEncoder, sample_ids: Sequence[str], tolerance: float | None = None) -> FieldDrift:
-    """Re-encode ``sample_ids`` with ``live`` and compare with their cached ``live.field``."""
+def measure_drift(store: featstore.Store, live: LiveEncoder, sample_ids: Sequence[str], tolerance: float | None = None,
+                  manifest: Any | None = None) -> FieldDrift:
+    """Re-encode ``sample_ids`` with ``live`` and compare with their cached ``live.field``
+    (``manifest``: the training manifest, for the conversations a tokenizer field was made from)."""
     report = FieldDrift(field=live.field, tolerance=TOLERANCE.get(live.dtype, 1e-6) if tolerance is None else tolerance,
                         fingerprint=live.differences(), settings=live.setting_differences())
     diff_sq = ref_sq = dot = live_sq = 0.0
-    for sid, row in zip(sample_ids, sample_rows(store, sample_ids), strict=True):
+    for sid, row in zip(sample_ids, sample_rows(store, sample_ids, manifest), strict=True):
         try:
             got = live.encode_rows([row])[0]
         except LiveInputError as exc:
@@ -99,9 +108,10 @@ def measure_drift(store: featstore.Store, live: LiveEncoder, sample_ids: Sequenc
     return report
 
 
-def check_before_training(store: featstore.Store, fields: dict[str, LiveEncoder], samples: int, seed: int = 0) -> list[FieldDrift]:
+def check_before_training(store: featstore.Store, fields: dict[str, LiveEncoder], samples: int, seed: int = 0,
+                          manifest: Any | None = None) -> list[FieldDrift]:
     """The drift of each live field on a few samples; raises ``DriftError`` saying what differs."""
-    reports = [measure_drift(store, live, pick_samples(store, name, samples, seed)) for name, live in fields.items()]
+    reports = [measure_drift(store, live, pick_samples(store, name, samples, seed), manifest=manifest) for name, live in fields.items()]
     bad = [r for r in reports if not r.ok]
     if bad:
         raise DriftError(

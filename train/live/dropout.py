@@ -2,10 +2,11 @@
 
 Whether a sample's caption is dropped in a step is a function of (seed, step, its position in the
 global batch) only, like its noise and timestep, so it is the same at any world size and balancer
-grouping, and a resumed run drops the same captions. A dropped sample gets the empty caption's
-embedding: for a cached text field the one `mmcache encode` stores once per text field with its
-fingerprint (``featstore.prompt_embedding(store, field, "")``); for a live or trained text field
-the encoder runs on the empty caption instead of the sample's.
+grouping, and a resumed run drops the same captions: one generator per step draws a number per
+position of the global batch in order, and every rank draws the whole batch's. A dropped sample
+gets the empty caption's embedding: for a cached text field the one `mmcache encode` stores once
+per text field with its fingerprint (``featstore.prompt_embedding(store, field, "")``); for a live
+or trained text field the encoder runs on the empty caption instead of the sample's.
 """
 
 from __future__ import annotations
@@ -49,5 +50,8 @@ class CaptionDropout:
                     f"(or train with encoders.{name}.mode=live, which encodes the empty caption itself)"
                 ) from None
 
-    def dropped(self, step: int, position: int) -> bool:
-        return bool(np.random.default_rng([self.seed, step, position, _STREAM]).random() < self.probability)
+    def mask(self, step: int, n: int) -> np.ndarray:
+        """Bool ``[n]``: whether the caption at each of positions ``0..n-1`` of step ``step``'s
+        global batch is dropped. Position ``j``'s draw is the ``j``-th of the step's stream, so
+        it does not depend on ``n`` (nor on which rank asks)."""
+        return np.random.default_rng([self.seed, step, _STREAM]).random(n) < self.probability

@@ -26,7 +26,7 @@ from torch import nn
 
 import featstore
 from featstore.errors import ConfigError
-from train.live.reattach import LiveEncoder, reattach_encoder, sample_rows
+from train.live.reattach import LiveEncoder, LiveInputError, reattach_field, sample_rows
 
 RAW = "__live_input__:"  # sample-dict key prefix of a train field's prepared encoder input
 
@@ -43,19 +43,26 @@ class LiveField:
 class LiveFields:
     """The run's live/train/fill fields and what the data pipeline and the step do with them."""
 
-    def __init__(self, store: featstore.Store, fields: Mapping[str, LiveField], optional: Sequence[str] = ()) -> None:
+    def __init__(self, store: featstore.Store, fields: Mapping[str, LiveField], optional: Sequence[str] = (),
+                 manifest: Any | None = None) -> None:
         self.store = store
         self.fields = dict(fields)
         # Fields only some samples have by design (a VLM's image features): made live for those only.
         self.optional = set(optional)
+        # data.manifest (train.live.manifest.TrainingManifest): samples the store lacks, every
+        # field made live from its rows; and the conversations a live tokenizer field needs.
+        self.manifest = manifest
+        self._planned: dict[tuple[str, str], tuple[int, ...]] = {}  # (absent sample, field) -> its planned shape
 
     # -- building -----------------------------------------------------------------------------
     @classmethod
     def build(cls, config, store: featstore.Store, read_fields: Sequence[str], *, device: str | torch.device = "cpu",
-              storage_options: dict[str, Any] | None = None, optional: Sequence[str] = ()) -> LiveFields:
+              storage_options: dict[str, Any] | None = None, optional: Sequence[str] = (), manifest: Any | None = None) -> LiveFields:
         """Re-attach the encoder of every field whose mode is not cached (and, with on_missing: live,
-        of every field some sample lacks). Raises before any training on a field the run does not
-        read, a store that does not record its encoders, or a fingerprint mismatch."""
+        of every field some sample lacks, and of every field when data.manifest names samples the
+        store lacks). Raises before any training on a field the run does not read, a store that
+        does not record its encoders, a fingerprint mismatch, or a live tokenizer field without
+        the conversations it needs."""
         unknown = sorted(set(config.encoders) - set(read_fields))
         if unknown:
             raise ConfigError(f"encoders.{unknown[0]}: this run reads no field {unknown[0]!r} (it reads {', '.join(read_fields)})")
@@ -64,19 +71,68 @@ class LiveFields:
         }
         if config.data.on_missing == "live":
             counts = store.samples_per_field()
+            absent = manifest is not None and bool(manifest.absent(store))
             for name in read_fields:
-                if name not in wanted and name not in optional and counts.get(name, 0) < len(store):
+                if name not in wanted and (absent or (name not in optional and counts.get(name, 0) < len(store))):
                     wanted[name] = "fill"
         fields = {}
         for name, mode in wanted.items():
             section = config.encoders.get(name)
-            encoder = reattach_encoder(
-                store, name, weights_path=section.path if section else None, device=device,
-                media_root=config.data.media_root, storage_options=storage_options,
-                rebuild=(section.rebuild or None) if section else None, resize=(section.resize or None) if section else None,
-            )
+            encoder = reattach_field(store, name, section, device=device, media_root=config.data.media_root, storage_options=storage_options)
             fields[name] = LiveField(name=name, mode=mode, encoder=encoder, lr_scale=section.lr_scale if section else 1.0)
-        return cls(store, fields, optional)
+        live = cls(store, fields, optional, manifest)
+        live.check_texts()
+        return live
+
+    def check_texts(self) -> None:
+        """Before step 1: a tokenizer field made live needs the turns of every store sample that was
+        tokenized from a conversation (the store keeps their sha256 only), from data.manifest, and
+        they must be the turns it was tokenized from."""
+        if "conversations_sha256" not in self.store.meta_columns:
+            return
+        for name, live in self.fields.items():
+            if not live.encoder.is_text or live.encoder.encoder.text_input == "caption":
+                continue
+            ids = self.store.sample_ids()
+            if live.mode == "fill":
+                ids = [i for i in ids if not self.store.has_field(i, name)]
+            rows = self.manifest.rows if self.manifest is not None else {}
+            recorded = {i: h for i in ids if (h := self.store.meta(i).get("conversations_sha256"))}
+            need = [i for i in recorded if getattr(rows.get(i), "conversations", None) is None]
+            if need:
+                where = "data.manifest does not give their turns" if self.manifest is not None else "no data.manifest gives their turns"
+                raise LiveInputError(
+                    f"encoders.{name} ({live.mode}): {len(need)} sample(s) were tokenized from conversations, which the store keeps "
+                    f"only the sha256 of, and {where} (e.g. {', '.join(need[:3])}): set data.manifest to the manifest they were "
+                    f"encoded from, or keep {name!r} cached"
+                )
+            if edited := [i for i, digest in recorded.items() if rows[i].conversations_sha256 != digest]:
+                raise LiveInputError(
+                    f"encoders.{name} ({live.mode}): the conversations of {len(edited)} sample(s) in data.manifest are not the ones "
+                    f"they were tokenized from (e.g. {', '.join(edited[:3])}): their cached tokens are stale; re-encode them, or use "
+                    "the manifest they were encoded from"
+                )
+
+    def has_field(self, sample_id: str, name: str) -> bool:
+        """Whether the sample has (or, absent from the store, will have) the field: a sample the
+        store lacks gets every text field, and the visual ones when its row has media."""
+        if sample_id in self.store:
+            return self.store.has_field(sample_id, name)
+        from train.live.manifest import has_media
+
+        live = self.fields.get(name)
+        assert self.manifest is not None, f"sample {sample_id!r} is neither in the store nor in a manifest"
+        return live is not None and (live.encoder.is_text or has_media(self.manifest.row(sample_id)))
+
+    def planned_shape(self, sample_id: str, name: str) -> tuple[int, ...]:
+        """The shape field ``name`` will have for a sample that lacks it (absent from the store, or
+        a store sample without it): what the batch planner sizes the sample by before anything is
+        encoded, checked again when it is encoded."""
+        key = (sample_id, name)
+        if key not in self._planned:
+            row = sample_rows(self.store, [sample_id], self.manifest)[0]
+            self._planned[key] = self.fields[name].encoder.planned_shape(row)
+        return self._planned[key]
 
     def __bool__(self) -> bool:
         return bool(self.fields)
@@ -102,21 +158,27 @@ class LiveFields:
 
         def rows_of(positions: list[int]) -> list[dict[str, Any]]:
             todo = [k for k in positions if k not in rows]
-            for k, row in zip(todo, sample_rows(self.store, [sample_ids[k] for k in todo]), strict=True):
+            for k, row in zip(todo, sample_rows(self.store, [sample_ids[k] for k in todo], self.manifest), strict=True):
                 rows[k] = {**row, "caption": ""} if k in blank_captions else row
             return [rows[k] for k in positions]
 
         for name, live in self.fields.items():
             targets = [k for k, sample in enumerate(samples)
-                       if name not in sample and (name not in self.optional or self.store.has_field(sample_ids[k], name))]
+                       if name not in sample and (name not in self.optional or self.has_field(sample_ids[k], name))]
             if not targets:
                 continue
             if live.mode == "train":
                 for k, item in zip(targets, live.encoder.inputs(rows_of(targets)), strict=True):
                     samples[k][RAW + name] = item
-            else:
-                for k, array in zip(targets, live.encoder.encode_rows(rows_of(targets)), strict=True):
-                    samples[k][name] = array
+                continue
+            for k, array in zip(targets, live.encoder.encode_rows(rows_of(targets)), strict=True):
+                planned = self._planned.get((sample_ids[k], name))
+                if planned is not None and tuple(array.shape) != planned:
+                    raise LiveInputError(
+                        f"sample {sample_ids[k]!r}: its {name!r} encoded live has shape {tuple(array.shape)}, but its media's headers "
+                        f"gave {planned} when the run planned its batches: the file changed during the run, or its header lies"
+                    )
+                samples[k][name] = array
 
     # -- the step -----------------------------------------------------------------------------
     def wrap_collate(self, collate: Callable[..., Any]) -> Callable[..., Any]:

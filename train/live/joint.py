@@ -35,17 +35,18 @@ class JointEncoders:
 
     @classmethod
     def setup(cls, config, store: featstore.Store, read_fields: list[str], *, device: torch.device, fsdp_mesh=None,
-              storage_options: dict[str, Any] | None = None, lr_lambda=None, log=print, optional: list[str] | None = None) -> JointEncoders:
-        needed = any(s.mode != "cached" for s in config.encoders.values()) or config.data.on_missing == "live"
-        live = (LiveFields.build(config, store, read_fields, device=device, storage_options=storage_options, optional=optional or [])
-                if needed else LiveFields(store, {}))
+              storage_options: dict[str, Any] | None = None, lr_lambda=None, log=print, optional: list[str] | None = None,
+              manifest=None) -> JointEncoders:
+        # Nothing is loaded when every field is cached (build still refuses encoders.<field> the run does not read).
+        # manifest: data.manifest (train.live.manifest.TrainingManifest), or None.
+        live = LiveFields.build(config, store, read_fields, device=device, storage_options=storage_options, optional=optional or [],
+                                manifest=manifest)
         joint = cls(live=live)
         if not live:
-            if config.encoders:
-                LiveFields.build(config, store, read_fields)  # only to refuse encoders.<field> the run does not read
             return joint
         if config.data.drift_samples:
-            reports = check_before_training(store, {n: f.encoder for n, f in live.fields.items()}, config.data.drift_samples, config.seed)
+            reports = check_before_training(store, {n: f.encoder for n, f in live.fields.items()}, config.data.drift_samples, config.seed,
+                                            manifest=manifest)
             joint.drift = [r.to_dict() for r in reports]
             for report in reports:
                 log(f"drift check: {report.line()}")

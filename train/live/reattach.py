@@ -2,13 +2,15 @@
 
 This is the one place ``train`` imports ``precompute``'s encoders. ``mmcache encode`` records,
 in each field's metadata, the encoder's registry name and typed config (``meta["encoder"]``:
-``{"encoder": NAME, "config": {...}, "transform": {resize, frames, size_multiple}}``) beside its
-fingerprint, and per sample the media's source (``source_uri``, ``source_path`` as the manifest
+``{"encoder": NAME, "config": {...}, "transform": {resize, frames, size_multiple}, "threads": N}``)
+beside its fingerprint, and per sample the media's source (``source_uri``, ``source_path`` as the manifest
 wrote it, ``content_hash``) and what was done to it (crop box, size, frame indices). From that,
 the encoder is rebuilt through ``precompute``'s registry and ``from_pretrained(local_dir)``, its
 fingerprint is checked against the recorded one (fail closed), and media are decoded with the
-same code as ``mmcache encode`` and checked against the recorded geometry, so a live encoder
-reproduces the cached features (up to storage rounding).
+same code as ``mmcache encode`` and checked against the recorded geometry, and a CPU encoder runs
+at the recorded intra-op thread count, so a live encoder reproduces the cached features: bit for
+bit where the batch a sample was encoded in does not change its rounding, else up to one step of
+the stored dtype (see ``train.live.drift.TOLERANCE``).
 
 Public API (stable; the sampling helper uses it to encode prompts with a run's text encoder)::
 
@@ -31,11 +33,11 @@ since it was encoded, or preparing it now gives another crop/size/frames than re
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
-import os
 import posixpath
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from pathlib import Path
@@ -73,10 +75,15 @@ class LiveInputError(ReattachError):
     """A sample's source cannot reproduce its cached input (changed file, other crop or frames)."""
 
 
-def sample_rows(store: featstore.Store, sample_ids: Sequence[str]) -> list[dict[str, Any]]:
-    """Each sample's first index row as a dict: caption, modality, source and geometry columns."""
-    table = store.index
-    return [table.slice(store.row(sid), 1).to_pylist()[0] for sid in sample_ids]
+def sample_rows(store: featstore.Store, sample_ids: Sequence[str], manifest: Any | None = None) -> list[dict[str, Any]]:
+    """Each sample's id and recorded metadata (caption, modality, source and geometry columns),
+    from the store's per-column lists (built once per store; slicing the index per sample cost
+    a pyarrow call per row on the data pipeline's path). With a training manifest
+    (``train.live.manifest.TrainingManifest``): samples the store lacks come from its rows, and
+    store samples get the conversations their tokenizer field was encoded from."""
+    if manifest is None:
+        return [{"id": sid, **store.meta(sid)} for sid in sample_ids]
+    return [manifest.add_text({"id": sid, **store.meta(sid)}) if sid in store else manifest.row(sid) for sid in sample_ids]
 
 
 def encoder_record(store: featstore.Store, field_name: str, rebuild: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -127,7 +134,7 @@ def reattach_encoder(
     overrides recorded resize settings (what the drift check uses to show a changed rule)."""
     from precompute.encoders import UnknownEncoderError, build_encoder
     from precompute.media import FrameSampling, ResizeConfig
-    from precompute.tasks import QUIET_OFFLINE_ENV
+    from precompute.tasks import quiet_offline_env
 
     record = encoder_record(store, field_name, rebuild)
     meta = store.fields[field_name].meta
@@ -140,8 +147,7 @@ def reattach_encoder(
             f"field {field_name!r}: the encoder's model folder {path} (recorded when {store.url} was encoded) does not exist; "
             f"pass where it is now (--set encoders.{field_name}.path=DIR)"
         )
-    for key, value in QUIET_OFFLINE_ENV.items():
-        os.environ.setdefault(key, value)  # models load from local folders only
+    quiet_offline_env()  # models load from local folders only
     try:
         encoder = build_encoder(record["encoder"], options)
     except UnknownEncoderError as exc:
@@ -162,10 +168,30 @@ def reattach_encoder(
         media_root=media_root,
         storage_options=storage_options,
         weights_path=weights_path,
+        threads=record.get("threads"),
     )
     if check_fingerprint:
         live.check_fingerprint()
     return live
+
+
+def reattach_field(
+    store: featstore.Store,
+    field_name: str,
+    section: Any | None,
+    *,
+    device: str | torch.device = "cpu",
+    media_root: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    check_fingerprint: bool = True,
+) -> LiveEncoder:
+    """``reattach_encoder`` with a train config's ``encoders.<field>`` section (``path``,
+    ``rebuild``, ``resize``; None: as recorded)."""
+    return reattach_encoder(
+        store, field_name, weights_path=section.path if section else None, device=device, media_root=media_root,
+        storage_options=storage_options, rebuild=(section.rebuild or None) if section else None,
+        resize=(section.resize or None) if section else None, check_fingerprint=check_fingerprint,
+    )
 
 
 @dataclass(kw_only=True)
@@ -183,7 +209,9 @@ class LiveEncoder:
     media_root: str | None = None
     storage_options: dict[str, Any] | None = None
     weights_path: str | None = None
+    threads: int | None = None  # torch intra-op threads the encode ran at (recorded); None: the caller's
     _rule: Any = dataclass_field(default=None, repr=False)
+    _out_shapes: dict[tuple[int, ...], tuple[int, ...]] = dataclass_field(default_factory=dict, repr=False)
 
     # -- identity -----------------------------------------------------------------------------
     @property
@@ -192,8 +220,9 @@ class LiveEncoder:
 
     @property
     def dtype(self) -> str:
-        """The stored dtype name (what ``encode_*`` return and ``features`` rounds to)."""
-        return self.encoder.config.dtype
+        """The stored dtype name (what ``encode_*`` return and ``features`` rounds to; a
+        tokenizer's fields are integers)."""
+        return self.encoder.fields()[self.field].dtype
 
     def fingerprint(self) -> dict[str, Any]:
         return self.encoder.fingerprint()
@@ -237,9 +266,10 @@ class LiveEncoder:
 
     # -- inputs -------------------------------------------------------------------------------
     def locate(self, row: Mapping[str, Any]) -> str:
-        """Where a sample's source file is now: under ``media_root`` when given, else as recorded."""
+        """Where a sample's source file is now: under ``media_root`` when given, else as recorded
+        (a training manifest's row: where the manifest says)."""
         recorded = row.get("source_uri")
-        if self.media_root is None:
+        if self.media_root is None or row.get("from_manifest"):
             if not recorded:
                 raise MediaMovedError(f"sample {row.get('id')!r} records no source_uri: its media cannot be found")
             return str(recorded)
@@ -257,23 +287,47 @@ class LiveEncoder:
     def inputs(self, rows: Sequence[Mapping[str, Any]]) -> list[Any]:
         """What the encoder takes for these samples: captions, or decoded pixels prepared exactly as
         they were for the cache (checked against the recorded content hash and geometry)."""
-        from precompute.tasks import text_input
-
         if self.is_text:
-            if self.encoder.text_input != "caption":
-                raise LiveInputError(f"field {self.field!r}: live re-encoding of {self.encoder.registry_name} fields is not supported (the store does not record conversations)")
-            return [text_input(self.encoder, str(row.get("caption") or ""), None, str(row.get("modality"))) for row in rows]
+            return [self._text(row) for row in rows]
         return [self._pixels(row) for row in rows]
 
-    def _pixels(self, row: Mapping[str, Any]) -> np.ndarray:
-        from precompute.media import MediaError, prepare, read_source
-        from precompute.tasks import encoder_input, size_rule_for
+    def _text(self, row: Mapping[str, Any]) -> Any:
+        """The caption, or for a tokenizer the ``TextSample``: caption or conversation and whether
+        the sample has an image. The store keeps a conversation's sha256 only (``conversations_sha256``),
+        so the turns come from the training manifest (``data.manifest``) and must hash to it."""
+        from precompute.inputs import conversations_digest
+        from precompute.tasks import text_input
+
+        caption, modality = str(row.get("caption") or ""), str(row.get("modality"))
+        if self.encoder.text_input == "caption":
+            return text_input(self.encoder, caption, None, modality)
+        turns, recorded = row.get("conversations"), row.get("conversations_sha256")
+        if recorded and turns is None:
+            raise LiveInputError(
+                f"field {self.field!r}: sample {row.get('id')!r} was tokenized from a conversation, and the store keeps only its "
+                "sha256: set data.manifest to the manifest it was encoded from (its turns are re-read and checked against the "
+                f"recorded hash), or keep encoders.{self.field}.mode cached"
+            )
+        if turns is not None:
+            turns = tuple(tuple(t) for t in turns)
+            if recorded and conversations_digest(turns) != recorded:
+                raise LiveInputError(
+                    f"field {self.field!r}: sample {row.get('id')!r}'s conversation in data.manifest is not the one it was encoded "
+                    "from (its sha256 differs): its cached tokens are stale; re-encode it, or use the manifest it was encoded from"
+                )
+        return text_input(self.encoder, caption, turns, modality)
+
+    def _source(self, row: Mapping[str, Any]) -> tuple[str, bytes]:
+        """(where it is now, its bytes) of a sample's media, checked against the recorded content hash."""
+        from precompute.media import MediaError, read_source
 
         url = self.locate(row)
         sid = row.get("id")
         try:
             data = read_source(url, self.storage_options)
         except MediaError as exc:
+            if exc.reason == "missing file" and row.get("from_manifest"):
+                raise MediaMovedError(f"sample {sid!r}: its source {row.get('source_path')} in data.manifest is missing ({url})") from None
             if exc.reason == "missing file":
                 root = _recorded_root(row)
                 raise MediaMovedError(
@@ -284,15 +338,74 @@ class LiveEncoder:
             raise LiveInputError(f"sample {sid!r}: {exc}") from None
         if row.get("content_hash") and hashlib.sha256(data).hexdigest() != row["content_hash"]:
             raise LiveInputError(f"sample {sid!r}: {url} changed since it was encoded (content hash differs); its cached features are stale: re-encode it")
-        if self._rule is None:
-            self._rule = size_rule_for(self.encoder, self.size_multiple)
+        return url, data
+
+    def _pixels(self, row: Mapping[str, Any]) -> np.ndarray:
+        from precompute.tasks import encoder_input
+
+        url, data = self._source(row)
         modality = str(row.get("modality"))
-        try:
-            prepared = prepare(data, url, modality=modality, resize=self.resize, rule=self._rule, sampling=self.frames)  # type: ignore[arg-type]
-        except MediaError as exc:
-            raise LiveInputError(f"sample {sid!r}: {exc}") from None
+        prepared = self._prepare(data, url, modality, f"sample {row.get('id')!r}")
         self._check_geometry(row, prepared.provenance)
         return encoder_input(self.section, modality, prepared.pixels)
+
+    def planned_shape(self, row: Mapping[str, Any]) -> tuple[int, ...]:
+        """The shape this field will have for a sample the store does not hold, without encoding it:
+        a text field's from its text (a tokenizer is cheap; it is asked only where a model family
+        sizes samples by it), a visual one's from the media's headers (the prepared size and frame
+        count) and one encoder pass on zeros per distinct input shape."""
+        from precompute.media import MediaError, prepared_shape
+        from precompute.tasks import encoder_input
+
+        if self.is_text:
+            return tuple(self.encode_rows([row])[0].shape)
+        url, data = self._source(row)
+        modality = str(row.get("modality"))
+        try:
+            pixels = prepared_shape(data, url, modality=modality, resize=self.resize, rule=self._size_rule(), sampling=self.frames)  # type: ignore[arg-type]
+        except MediaError as exc:
+            raise LiveInputError(f"sample {row.get('id')!r}: {exc}") from None
+        shape = encoder_input(self.section, modality, np.broadcast_to(np.zeros((), np.uint8), pixels)).shape
+        if shape not in self._out_shapes:
+            self._out_shapes[shape] = tuple(self.encode_inputs([np.zeros(shape, np.uint8)])[0].shape)
+        return self._out_shapes[shape]
+
+    def _prepare(self, data: bytes, url: str, modality: str, what: str) -> Any:
+        """Decoded media, resized and framed by the recorded rule (``mmcache encode``'s code)."""
+        from precompute.media import MediaError, prepare
+
+        try:
+            return prepare(data, url, modality=modality, resize=self.resize, rule=self._size_rule(), sampling=self.frames)  # type: ignore[arg-type]
+        except MediaError as exc:
+            raise LiveInputError(f"{what}: {exc}") from None
+
+    def encode_files(self, paths: Sequence[str]) -> list[np.ndarray]:
+        """Media that are in no store (the images a VLM is asked about) -> features, prepared as
+        ``mmcache encode`` prepares a sample's media with this field's recorded settings."""
+        from precompute.inputs import modality_of
+        from precompute.media import MediaError, read_source
+        from precompute.tasks import encoder_input
+
+        if self.is_text:
+            raise LiveInputError(f"field {self.field!r} is made by a text encoder, not from media")
+        inputs = []
+        for path in paths:
+            modality = modality_of(path)
+            if modality is None:
+                raise LiveInputError(f"{path}: not an image or video file (by its name's suffix)")
+            try:
+                data = read_source(path, self.storage_options)
+            except MediaError as exc:
+                raise LiveInputError(f"{path}: {exc}") from None
+            inputs.append(encoder_input(self.section, modality, self._prepare(data, path, modality, path).pixels))
+        return self.encode_inputs(inputs)
+
+    def _size_rule(self) -> Any:
+        from precompute.tasks import size_rule_for
+
+        if self._rule is None:
+            self._rule = size_rule_for(self.encoder, self.size_multiple)
+        return self._rule
 
     def _check_geometry(self, row: Mapping[str, Any], provenance: Mapping[str, Any]) -> None:
         # The primary visual section's geometry is under the plain names, another's prefixed.
@@ -310,38 +423,56 @@ class LiveEncoder:
             )
 
     # -- encoding -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _recorded_threads(self) -> Iterator[None]:
+        """Run the encoder at the intra-op thread count the encode ran at. CPU kernels split their
+        reductions by thread count (GroupNorm's statistics, oneDNN's convolutions), so the same
+        input gives other low bits at another count, and the calling thread's count is whatever
+        the process left it at (the trainer's, torchrun's OMP_NUM_THREADS, or what an in-process
+        encode set). ``torch.set_num_threads`` takes effect for the calling thread (OpenMP keeps
+        the count per thread) and is put back on the way out."""
+        want, device = self.threads, self.encoder.device
+        saved = torch.get_num_threads()
+        if not want or device is None or device.type != "cpu" or saved == want:
+            yield
+            return
+        torch.set_num_threads(want)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(saved)
+
     def encode_texts(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Captions -> features exactly as ``mmcache encode`` stores them (unpadded, stored dtype)."""
         if not self.is_text:
             raise LiveInputError(f"field {self.field!r} is made by a {self.encoder.modality} encoder, not a text encoder")
-        return [out[self.field] for out in self.encoder.encode(list(texts))]
+        return self.encode_inputs(list(texts))
 
     def encode_inputs(self, inputs: Sequence[Any]) -> list[np.ndarray]:
-        return [out[self.field] for out in self.encoder.encode(list(inputs))]
-
-    def encode_media(self, rows: Sequence[Mapping[str, Any]]) -> list[np.ndarray]:
-        """Sample rows (``sample_rows``) -> features as cached, decoded with the recorded preparation."""
-        return self.encode_inputs(self.inputs(rows))
+        with self._recorded_threads():
+            return [out[self.field] for out in self.encoder.encode(list(inputs))]
 
     def encode_rows(self, rows: Sequence[Mapping[str, Any]]) -> list[np.ndarray]:
-        """Text or media, whichever this field is made from."""
+        """Sample rows (``sample_rows``) -> features as cached: their captions, or their media
+        decoded with the recorded preparation, whichever this field is made from."""
         return self.encode_inputs(self.inputs(rows))
 
     def features(self, inputs: Sequence[Any], dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
         """Differentiable features, rounded to the stored dtype (so a step sees the values the cache
         holds) and returned in ``dtype``; gradients pass the rounding unchanged."""
-        stored = _TORCH_DTYPES[self.dtype]
+        from precompute.encoders.base import torch_dtype
+
+        stored = torch_dtype(self.dtype)
         out = []
-        for item in self.encoder.features(list(inputs)):
+        with self._recorded_threads():
+            computed = self.encoder.features(list(inputs))
+        for item in computed:
             value = item[self.field]
             out.append(_round_through(value, stored).to(dtype))
         return out
 
     def module(self) -> torch.nn.Module:
         return self.encoder.trainable_module()
-
-
-_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class _RoundThrough(torch.autograd.Function):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -203,6 +204,16 @@ class DiT(nn.Module):
             raise ModelConfigError(f"in_channels and text_dim must be >= 1, got {in_channels} and {text_dim}")
         self.config, self.in_channels, self.text_dim = config, in_channels, text_dim
         dim, patch_volume = config.dim, math.prod(config.patch)
+        if dim < in_channels * patch_volume:
+            # The target (noise - data) carries fresh noise in every value of a patch: a token
+            # narrower than its patch cannot pass it through, and the loss stalls however long
+            # the run (the tiny width on 32-channel TAESD-F2 latents, measured).
+            warnings.warn(
+                f"model.dim ({dim}) is smaller than one patch token ({in_channels} latent channels x "
+                f"patch {config.patch} = {in_channels * patch_volume} values): the model cannot represent "
+                f"the velocity and will underfit; set model.args.dim >= {in_channels * patch_volume}",
+                UserWarning, stacklevel=2,
+            )
         self.patch_embed = nn.Linear(in_channels * patch_volume, dim)
         self.time_embed = TimestepEmbedder(dim, config.timestep_freq_dim, config.timestep_scale)
         self.text_embed = Mlp(text_dim, dim, dim)

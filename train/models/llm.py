@@ -18,6 +18,10 @@ Design notes (the why):
   ``set_attention_fn`` and splits tokens with ``sequence_sharding`` (None by default).
 - A tied head reuses ``embed_tokens.weight`` through ``F.linear`` rather than a second module
   sharing the tensor: state dicts then hold the weight once (safetensors refuses shared tensors).
+- Generation (``mmtrain sample`` on a VLM) goes through ``decode_logits`` with a ``KVCache``: each
+  layer keeps the rotated keys and the values of the positions so far, so a new token costs one
+  position's forward, not the whole sequence's. One sequence per row, no packing, no sequence
+  parallelism; training never passes a cache.
 """
 
 from __future__ import annotations
@@ -75,13 +79,52 @@ def packed_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
     return ((same & causal & real) | eye)[:, None]
 
 
-def packed_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
-    """The exact default attention: SDPA with the block-diagonal causal mask (GQA by repeating
-    kv heads, as Hugging Face's ``repeat_kv``: each kv head serves consecutive query heads)."""
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SDPA with GQA by repeating kv heads, as Hugging Face's ``repeat_kv`` (each kv head serves
+    consecutive query heads)."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=packed_causal_mask(document_ids))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def packed_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+    """The exact default attention: SDPA with the block-diagonal causal mask."""
+    return _sdpa(q, k, v, packed_causal_mask(document_ids))
+
+
+@dataclasses.dataclass
+class LayerKV:
+    """One layer's cached keys (rotated) and values, [B, H_kv, positions so far, Dh]."""
+
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is not None and self.values is not None:
+            k, v = torch.cat([self.keys, k], dim=2), torch.cat([self.values, v], dim=2)
+        self.keys, self.values = k, v
+        return k, v
+
+
+class KVCache:
+    """The keys and values of every layer for the positions decoded so far (``Decoder.decode_logits``)."""
+
+    def __init__(self, depth: int) -> None:
+        self.layers = [LayerKV() for _ in range(depth)]
+
+    @property
+    def length(self) -> int:
+        keys = self.layers[0].keys
+        return 0 if keys is None else keys.shape[2]
+
+
+def cached_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention of the ``n`` newest positions (q) over all ``L`` cached ones (k, v): causal, the
+    queries being positions ``L - n .. L - 1``."""
+    n, length = q.shape[2], k.shape[2]
+    mask = torch.arange(length, device=q.device)[None, :] <= torch.arange(length - n, length, device=q.device)[:, None]
+    return _sdpa(q, k, v, mask)
 
 
 def rotary(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,12 +165,17 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.dim, bias=False)
         self.attn_fn: PackedAttentionFn = packed_sdpa
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, document_ids: torch.Tensor,
+                kv: LayerKV | None = None) -> torch.Tensor:
         batch, length, _ = x.shape
         q = self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        out = self.attn_fn(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, document_ids)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if kv is not None:  # generation: these positions after the cached ones
+            out = cached_sdpa(q, *kv.extend(k, v))
+        else:
+            out = self.attn_fn(q, k, v, document_ids)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 
@@ -150,8 +198,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.mlp = SwiGLU(config.dim, config.mlp_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, document_ids)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, document_ids: torch.Tensor,
+                kv: LayerKV | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, document_ids, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -216,6 +265,20 @@ class Decoder(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.head_weight())
+
+    def decode_logits(self, inputs_embeds: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits [B, vocab] of the last of ``inputs_embeds`` [B, n, dim], the positions that follow
+        those in ``cache`` (which takes their keys and values): n = the prompt, then 1 per token."""
+        if self.sequence_sharding is not None:
+            raise InputShapeError("decode_logits runs on whole sequences: generate without sequence parallelism")
+        batch, n, _ = inputs_embeds.shape
+        start = cache.length
+        positions = torch.arange(start, start + n, device=inputs_embeds.device).expand(batch, n)
+        cos, sin = rotary(positions, self.config.attention_head_dim, self.config.rope_theta)
+        x = inputs_embeds
+        for block, kv in zip(self.blocks, cache.layers, strict=True):
+            x = block(x, cos, sin, positions, kv)  # (document ids are not read with a cache)
+        return self.logits(self.norm(x[:, -1]))
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:

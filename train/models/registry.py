@@ -17,10 +17,11 @@ the trainer needs to use it without knowing which family it is:
 - ``presets``      named configs (``tiny``, ``osp``, ...);
 - ``export``       optional ``export(model, out_dir) -> [paths]``: write a trained model in its
                    ecosystem's format (the VLM: a Hugging Face LLM folder + the projector) from a
-                   plain, unsharded module on CPU. ``export_model`` builds that module from a full
-                   state dict; ``mmtrain fit`` calls it at the end of a run (``RUN_DIR/export``) and
-                   ``mmtrain export`` writes it under ``DIR/hf`` beside the plain
-                   ``model.safetensors`` + ``config.json`` that ``mmtrain sample`` reads back;
+                   plain, unsharded module on CPU. The function ``export_model`` builds that module
+                   from a full state dict; ``mmtrain fit`` calls it at the end of a run
+                   (``RUN_DIR/export``), and ``mmtrain export`` (``ModelFamily.write_export``)
+                   writes it under ``DIR/hf`` beside the plain ``model.safetensors`` +
+                   ``config.json`` that ``mmtrain sample`` reads back;
 - ``data``         ``data(config, data_section, store) -> DataAdapter``: which store fields the
                    family reads, its input sizes from the schema, each sample's shape (what
                    ``tokens_per_sample`` reads) and micro-batch group, and how a micro-batch of
@@ -100,7 +101,7 @@ class ModelFamily:
     # deterministic for a given model. None: training_loss with those fixed generators.
     validation_loss: TrainingLoss | None = None
 
-    def export_model(self, model: nn.Module, out_dir: Any, info: dict[str, Any]) -> list[str]:
+    def write_export(self, model: nn.Module, out_dir: Any, info: dict[str, Any]) -> list[str]:
         """What ``mmtrain export`` writes for ``model`` (unsharded, on CPU): ``model.safetensors`` +
         ``config.json`` (``info``: what rebuilds it; ``mmtrain sample`` reads this back), and the
         family's own format, if it has one, under ``out_dir/hf`` (the VLM: LLM + projector)."""

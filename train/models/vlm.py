@@ -119,8 +119,8 @@ class Projector(nn.Module):
 
     def __init__(self, vit_dim: int, llm_dim: int, *, shuffle: bool, eps: float) -> None:
         super().__init__()
-        self.shuffle = shuffle
-        width = vit_dim * 4 if shuffle else vit_dim
+        self.vit_dim, self.shuffle = vit_dim, shuffle
+        width = vit_dim * 4 if shuffle else vit_dim  # the 2x2 shuffle stacks 4 patches' states
         self.norm = nn.LayerNorm(width, eps=eps)
         self.fc1 = nn.Linear(width, llm_dim)
         self.fc2 = nn.Linear(llm_dim, llm_dim)
@@ -151,8 +151,11 @@ def export_vlm(model: VLM, out: Path) -> list[Path]:
     (``from_pretrained``-loadable: config.json + model.safetensors), and ``out/projector``, the
     projector's weights (safetensors) with a config.json saying how to rebuild it
     (``load_projector``). Written beside ``out`` first, then moved into place, so a re-run never
-    leaves a mix of two exports. The tokenizer is the one the store was encoded with (its
-    fingerprint is in run.json): copy that folder next to ``llm`` to ship a complete model."""
+    leaves a mix of two exports. ``out`` is shared with the run's trained encoders
+    (``train.live.joint`` writes ``out/<field>`` with an export record): those are kept, whichever
+    of the two exports runs first; anything else in ``out`` is from an earlier export and goes.
+    The tokenizer is the one the store was encoded with (its fingerprint is in run.json): copy
+    that folder next to ``llm`` to ship a complete model."""
     from safetensors.torch import save_file
 
     from train.models.hf import save_hf
@@ -165,16 +168,21 @@ def export_vlm(model: VLM, out: Path) -> list[Path]:
     projector.mkdir(parents=True)
     save_file({k: v.detach().cpu().contiguous() for k, v in model.projector.state_dict().items()},
               str(projector / "model.safetensors"), metadata={"format": "pt"})
-    norm = model.projector.norm
     spec = {
         "format": PROJECTOR_FORMAT,
         "architecture": "pixel_shuffle(2x2)? -> LayerNorm -> Linear(fc1) -> GELU -> Linear(fc2)",
-        "vit_dim": norm.normalized_shape[0] // 4 if model.projector.shuffle else norm.normalized_shape[0],
+        "vit_dim": model.projector.vit_dim,
         "llm_dim": model.projector.fc2.out_features,
         "pixel_shuffle": model.projector.shuffle,
-        "norm_eps": norm.eps,
+        "norm_eps": model.projector.norm.eps,
     }
     (projector / "config.json").write_text(json.dumps(spec, indent=2))
+    from train.live.reattach import EXPORT_RECORD  # marks a trained encoder's folder
+
+    if out.is_dir():
+        for entry in out.iterdir():
+            if entry.is_dir() and (entry / EXPORT_RECORD).is_file() and entry.name not in ("llm", "projector"):
+                entry.replace(staging / entry.name)
     shutil.rmtree(out, ignore_errors=True)
     staging.replace(out)
     return [out / "llm", out / "projector"]

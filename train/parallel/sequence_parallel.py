@@ -60,7 +60,8 @@ class _GatherSequence(torch.autograd.Function):
 
 
 class _LayoutSharding:
-    """``shard``/``gather`` of a model's per-token tensors over the SP ranks."""
+    """``gather`` of a model's per-token tensors over the SP ranks and the USP call; each style
+    says how ``shard`` picks the layout (the first ``shard`` of a forward fixes it)."""
 
     causal = False
     attention: Callable[..., torch.Tensor]  # each style's attention fn, installed on the model
@@ -69,12 +70,6 @@ class _LayoutSharding:
         self.groups = sequence_parallel_groups_from_mesh(meshes.world)
         self.layout: SequenceLayout | None = None
         self.backend = backend
-
-    def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        # The first call of a forward (the tokens) fixes the layout; rotary tables follow it.
-        if self.layout is None or self.layout.seq_len != x.shape[dim]:
-            self.layout = layout_for_groups(x.shape[dim], self.groups, causal=self.causal)
-        return shard_sequence(x, dim, self.layout)
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         assert self.layout is not None, "gather before shard"
@@ -93,12 +88,19 @@ class _LayoutSharding:
 class DiTSequenceSharding(_LayoutSharding):
     """The DiT's ``sequence_sharding`` hook plus the matching (bidirectional) self-attention."""
 
+    def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        # The first call of a forward (the tokens) fixes the layout; rotary tables follow it.
+        if self.layout is None or self.layout.seq_len != x.shape[dim]:
+            self.layout = layout_for_groups(x.shape[dim], self.groups, causal=False)
+        return shard_sequence(x, dim, self.layout)
+
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self._usp(q, k, v)
 
 
 class CausalPackedSequenceSharding(_LayoutSharding):
-    """Zigzag sharding and causal document-masked USP attention for packed decoder batches."""
+    """Work-balanced chunked sharding and causal document-masked USP attention for packed
+    decoder batches."""
 
     causal = True
 
@@ -108,34 +110,31 @@ class CausalPackedSequenceSharding(_LayoutSharding):
         self._plan: DocumentMaskPlan | None = None
         self._layout_for: tuple | None = None  # (ids tensor, its version) the layout is for
 
-    def shard(self, x: torch.Tensor, dim: int, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """This rank's part of ``x``; with the batch's full ``document_ids`` (what the decoder
-        passes), in the work-balanced layout of that batch, else the static zigzag one."""
-        if document_ids is not None:
-            cached = self._layout_for
-            if cached is None or cached[0] is not document_ids or cached[1] != document_ids._version:
-                groups = self.groups
-                self.layout = layout = packed_causal_layout(
-                    document_ids, ring_size=groups.ring_size, ulysses_size=groups.ulysses_size,
-                    ring_rank=groups.ring_rank, ulysses_rank=groups.ulysses_rank,
-                )
-                self._layout_for = (document_ids, document_ids._version)
-            else:
-                layout = self.layout
-            assert layout is not None
-            if x.shape[dim] != layout.seq_len:
-                raise SequenceParallelConfigError(
-                    f"tensor has length {x.shape[dim]} along dim {dim} but its document_ids {layout.seq_len}"
-                )
-            return shard_sequence(x, dim, layout)
-        self._layout_for = None
-        return super().shard(x, dim)
+    def shard(self, x: torch.Tensor, dim: int, document_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``x`` in the layout balanced for the batch's full ``document_ids``
+        (``[B, S]``); every per-token tensor of the batch is sharded with the same ids, so all
+        take the one layout."""
+        cached = self._layout_for
+        if cached is None or cached[0] is not document_ids or cached[1] != document_ids._version:
+            groups = self.groups
+            self.layout = packed_causal_layout(
+                document_ids, ring_size=groups.ring_size, ulysses_size=groups.ulysses_size,
+                ring_rank=groups.ring_rank, ulysses_rank=groups.ulysses_rank,
+            )
+            self._layout_for = (document_ids, document_ids._version)
+        layout = self.layout
+        assert layout is not None
+        if x.shape[dim] != layout.seq_len:
+            raise SequenceParallelConfigError(
+                f"tensor has length {x.shape[dim]} along dim {dim} but its document_ids {layout.seq_len}"
+            )
+        return shard_sequence(x, dim, layout)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
         """q ``[B, H, S_local, D]``, k/v ``[B, H_kv, S_local, D]``, document_ids the full ``[B, S]``."""
         if self.layout is None:
             raise SequenceParallelConfigError(
-                "attention before shard: the model must shard its inputs with sequence_sharding.shard(x, 1) first"
+                "attention before shard: the model must shard its inputs with sequence_sharding.shard(x, 1, document_ids) first"
             )
         return self._usp(q, k, v, document_plan=self._document_plan(document_ids, q))
 

@@ -81,14 +81,24 @@ def sample_dit(trained, *, prompts: list[str], out: Path, seeds: list[int], samp
 
 def sample_command(run: str, *, checkpoint: int | None, prompt: tuple[str, ...], prompts_file: str | None, out: str, seeds: tuple[int, ...],
                    steps: int, guidance: float, shift: float, size: str | None, frames: int, fps: float, vae: str | None,
-                   latents_only: bool, features: str | None, storage_options: dict | None, images: tuple[str, ...]) -> dict[str, Any]:
+                   latents_only: bool, features: str | None, storage_options: dict | None, images: tuple[str, ...],
+                   temperature: float = 0.0, top_p: float = 1.0, max_new_tokens: int = 64) -> dict[str, Any]:
     trained = load_trained(run, checkpoint)
+    if trained.family.name == "vlm":
+        from train.sample.answer import AnswerConfig, AnswerConfigError, answer_vlm
+
+        config = AnswerConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+        if seeds and config.greedy:
+            raise AnswerConfigError("--seed applies when sampling: give --temperature > 0 with it (greedy answers need no seed)")
+        # No prompt: each image is captioned, as the caption samples were trained.
+        prompts: list[str | None] = list(read_prompts_arg(prompt, prompts_file)) if (prompt or prompts_file) else [None]
+        return answer_vlm(trained, images=images, prompts=prompts, seeds=list(seeds), config=config, out=Path(out),
+                          features=features, storage_options=storage_options)
     if trained.family.name != "dit":
-        raise ConfigError(f"mmtrain sample: model family {trained.family.name!r} is not supported yet (the DiT is); "
-                          "VLM answers (--image) need the ViT re-attached live, which is not built yet")
+        raise ConfigError(f"mmtrain sample: model family {trained.family.name!r} has no sampler (the DiT and the VLM have)")
     if images:
         raise ConfigError("--image is for VLM runs; this is a DiT run: give --prompt/--prompts")
-    prompts = read_prompts_arg(prompt, prompts_file)
+    prompts_dit = read_prompts_arg(prompt, prompts_file)
     sampler = SamplerConfig(steps=steps, guidance=guidance, shift=shift)
-    return sample_dit(trained, prompts=prompts, out=Path(out), seeds=list(seeds) or [0], sampler=sampler, size=size, frames=frames,
+    return sample_dit(trained, prompts=prompts_dit, out=Path(out), seeds=list(seeds) or [0], sampler=sampler, size=size, frames=frames,
                       fps=fps, vae=vae, latents_only=latents_only, features=features, storage_options=storage_options)

@@ -92,30 +92,28 @@ def load_decoder(latent_meta: dict[str, Any], vae_path: str | None, device: str 
     """The decoder of the VAE that made a latent field (its field meta), or None when none is at
     hand (no ``vae_path`` and no matching tiny model here). A ``vae_path`` holding other weights
     is an error."""
-    import os
-
     from precompute.encoders import build_encoder
-    from precompute.tasks import QUIET_OFFLINE_ENV
+    from precompute.tasks import quiet_offline_env
 
-    for key, value in QUIET_OFFLINE_ENV.items():  # local folders only, no hub look-ups or banners
-        os.environ.setdefault(key, value)
+    quiet_offline_env()  # local folders only, no hub look-ups or banners
     fingerprint = latent_meta.get("fingerprint") or {}
     name = fingerprint.get("encoder")
     if name not in DECODERS:
         if vae_path:
             raise NoDecoderError(f"the latents were made by encoder {name!r}, which has no decoder here (known: {', '.join(DECODERS)}); use --latents-only")
         return None
+    wanted = fingerprint.get("weights_sha256")
+    if wanted is None and name != "taef2":
+        return None  # nothing to check a decoder's weights against
     for folder in _candidates(name, vae_path):
-        options: dict[str, Any] = {"path": str(folder), "compute_dtype": "float32"}
-        if name != "taef2" and fingerprint.get("weights_sha256") is None:
-            continue
-        encoder = build_encoder(name, options)
+        encoder = build_encoder(name, {"path": str(folder), "compute_dtype": "float32"})
         encoder.load(device)
-        if encoder._weights_sha256 != fingerprint.get("weights_sha256"):
+        have = encoder.fingerprint()["weights_sha256"]  # what mmcache encode recorded, computed the same way
+        if have != wanted:
             if vae_path:
                 raise FingerprintMismatchError(
-                    f"--vae {vae_path}: its {name} weights (sha256 {encoder._weights_sha256[:16]}) are not the ones that made the "
-                    f"store's latents ({str(fingerprint.get('weights_sha256'))[:16]}); pass the folder the store was encoded with"
+                    f"--vae {vae_path}: its {name} weights (sha256 {have[:16]}) are not the ones that made the "
+                    f"store's latents ({str(wanted)[:16]}); pass the folder the store was encoded with"
                 )
             continue
         return DECODERS[name](encoder)

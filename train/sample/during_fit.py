@@ -51,19 +51,43 @@ def validation_ids(store: featstore.Store, required: list[str], fraction: float,
     return sorted(chosen)
 
 
+def read_held_out(store, sample_ids: list[str], data_adapter, live=None) -> list[dict]:
+    """The held-out samples as the training stream makes them (``train.data.FeatureStream.read``):
+    the cached fields (the required ones, and the optional ones each sample has, e.g. a VLM's
+    image), then what the run's live/train fields add (``live.complete``: a train field's prepared
+    inputs, which ``Validator`` encodes with the encoder as it is at each evaluation)."""
+    from train.packing import SAMPLE_ID
+
+    produced, fillable = (live.produced, live.fillable) if live else (set(), set())
+    by_fields: dict[tuple[str, ...], list[int]] = {}
+    for k, sid in enumerate(sample_ids):
+        fields = [f for f in data_adapter.required_fields if f not in produced and (f not in fillable or store.has_field(sid, f))]
+        fields += [f for f in data_adapter.optional_fields if f in store.fields and f not in produced and store.has_field(sid, f)]
+        by_fields.setdefault(tuple(fields), []).append(k)
+    out: list[dict] = [{} for _ in sample_ids]
+    for fields, members in by_fields.items():
+        read = store.read_rows([store.row(sample_ids[k]) for k in members], list(fields)) if fields else [{} for _ in members]
+        for k, sample in zip(members, read, strict=True):
+            out[k] = {**sample, SAMPLE_ID: sample_ids[k]}
+    if live:
+        live.complete(out, sample_ids)
+    return out
+
+
 class Validator:
-    """The held-out loss of one run (built once; ``loss(model)`` at each evaluation)."""
+    """The held-out loss of one run (built once; ``loss(model)`` at each evaluation). A field whose
+    encoder trains (``encoders.<field>.mode: train``) is encoded by that encoder at each
+    evaluation, as in the training step, so val_loss follows the encoder as it trains."""
 
     def __init__(self, store, ids: list[str], data_adapter, family, objective, *, dp_rank: int, dp_size: int, dp_group,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, live=None) -> None:
         self.ids, self.family, self.objective = ids, family, objective
         self.dp_rank, self.dp_size, self.dp_group = dp_rank, dp_size, dp_group
-        self.device, self.dtype, self.collate = device, dtype, data_adapter.collate
-        fields = list(data_adapter.required_fields)
+        self.device, self.dtype = device, dtype
+        self.collate = live.wrap_collate(data_adapter.collate) if live else data_adapter.collate
         self.mine = list(range(dp_rank, len(ids), dp_size))
         # The held-out samples are few: read this rank's once and keep them.
-        rows = [store.row(ids[j]) for j in (self.mine or [0])]
-        self.samples = store.read_rows(rows, fields)
+        self.samples = read_held_out(store, [ids[j] for j in (self.mine or [0])], data_adapter, live)
         self.rounds = -(-len(ids) // dp_size)
 
     def loss(self, model: torch.nn.Module) -> float:

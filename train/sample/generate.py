@@ -18,7 +18,7 @@ from featstore.prompts import EMPTY_PROMPT, MissingPromptError, read_prompts
 from train.data import latent_normalisation
 from train.sample.decode import Decode, to_store_space
 from train.sample.output import sample_name, write_frames, write_grid, write_index, write_latents
-from train.sample.sampler import SamplerConfig, sample_batch, sample_one
+from train.sample.sampler import SamplerConfig, sample_batch
 
 
 class SampleSizeError(ConfigError):
@@ -117,15 +117,17 @@ def generate(model: torch.nn.Module, job: SampleJob, embeddings: dict[str, np.nd
         out.mkdir(parents=True, exist_ok=True)
     records, grid, latents = [], [], {}
     pairs = [(prompt, seed) for prompt in job.prompts for seed in job.seeds]
-    batched = {}
-    if job.batched:  # one batch for every (prompt, seed): fewer, larger forwards
-        stacked = sample_batch(model, job.shape, [s for _, s in pairs], [as_float_tensor(embeddings[p]) for p, _ in pairs], empty, job.sampler, device)
-        batched = dict(zip(pairs, stacked, strict=True))
+    # Batched (during fit): every pair in one batch, fewer and larger forwards. Else each pair is a
+    # batch of its own, so its bytes depend on nothing else in the request.
+    groups = [pairs] if job.batched else [[pair] for pair in pairs]
+    sampled_of: dict[tuple[str, int], torch.Tensor] = {}
+    for group in groups:
+        stacked = sample_batch(model, job.shape, [s for _, s in group], [as_float_tensor(embeddings[p]) for p, _ in group], empty, job.sampler, device)
+        sampled_of.update(zip(group, stacked, strict=True))
     for i, prompt in enumerate(job.prompts):
-        text = as_float_tensor(embeddings[prompt])
         row = []
         for seed in job.seeds:
-            sampled = batched[(prompt, seed)] if job.batched else sample_one(model, job.shape, seed, text, empty, job.sampler, device)
+            sampled = sampled_of[(prompt, seed)]
             latent = to_store_space(sampled, normalisation)
             name = sample_name(i, seed)
             record: dict[str, Any] = {"prompt": prompt, "seed": seed, "name": name}

@@ -112,25 +112,12 @@ def model_velocity(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -
     return velocity
 
 
-def sample_one(model: torch.nn.Module, shape: Sequence[int], seed: int, text: torch.Tensor, empty: torch.Tensor | None,
-               config: SamplerConfig, device: torch.device | str = "cpu") -> torch.Tensor:
-    """One latent [C, T, H, W] (in the model's normalised latent space) for one prompt's text
-    embedding [L, D] and one seed; ``empty`` is the empty prompt's embedding (for guidance)."""
-    device = torch.device(device)
-    cond = (text.float()[None].to(device), torch.ones(1, text.shape[0], dtype=torch.bool, device=device))
-    uncond = None
-    if empty is not None:
-        uncond = (empty.float()[None].to(device), torch.ones(1, empty.shape[0], dtype=torch.bool, device=device))
-    noise = initial_noise(shape, seed)[None].to(device)
-    return euler_sample(model_velocity(model), noise, cond, uncond, config)[0].cpu()
-
-
 def sample_batch(model: torch.nn.Module, shape: Sequence[int], seeds: Sequence[int], texts: Sequence[torch.Tensor], empty: torch.Tensor | None,
                  config: SamplerConfig, device: torch.device | str = "cpu") -> torch.Tensor:
     """Latents [B, C, T, H, W] for (texts[i], seeds[i]) pairs in one batch: a forward per step for
     all of them (what sampling during fit uses: far fewer, larger forwards). Deterministic for a
     given set of pairs; a pair's result can differ from ``sample_one``'s by float rounding (other
-    batch shapes can take other kernels)."""
+    batch shapes can take other kernels). ``empty`` is the empty prompt's embedding (guidance)."""
     from train.models.dit import pad_text
 
     device = torch.device(device)
@@ -140,3 +127,10 @@ def sample_batch(model: torch.nn.Module, shape: Sequence[int], seeds: Sequence[i
         uncond = (empty.float()[None].to(device), torch.ones(1, empty.shape[0], dtype=torch.bool, device=device))
     noise = torch.stack([initial_noise(shape, seed) for seed in seeds]).to(device)
     return euler_sample(model_velocity(model), noise, (text, mask), uncond, config).cpu()
+
+
+def sample_one(model: torch.nn.Module, shape: Sequence[int], seed: int, text: torch.Tensor, empty: torch.Tensor | None,
+               config: SamplerConfig, device: torch.device | str = "cpu") -> torch.Tensor:
+    """One latent [C, T, H, W] (the model's normalised latent space) for one prompt's text
+    embedding [L, D] and one seed: a batch of one, so its bytes depend on nothing else."""
+    return sample_batch(model, shape, [seed], [text], empty, config, device)[0]

@@ -8,6 +8,10 @@ family's weights. Both load into one ``Trained``.
 Weights come from safetensors when they can (``model.safetensors``, an export): nothing is
 unpickled. ``--checkpoint STEP`` (or a run stopped before its end) reads a DCP checkpoint, whose
 metadata is pickled: as for ``--resume``, only from run folders you trust.
+
+An encoder the run trained (``encoders.<field>.mode: train``, e.g. a VLM's ViT) is part of what
+it learned: ``reattach_trained`` rebuilds it from the store's record with the run's weights (the
+final ``RUN/export/<field>``, a checkpoint's state, or an export's ``encoders/<field>``).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 import torch
 
 from featstore.errors import ConfigError
-from train.checkpoint import checkpoint_dir, latest_checkpoint
+from train.checkpoint import checkpoints
 from train.models.registry import EXPORT_FORMAT, ModelFamily, get_model_family
 
 
@@ -36,10 +40,16 @@ class Trained:
     info: dict[str, Any]  # what export's config.json holds (family, config, sizes, fields, store)
     step: int | None
     weights: str  # where the weights came from, for messages and samples.json
+    checkpoint: Path | None = None  # the DCP checkpoint the weights came from, if one
+    encoder_folders: dict[str, Path] = dataclasses.field(default_factory=dict)  # trained field -> from_pretrained folder
 
     @property
     def fields(self) -> dict[str, Any]:
         return self.info.get("fields") or {}
+
+    @property
+    def trained_encoders(self) -> list[str]:
+        return list(self.info.get("trained_encoders") or [])
 
 
 def run_info(run: Path) -> dict[str, Any]:
@@ -58,6 +68,7 @@ def run_info(run: Path) -> dict[str, Any]:
         "fields": doc.get("fields") or {name: {"fingerprint": fp} for name, fp in (doc.get("fingerprints") or {}).items()},
         "store": {"url": (doc.get("store") or {}).get("url")},
         "seed": config.get("seed"),
+        "trained_encoders": sorted(name for name, section in (config.get("encoders") or {}).items() if (section or {}).get("mode") == "train"),
     }
 
 
@@ -75,16 +86,22 @@ def _load_safetensors(model: torch.nn.Module, file: Path) -> None:
     model.load_state_dict(load_file(str(file)), strict=True)
 
 
-def _load_dcp(model: torch.nn.Module, path: Path) -> int:
-    """The model part of a DCP checkpoint, in one process (no process group needed)."""
+def _load_dcp(model: torch.nn.Module, path: Path, key: str = "model") -> int | None:
+    """One module's part of a DCP checkpoint (``model``, or ``extra.encoder.<field>`` for a trained
+    encoder), in one process (no process group needed); the checkpoint's step for the model."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
 
-    state = {"model": model.state_dict(), "progress": {"step": torch.tensor(0)}}
+    state: dict[str, Any] = {"model": model.state_dict(), "progress": {"step": torch.tensor(0)}}
+    if key != "model":
+        state = {key: {"model": model.state_dict()}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "torch.distributed is not initialized": one process reads it all
         dcp.load(state, checkpoint_id=str(path))
+    if key != "model":
+        model.load_state_dict(state[key]["model"], strict=True)
+        return None
     model.load_state_dict(state["model"], strict=True)
     return int(state["progress"]["step"])
 
@@ -99,35 +116,82 @@ def load_trained(path: str | Path, checkpoint: int | None = None) -> Trained:
         info = json.loads(config_file.read_text())
         family, model_config, model = _build(info)
         _load_safetensors(model, where / "model.safetensors")
-        return Trained(family=family, model_config=model_config, model=model.eval(), info=info, step=info.get("step"), weights=str(where / "model.safetensors"))
+        folders = {name: where / folder for name, folder in (info.get("encoder_folders") or {}).items()}
+        return Trained(family=family, model_config=model_config, model=model.eval(), info=info, step=info.get("step"),
+                       weights=str(where / "model.safetensors"), encoder_folders=folders)
     if not (where / "run.json").is_file():
         raise RunFolderError(f"{where} is neither a run folder (run.json, from mmtrain fit --out) nor an export (config.json, from mmtrain export)")
     info = run_info(where)
     family, model_config, model = _build(info)
     final = where / "model.safetensors"
-    found = latest_checkpoint(where)
+    found = dict(checkpoints(where))  # step -> folder, oldest first
+    chosen, folders = None, {}
     if checkpoint is None and final.is_file():
-        # Written after the last checkpoint: the same weights as the newest checkpoint.
+        # Written after the last checkpoint: the same weights as the newest checkpoint; the
+        # trained encoders were exported beside them (train.live.joint).
         _load_safetensors(model, final)
-        step, weights = (found[0] if found else None), str(final)
+        step, weights = (max(found) if found else None), str(final)
+        folders = {name: where / "export" / name for name in info["trained_encoders"]}
     else:
         if checkpoint is not None:
-            chosen = checkpoint_dir(where, checkpoint)
-            if not chosen.is_dir():
-                have = sorted(int(p.name.split("-")[1]) for p in (where / "checkpoints").glob("step-*") if p.name[5:].isdigit()) if (where / "checkpoints").is_dir() else []
-                raise RunFolderError(f"{where} has no checkpoint of step {checkpoint} (it has: {', '.join(map(str, have)) or 'none'})")
-        elif found is None:
+            if checkpoint not in found:
+                raise RunFolderError(f"{where} has no checkpoint of step {checkpoint} (it has: {', '.join(map(str, found)) or 'none'})")
+            chosen = found[checkpoint]
+        elif not found:
             raise RunFolderError(f"{where} has no weights yet (no model.safetensors, no checkpoint): train it first")
         else:
-            chosen = found[1]
+            chosen = found[max(found)]
         step, weights = _load_dcp(model, chosen), str(chosen)
     info["step"] = step
-    return Trained(family=family, model_config=model_config, model=model.eval(), info=info, step=step, weights=weights)
+    return Trained(family=family, model_config=model_config, model=model.eval(), info=info, step=step, weights=weights,
+                   checkpoint=chosen, encoder_folders=folders)
+
+
+def reattach_trained(trained: Trained, store: Any, field: str, storage_options: dict[str, Any] | None = None) -> Any:
+    """The encoder of ``field`` as the run left it (a ``train.live.reattach.LiveEncoder``): as the
+    store records it, checked against its fingerprint, or, for a field the run trained, with the
+    run's weights in place of the recorded ones (then only the weights may differ)."""
+    from train.live.reattach import EncoderMismatchError, reattach_encoder
+
+    recorded = (trained.fields.get(field, {}).get("fingerprint") or {}).get("digest")
+    in_store = (store.fields[field].meta.get("fingerprint") or {}).get("digest") if field in store.fields else None
+    if recorded is not None and in_store != recorded:
+        raise EncoderMismatchError(f"field {field!r} of {store.url} was made by encoder {in_store}, not the {recorded} this run trained on: pass --features, the run's store")
+    if field not in trained.trained_encoders:
+        return reattach_encoder(store, field, storage_options=storage_options)
+    folder = trained.encoder_folders.get(field)
+    if folder is None and trained.checkpoint is None:
+        raise RunFolderError(f"the run trained the encoder of {field!r}, but {trained.weights} comes without it: export the run with mmtrain export")
+    if folder is None:  # the checkpoint's state, written as a folder so the fingerprint names its weights
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="mmtrain-encoder-") as tmp:
+            encoder_from_checkpoint(trained, store, field, Path(tmp), storage_options)
+            return reattach_trained(dataclasses.replace(trained, encoder_folders={field: Path(tmp)}), store, field, storage_options)
+    if not folder.is_dir():
+        raise RunFolderError(f"the run trained the encoder of {field!r}, but its weights are not at {folder}: sample from a checkpoint (--checkpoint STEP)")
+    live = reattach_encoder(store, field, weights_path=str(folder), storage_options=storage_options, check_fingerprint=False)
+    other = sorted(set(live.differences()) - {"weights_sha256"})
+    if other:
+        raise EncoderMismatchError(f"the trained encoder of {field!r} at {folder} differs from the recorded one in more than its weights: {', '.join(other)}")
+    return live
+
+
+def encoder_from_checkpoint(trained: Trained, store: Any, field: str, out: Path, storage_options: dict[str, Any] | None = None) -> None:
+    """The state of the encoder of ``field`` in the run's checkpoint, written as a from_pretrained
+    folder ``out`` through the encoder the store records (which it is a finetune of)."""
+    from train.live.reattach import reattach_encoder
+
+    assert trained.checkpoint is not None
+    live = reattach_encoder(store, field, storage_options=storage_options)
+    _load_dcp(live.module(), trained.checkpoint, f"extra.encoder.{field}")
+    out.mkdir(parents=True, exist_ok=True)
+    live.encoder.save_pretrained(str(out), live.module().state_dict())
 
 
 def export_run(run_dir: str | Path, out: str | Path, checkpoint: int | None = None) -> dict[str, Any]:
     """``mmtrain export``: the run's model (a checkpoint's, or the final one) written the family's
-    way (``ModelFamily.export_model``) into ``out``."""
+    way (``ModelFamily.write_export``) into ``out``."""
     trained = load_trained(run_dir, checkpoint)
     if "format" in trained.info:
         raise RunFolderError(f"{run_dir} is already an export; export a run folder")
@@ -135,5 +199,27 @@ def export_run(run_dir: str | Path, out: str | Path, checkpoint: int | None = No
     if out_dir.exists() and any(out_dir.iterdir()):
         raise RunFolderError(f"--out {out_dir} exists and is not empty; choose a new folder")
     info = {**trained.info, "model_config": dataclasses.asdict(trained.model_config), "exported_from": str(trained.weights)}
-    files = trained.family.export_model(trained.model, out_dir, info)
-    return {"out": str(out_dir), "files": files, "step": trained.step, "weights": trained.weights}
+    encoders = _export_trained_encoders(trained, out_dir)
+    info["encoder_folders"] = {name: f"encoders/{name}" for name in encoders}
+    files = trained.family.write_export(trained.model, out_dir, info)
+    return {"out": str(out_dir), "files": files + [f"encoders/{name}" for name in encoders], "step": trained.step, "weights": trained.weights}
+
+
+def _export_trained_encoders(trained: Trained, out_dir: Path) -> list[str]:
+    """Each encoder the run trained, as ``out_dir/encoders/<field>`` (a from_pretrained folder):
+    the run's final export copied, or a checkpoint's state written through the re-attached encoder."""
+    import shutil
+
+    import featstore
+
+    for name in trained.trained_encoders:
+        target = out_dir / "encoders" / name
+        folder = trained.encoder_folders.get(name)
+        if folder is not None and folder.is_dir():
+            shutil.copytree(folder, target)
+            continue
+        url = (trained.info.get("store") or {}).get("url")
+        if not url or trained.checkpoint is None:
+            raise RunFolderError(f"the run trained the encoder of {name!r}, but neither {folder} nor a checkpoint and the run's store hold it")
+        encoder_from_checkpoint(trained, featstore.open(url), name, target)
+    return list(trained.trained_encoders)

@@ -26,11 +26,10 @@ result is deterministic, so all SP ranks derive the same layout without communic
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .document_mask import pad_document_ids
+from .usp import SequenceLayout, padded_length
 
 # Chunks per ring block: more chunks balance finer (and skip more of each causal diagonal) but
 # mean more, smaller kernel calls per ring step. A chunk is never made shorter than
@@ -39,20 +38,13 @@ MAX_CHUNKS_PER_BLOCK = 8
 MIN_CHUNK_TOKENS = 64
 
 
-def zigzag_owners(ring_size: int) -> tuple[int, ...]:
-    """Owner of each of the ``2R`` chunks in the zigzag layout: ``0, 1, .., R-1, R-1, .., 0``."""
-    return tuple(range(ring_size)) + tuple(reversed(range(ring_size)))
-
-
 def chunks_per_block_for(seq_len: int, ring_size: int, ulysses_size: int, *, max_chunks: int = MAX_CHUNKS_PER_BLOCK,
                          min_chunk_tokens: int = MIN_CHUNK_TOKENS) -> int:
     """The most chunks per ring block (a power of two, 2..max_chunks) whose chunks still hold
     ``min_chunk_tokens`` after padding to the layout's multiple."""
     best, chunks = 2, 2
     while chunks <= max_chunks:
-        multiple = ring_size * math.lcm(chunks, ulysses_size)
-        padded = -(-seq_len // multiple) * multiple
-        if padded // (ring_size * chunks) >= min_chunk_tokens:
+        if padded_length(seq_len, ring_size, ulysses_size, chunks) // (ring_size * chunks) >= min_chunk_tokens:
             best = chunks
         chunks *= 2
     return best
@@ -120,25 +112,15 @@ def _improve_by_swaps(work: list[int], owners: list[int], loads: list[int], held
         loads[other] += delta
 
 
-def work_per_rank(work: list[int], owners: tuple[int, ...] | list[int], ring_size: int) -> list[int]:
-    loads = [0] * ring_size
-    for w, r in zip(work, owners, strict=True):
-        loads[r] += w
-    return loads
-
-
 def packed_causal_layout(document_ids: torch.Tensor, *, ring_size: int, ulysses_size: int, ring_rank: int, ulysses_rank: int,
-                         max_chunks: int = MAX_CHUNKS_PER_BLOCK, min_chunk_tokens: int = MIN_CHUNK_TOKENS):
+                         max_chunks: int = MAX_CHUNKS_PER_BLOCK, min_chunk_tokens: int = MIN_CHUNK_TOKENS) -> SequenceLayout:
     """The ``SequenceLayout`` of a packed causal batch (``document_ids`` the full ``[B, S]``
     ids) with its chunks balanced over the ring by their work; without a ring, the plain split."""
-    from .usp import SequenceLayout
-
     seq_len = document_ids.shape[1]
     base = dict(seq_len=seq_len, ring_size=ring_size, ulysses_size=ulysses_size, ring_rank=ring_rank, ulysses_rank=ulysses_rank)
     if ring_size == 1:
         return SequenceLayout(**base, zigzag=False)
     per_block = chunks_per_block_for(seq_len, ring_size, ulysses_size, max_chunks=max_chunks, min_chunk_tokens=min_chunk_tokens)
-    num_chunks = ring_size * per_block
-    padded = SequenceLayout(**base, zigzag=True, chunk_owner=tuple(range(ring_size)) * per_block).padded_len
-    owners = balanced_owners(chunk_work(document_ids, num_chunks, padded), ring_size)
+    padded = padded_length(seq_len, ring_size, ulysses_size, per_block)
+    owners = balanced_owners(chunk_work(document_ids, ring_size * per_block, padded), ring_size)
     return SequenceLayout(**base, zigzag=True, chunk_owner=owners)

@@ -37,8 +37,20 @@ from .groups import (
     group_rank,
     group_size,
 )
-from .ring import check_attention_inputs, ring_attention, zigzag_indices
+from .ring import check_attention_inputs, ring_attention
 from .ulysses import gather_sequence_mask, heads_to_sequence, replicate_kv_heads, sequence_to_heads
+
+
+def zigzag_owners(ring_size: int) -> tuple[int, ...]:
+    """Owner of each of the ``2R`` chunks in the zigzag layout: ``0, 1, .., R-1, R-1, .., 0``."""
+    return tuple(range(ring_size)) + tuple(reversed(range(ring_size)))
+
+
+def padded_length(seq_len: int, ring_size: int, ulysses_size: int, chunks_per_block: int = 1) -> int:
+    """``seq_len`` rounded up to a multiple of ``R * lcm(chunks_per_block, U)``: every ring block
+    cut into ``chunks_per_block`` equal chunks and into ``U`` equal Ulysses shards."""
+    multiple = ring_size * math.lcm(chunks_per_block, ulysses_size)
+    return -(-seq_len // multiple) * multiple
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,13 +64,23 @@ class SequenceLayout:
     ulysses_rank: int
     zigzag: bool  # causal attention over a ring: blocks of chunks spread over the ring (below)
     # Owner ring rank of each of the padded sequence's equal chunks (every rank the same number,
-    # each rank's chunks kept in sequence order); None with ``zigzag``: the head-tail layout.
+    # each rank's chunks kept in sequence order); only with ``zigzag``, where None stands for the
+    # head-tail layout (``zigzag_owners``) and is filled in. Without zigzag: contiguous blocks.
     chunk_owner: tuple[int, ...] | None = None
+
+    @classmethod
+    def for_ranks(cls, seq_len: int, *, ring_size: int, ulysses_size: int, ring_rank: int, ulysses_rank: int,
+                  causal: bool) -> SequenceLayout:
+        """The static layout: zigzag exactly when causal attention runs over a ring."""
+        return cls(seq_len=seq_len, ring_size=ring_size, ulysses_size=ulysses_size, ring_rank=ring_rank,
+                   ulysses_rank=ulysses_rank, zigzag=causal and ring_size > 1)
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:
             raise SequenceParallelConfigError(f"seq_len must be >= 1, got {self.seq_len}")
         assert 0 <= self.ring_rank < self.ring_size and 0 <= self.ulysses_rank < self.ulysses_size
+        if self.zigzag and self.chunk_owner is None:
+            object.__setattr__(self, "chunk_owner", zigzag_owners(self.ring_size))
         if self.chunk_owner is not None:
             owners = self.chunk_owner
             counts = [owners.count(r) for r in range(self.ring_size)]
@@ -70,10 +92,8 @@ class SequenceLayout:
 
     @property
     def chunks_per_block(self) -> int:
-        """Chunks in one ring block: 2 for zigzag, 1 for a contiguous split."""
-        if self.chunk_owner is not None:
-            return len(self.chunk_owner) // self.ring_size
-        return 2 if self.zigzag else 1
+        """Chunks in one ring block: 2 for the head-tail zigzag, 1 for a contiguous split."""
+        return len(self.chunk_owner) // self.ring_size if self.chunk_owner is not None else 1
 
     @property
     def multiple(self) -> int:
@@ -82,7 +102,7 @@ class SequenceLayout:
 
     @property
     def padded_len(self) -> int:
-        return -(-self.seq_len // self.multiple) * self.multiple
+        return padded_length(self.seq_len, self.ring_size, self.ulysses_size, self.chunks_per_block)
 
     @property
     def local_len(self) -> int:
@@ -98,8 +118,6 @@ class SequenceLayout:
             chunk = self.padded_len // len(self.chunk_owner)
             block = torch.cat([torch.arange(i * chunk, (i + 1) * chunk)
                                for i, owner in enumerate(self.chunk_owner) if owner == ring_rank])
-        elif self.zigzag:
-            block = zigzag_indices(self.padded_len, self.ring_size, ring_rank)
         else:
             block_len = self.padded_len // self.ring_size
             block = torch.arange(ring_rank * block_len, (ring_rank + 1) * block_len)
@@ -135,27 +153,14 @@ def make_sequence_layout(
     ring_group: ProcessGroup | None = None,
 ) -> SequenceLayout:
     """The layout of a ``seq_len`` sequence on this rank's SP groups."""
-    ring_size = group_size(ring_group)
-    return SequenceLayout(
-        seq_len=seq_len,
-        ring_size=ring_size,
-        ulysses_size=group_size(ulysses_group),
-        ring_rank=group_rank(ring_group),
-        ulysses_rank=group_rank(ulysses_group),
-        zigzag=causal and ring_size > 1,
-    )
+    return SequenceLayout.for_ranks(seq_len, ring_size=group_size(ring_group), ulysses_size=group_size(ulysses_group),
+                                    ring_rank=group_rank(ring_group), ulysses_rank=group_rank(ulysses_group), causal=causal)
 
 
 def layout_for_groups(seq_len: int, groups: SequenceParallelGroups, *, causal: bool) -> SequenceLayout:
     """``make_sequence_layout`` from a ``SequenceParallelGroups`` (the DeviceMesh route)."""
-    return SequenceLayout(
-        seq_len=seq_len,
-        ring_size=groups.ring_size,
-        ulysses_size=groups.ulysses_size,
-        ring_rank=groups.ring_rank,
-        ulysses_rank=groups.ulysses_rank,
-        zigzag=causal and groups.ring_size > 1,
-    )
+    return SequenceLayout.for_ranks(seq_len, ring_size=groups.ring_size, ulysses_size=groups.ulysses_size,
+                                    ring_rank=groups.ring_rank, ulysses_rank=groups.ulysses_rank, causal=causal)
 
 
 def shard_sequence(x: torch.Tensor, dim: int, layout: SequenceLayout, pad_value: float = 0.0) -> torch.Tensor:
@@ -215,7 +220,6 @@ def usp_attention(
     scale: float | None = None,
     backend: str = "auto",
     document_ids: torch.Tensor | None = None,
-    chunks_per_block: int | None = None,
     document_plan: DocumentMaskPlan | None = None,
 ) -> torch.Tensor:
     """Exact (ulysses x ring) sequence-parallel attention; returns the local output shard.
@@ -230,7 +234,7 @@ def usp_attention(
     ``document_ids`` (``[B, seq_len]`` int, the FULL unsharded ids of a packed batch, ``-1``
     for padding): causal attention within each document (needs ``causal=True`` and a
     layout); ring tiles the document mask hides are skipped (see ``DocumentMaskPlan``; its
-    chunks are the layout's, or ``chunks_per_block`` per block). A ``document_plan`` from
+    chunks are the layout's). A ``document_plan`` from
     ``build_document_plan`` may be passed instead, to reuse it across layers.
     """
     check_attention_inputs(q, k, v)
@@ -245,8 +249,7 @@ def usp_attention(
 
     plan = document_plan
     if plan is None and document_ids is not None:
-        plan = build_document_plan(document_ids, layout, causal=causal, batch_size=q.shape[0],
-                                   device=q.device, chunks_per_block=chunks_per_block)
+        plan = build_document_plan(document_ids, layout, causal=causal, batch_size=q.shape[0], device=q.device)
     if plan is not None:
         key_padding_mask = None  # padding is document -1: the plan hides it
     k = replicate_kv_heads(k, num_heads, ulysses_size)
@@ -269,11 +272,11 @@ def build_document_plan(
     causal: bool = True,
     batch_size: int,
     device: torch.device | str | None = None,
-    chunks_per_block: int | None = None,
 ) -> DocumentMaskPlan:
     """The ring tiles of this rank for the full ``[B, seq_len]`` ``document_ids``. The plan's
-    chunks are the layout's chunks over a ring (each one contiguous run of positions), else
-    two per block (the upper causal half of a single block is then skipped)."""
+    chunks are the layout's chunks over a ring (each one contiguous run of positions); a
+    contiguous block is cut in two when it can be, so the upper causal half of the diagonal is
+    skipped."""
     if layout is None or not causal:
         raise SequenceParallelConfigError(
             "document_ids need causal=True and the layout the inputs were sharded with"
@@ -285,11 +288,8 @@ def build_document_plan(
         )
     padded = pad_document_ids(document_ids.to(device), layout.padded_len)
     blocks = [layout.ring_block_positions(r) for r in range(layout.ring_size)]
-    if chunks_per_block is None:
-        chunks_per_block = layout.chunks_per_block if layout.zigzag else 2
-    if blocks[0].numel() % chunks_per_block:  # only without a ring (chunked blocks divide)
-        chunks_per_block = 1
-    return DocumentMaskPlan(padded, blocks, layout.ring_rank, chunks_per_block)
+    per_block = layout.chunks_per_block if layout.zigzag else (2 if blocks[0].numel() % 2 == 0 else 1)
+    return DocumentMaskPlan(padded, blocks, layout.ring_rank, per_block)
 
 
 def _local_splits(split_sizes, q: torch.Tensor, group) -> list[int] | None:

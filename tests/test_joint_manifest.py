@@ -1,0 +1,195 @@
+"""A training manifest (``data.manifest``) naming samples the store lacks: ``on_missing`` error names
+them, skip drops them with a count, live encodes every field of them from the manifest row (DiT:
+VAE latents of images and videos and T5 text; VLM: ViT features and tokens), with the same losses
+as a run on a store that holds them, at 1 and 2 ranks, and resuming exactly. A tokenizer field made
+live re-reads the conversations it was encoded from in the manifest (the store keeps their hash)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+
+import featstore
+from tests import joint_store
+from tests.joint_store import ROOT, dataset, encode, fit_ranks, losses, manifest_rows, records, subset_manifest
+from train.cli import cli
+from train.live.manifest import ManifestResumeError
+
+PARITY = ["optim.grad_clip=0"]  # clipping is exact too, but its norm adds rounding across ranks
+SHARED = ROOT.parent / "shared" / "media"
+
+
+def train(store: str, out: Path, *sets: str, steps: int = 4, resume: bool = False, preset: str = "tiny-dit") -> list[str]:
+    """One in-process run (4 steps by default); its log lines."""
+    return joint_store.train(store, out, *sets, steps=steps, resume=resume, preset=preset)[1]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """10 samples: 8 images, 2 videos."""
+    return dataset(tmp_path_factory.mktemp("manifest") / "data", images=8, videos=2)
+
+
+@pytest.fixture(scope="module")
+def full(data) -> str:
+    return encode(data, data.parent.parent / "full")
+
+
+@pytest.fixture(scope="module")
+def seven(data) -> str:
+    """The first 7 samples (images): the manifest's last image and both videos are not in it."""
+    return encode(subset_manifest(data, 7, "seven.jsonl"), data.parent.parent / "seven")
+
+
+LIVE = ["data.on_missing=live", *PARITY]
+
+
+@pytest.fixture(scope="module")
+def live_run(seven, data, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("live") / "run"
+    lines = train(seven, run, f"data.manifest={data}", *LIVE)
+    assert f"data.manifest: 10 samples named by {data}, 7 in the store; 3 not in it have every field encoded live (data.on_missing=live)" in lines
+    return run
+
+
+@pytest.fixture(scope="module")
+def cached_run(full, data, tmp_path_factory) -> Path:
+    """All 10 cached, trained in the manifest's order (a store's own order is its shards')."""
+    run = tmp_path_factory.mktemp("cached") / "run"
+    train(full, run, f"data.manifest={data}", *PARITY)
+    return run
+
+
+def test_absent_samples_error_skip_and_live(seven, data, live_run, cached_run, tmp_path):
+    with pytest.raises(featstore.SchemaError, match=r"3 of the 10 samples data\.manifest=.* names are not in .* \(e\.g\. media:image_007\.png, "
+                                                    r"media:video_000\.mp4, media:video_001\.mp4\); encode them .*data\.on_missing=skip"):
+        train(seven, tmp_path / "error", f"data.manifest={data}", steps=1)
+    assert not (tmp_path / "error" / "metrics.jsonl").exists()
+    lines = train(seven, tmp_path / "skip", f"data.manifest={data}", "data.on_missing=skip", "data.global_batch=7", steps=2)
+    assert f"data.manifest: 10 samples named by {data}, 7 in the store; 3 not in it are skipped (data.on_missing=skip)" in lines
+    assert [(r["samples"], r["live_samples"]) for r in records(tmp_path / "skip")] == [(7, 0), (7, 0)]
+    # live: the same losses as a store holding all 10.
+    assert losses(live_run) == pytest.approx(losses(cached_run), rel=1e-5)
+    # Step 1 takes 8 of the 10, so 1 to 3 of the absent samples (later steps span two epochs and
+    # may hold a sample twice); the cached run encodes none.
+    live = [r["live_samples"] for r in records(live_run)]
+    assert 1 <= live[0] <= 3 and all(0 <= n <= 6 for n in live) and sum(live) > 3
+    assert [r["live_samples"] for r in records(cached_run)] == [0] * 4
+    info = json.loads((live_run / "run.json").read_text())["manifest"]
+    assert info["samples"] == 10 and info["absent"] == 3 and len(info["digest"]) == 16
+
+
+def test_absent_samples_at_two_ranks(seven, data, live_run, tmp_path):
+    fit_ranks(seven, tmp_path / "two", f"data.manifest={data}", *LIVE, steps=4)
+    assert losses(tmp_path / "two") == pytest.approx(losses(live_run), rel=1e-5)
+    assert [r["live_samples"] for r in records(tmp_path / "two")] == [r["live_samples"] for r in records(live_run)]
+
+
+def test_absent_samples_resume_exactly(seven, data, live_run, tmp_path):
+    train(seven, tmp_path / "split", f"data.manifest={data}", *LIVE, steps=2)
+    train(seven, tmp_path / "split", f"data.manifest={data}", *LIVE, steps=4, resume=True)
+    assert losses(tmp_path / "split") == pytest.approx(losses(live_run), rel=1e-6)
+    # Another sample list is another data order: refused before training.
+    other = subset_manifest(data, 9, "nine.jsonl")
+    with pytest.raises(ManifestResumeError, match=r"--resume: data\.manifest was .*manifest\.jsonl .* now .*nine\.jsonl"):
+        train(seven, tmp_path / "split", f"data.manifest={other}", *LIVE, steps=5, resume=True)
+
+
+def test_store_samples_lacking_the_field_batches_are_planned_by(seven, data, cached_run, live_run, tmp_path):
+    """The DiT's planner sizes samples by their latent: store samples lacking it (only their text
+    encoded) are sized from their media's headers with on_missing: live."""
+    store = tmp_path / "no-latent"
+    shutil.copytree(seven, store)
+    encode(data, store, "vae=null")  # the other 3: text only
+    with pytest.raises(featstore.SchemaError, match=r"3 of the 10 samples .* \(latent: 3 lack it\)"):
+        train(str(store), tmp_path / "error", steps=1)
+    train(str(store), tmp_path / "live", f"data.manifest={data}", *LIVE)
+    assert losses(tmp_path / "live") == pytest.approx(losses(cached_run), rel=1e-5)
+    # The same 3 samples are made live as when the store lacked them entirely.
+    assert [r["live_samples"] for r in records(tmp_path / "live")] == [r["live_samples"] for r in records(live_run)]
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory) -> dict:
+    """A VLM manifest of 6 images (3 with conversations) and a text-only conversation; a store of
+    all of them, and one lacking an image with a conversation and the text-only sample."""
+    root = tmp_path_factory.mktemp("vlm")
+    rows = manifest_rows(dataset(root / "data", images=6, videos=0))
+    for row in rows[:3]:
+        row["conversations"] = [{"from": "human", "value": "<image>\nWhat is in the picture?"}, {"from": "gpt", "value": row["caption"]}]
+    rows.append({"path": "", "id": "chat-1", "conversations": [{"from": "human", "value": "Name a colour."}, {"from": "gpt", "value": "red"}]})
+    manifest = root / "data" / "manifest.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    partial = root / "data" / "partial.jsonl"
+    partial.write_text("".join(json.dumps(r) + "\n" for r in rows[1:-1]))
+    edited = root / "data" / "edited.jsonl"
+    rows[1]["conversations"][1]["value"] += " indeed"
+    edited.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"manifest": manifest, "edited": edited, "full": encode(manifest, root / "full", preset="tiny-vlm"),
+            "partial": encode(partial, root / "partial", preset="tiny-vlm")}
+
+
+def test_vlm_tokenizer_live_and_absent_samples(vlm, tmp_path):
+    sets = ["data.global_batch=7", *PARITY]
+    manifest = f"data.manifest={vlm['manifest']}"
+    train(vlm["full"], tmp_path / "cached", manifest, *sets, preset="tiny-vlm", steps=3)
+    tokens = ["encoders.input_ids.mode=live", "encoders.target_mask.mode=live"]
+    # The store keeps a conversation's hash only: without the manifest, refused before step 1.
+    with pytest.raises(featstore.ConfigError, match=r"encoders\.input_ids \(live\): 4 sample\(s\) were tokenized from conversations.*set data\.manifest"):
+        train(vlm["full"], tmp_path / "refused", *tokens, *sets, preset="tiny-vlm", steps=1)
+    with pytest.raises(featstore.ConfigError, match=r"the conversations of 1 sample\(s\) in data\.manifest are not the ones they were tokenized from"):
+        train(vlm["full"], tmp_path / "edited", f"data.manifest={vlm['edited']}", *tokens, *sets, preset="tiny-vlm", steps=1)
+    dry = CliRunner().invoke(cli, ["fit", "--config", "tiny-vlm", "--features", vlm["full"], "--dry-run", "--set", manifest,
+                                   *[a for s in tokens for a in ("--set", s)]])
+    assert dry.exit_code == 0, dry.output
+    assert json.loads(dry.stdout)["encoders"]["input_ids"] == {"mode": "live", "encoder": "tokenizer", "parameters": None}
+    lines = train(vlm["full"], tmp_path / "tokens", manifest, *tokens, *sets, preset="tiny-vlm", steps=3)
+    assert any(line.startswith("drift check: input_ids:") and line.endswith("ok") for line in lines)
+    assert losses(tmp_path / "tokens") == losses(tmp_path / "cached")  # the same token ids
+    assert [r["live_samples"] for r in records(tmp_path / "tokens")] == [7] * 3
+    # A store lacking an image sample and the text-only one: every field of them made live.
+    train(vlm["partial"], tmp_path / "absent", manifest, "data.on_missing=live", *sets, preset="tiny-vlm", steps=3)
+    assert losses(tmp_path / "absent") == pytest.approx(losses(tmp_path / "cached"), rel=1e-5)
+    assert [r["live_samples"] for r in records(tmp_path / "absent")] == [2] * 3
+
+
+def _media(root: Path) -> list[Path]:
+    """Generated images and a video, an image whose EXIF says it is turned, and the shared media."""
+    manifest = dataset(root / "data", images=3, videos=1)
+    found = [manifest.parent / row["path"] for row in manifest_rows(manifest)]
+    turned = root / "turned.jpg"
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90° on display: the upright image is 40 x 100
+    Image.fromarray(np.full((40, 100, 3), 128, np.uint8)).save(turned, exif=exif)
+    found.append(turned)
+    if SHARED.is_dir():
+        found += sorted(p for p in SHARED.rglob("*") if p.is_file())
+    return found
+
+
+def test_prepared_shape_reads_what_prepare_gives(tmp_path):
+    from precompute.inputs import modality_of
+    from precompute.media import FrameSampling, ResizeConfig, SizeRule, TilingConfig, prepare, prepared_shape
+
+    rules = [SizeRule(spatial_multiple=8), SizeRule(spatial_multiple=16, temporal="4k+1"), SizeRule(fixed_size=(32, 32)),
+             SizeRule(fixed_size=(32, 32), tiling=TilingConfig(max_tiles=6))]
+    resize, frames = ResizeConfig(target_area=4096), FrameSampling(num_frames=5, stride=2)
+    checked = 0
+    for path in _media(tmp_path):
+        modality = modality_of(str(path))
+        if modality is None:
+            continue
+        data = path.read_bytes()
+        for rule in rules:
+            if modality == "video" and rule.tiling is not None:
+                continue
+            want = prepare(data, str(path), modality=modality, resize=resize, rule=rule, sampling=frames).pixels.shape
+            assert prepared_shape(data, str(path), modality=modality, resize=resize, rule=rule, sampling=frames) == want, (path, rule)
+            checked += 1
+    assert checked >= 20

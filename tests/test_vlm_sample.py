@@ -1,0 +1,175 @@
+"""`mmtrain sample` on VLM runs: answers about images as JSON lines, from a real `mmcache encode`
+store (tiny SigLIP + tiny BPE tokenizer, in-process cluster) and real `mmtrain fit` runs.
+
+The images go through the run's ViT exactly as `mmcache encode` prepared them (the cached
+features come back bit for bit), the prompt through the store's tokenizer and template (a
+caption's start is the training sample's own); greedy answers are the argmax of the model's full
+forward step by step (which checks the KV cache too); sampled answers are the same bytes for the
+same seed; a run whose ViT trained answers with the trained ViT, from the run, a checkpoint or an
+export alike; bad input is a clear error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from click.testing import CliRunner
+
+import featstore
+from featstore.config import load_config
+from tests.joint_store import dataset, encode
+from train.config import TrainConfig
+from train.trainer import fit
+
+
+def train(store: str, out: Path, steps: int, *sets: str) -> Path:
+    config = load_config(TrainConfig, "tiny-vlm", "train", ["log_every=1", *sets])
+    try:
+        fit(config, store, str(out), steps=steps, log=lambda *_: None)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vlmsample")
+    data = dataset(root / "data", images=8, videos=0)
+    store = encode(data, root / "store", preset="tiny-vlm")
+    images = sorted(str(p) for p in (root / "data" / "media").glob("*.png"))[:2]
+    # 30 steps: enough for answers that depend on the image and the prompt (a check of greedy
+    # decoding against the full forward means little on an untrained model's constant output).
+    run = train(store, root / "run", 30, "checkpoint.every=10")
+    return {"root": root, "store": store, "images": images, "run": run}
+
+
+def mmtrain(*args: str, check: bool = True):
+    from train.cli import cli
+
+    result = CliRunner().invoke(cli, list(args))
+    if check:
+        assert result.exit_code == 0, result.output
+    return result
+
+
+def answers(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+
+
+def test_kv_cache_logits_equal_the_full_forward():
+    from train.models.llm import Decoder, DecoderConfig, KVCache
+
+    for kv_heads, bias in ((2, False), (4, True)):
+        torch.manual_seed(0)
+        decoder = Decoder(DecoderConfig(vocab_size=50, dim=32, depth=2, heads=4, kv_heads=kv_heads, mlp_dim=64, qkv_bias=bias)).eval()
+        ids = torch.randint(0, 50, (1, 9), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            full = decoder(ids)[0]
+            cache = KVCache(2)
+            steps = [decoder.decode_logits(decoder.embed_tokens(ids[:, :5]), cache)]  # a prompt, then a token at a time
+            steps += [decoder.decode_logits(decoder.embed_tokens(ids[:, i : i + 1]), cache) for i in range(5, 9)]
+        assert cache.length == 9
+        for position, logits in zip(range(4, 9), steps, strict=True):
+            assert torch.allclose(logits[0], full[position], atol=1e-5, rtol=0)
+
+
+def test_greedy_answers_are_the_models_argmax_step_by_step(setup):
+    from train.live.reattach import sample_rows
+    from train.packing import expand_sample, pack
+    from train.sample.source import load_trained, reattach_trained
+
+    out = setup["root"] / "greedy"
+    result = mmtrain("sample", "--run", str(setup["run"]), *[a for i in setup["images"] for a in ("--image", i)], "--prompt", "describe the image",
+                     "--prompt", "what is this", "--out", str(out), "--max-new-tokens", "8")
+    assert "4 answer(s) in answers.jsonl" in result.output
+    rows = answers(out)
+    assert [(Path(r["image"]).name, r["prompt"]) for r in rows] == [(Path(i).name, p) for i in setup["images"] for p in ("describe the image", "what is this")]
+    store = featstore.open(setup["store"])
+    trained = load_trained(setup["run"])
+    vit, tokenizer = reattach_trained(trained, store, "vit_features"), reattach_trained(trained, store, "input_ids").encoder
+    meta = store.fields["input_ids"].meta
+    # The images prepared and encoded as mmcache encode did: the cached features, bit for bit.
+    by_source = {row["source_uri"]: row["id"] for row in sample_rows(store, store.sample_ids())}
+    features = vit.encode_files(setup["images"])
+    for path, array in zip(setup["images"], features, strict=True):
+        assert np.array_equal(array.view(np.uint16), store.read(by_source[path])["vit_features"].view(np.uint16))
+    # A caption's prompt is the training sample's tokens before its first answer token.
+    sample = store.read(by_source[setup["images"][0]])
+    assert tokenizer.generation_prompt(None).tolist() == sample["input_ids"][: int(np.argmax(sample["target_mask"]))].tolist()
+    stop = tokenizer.stop_token_ids()
+    for row in rows:
+        prompt = tokenizer.generation_prompt(row["prompt"])
+        image = features[setup["images"].index(row["image"])]
+        for i in range(len(row["tokens"]) + (row["finish"] == "stop")):
+            ids = np.concatenate([prompt, np.asarray(row["tokens"][:i], dtype=np.int32)])
+            batch = pack([expand_sample("x", ids, np.zeros(len(ids)), image, image_token_id=meta["image_token_id"],
+                                        image_tokens=trained.model.config.image_tokens, vocab_size=meta["vocab_size"])], len(ids) + 64)
+            with torch.no_grad():
+                logits = trained.model(batch)[0, int((batch.document_ids[0] >= 0).sum()) - 1]
+            expected = row["tokens"][i] if i < len(row["tokens"]) else stop
+            assert (int(logits.argmax()) in stop) if i == len(row["tokens"]) else int(logits.argmax()) == expected
+        assert row["answer"] == tokenizer.decode(row["tokens"]) and row["seed"] is None
+
+
+def test_sampled_answers_are_the_same_bytes_for_the_same_seed_from_a_run_or_its_export(setup):
+    root = setup["root"]
+    args = ["--image", setup["images"][0], "--temperature", "1.0", "--top-p", "0.9", "--max-new-tokens", "8"]
+    mmtrain("sample", "--run", str(setup["run"]), *args, "--seed", "1", "--seed", "2", "--out", str(root / "s1"))
+    mmtrain("sample", "--run", str(setup["run"]), *args, "--seed", "1", "--seed", "2", "--out", str(root / "s2"))
+    assert (root / "s1" / "answers.jsonl").read_bytes() == (root / "s2" / "answers.jsonl").read_bytes()
+    rows = answers(root / "s1")
+    assert [r["seed"] for r in rows] == [1, 2] and rows[0]["prompt"] is None  # no --prompt: a caption
+    assert rows[0]["tokens"] != rows[1]["tokens"]  # another seed, another draw
+    mmtrain("export", str(setup["run"]), "--out", str(root / "export"))
+    mmtrain("sample", "--run", str(root / "export"), *args, "--seed", "1", "--seed", "2", "--out", str(root / "s3"))
+    assert (root / "s3" / "answers.jsonl").read_bytes() == (root / "s1" / "answers.jsonl").read_bytes()
+    mmtrain("sample", "--run", str(setup["run"]), "--checkpoint", "20", *args, "--seed", "1", "--seed", "2", "--out", str(root / "s4"))
+    assert (root / "s4" / "answers.jsonl").read_bytes() != (root / "s1" / "answers.jsonl").read_bytes()  # other weights
+
+
+def test_a_run_that_trained_its_vit_answers_with_the_trained_vit(setup):
+    from train.sample.source import load_trained, reattach_trained
+
+    root = setup["root"]
+    # With a held-out split (3 of the 8, hence a global batch of 4): val_loss reads the held-out
+    # samples' images through the training ViT.
+    run = train(setup["store"], root / "vit-run", 4, "checkpoint.every=2", "encoders.vit_features.mode=train", "encoders.vit_features.last_blocks=1",
+                "data.validation_fraction=0.3", "data.global_batch=4", "sample.every=2", "sample.at_start=true")
+    val = {r["step"]: r["val_loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r}
+    assert sorted(val) == [0, 2, 4] and all(np.isfinite(list(val.values()))) and val[4] < val[0]
+    # The VLM's export and the trained ViT's share RUN/export; both are there.
+    assert sorted(p.name for p in (run / "export").iterdir()) == ["llm", "projector", "vit_features"]
+    store = featstore.open(setup["store"])
+    vit = reattach_trained(load_trained(run), store, "vit_features")
+    recorded = store.fields["vit_features"].meta["fingerprint"]
+    assert vit.fingerprint()["weights_sha256"] != recorded["weights_sha256"] and set(vit.differences()) == {"weights_sha256"}
+    from_checkpoint = reattach_trained(load_trained(run, 4), store, "vit_features")
+    assert from_checkpoint.fingerprint()["weights_sha256"] == vit.fingerprint()["weights_sha256"]  # the step-4 state is the final one
+    mmtrain("export", str(run), "--out", str(root / "vit-export"))
+    args = ["--image", setup["images"][1], "--max-new-tokens", "6"]
+    for name, source in (("final", ["--run", str(run)]), ("step4", ["--run", str(run), "--checkpoint", "4"]), ("export", ["--run", str(root / "vit-export")])):
+        mmtrain("sample", *source, *args, "--out", str(root / f"vit-{name}"))
+    first = (root / "vit-final" / "answers.jsonl").read_bytes()
+    assert (root / "vit-step4" / "answers.jsonl").read_bytes() == first and (root / "vit-export" / "answers.jsonl").read_bytes() == first
+    assert (root / "vit-export" / "encoders" / "vit_features" / "config.json").is_file()
+
+
+def test_bad_input_is_a_clear_error(setup):
+    root, run = setup["root"], str(setup["run"])
+    cases = [
+        (["--image", str(root / "nope.png")], f"--image {root / 'nope.png'}: no such file"),
+        ([], "this is a VLM run: give the images to answer about with --image PATH"),
+        (["--image", setup["images"][0], "--top-p", "0.5"], "--top-p applies when sampling: give --temperature > 0"),
+        (["--image", setup["images"][0], "--seed", "3"], "--seed applies when sampling"),
+        (["--image", setup["images"][0], "--temperature", "-1"], "--temperature must be >= 0"),
+        (["--image", str(Path(setup["store"]) / "zarr.json")], "not an image or video file"),
+    ]
+    for extra, message in cases:
+        result = mmtrain("sample", "--run", run, *extra, "--out", str(root / "bad"), check=False)
+        assert result.exit_code == 1 and message in result.output, (extra, result.output)
+    assert not (root / "bad").exists()

@@ -1,0 +1,128 @@
+"""Answers from a trained VLM: ``mmtrain sample --run RUN --image PATH ... [--prompt TEXT]``.
+
+Everything is prepared as it was for training, by the encoders that made the run's store: each
+image by the run's ViT (re-attached from the store's record, or the weights the run trained it
+to), with the same decoding, resize and tiling as ``mmcache encode``; the prompt by the store's
+tokenizer and template (``TokenizerEncoder.generation_prompt``: a caption's start without
+``--prompt``, a one-turn conversation with one). The LLM then continues token by token with a KV
+cache (``train.models.llm.KVCache``): greedy (argmax), or with ``--temperature`` > 0 nucleus
+sampling (``--top-p``) from a CPU generator seeded with ``--seed`` alone, until a stop token
+(eos, or the template's end of turn) or ``--max-new-tokens``.
+
+Each (image, prompt, seed) is answered alone, a batch of one, in float32 on the CPU, so the same
+run, image, prompt and seed give the same answer and the same bytes of ``answers.jsonl``: one
+JSON object per line, ``{"image", "prompt", "seed", "answer", "tokens", "finish"}`` (``tokens``:
+the answer's token ids without the stop token; ``finish``: ``stop`` or ``length``; ``prompt`` is
+null for a caption, ``seed`` null when greedy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from featstore.errors import ConfigError
+
+
+class AnswerConfigError(ConfigError):
+    """A decoding setting is out of range, or the run / input cannot be answered about."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AnswerConfig:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens holding this much probability
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise AnswerConfigError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.temperature >= 0:
+            raise AnswerConfigError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise AnswerConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.temperature == 0 and self.top_p != 1:
+            raise AnswerConfigError("--top-p applies when sampling: give --temperature > 0 with it (0 = greedy)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def next_token(logits: torch.Tensor, config: AnswerConfig, generator: torch.Generator | None) -> int:
+    """The next token from one position's logits [vocab]: the argmax (first on ties), or a draw
+    from the top-p set of softmax(logits / temperature), in float64 by inverse CDF."""
+    if config.greedy:
+        return int(torch.argmax(logits))
+    assert generator is not None
+    probs = torch.softmax(logits.double() / config.temperature, dim=-1)
+    order = torch.argsort(probs, descending=True, stable=True)
+    cumulative = torch.cumsum(probs[order], dim=0)
+    keep = min(int(torch.searchsorted(cumulative, torch.tensor(config.top_p, dtype=torch.float64))) + 1, len(order))
+    draw = torch.rand((), generator=generator, dtype=torch.float64) * cumulative[keep - 1]
+    return int(order[min(int(torch.searchsorted(cumulative[:keep], draw, right=True)), keep - 1)])
+
+
+@torch.no_grad()
+def answer_tokens(model: torch.nn.Module, prompt_ids: np.ndarray, image: np.ndarray | None, ids_meta: dict[str, Any],
+                  stop: Sequence[int], config: AnswerConfig, seed: int | None = None) -> tuple[list[int], str]:
+    """A VLM's answer to one prompt (token ids with the image placeholder) about one image
+    (stored-dtype ViT features, as the cache holds them): (token ids, ``stop`` | ``length``)."""
+    from train.models.llm import KVCache
+    from train.packing import expand_sample, pack
+
+    pad = int(ids_meta.get("pad_token_id") or 0)
+    expanded = expand_sample("answer", prompt_ids, np.zeros(len(prompt_ids), dtype=np.uint8), image, image_token_id=ids_meta.get("image_token_id"),
+                             image_tokens=model.config.image_tokens, vocab_size=int(ids_meta["vocab_size"]), pad_id=pad)
+    batch = pack([expanded], expanded.input_ids.size, pad_id=pad)
+    cache = KVCache(len(model.llm.blocks))
+    logits = model.llm.decode_logits(model.inputs_embeds(batch), cache)  # the prompt, image tokens spliced in
+    generator = None if config.greedy else torch.Generator().manual_seed(int(seed or 0))
+    tokens: list[int] = []
+    for _ in range(config.max_new_tokens):
+        token = next_token(logits[0].float(), config, generator)
+        if token in stop:
+            return tokens, "stop"
+        tokens.append(token)
+        logits = model.llm.decode_logits(model.llm.embed_tokens(torch.tensor([[token]])), cache)
+    return tokens, "length"
+
+
+def answer_vlm(trained, *, images: Sequence[str], prompts: Sequence[str | None], seeds: Sequence[int], config: AnswerConfig, out: Path,
+               features: str | None, storage_options: dict | None) -> dict[str, Any]:
+    """``mmtrain sample`` for a VLM run or export: ``out/answers.jsonl``; returns its rows."""
+    import featstore
+    from train.sample.source import reattach_trained
+
+    if not images:
+        raise AnswerConfigError("this is a VLM run: give the images to answer about with --image PATH (repeatable)")
+    for path in images:
+        if "://" not in path and not Path(path).is_file():
+            raise AnswerConfigError(f"--image {path}: no such file")
+    data = trained.info.get("data") or {}
+    vit_field, ids_field = data.get("vit_field", "vit_features"), data.get("ids_field", "input_ids")
+    url = features or (trained.info.get("store") or {}).get("url")
+    if not url:
+        raise AnswerConfigError("the run's store is unknown: pass --features URL (its ViT and tokenizer are rebuilt from its record)")
+    store = featstore.open(url, storage_options)
+    vit = reattach_trained(trained, store, vit_field, storage_options)
+    tokenizer = reattach_trained(trained, store, ids_field, storage_options).encoder
+    ids_meta = store.fields[ids_field].meta
+    stop = tokenizer.stop_token_ids()
+    rows = []
+    for path, image in zip(images, vit.encode_files(list(images)), strict=True):
+        for prompt in prompts:
+            prompt_ids = tokenizer.generation_prompt(prompt, images=1)
+            for seed in [None] if config.greedy else list(seeds) or [0]:
+                tokens, finish = answer_tokens(trained.model, prompt_ids, image, ids_meta, stop, config, seed)
+                rows.append({"image": path, "prompt": prompt, "seed": seed, "answer": tokenizer.decode(tokens), "tokens": tokens, "finish": finish})
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "answers.jsonl").write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    return {"samples": rows, "answers": "answers.jsonl", "weights": trained.weights, "step": trained.step,
+            "note": f"{len(rows)} answer(s) in answers.jsonl"}
