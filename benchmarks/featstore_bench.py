@@ -12,9 +12,10 @@ Baselines:
   (a) raw   the floor: for each store shard, one file holding the same samples' bytes back to
             back (same grouping, same bytes per shard as the store), written with plain
             open().write() of each array's buffer, fsynced per file; read back fully.
-  (a1) seq  for the warm full scan: one file holding all of (a)'s bytes, read sequentially in
-            16 MiB pieces into one reused buffer (a copy out of the page cache, nothing else),
-            against Store.scan() of every sample, CRC-checked, both with the page cache warm.
+  (a1) seq  for the warm full scan: one file holding all of (a)'s bytes (fsynced: clean pages,
+            as the store's are), read sequentially in 16 MiB pieces into one reused buffer (a
+            copy out of the page cache, nothing else), against Store.scan() of every sample,
+            CRC-checked, both with the page cache warm. CPU seconds of both are logged too.
   (b) torch one torch.save file per sample (dict of tensors, bf16 as torch.bfloat16) plus a JSONL
             list (the Open-Sora / MindSpeed-MM layout), fsynced per file; torch.load(weights_only=True).
 
@@ -235,11 +236,15 @@ SEQ_PIECE = 16 << 20
 
 
 def raw_one_file(raw_root: Path, path: Path) -> None:
-    """The warm-scan baseline's file: every raw shard file's bytes back to back in one file."""
+    """The warm-scan baseline's file: every raw shard file's bytes back to back in one file,
+    fsynced, so that its pages are clean, as the store's are, and no writeback of them runs
+    beside the warm passes (it would take CPU from the store's checksum threads)."""
     with open(path, "wb") as out:
         for shard in sorted(raw_root.iterdir()):
             with open(shard, "rb") as fh:
                 shutil.copyfileobj(fh, out, SEQ_PIECE)
+        out.flush()
+        os.fsync(out.fileno())
 
 
 def raw_sequential(path: Path) -> tuple[float, int]:
@@ -416,22 +421,30 @@ def run_workload(wl: Workload, base: Path, shard_bytes: int, random_target: floa
     one_file = base / f"{wl.name}-raw-one.bin"
     raw_one_file(raw_dir, one_file)
 
+    # CPU seconds too (all threads): the store's checks run on several threads and the raw read
+    # on one, so on a shared machine the wall-clock ratio depends on whether a core is free.
     def ws_store() -> None:
+        cpu = time.process_time()
         secs, got_n, got_b = store_scan(st_dir)
+        note("wcpu.store", time.process_time() - cpu)
         assert got_n == n and got_b == payload, (got_n, got_b)
         note("wscan.store", secs)
 
     def ws_raw() -> None:
+        cpu = time.process_time()
         secs, got_b = raw_sequential(one_file)
+        note("wcpu.raw", time.process_time() - cpu)
         assert got_b == payload
         note("wscan.raw", secs)
 
     ws_store(), ws_raw()  # warm the page cache (and the first pass's imports); not counted
-    times.pop("wscan.store"), times.pop("wscan.raw")
+    for key in ("wscan.store", "wscan.raw", "wcpu.store", "wcpu.raw"):
+        times.pop(key)
     for r in range(reps):
         for job in rotated(r, [ws_store, ws_raw]):
             job()
     show("scan warm", "wscan.store", "wscan.raw")
+    show("  (CPU s)", "wcpu.store", "wcpu.raw")
     one_file.unlink()
 
     # -- random reads, cold then warm at once, the same shuffled order for all three

@@ -381,19 +381,24 @@ _LARGE = 1 << 20  # from here on (or on request) a buffer goes to the releasing 
 
 @functools.cache
 def _releasing_crc32c() -> Callable[[Any, int], int] | None:
-    """A CRC-32C (data, crc) -> crc that releases the GIL: awscrt's, else crc32c's (on a hardware
-    CRC instruction), else None."""
+    """A CRC-32C (data, crc) -> crc that releases the GIL: awscrt's, else crc32c's, else None."""
+    return awscrt_crc32c() or crc32c_library_crc32c()
+
+
+def awscrt_crc32c() -> Callable[[Any, int], int] | None:
     try:
         from awscrt import checksums
     except ImportError:
-        pass
-    else:
-        return checksums.crc32c  # type: ignore[no-any-return]
+        return None
+    return checksums.crc32c  # type: ignore[no-any-return]
+
+
+def crc32c_library_crc32c() -> Callable[[Any, int], int] | None:
     try:
         import crc32c as library
     except ImportError:
         return None
-    if not library.hardware_based:
+    if not library.hardware_based:  # its software fallback: google_crc32c is the better bet
         return None
     call = library.crc32c
     return lambda data, crc: call(data, crc, 1)  # gil_release_mode=1: always
@@ -469,6 +474,39 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
         len2 >>= 1
         bit += 1
     return crc1 ^ crc2
+
+
+def crc32c_concat(crcs: Any, lengths: Any) -> int:
+    """CRC-32C of buffers back to back, from their CRCs and byte lengths (in order): what folding
+    ``crc32c_combine`` over them gives, for many at once in ~100 numpy calls whatever their
+    number. crc(A+B) is crc(A) advanced by len(B) zero bytes, XOR crc(B); so the whole is the XOR
+    of every CRC advanced by the bytes after it. Advancing by n is the product of the operators
+    for n's hexadecimal digits, each applied to all CRCs at once through byte tables."""
+    values = np.array(crcs, dtype=np.uint32)
+    sizes = np.asarray(lengths, dtype=np.int64)
+    if not values.size:
+        return 0
+    after = np.cumsum(sizes[::-1])[::-1] - sizes
+    for position in range((int(after.max()).bit_length() + 3) // 4):
+        tables, digit = _advance_tables(position), (after >> (4 * position)) & 15
+        values = (tables[digit, 0, values & 0xFF] ^ tables[digit, 1, (values >> 8) & 0xFF]
+                  ^ tables[digit, 2, (values >> 16) & 0xFF] ^ tables[digit, 3, values >> 24])
+    return int(np.bitwise_xor.reduce(values))
+
+
+@functools.cache
+def _advance_tables(position: int) -> np.ndarray:
+    """[d, b, v]: the operator for d * 16**position zero bytes applied to the value v in byte b
+    of a CRC; the XOR over a CRC's four bytes is the operator applied to it (d = 0: itself)."""
+    has_bit = (np.arange(256)[None, :] >> np.arange(8)[:, None]) & 1 == 1  # [i, v]: bit i of v
+    tables = np.zeros((16, 4, 256), dtype=np.uint32)
+    operator = [1 << n for n in range(32)]  # identity, then each digit's operator in turn
+    for d in range(16):
+        if d:
+            operator = [_gf2_times(_ZERO_BYTES[4 * position], column) for column in operator]  # one more 16**position
+        columns = np.array(operator, dtype=np.uint32).reshape(4, 8, 1)  # [byte, i]: the image of bit 8 * byte + i
+        tables[d] = np.bitwise_xor.reduce(np.where(has_bit, columns, np.uint32(0)), axis=1)
+    return tables
 
 
 def _dumps(doc: dict[str, Any]) -> bytes:

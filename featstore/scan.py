@@ -63,6 +63,7 @@ class _Block:
     rows: range                      # index rows of the shard, in order
     fields: dict[str, tuple[int, int]]  # field -> element range [lo, hi) of the block's samples
     nbytes: int
+    sizes: dict[str, list[int]]      # field -> elements of each row's sample
 
 
 @dataclass
@@ -90,7 +91,7 @@ def plan_blocks(store: Store, shard: str, fields: Sequence[str] | None, block_by
         if nbytes >= block_bytes or i == len(rows) - 1:
             span = range(start, i + 1)
             ranges = {f: (min(offsets[f][j] for j in span), max(offsets[f][j] + sizes[f][j] for j in span)) for f in names}
-            yield _Block(shard, range(rows.start + start, rows.start + i + 1), ranges, nbytes)
+            yield _Block(shard, range(rows.start + start, rows.start + i + 1), ranges, nbytes, {f: sizes[f][start : i + 1] for f in names})
             start, nbytes = i + 1, 0
 
 
@@ -128,11 +129,16 @@ class Scanner:
                 requests.append((key, ranges, flat[name]))
         if requests:
             store.storage.read_into(requests)
-        # Large samples are checked here, beside the consumer: the GIL is released for each long
-        # CRC. Small ones are checked as they are handed out: here, thousands of short calls
-        # would pass the GIL back and forth with the consumer's loop, which costs more.
-        checked = store.verify_reads and block.nbytes >= CHECK_AHEAD_BYTES * len(block.rows)
-        bad = self._check(block, flat) if checked else None  # (the check faults the pages in)
+        # Checked here, beside the consumer, without the GIL (the checks fault the pages in):
+        # large samples one by one; small ones as a whole run per field against the CRC their
+        # CRCs make together (one sample at a time, thousands of short calls would pass the GIL
+        # back and forth with the consumer's loop). Without a GIL-free checksum (google_crc32c
+        # alone), small samples are checked as they are handed out.
+        bad, checked = None, False
+        if store.verify_reads and block.nbytes >= CHECK_AHEAD_BYTES * len(block.rows):
+            bad, checked = self._check(block, flat), True
+        elif store.verify_reads and fmt.crc32c_releases_gil():
+            bad, checked = self._check_runs(block, flat)
         if not checked:
             for array in flat.values():
                 _fault_in(array)
@@ -179,6 +185,24 @@ class Scanner:
                     bad = (row, name)
                     break
         return bad
+
+    def _check_runs(self, block: _Block, flat: dict[str, np.ndarray]) -> tuple[tuple[int, str] | None, bool]:
+        """(as ``_check``, True) from one checksum per field over the block's run of samples,
+        compared with the CRC-32C that the samples' own CRCs make back to back: a flipped byte in
+        any one sample changes the run's CRC as surely as its own (advancing a CRC by the bytes
+        after it is invertible). On a mismatch, the samples one by one say which. (None, False)
+        where the run holds bytes of no sample: then each sample is checked as handed out."""
+        store, rows = self.store, block.rows
+        for name, (lo, hi) in block.fields.items():
+            offsets, sizes = store._offsets[name][rows.start : rows.stop], np.array(block.sizes[name], dtype=np.int64)
+            if offsets[0] != lo or offsets[-1] + sizes[-1] != hi or (offsets[1:] != offsets[:-1] + sizes[:-1]).any():
+                return None, False
+        for name in block.fields:
+            itemsize = np.dtype(store.fields[name].zarr_dtype).itemsize
+            crcs = store._crcs[name][rows.start : rows.stop]
+            if fmt.crc32c(flat[name], release_gil=True) != fmt.crc32c_concat(crcs, np.array(block.sizes[name], dtype=np.int64) * itemsize):
+                return self._check(block, flat), True
+        return None, True
 
     def _elsewhere(self, block: _Block, flat: dict[str, np.ndarray]) -> dict[int, dict[str, np.ndarray]]:
         """Fields of the block's samples that other shards hold (added to the store later)."""

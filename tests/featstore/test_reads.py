@@ -121,35 +121,57 @@ def test_scan_detects_a_flipped_byte_naming_shard_and_sample(backend, readahead_
 
 
 def _checksum_library(library: str, monkeypatch) -> None:
-    """crc32c (releases the GIL) where installed, else google_crc32c alone: both must check."""
-    if library == "crc32c" and not fmt.crc32c_releases_gil():
-        pytest.skip("the crc32c library (on a hardware CRC instruction) is not installed here")
-    if library == "google_crc32c":
-        monkeypatch.setattr(fmt, "_releasing_crc32c", lambda: None)
+    """Make ``library`` the one featstore uses: crc32c (a dependency) or awscrt (optional), which
+    release the GIL, or google_crc32c alone (what is left without them): each must check."""
+    found = {"crc32c": fmt.crc32c_library_crc32c, "awscrt": fmt.awscrt_crc32c, "google_crc32c": lambda: None}[library]()
+    if found is None and library != "google_crc32c":
+        pytest.skip(f"{library} is not installed here (or has no hardware CRC)")
+    monkeypatch.setattr(fmt, "_releasing_crc32c", lambda: found)
 
 
-@pytest.mark.parametrize("library", ["crc32c", "google_crc32c"])
-@pytest.mark.parametrize("where", ["loading threads", "consumer"])
-def test_both_places_a_checksum_is_checked_catch_a_flipped_byte(where, library, tmp_path, monkeypatch):
-    # Blocks of large samples are checked where they are loaded, blocks of small ones as each
-    # sample is handed out; the threshold moves every block of this store to one or the other.
-    monkeypatch.setattr(scan_module, "CHECK_AHEAD_BYTES", 0 if where == "loading threads" else 1 << 40)
+# Where a scan checks a sample: large samples one by one on the loading threads; small ones on
+# the loading threads as a run per field (with a GIL-free checksum library), or as each is handed
+# out (google_crc32c alone). The threshold moves every block of these stores to one or the other.
+PLACES = [("one by one", "crc32c"), ("one by one", "awscrt"), ("one by one", "google_crc32c"), ("as a run", "crc32c"), ("as a run", "awscrt"),
+          ("handed out", "google_crc32c")]
+
+
+@pytest.mark.parametrize(("where", "library"), PLACES)
+def test_every_place_a_checksum_is_checked_catches_a_flipped_byte(where, library, tmp_path, monkeypatch):
+    monkeypatch.setattr(scan_module, "CHECK_AHEAD_BYTES", 0 if where == "one by one" else 1 << 40)
     _checksum_library(library, monkeypatch)
+    runs = []
+    concat = fmt.crc32c_concat
+    monkeypatch.setattr(fmt, "crc32c_concat", lambda crcs, lengths: runs.append(len(crcs)) or concat(crcs, lengths))
     url = str(tmp_path / "store")
     samples = _write(url, n=20)
     clean = featstore.open(url)
     for (_, got), (_, arrays, _) in zip(clean.scan(), samples, strict=True):
         assert_same(got["text"], arrays["text"])
+    # Runs of several samples were checked as runs there, and only there.
+    assert (max(runs) > 1) if where == "as a run" else not runs
     shard = _corrupt(clean, samples[11][0], "text")
     seen = []
     with pytest.raises(CorruptionError, match=rf"sample '{samples[11][0]}' field 'text' in shard '{shard}'"):
         for sid, _ in featstore.open(url).scan():
             seen.append(sid)
     assert seen == [s[0] for s in samples[:11]]
+    # Another damaged sample in the same block, before it where there is one: the first is named.
+    ids = [sid for sid, _, _ in samples]
+    block = next(b for s in clean.shards for b in scan_module.plan_blocks(clean, s, None) if clean.row(ids[11]) in b.rows)
+    other_row = block.rows[0] if block.rows[0] != clean.row(ids[11]) else block.rows[1]
+    other = ids.index(clean.index.column("id")[other_row].as_py())
+    _corrupt(featstore.open(url), ids[other], "latent")
+    first = min(other, 11)
+    seen.clear()
+    with pytest.raises(CorruptionError, match=rf"sample '{ids[first]}'"):
+        for sid, _ in featstore.open(url).scan():
+            seen.append(sid)
+    assert seen == ids[:first]
 
 
-@pytest.mark.parametrize("library", ["crc32c", "google_crc32c"])
-def test_both_checksum_libraries_compute_the_same_crc32c(library, monkeypatch):
+@pytest.mark.parametrize("library", ["crc32c", "awscrt", "google_crc32c"])
+def test_every_checksum_library_computes_the_same_crc32c(library, monkeypatch):
     _checksum_library(library, monkeypatch)
     assert fmt.crc32c(b"123456789") == fmt.crc32c(b"123456789", release_gil=True) == 0xE3069283  # the check value
     rng = np.random.default_rng(0)
@@ -165,6 +187,28 @@ def test_both_checksum_libraries_compute_the_same_crc32c(library, monkeypatch):
         assert fmt.crc32c(data[cut:], fmt.crc32c(data[:cut])) == want  # continued from a CRC
     bf16 = rng.standard_normal((3, 5, 7)).astype(ml_dtypes.bfloat16)
     assert fmt.crc32c(bf16) == fmt.crc32c(bf16.view(np.uint16)) == google_crc32c.value(bf16.tobytes())
+
+
+def test_the_crc32c_of_buffers_back_to_back_from_their_crcs():
+    rng = np.random.default_rng(1)
+    for count in (0, 1, 2, 9, 300):
+        lengths = rng.integers(0, 70_000, size=count)
+        lengths[::4] = 0  # empty samples too
+        parts = [rng.integers(0, 256, size=n, dtype=np.uint8).tobytes() for n in lengths]
+        crcs = [google_crc32c.value(p) for p in parts]
+        folded = 0
+        for crc, n in zip(crcs, lengths, strict=True):
+            folded = fmt.crc32c_combine(folded, crc, int(n))
+        assert fmt.crc32c_concat(crcs, lengths) == folded == google_crc32c.value(b"".join(parts))
+    # Lengths past 32 bits, and one flipped bit in any CRC changes the result.
+    assert fmt.crc32c_concat([7, 9], [1, 5 << 32]) == fmt.crc32c_combine(7, 9, 5 << 32)
+    crcs = rng.integers(0, 1 << 32, size=50, dtype=np.uint32)
+    lengths = rng.integers(1, 1 << 20, size=50)
+    whole = fmt.crc32c_concat(crcs, lengths)
+    for i in range(50):
+        flipped = crcs.copy()
+        flipped[i] ^= np.uint32(1 << (i % 32))
+        assert fmt.crc32c_concat(flipped, lengths) != whole
 
 
 def test_truncated_local_object_is_an_error_not_a_crash(tmp_path):
