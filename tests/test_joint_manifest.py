@@ -105,6 +105,15 @@ def test_absent_samples_resume_exactly(seven, data, live_run, tmp_path):
         train(seven, tmp_path / "split", f"data.manifest={other}", *LIVE, steps=5, resume=True)
 
 
+def test_absent_samples_when_every_field_runs_live(seven, data, live_run, tmp_path):
+    """No field is read from the cache, so nothing is a fill field: the absent samples are still
+    sized from their media (before, the planner asked the store for them and failed)."""
+    modes = ["encoders.latent.mode=live", "encoders.text_emb.mode=live"]
+    train(seven, tmp_path / "all-live", f"data.manifest={data}", *LIVE, *modes, steps=2)
+    assert losses(tmp_path / "all-live") == pytest.approx(losses(live_run)[:2], rel=1e-5)
+    assert [r["live_samples"] for r in records(tmp_path / "all-live")] == [8, 8]
+
+
 def test_store_samples_lacking_the_field_batches_are_planned_by(seven, data, cached_run, live_run, tmp_path):
     """The DiT's planner sizes samples by their latent: store samples lacking it (only their text
     encoded) are sized from their media's headers with on_missing: live."""

@@ -186,7 +186,7 @@ class FeatureStream:
         self.is_live = np.array([len(r) < len(required) or any(store.has_field(i, f) for f in live_optional)
                                  for r, i in zip(reads, ids, strict=True)], dtype=bool)
         planner = data
-        if live and live.fillable:
+        if live:
             from train.live.manifest import planning_adapter
 
             planner = planning_adapter(data, store, live)  # sizes what samples lack by its live encoding

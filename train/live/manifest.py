@@ -146,12 +146,12 @@ class PlannedStore:
         return sample_id in self._store or (manifest is not None and sample_id in manifest.rows)
 
     def has_field(self, sample_id: str, field: str) -> bool:
-        if sample_id in self._store:
-            return self._store.has_field(sample_id, field)
         return self._live.has_field(sample_id, field)
 
     def shape(self, sample_id: str, field: str) -> tuple[int, ...]:
-        if sample_id in self._store and (self._store.has_field(sample_id, field) or field not in self._live.fillable):
+        # A field no live encoder makes comes from the store (which says when a sample lacks it);
+        # one that a live encoder makes (fill, live or train mode) is sized from its encoding.
+        if sample_id in self._store and (self._store.has_field(sample_id, field) or field not in self._live.fields):
             return self._store.shape(sample_id, field)  # (raises MissingFieldError for a field nothing makes)
         if sample_id not in self._store and not self._live.has_field(sample_id, field):
             raise featstore.MissingFieldError(f"sample {sample_id!r} of data.manifest has no media, so no {field!r}")
