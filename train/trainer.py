@@ -173,6 +173,9 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
                                 lr_lambda=lr_lambda(config), log=log if rank == 0 else (lambda *_: None),
                                 optional=list(data_adapter.optional_fields), manifest=manifest)
     sizes = data_adapter.input_sizes()
+    if rank == 0 and family.advice is not None:
+        for warning in family.advice(model_config, **sizes):
+            log(f"warning: {warning}")
     model = family.builder(model_config, **sizes).to(device)
     dims.check_heads(getattr(model, "attention_heads", getattr(model_config, "heads", 1)))
     num_params = sum(p.numel() for p in model.parameters())

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -187,6 +186,18 @@ def _tokens_per_sample(config: DiTConfig, sample_shape: tuple[int, ...]) -> int:
     return config.num_tokens(sample_shape)
 
 
+def _advice(config: DiTConfig, *, in_channels: int, text_dim: int) -> list[str]:
+    patch_values = in_channels * math.prod(config.patch)
+    if config.dim >= patch_values:
+        return []
+    # The target (noise - data) carries fresh noise in every value of a patch: a token narrower
+    # than its patch cannot pass it through, and the loss stalls however long the run (the tiny
+    # width on 32-channel TAESD-F2 latents, measured).
+    return [f"model.dim ({config.dim}) is smaller than one patch token ({in_channels} latent channels x patch "
+            f"{config.patch} = {patch_values} values): the model cannot represent the velocity and will underfit; "
+            f"set model.args.dim >= {patch_values}"]
+
+
 @register_model(
     "dit",
     config_cls=DiTConfig,
@@ -196,6 +207,7 @@ def _tokens_per_sample(config: DiTConfig, sample_shape: tuple[int, ...]) -> int:
     data=LatentTextData.for_run,
     presets=DIT_PRESETS,
     validation_loss=flow_matching_validation_loss,
+    advice=_advice,
 )
 class DiT(nn.Module):
     def __init__(self, config: DiTConfig, *, in_channels: int, text_dim: int) -> None:
@@ -204,16 +216,6 @@ class DiT(nn.Module):
             raise ModelConfigError(f"in_channels and text_dim must be >= 1, got {in_channels} and {text_dim}")
         self.config, self.in_channels, self.text_dim = config, in_channels, text_dim
         dim, patch_volume = config.dim, math.prod(config.patch)
-        if dim < in_channels * patch_volume:
-            # The target (noise - data) carries fresh noise in every value of a patch: a token
-            # narrower than its patch cannot pass it through, and the loss stalls however long
-            # the run (the tiny width on 32-channel TAESD-F2 latents, measured).
-            warnings.warn(
-                f"model.dim ({dim}) is smaller than one patch token ({in_channels} latent channels x "
-                f"patch {config.patch} = {in_channels * patch_volume} values): the model cannot represent "
-                f"the velocity and will underfit; set model.args.dim >= {in_channels * patch_volume}",
-                UserWarning, stacklevel=2,
-            )
         self.patch_embed = nn.Linear(in_channels * patch_volume, dim)
         self.time_embed = TimestepEmbedder(dim, config.timestep_freq_dim, config.timestep_scale)
         self.text_embed = Mlp(text_dim, dim, dim)

@@ -100,6 +100,9 @@ class ModelFamily:
     # The held-out loss (same signature as training_loss; generators seeded per held-out sample):
     # deterministic for a given model. None: training_loss with those fixed generators.
     validation_loss: TrainingLoss | None = None
+    # Warnings about a config on these input sizes (one that will train badly), told once by fit
+    # before step 1: (config, **input_sizes) -> messages.
+    advice: Callable[..., list[str]] | None = None
 
     def write_export(self, model: nn.Module, out_dir: Any, info: dict[str, Any]) -> list[str]:
         """What ``mmtrain export`` writes for ``model`` (unsharded, on CPU): ``model.safetensors`` +
@@ -156,6 +159,7 @@ def register_model(
     presets: Mapping[str, Any] | None = None,
     export: Export | None = None,
     validation_loss: TrainingLoss | None = None,
+    advice: Callable[..., list[str]] | None = None,
 ) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
     """Class/function decorator: ``@register_model("dit", config_cls=..., ...)`` on the builder."""
 
@@ -175,6 +179,7 @@ def register_model(
             input_sizes=sizes,
             export=export,
             validation_loss=validation_loss,
+            advice=advice,
         )
         return builder
 

@@ -285,9 +285,8 @@ class VLM(nn.Module):
 
     def _no_image(self) -> torch.Tensor:
         """An empty feature tensor [0, 4, D_vit] (a 2x2 grid, so the pixel shuffle accepts it)."""
-        weight = self.projector.norm.weight
-        width = weight.shape[0] // 4 if self.projector.shuffle else weight.shape[0]
-        return weight.new_zeros(0, 4, width)
+        weight = self.projector.norm.weight  # for the device and dtype
+        return weight.new_zeros(0, 4, self.projector.vit_dim)
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """Logits [B, S, vocab] of a packed batch."""
