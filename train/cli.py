@@ -103,11 +103,9 @@ def drift(features, field_names, samples, seed, media_root, tolerance, config_na
     names = [n.strip() for n in field_names.split(",") if n.strip()] if field_names else [n for n, f in store.fields.items() if "encoder" in f.meta]
     if not names:
         raise click.UsageError(f"{store.url} records no encoder for any field; name them with --fields (and --set encoders.<field>.rebuild...)")
-    manifest = None
-    if config.data.manifest:  # the conversations a tokenizer field was encoded from
-        from train.live.manifest import TrainingManifest
+    from train.live.manifest import TrainingManifest
 
-        manifest = TrainingManifest.read(config.data.manifest, options, store)
+    manifest = TrainingManifest.from_config(config.data, options, store)  # the conversations a tokenizer field was encoded from
     reports = []
     for name in names:
         live = reattach_field(store, name, config.encoders.get(name), media_root=media_root or config.data.media_root,

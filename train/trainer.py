@@ -121,7 +121,7 @@ def _describe_encoders(config: TrainConfig, store: featstore.Store, adapter, sto
     from train.live.fields import LiveFields
 
     fields = list(adapter.required_fields) + [f for f in adapter.optional_fields if f in store.fields]
-    manifest = TrainingManifest.read(config.data.manifest, storage_options, store) if config.data.manifest else None
+    manifest = TrainingManifest.from_config(config.data, storage_options, store)
     live = LiveFields.build(config, store, fields, optional=list(adapter.optional_fields), manifest=manifest)
     live.set_trainable(config)
     described = live.describe()
@@ -162,7 +162,7 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
         # A resumed run must see the features it started with.
         expected = {**{k: v.get("digest") for k, v in before["fingerprints"].items()}, **expected}
     fingerprints = check_fingerprints(store, fields, expected, config.data.allow_fingerprint_mismatch)
-    manifest = TrainingManifest.read(config.data.manifest, storage_options, store) if config.data.manifest else None
+    manifest = TrainingManifest.from_config(config.data, storage_options, store)
     check_manifest_resume(before, manifest, str(run))
 
     dims = ParallelDims.from_config(config.parallel, world)
@@ -215,7 +215,8 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
         exclude=frozenset(held_out), manifest=manifest,
     )
     run_record = RunRecord(config=config, dims=dims, store=store, fingerprints=fingerprints, input_sizes=sizes, parameters=num_params,
-                           data_order={"shuffle_window": order.window, "shards": stream.order.num_shards})
+                           data_order={"shuffle_window": order.window, "shards": stream.order.num_shards},
+                           encoders=joint.describe(), drift=joint.drift, manifest=manifest.record(store) if manifest else None)
     if rank == 0:
         log(order.describe(stream.order.num_shards))
         for warning in order.warnings:
@@ -276,7 +277,7 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
             optimizer.step()
             step = data.step + 1
             if step == start + 1:  # after the first step: optimizer state and gradients exist
-                _write_run_json(run, run_record, model, optimizer, rank, {"encoders": joint.describe(), "drift": joint.drift, **({"manifest": manifest.record(store)} if manifest else {})})
+                _write_run_json(run, run_record, model, optimizer, rank)
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
             joint.step()
@@ -436,9 +437,12 @@ class RunRecord:
     input_sizes: dict[str, int]
     parameters: int
     data_order: dict[str, Any]  # the epoch order's window (None: global shuffle) and shard count
+    encoders: dict[str, Any]  # per field: its mode and encoder (train.live.joint)
+    drift: list[dict[str, Any]]  # the drift check before step 1
+    manifest: dict[str, Any] | None  # data.manifest's record (--resume checks its digest)
 
 
-def _write_run_json(run: Path, record: RunRecord, model, optimizer, rank: int, extra: dict[str, Any] | None = None) -> None:
+def _write_run_json(run: Path, record: RunRecord, model, optimizer, rank: int) -> None:
     store, config = record.store, record.config
     held = local_state_bytes(model, optimizer)
     grads = sum((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).numel() * p.element_size() for p in model.parameters() if p.grad is not None)
@@ -468,7 +472,9 @@ def _write_run_json(run: Path, record: RunRecord, model, optimizer, rank: int, e
         "input_sizes": record.input_sizes,
         "parameters": record.parameters,
         "ranks": [{"rank": r, "param_bytes": int(t[0]), "grad_bytes": int(t[1]), "optim_bytes": int(t[2])} for r, t in enumerate(everyone)],
-        **(extra or {}),
+        "encoders": record.encoders,
+        "drift": record.drift,
+        **({"manifest": record.manifest} if record.manifest is not None else {}),
     }
     if latent is not None:
         doc["latent_normalisation"] = {

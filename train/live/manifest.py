@@ -42,6 +42,11 @@ class TrainingManifest:
     unusable: dict[str, str]  # sample id -> why mmcache encode would reject its row
 
     @classmethod
+    def from_config(cls, data: Any, storage_options: dict[str, Any] | None, store: featstore.Store) -> TrainingManifest | None:
+        """``data.manifest`` read (None when it is not set)."""
+        return cls.read(data.manifest, storage_options, store) if data.manifest else None
+
+    @classmethod
     def read(cls, url: str, storage_options: dict[str, Any] | None, store: featstore.Store) -> TrainingManifest:
         """Parse ``url`` as ``mmcache encode`` would. Text-only rows (no path) are samples when the
         store's text field is an LLM tokenizer's (what makes ``mmcache encode`` take them)."""
