@@ -146,7 +146,7 @@ class LocalStorage(Storage):
         self._lock = threading.Lock()
         # Raw descriptors are not closed by the interpreter: without this, a store opened and
         # dropped without close() kept up to MAX_OPEN_FILES of them for the life of the process.
-        weakref.finalize(self, _close_descriptors, self._fds)
+        weakref.finalize(self, _close_descriptors, self._fds, self._lock)
 
     def _path(self, key: str) -> Path:
         return self.root / key if key else self.root
@@ -211,11 +211,14 @@ class LocalStorage(Storage):
             self._release(entry)
         if hasattr(mapped, "madvise"):
             mapped.madvise(mmap.MADV_SEQUENTIAL)  # a larger kernel read-ahead for a cold scan
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            # Linux: a fault reads the file into the page cache in 2 MiB pages, and a 2 MiB page
-            # already there is mapped by one page-table entry, not 512 (featstore.scan: the cost
-            # of mapping 4 KiB pages was most of a warm scan's time). Copy-on-write stays per page.
-            mapped.madvise(mmap.MADV_HUGEPAGE)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                # Linux: a fault reads the file into the page cache in 2 MiB pages, and a 2 MiB page
+                # already there is mapped by one page-table entry, not 512 (featstore.scan: the cost
+                # of mapping 4 KiB pages was most of a warm scan's time). Copy-on-write stays per page.
+                try:
+                    mapped.madvise(mmap.MADV_HUGEPAGE)
+                except OSError:
+                    pass  # a kernel without transparent huge pages (EINVAL): 4 KiB pages, only slower
         return np.frombuffer(mapped, dtype=np.uint8)
 
     @staticmethod
@@ -287,17 +290,16 @@ class LocalStorage(Storage):
             return []
 
     def close(self) -> None:
-        with self._lock:
-            for entry in self._fds.values():
-                self._retire(entry)
-            self._fds.clear()
+        _close_descriptors(self._fds, self._lock)
 
 
-def _close_descriptors(fds: OrderedDict[str, list]) -> None:
-    """A dropped LocalStorage's descriptors (nothing reads through it any more)."""
-    for entry in fds.values():
-        os.close(entry[0])
-    fds.clear()
+def _close_descriptors(fds: OrderedDict[str, list], lock: threading.Lock) -> None:
+    """Close a LocalStorage's cached descriptors (one still in use closes when it is released):
+    ``close()``, and the finalizer of a storage dropped without it."""
+    with lock:
+        for entry in fds.values():
+            LocalStorage._retire(entry)
+        fds.clear()
 
 
 @dataclass(frozen=True)
