@@ -61,6 +61,19 @@ class EncodeSummary:
         )
 
 
+def _local_model_path(path: str) -> str:
+    return str(Path(path).expanduser().resolve())
+
+
+def with_client_paths(config: EncodeConfig) -> EncodeConfig:
+    """``config`` with model folders named relative to this process's directory (or ``~``)
+    made absolute here: a worker of an external cluster that resolves the specs would read them
+    against its own directory and home."""
+    resolved = {section: {**raw, "path": _local_model_path(raw["path"])}
+                for section, raw in config.encoder_sections().items() if "path" in raw and raw["path"] != TINY_PATH}
+    return dataclasses.replace(config, **resolved) if resolved else config
+
+
 def encoder_specs(config: EncodeConfig, cache_dir: Path | None = None) -> list[EncoderSpec]:
     """Config sections -> specs with concrete model folders (``path: tiny`` built on demand)."""
     from precompute.encoders import encoder_class
@@ -75,12 +88,13 @@ def encoder_specs(config: EncodeConfig, cache_dir: Path | None = None) -> list[E
 
             options["path"] = str(ensure_tiny_models((cache_dir or default_cache_dir()) / "tiny", [name])[name])
         elif "path" in options:
-            options["path"] = str(Path(options["path"]).expanduser().resolve())
+            options["path"] = _local_model_path(options["path"])
         field_names = {f.name for f in dataclasses.fields(cls.Config)}
         if section == "vae" and "modality" in field_names:
             # One latent field holds images and videos alike: an image is a one-frame video.
             options["modality"] = "video"
-        # Checked here, on the client, so a bad option is one clear error before any worker starts.
+        # Checked here, before any task (on the client; for an external cluster on one worker), so
+        # a bad option is one clear error before anything is encoded.
         from_dict(cls.Config, options, where=section)
         specs.append(EncoderSpec(section=section, name=name, options=options))
     return specs
@@ -158,7 +172,7 @@ def run_encode(
             # a warm cluster the job starts in the time of a few round trips.
             placement = choose_placement(config, scheduler=scheduler, workers=workers, output_url=output_url, samples=lambda: 0)
             cluster = stack.enter_context(connect(placement, scheduler))
-            specs, text_only = cluster.resolve_specs(config)
+            specs, text_only = cluster.resolve_specs(with_client_paths(config))
             executor = cluster
         else:
             specs = encoder_specs(config)

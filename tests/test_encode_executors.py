@@ -185,3 +185,14 @@ def test_the_executor_is_chosen_by_job_size_unless_asked(overrides, kw, samples,
     assert placement.kind == kind, placement
     cores = os.cpu_count() or 1
     assert placement.threads == max(1, cores // placement.workers)
+
+
+def test_model_folders_relative_to_the_client_are_resolved_by_it(tmp_path, monkeypatch):
+    """An external cluster's worker resolves the specs (with_client_paths first): a folder named
+    relative to the command's directory must reach it as that folder, not its own cwd's."""
+    from precompute.pipeline import with_client_paths
+
+    monkeypatch.chdir(tmp_path)
+    config = with_client_paths(tiny_config("vae.path=models/vae"))
+    assert config.vae["path"] == str(tmp_path / "models" / "vae")
+    assert config.text["path"] == "tiny"  # built where the client would build it, by name
