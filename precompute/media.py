@@ -251,14 +251,14 @@ def _provenance(uri: str, data: bytes, orig: tuple[int, int], box: tuple[int, in
 # ----------------------------------------------------------------------------- images
 
 
-def decode_image(data: bytes, uri: str = "", *, alpha: Literal["white", "drop"] = "white") -> Image.Image:
-    """Bytes -> upright RGB Pillow image (first frame of an animation)."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
+def _open_image(data: bytes, uri: str) -> Image.Image:
+    """Bytes -> a Pillow image with only its header parsed; every way that fails as a MediaError."""
+    from PIL import Image, UnidentifiedImageError
 
     if not data:
         raise MediaError("empty file", uri)
     try:
-        image = Image.open(io.BytesIO(data))
+        return Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
         if data.startswith(_IMAGE_MAGIC) or (data[:4] == b"RIFF" and data[8:12] == b"WEBP"):
             raise MediaError("truncated or corrupt image (header unreadable)", uri) from None
@@ -267,6 +267,13 @@ def decode_image(data: bytes, uri: str = "", *, alpha: Literal["white", "drop"] 
         raise MediaError(f"image too large ({exc})", uri) from None
     except _PILLOW_DECODE_ERRORS as exc:  # a recognised format whose header is cut or damaged
         raise MediaError(f"truncated or corrupt image ({exc})", uri) from None
+
+
+def decode_image(data: bytes, uri: str = "", *, alpha: Literal["white", "drop"] = "white") -> Image.Image:
+    """Bytes -> upright RGB Pillow image (first frame of an animation)."""
+    from PIL import Image, ImageOps
+
+    image = _open_image(data, uri)
     try:
         image.seek(0)  # animated GIF/WebP/APNG: image encoders take the first frame
         image.load()  # Image.open only parses the header; truncation shows up here
@@ -433,18 +440,12 @@ def prepared_shape(data: bytes, uri: str, *, modality: Literal["image", "video"]
         indices, _ = select_frames(total, fps, sampling or FrameSampling(), require_4k_plus_1=rule.temporal == "4k+1", uri=uri)
         width, height = choose_size(*orig, resize=resize, rule=rule)
         return (len(indices), height, width, 3)
-    from PIL import Image, UnidentifiedImageError
-
-    if not data:
-        raise MediaError("empty file", uri)
+    image = _open_image(data, uri)
+    orig = image.size
     try:
-        image = Image.open(io.BytesIO(data))
-        orig = image.size
         # exif_transpose (decode_image) turns the image upright: orientations 5-8 swap its sides.
         if image.getexif().get(0x0112) in (5, 6, 7, 8):
             orig = orig[::-1]
-    except UnidentifiedImageError:
-        raise MediaError("not an image file", uri) from None
     except _PILLOW_DECODE_ERRORS as exc:
         raise MediaError(f"truncated or corrupt image ({exc})", uri) from None
     if rule.tiling is not None:
