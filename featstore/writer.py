@@ -314,18 +314,9 @@ def _add_field(batch: list, objects: dict, base: str, spec: fmt.FieldSpec, array
     return layout, crcs
 
 
-# Below this size re-reading a sample is cheaper than a CRC combine (~30 us, ~6 GB/s).
-_COMBINE_ABOVE = 256 << 10
-
-
 def _object_crc(views: list[np.ndarray], crcs: list[int], tail: list[bytes]) -> int:
-    """The whole object's CRC-32C, reusing the per-sample CRCs instead of a second pass."""
-    crc = 0
-    for view, sample_crc in zip(views, crcs, strict=True):
-        crc = fmt.crc32c_combine(crc, sample_crc, view.nbytes) if view.nbytes > _COMBINE_ABOVE else fmt.crc32c(view, crc)
-    for part in tail:
-        crc = fmt.crc32c(part, crc)
-    return crc
+    """The whole object's CRC-32C from the per-sample CRCs (no second pass over the data)."""
+    return fmt.crc32c_concat([*crcs, *(fmt.crc32c(part) for part in tail)], [v.nbytes for v in views] + [len(p) for p in tail])
 
 
 def _meta_column(key: str, values: list[Any]) -> pa.Array:
