@@ -222,7 +222,8 @@ class _AllOf:
 
 
 @contextlib.contextmanager
-def open_executor(placement: Placement, scheduler: str | None) -> Iterator[ThreadExecutor | DaskExecutor]:
+def open_executor(placement: Placement) -> Iterator[ThreadExecutor | DaskExecutor]:
+    """This process's threads, or a local cluster (an external one: ``connect``)."""
     if placement.kind == "threads":
         import torch
 
@@ -237,11 +238,7 @@ def open_executor(placement: Placement, scheduler: str | None) -> Iterator[Threa
             executor.client.close()
             torch.set_num_threads(saved)
         return
-    if placement.kind == "scheduler":
-        assert scheduler, placement
-        with connect(placement, scheduler) as executor:
-            yield executor
-        return
+    assert placement.kind != "scheduler", "an external cluster is opened by connect()"
     from distributed import Client
 
     with local_cluster(placement.workers, dashboard=_has_bokeh()) as cluster, Client(cluster) as client:

@@ -197,8 +197,8 @@ def run_encode(
             return _samples_to_encode(rows, existing[0], specs)
 
         if executor is None:
-            placement = choose_placement(config, scheduler=scheduler, workers=workers, output_url=output_url, samples=samples_to_encode)
-            executor = stack.enter_context(open_executor(placement, scheduler))
+            placement = choose_placement(config, scheduler=None, workers=workers, output_url=output_url, samples=samples_to_encode)
+            executor = stack.enter_context(open_executor(placement))
         if executor.dashboard_link:
             log(f"dask dashboard: {executor.dashboard_link}")
         loading = executor.load_encoders(specs, config.device)
