@@ -166,6 +166,10 @@ def test_vlm_tokenizer_live_and_absent_samples(vlm, tmp_path):
     assert any(line.startswith("drift check: input_ids:") and line.endswith("ok") for line in lines)
     assert losses(tmp_path / "tokens") == losses(tmp_path / "cached")  # the same token ids
     assert [r["live_samples"] for r in records(tmp_path / "tokens")] == [7] * 3
+    # A manifest naming part of the store: only its samples need their turns (it lacks the
+    # conversations of the first image and of the text-only sample, which it does not name).
+    train(vlm["full"], tmp_path / "subset", f"data.manifest={vlm['manifest'].with_name('partial.jsonl')}", *tokens, "data.global_batch=5", *PARITY, preset="tiny-vlm", steps=1)
+    assert [(r["samples"], r["live_samples"]) for r in records(tmp_path / "subset")] == [(5, 5)]
     # A store lacking an image sample and the text-only one: every field of them made live.
     train(vlm["partial"], tmp_path / "absent", manifest, "data.on_missing=live", *sets, preset="tiny-vlm", steps=3)
     assert losses(tmp_path / "absent") == pytest.approx(losses(tmp_path / "cached"), rel=1e-5)

@@ -110,7 +110,7 @@ def drift(features, field_names, samples, seed, media_root, tolerance, config_na
     for name in names:
         live = reattach_field(store, name, config.encoders.get(name), media_root=media_root or config.data.media_root,
                               storage_options=options, check_fingerprint=False)
-        reports.append(measure_drift(store, live, pick_samples(store, name, samples, seed), tolerance, manifest=manifest))
+        reports.append(measure_drift(store, live, pick_samples(store, name, samples, seed, manifest), tolerance, manifest=manifest))
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in reports], indent=2))
     else:

@@ -65,9 +65,13 @@ class FieldDrift:
                 "settings_differ": sorted(self.settings)}
 
 
-def pick_samples(store: featstore.Store, field_name: str, count: int, seed: int = 0) -> list[str]:
-    """``count`` random committed samples that have the field cached (all of them if fewer)."""
+def pick_samples(store: featstore.Store, field_name: str, count: int, seed: int = 0, manifest: Any | None = None) -> list[str]:
+    """``count`` random committed samples that have the field cached (all of them if fewer);
+    with a training manifest, among the samples it names (those the run trains on)."""
     ids = store.sample_ids(with_fields=[field_name])
+    if manifest is not None:
+        named = set(manifest.sample_ids(store))
+        ids = [i for i in ids if i in named]
     if count >= len(ids):
         return ids
     chosen = np.random.default_rng(seed).choice(len(ids), size=count, replace=False)
@@ -111,7 +115,7 @@ def measure_drift(store: featstore.Store, live: LiveEncoder, sample_ids: Sequenc
 def check_before_training(store: featstore.Store, fields: dict[str, LiveEncoder], samples: int, seed: int = 0,
                           manifest: Any | None = None) -> list[FieldDrift]:
     """The drift of each live field on a few samples; raises ``DriftError`` saying what differs."""
-    reports = [measure_drift(store, live, pick_samples(store, name, samples, seed), manifest=manifest) for name, live in fields.items()]
+    reports = [measure_drift(store, live, pick_samples(store, name, samples, seed, manifest), manifest=manifest) for name, live in fields.items()]
     bad = [r for r in reports if not r.ok]
     if bad:
         raise DriftError(

@@ -93,7 +93,8 @@ class LiveFields:
         for name, live in self.fields.items():
             if not live.encoder.is_text or live.encoder.encoder.text_input == "caption":
                 continue
-            ids = self.store.sample_ids()
+            # The samples the run trains on: with data.manifest, those it names that the store holds.
+            ids = self.store.sample_ids() if self.manifest is None else [i for i in self.manifest.sample_ids(self.store) if i in self.store]
             if live.mode == "fill":
                 ids = [i for i in ids if not self.store.has_field(i, name)]
             rows = self.manifest.rows if self.manifest is not None else {}
