@@ -74,6 +74,11 @@ def test_held_out_samples_are_never_trained_on(setup):
     held = validation_ids(store, required, 0.25, ["s001"])
     assert "s001" in held and 2 <= len(held) < 16 and held == sorted(held)
     assert set(validation_ids(store, required, 0.25, [])) | {"s001"} == set(held)  # by id hash, plus the listed
+    # With data.manifest naming part of the store, the split comes from the samples it names.
+    named = store.sample_ids()[::2]
+    hashed = set(validation_ids(store, required, 0.25, []))
+    assert hashed - set(named) and hashed & set(named)  # the store's split falls on both halves
+    assert set(validation_ids(store, required, 0.25, [], named=named)) == hashed & set(named)
     balance = BalanceConfig()
     stream = FeatureStream(store, data=adapter, global_batch=4, seed=0, dp_size=1, dp_rank=0, balance=balance,
                            cost=balance.cost_model(64), tokens_per_sample=DiTConfig().num_tokens, exclude=frozenset(held))

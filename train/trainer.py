@@ -203,7 +203,8 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
             log(f"resumed from {found[1]} at step {start} (world size {world})")
     stop = steps if steps is not None else o.total_steps
     dim = getattr(model_config, "dim", 64)
-    held_out = validation_ids(store, list(data_adapter.required_fields), config.data.validation_fraction, config.data.validation_ids)
+    held_out = validation_ids(store, list(data_adapter.required_fields), config.data.validation_fraction, config.data.validation_ids,
+                              named=manifest.sample_ids(store) if manifest is not None else None)
     # The epoch order, from the config and the snapshot alone (never the world size).
     order = plan_order(store, fields, config.data, None if before is None else before.get("data_order", {}))
     stream = FeatureStream(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -34,10 +35,15 @@ from train.sample.sampler import SamplerConfig
 VALIDATION_SEED = 20_240_601  # fixed: the held-out noise is the same in every run
 
 
-def validation_ids(store: featstore.Store, required: list[str], fraction: float, listed: list[str]) -> list[str]:
+def validation_ids(store: featstore.Store, required: list[str], fraction: float, listed: list[str],
+                   named: Collection[str] | None = None) -> list[str]:
     """The held-out split, sorted: ids hashing below ``fraction`` plus ``listed`` (which must be
-    in the store with the fields training needs)."""
+    in the store with the fields training needs); ``named``: the samples data.manifest names,
+    the only ones the run sees."""
     have = store.sample_ids(with_fields=required)
+    if named is not None:
+        named = set(named)
+        have = [i for i in have if i in named]
     known = set(have)
     missing = [i for i in listed if i not in known]
     if missing:
