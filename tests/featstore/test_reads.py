@@ -140,11 +140,11 @@ PLACES = [("one by one", "crc32c"), ("one by one", "awscrt"), ("one by one", "go
 def test_every_place_a_checksum_is_checked_catches_a_flipped_byte(where, library, tmp_path, monkeypatch):
     monkeypatch.setattr(scan_module, "CHECK_AHEAD_BYTES", 0 if where == "one by one" else 1 << 40)
     _checksum_library(library, monkeypatch)
-    runs = []
-    concat = fmt.crc32c_concat
-    monkeypatch.setattr(fmt, "crc32c_concat", lambda crcs, lengths: runs.append(len(crcs)) or concat(crcs, lengths))
     url = str(tmp_path / "store")
     samples = _write(url, n=20)
+    runs = []  # the scan's checks as runs (spied after the write, whose object CRCs use it too)
+    concat = fmt.crc32c_concat
+    monkeypatch.setattr(fmt, "crc32c_concat", lambda crcs, lengths: runs.append(len(crcs)) or concat(crcs, lengths))
     clean = featstore.open(url)
     for (_, got), (_, arrays, _) in zip(clean.scan(), samples, strict=True):
         assert_same(got["text"], arrays["text"])
