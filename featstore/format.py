@@ -366,42 +366,25 @@ def byte_ranges(chunks: np.ndarray, layout: ChunkLayout, start: int, count: int,
 
 
 # CRC-32C libraries, and which one runs decides whether checksums run in parallel and how fast:
-# * google_crc32c (the CPU's CRC instruction: ~16 GB/s a core from memory here) holds the GIL for
-#   anything but ``bytes``, so a thread checking a mapped or fetched block (a numpy array) blocks
-#   every other thread for the whole call;
-# * crc32c (a dependency; the same instruction, the same speed) releases it on request;
-# * awscrt, where installed (optional: installing it also switches botocore to its signer):
-#   carry-less multiplication over AVX-512 where the CPU has it, ~25 GB/s a core from memory
-#   here, and it releases the GIL above 5 KiB.
-# The releasing one is imported on first use (crc32c: ~12 ms, awscrt: ~27 ms, which a CLI
-# command that never checks a large buffer should not pay); where neither is usable,
-# google_crc32c does all.
+# * awscrt (a dependency): carry-less multiplication over AVX-512 where the CPU has it (the CRC
+#   instruction elsewhere, ARM's on aarch64), ~21 GiB/s a core from memory here, and it releases
+#   the GIL above 5 KiB, so a scan's checks run on all cores beside the consumer;
+# * google_crc32c (zarr's dependency; the CRC instruction, ~14 GiB/s) holds the GIL for anything
+#   but ``bytes``: short calls, where releasing costs more than it frees, and the fallback for a
+#   platform without an awscrt wheel, where checks then run one at a time.
+# awscrt is imported on first use (~27 ms, which a CLI command that never checks a large buffer
+# should not pay). Installed, it also becomes botocore's SigV4 signer (s3fs): the S3 tests run so.
 _LARGE = 1 << 20  # from here on (or on request) a buffer goes to the releasing library
 
 
 @functools.cache
 def _releasing_crc32c() -> Callable[[Any, int], int] | None:
-    """A CRC-32C (data, crc) -> crc that releases the GIL: awscrt's, else crc32c's, else None."""
-    return awscrt_crc32c() or crc32c_library_crc32c()
-
-
-def awscrt_crc32c() -> Callable[[Any, int], int] | None:
+    """A CRC-32C (data, crc) -> crc that releases the GIL: awscrt's, or None where it is missing."""
     try:
         from awscrt import checksums
     except ImportError:
         return None
     return checksums.crc32c  # type: ignore[no-any-return]
-
-
-def crc32c_library_crc32c() -> Callable[[Any, int], int] | None:
-    try:
-        import crc32c as library
-    except ImportError:
-        return None
-    if not library.hardware_based:  # its software fallback: google_crc32c is the better bet
-        return None
-    call = library.crc32c
-    return lambda data, crc: call(data, crc, 1)  # gil_release_mode=1: always
 
 
 def crc32c_releases_gil() -> bool:
