@@ -64,6 +64,9 @@ def test_same_seed_same_bytes_other_seed_other_image(run):
     for name in ("p000-s0.png", "p001-s1.png"):
         assert (root / "a" / name).read_bytes() == (root / "b" / name).read_bytes()
     assert (root / "a" / "p000-s0.png").read_bytes() != (root / "a" / "p000-s1.png").read_bytes()
+    sample(run, root / "c", "--seed", "1", "--device", "cpu")  # the default, named
+    assert (root / "c" / "p001-s1.png").read_bytes() == (root / "a" / "p001-s1.png").read_bytes()
+    assert json.loads((root / "c" / "samples.json").read_text())["device"] == "cpu"
     from PIL import Image
 
     assert Image.open(root / "a" / "p000-s0.png").size == (64, 64)  # the store's size by default

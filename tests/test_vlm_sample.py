@@ -5,8 +5,10 @@ The images go through the run's ViT exactly as `mmcache encode` prepared them (t
 features come back bit for bit), the prompt through the store's tokenizer and template (a
 caption's start is the training sample's own); greedy answers are the argmax of the model's full
 forward step by step (which checks the KV cache too); sampled answers are the same bytes for the
-same seed; a run whose ViT trained answers with the trained ViT, from the run, a checkpoint or an
-export alike; bad input is a clear error."""
+same seed; each seed continues from the prompt decoded once (a fork of its KV cache) exactly as if
+the prompt were decoded again; a question without an image is answered from the text alone; a run
+whose ViT trained answers with the trained ViT, from the run, a checkpoint or an export alike; bad
+input (no image and no question, an unknown or absent device) is a clear error."""
 
 from __future__ import annotations
 
@@ -76,6 +78,18 @@ def test_kv_cache_logits_equal_the_full_forward():
         assert cache.length == 9
         for position, logits in zip(range(4, 9), steps, strict=True):
             assert torch.allclose(logits[0], full[position], atol=1e-5, rtol=0)
+        # A fork continues the prompt's cache on its own: two continuations of one prefix, each
+        # as if decoded alone, and the prefix is left at the prompt.
+        other = torch.randint(0, 50, (1, 4), generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            prefix = KVCache(2)
+            decoder.decode_logits(decoder.embed_tokens(ids[:, :5]), prefix)
+            for continuation in (ids[:, 5:], other):
+                fork = prefix.fork()
+                last = [decoder.decode_logits(decoder.embed_tokens(continuation[:, i : i + 1]), fork) for i in range(4)][-1]
+                alone = decoder(torch.cat([ids[:, :5], continuation], dim=1))[0, -1]
+                assert fork.length == 9 and torch.allclose(last[0], alone, atol=1e-5, rtol=0)
+        assert prefix.length == 5
 
 
 def test_greedy_answers_are_the_models_argmax_step_by_step(setup):
@@ -114,6 +128,67 @@ def test_greedy_answers_are_the_models_argmax_step_by_step(setup):
             expected = row["tokens"][i] if i < len(row["tokens"]) else stop
             assert (int(logits.argmax()) in stop) if i == len(row["tokens"]) else int(logits.argmax()) == expected
         assert row["answer"] == tokenizer.decode(row["tokens"]) and row["seed"] is None
+
+
+def test_text_only_questions_are_answered_from_the_text_alone(setup):
+    from train.packing import expand_sample, pack
+    from train.sample.source import load_trained, reattach_trained
+
+    root, run = setup["root"], str(setup["run"])
+    questions = ["what is this", "tell me about it"]
+    args = [a for q in questions for a in ("--prompt", q)]
+    result = mmtrain("sample", "--run", run, *args, "--max-new-tokens", "8", "--out", str(root / "text"))
+    assert "2 answer(s) in answers.jsonl" in result.output
+    rows = answers(root / "text")
+    assert [(r["image"], r["prompt"], r["seed"]) for r in rows] == [(None, q, None) for q in questions]
+    # Greedy: the argmax of the model's full forward on the image-less prompt, step by step.
+    store = featstore.open(setup["store"])
+    trained = load_trained(setup["run"])
+    tokenizer = reattach_trained(trained, store, "input_ids").encoder
+    meta = store.fields["input_ids"].meta
+    stop = tokenizer.stop_token_ids()
+    for row in rows:
+        prompt = tokenizer.generation_prompt(row["prompt"], images=0)
+        assert meta["image_token_id"] not in prompt.tolist()
+        for i in range(len(row["tokens"]) + (row["finish"] == "stop")):
+            ids = np.concatenate([prompt, np.asarray(row["tokens"][:i], dtype=np.int32)])
+            batch = pack([expand_sample("x", ids, np.zeros(len(ids)), None, image_token_id=meta["image_token_id"],
+                                        image_tokens=trained.model.config.image_tokens, vocab_size=meta["vocab_size"])], len(ids))
+            with torch.no_grad():
+                predicted = int(trained.model(batch)[0, -1].argmax())
+            assert predicted in stop if i == len(row["tokens"]) else predicted == row["tokens"][i]
+    # Sampled: the same bytes for the same seeds, with --device cpu named or not.
+    sampled = [*args, "--temperature", "1.0", "--seed", "1", "--seed", "2", "--max-new-tokens", "8"]
+    mmtrain("sample", "--run", run, *sampled, "--out", str(root / "text-s1"))
+    mmtrain("sample", "--run", run, *sampled, "--device", "cpu", "--out", str(root / "text-s2"))
+    assert (root / "text-s1" / "answers.jsonl").read_bytes() == (root / "text-s2" / "answers.jsonl").read_bytes()
+    assert [(r["prompt"], r["seed"]) for r in answers(root / "text-s1")] == [(q, s) for q in questions for s in (1, 2)]
+
+
+def test_each_seed_continues_the_prompts_cache_as_if_decoded_again(setup):
+    from train.sample.answer import AnswerConfig, answer_tokens, continue_answer, prefill
+    from train.sample.source import load_trained, reattach_trained
+
+    root = setup["root"]
+    seeds = ["--seed", "1", "--seed", "2", "--seed", "3"]
+    mmtrain("sample", "--run", str(setup["run"]), "--image", setup["images"][1], "--prompt", "what is this", "--temperature", "1.0",
+            *seeds, "--max-new-tokens", "10", "--out", str(root / "forked"))
+    rows = answers(root / "forked")
+    assert len({tuple(r["tokens"]) for r in rows}) > 1  # the seeds draw differently: a shared cache would show
+    store = featstore.open(setup["store"])
+    trained = load_trained(setup["run"])
+    vit, tokenizer = reattach_trained(trained, store, "vit_features"), reattach_trained(trained, store, "input_ids").encoder
+    image = vit.encode_files([setup["images"][1]])[0]
+    prompt, meta, stop = tokenizer.generation_prompt("what is this"), store.fields["input_ids"].meta, tokenizer.stop_token_ids()
+    config = AnswerConfig(max_new_tokens=10, temperature=1.0)
+    prefix = prefill(trained.model, prompt, image, meta)
+    length = prefix.cache.length
+    for row in rows:
+        # Decoding the prompt again for this seed alone gives this seed's answer ...
+        assert answer_tokens(trained.model, prompt, image, meta, stop, config, row["seed"]) == (row["tokens"], row["finish"])
+        # ... and so does continuing one prefix seed after seed, which keeps its length.
+        assert continue_answer(trained.model, prefix, stop, config, row["seed"]) == (row["tokens"], row["finish"])
+        assert prefix.cache.length == length
 
 
 def test_sampled_answers_are_the_same_bytes_for_the_same_seed_from_a_run_or_its_export(setup):
@@ -163,13 +238,33 @@ def test_bad_input_is_a_clear_error(setup):
     root, run = setup["root"], str(setup["run"])
     cases = [
         (["--image", str(root / "nope.png")], f"--image {root / 'nope.png'}: no such file"),
-        ([], "this is a VLM run: give the images to answer about with --image PATH"),
+        ([], "this is a VLM run: give the images to answer about with --image PATH (repeatable), or a question with --prompt TEXT"),
+        (["--prompt", "<image> what is this"], "the prompt holds 1 <image> placeholder(s) for 0 image(s)"),
+        (["--prompt", "what is this", "--device", "tpu"], "device 'tpu': give one of cpu, cuda, npu"),
+        (["--prompt", "what is this", "--device", "cpu:1"], "device 'cpu:1': give one of cpu, cuda, npu"),
         (["--image", setup["images"][0], "--top-p", "0.5"], "--top-p applies when sampling: give --temperature > 0"),
         (["--image", setup["images"][0], "--seed", "3"], "--seed applies when sampling"),
         (["--image", setup["images"][0], "--temperature", "-1"], "--temperature must be >= 0"),
         (["--image", str(Path(setup["store"]) / "zarr.json")], "not an image or video file"),
     ]
+    if not torch.cuda.is_available():  # a machine without CUDA says so (with one, cuda:N past its count does)
+        cases.append((["--prompt", "what is this", "--device", "cuda"], "device 'cuda': no CUDA device here; use --device cpu"))
+    cases.append((["--prompt", "what is this", "--device", f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 0}"], "device 'cuda:"))
     for extra, message in cases:
         result = mmtrain("sample", "--run", run, *extra, "--out", str(root / "bad"), check=False)
         assert result.exit_code == 1 and message in result.output, (extra, result.output)
     assert not (root / "bad").exists()
+
+
+def test_devices_by_name():
+    from train.parallel.dims import DeviceChoiceError, device_and_backend, pick_device
+
+    assert pick_device("cpu") == pick_device(" CPU ") == torch.device("cpu")
+    assert pick_device("auto") == device_and_backend()[0]  # the trainer's pick
+    if torch.cuda.is_available():
+        assert pick_device("cuda") == torch.device("cuda", 0)
+    for name in ("gpu", "cuda:x", "auto:0", ""):
+        with pytest.raises(DeviceChoiceError, match="give one of cpu, cuda, npu"):
+            pick_device(name)
+    with pytest.raises(DeviceChoiceError, match="use --device cpu"):
+        pick_device("npu:7")  # no torch_npu here, or not 8 NPUs

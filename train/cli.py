@@ -124,7 +124,7 @@ def drift(features, field_names, samples, seed, media_root, tolerance, config_na
 @cli.command()
 @click.option("--run", "run", required=True, metavar="RUN_DIR", help="A run folder (mmtrain fit --out) or an export (mmtrain export --out).")
 @click.option("--checkpoint", type=int, default=None, metavar="STEP", help="A checkpoint's step (default: the final weights, else the newest checkpoint).")
-@click.option("--prompt", multiple=True, help="A prompt (repeatable).")
+@click.option("--prompt", multiple=True, help="A prompt (repeatable); VLM runs: a question (about each --image, or on its own without one).")
 @click.option("--prompts", "prompts_file", default=None, metavar="FILE", help="Prompts, one per line.")
 @click.option("--out", required=True, metavar="DIR", help="Where the PNGs / WebPs, grid.png and samples.json go.")
 @click.option("--seed", "seeds", type=int, multiple=True, help="A seed (repeatable; default 0): one sample per prompt and seed.")
@@ -141,19 +141,22 @@ def drift(features, field_names, samples, seed, media_root, tolerance, config_na
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="VLM runs: 0 = greedy answers; > 0 samples (with --seed).")
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="VLM runs: nucleus sampling's probability mass (with --temperature).")
 @click.option("--max-new-tokens", type=int, default=64, show_default=True, help="VLM runs: the longest answer.")
+@click.option("--device", default="cpu", show_default=True, metavar="DEVICE",
+              help="cpu, cuda, npu (cuda:N / npu:N), or auto: the trainer's pick (NPU, else CUDA, else CPU). float32 on any.")
 @storage_options_option
 def sample(run, checkpoint, prompt, prompts_file, out, seeds, steps, guidance, shift, size, frames, fps, vae, latents_only, features, images,
-           temperature, top_p, max_new_tokens, storage_options) -> None:
+           temperature, top_p, max_new_tokens, device, storage_options) -> None:
     """Sample pictures from a trained DiT: a PNG per prompt and seed (WebP for videos), grid.png,
     samples.json. From a VLM: answers about each --image (to each --prompt, or a caption without
-    one) in answers.jsonl. Same run, input and seed -> the same bytes."""
+    one), or to each --prompt alone without --image, in answers.jsonl. Same run, input, seed and
+    device -> the same bytes."""
     from train.sample.command import sample_command
 
     check_output_location(out, "--out")
     doc = sample_command(run, checkpoint=checkpoint, prompt=prompt, prompts_file=prompts_file, out=out, seeds=seeds, steps=steps,
                          guidance=guidance, shift=shift, size=size, frames=frames, fps=fps, vae=vae, latents_only=latents_only,
                          features=features, storage_options=parse_storage_options(storage_options), images=images,
-                         temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
+                         temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, device=device)
     what = doc.get("note") or f"{len(doc['samples'])} sample(s)"
     click.echo(f"{what} from {doc['weights']} -> {out}")
 

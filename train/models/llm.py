@@ -20,8 +20,9 @@ Design notes (the why):
   sharing the tensor: state dicts then hold the weight once (safetensors refuses shared tensors).
 - Generation (``mmtrain sample`` on a VLM) goes through ``decode_logits`` with a ``KVCache``: each
   layer keeps the rotated keys and the values of the positions so far, so a new token costs one
-  position's forward, not the whole sequence's. One sequence per row, no packing, no sequence
-  parallelism; training never passes a cache.
+  position's forward, not the whole sequence's; ``KVCache.fork`` continues one prompt's cache
+  several ways (one per seed). One sequence per row, no packing, no sequence parallelism;
+  training never passes a cache.
 """
 
 from __future__ import annotations
@@ -117,6 +118,15 @@ class KVCache:
     def length(self) -> int:
         keys = self.layers[0].keys
         return 0 if keys is None else keys.shape[2]
+
+    def fork(self) -> KVCache:
+        """A cache that continues from these positions independently of this one (a prompt's
+        prefix, decoded once, continued with each seed). It shares the tensors: ``LayerKV.extend``
+        concatenates into new ones and never writes into the old, so neither copy sees the other's
+        positions, and forking costs no copy of the keys and values."""
+        forked = KVCache(len(self.layers))
+        forked.layers = [LayerKV(layer.keys, layer.values) for layer in self.layers]
+        return forked
 
 
 def cached_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

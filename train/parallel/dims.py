@@ -49,6 +49,10 @@ class ParallelDimsError(ConfigError):
     """The parallel sizes do not fit the world size (or the model)."""
 
 
+class DeviceChoiceError(ConfigError):
+    """A device asked for by name (``mmtrain sample --device``) that is not here."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """The ``parallel:`` section of a trainer config; the world size comes from the launcher."""
@@ -192,3 +196,24 @@ def device_and_backend(local_rank: int | None = None) -> tuple[torch.device, str
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl"
     return torch.device("cpu"), "gloo"
+
+
+DEVICE_CHOICES = ("cpu", "cuda", "npu", "auto")
+
+
+def pick_device(name: str) -> torch.device:
+    """The device a one-process command (``mmtrain sample``) runs on, by name: ``cpu``, ``cuda`` /
+    ``npu`` (optionally ``:INDEX``), checked to be present, or ``auto``: the one the trainer would
+    pick (``device_and_backend``: NPU, else CUDA, else CPU)."""
+    kind, _, index = str(name).strip().lower().partition(":")
+    if kind == "auto" and not index:
+        return device_and_backend()[0]
+    if kind not in DEVICE_CHOICES[:3] or (index and not index.isdigit()) or (kind == "cpu" and index):
+        raise DeviceChoiceError(f"device {name!r}: give one of cpu, cuda, npu (cuda:N / npu:N for another device) or auto")
+    if kind == "cpu":
+        return torch.device("cpu")
+    count = npu_device_count() if kind == "npu" else (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if int(index or 0) >= count:
+        present = f"{count} {kind.upper()} device(s) here" if count else f"no {kind.upper()} device here"
+        raise DeviceChoiceError(f"device {name!r}: {present}; use --device cpu (or auto: the first accelerator present, else the CPU)")
+    return torch.device(kind, int(index or 0))

@@ -1,19 +1,24 @@
-"""Answers from a trained VLM: ``mmtrain sample --run RUN --image PATH ... [--prompt TEXT]``.
+"""Answers from a trained VLM: ``mmtrain sample --run RUN [--image PATH ...] [--prompt TEXT]``.
 
 Everything is prepared as it was for training, by the encoders that made the run's store: each
 image by the run's ViT (re-attached from the store's record, or the weights the run trained it
 to), with the same decoding, resize and tiling as ``mmcache encode``; the prompt by the store's
 tokenizer and template (``TokenizerEncoder.generation_prompt``: a caption's start without
-``--prompt``, a one-turn conversation with one). The LLM then continues token by token with a KV
-cache (``train.models.llm.KVCache``): greedy (argmax), or with ``--temperature`` > 0 nucleus
-sampling (``--top-p``) from a CPU generator seeded with ``--seed`` alone, until a stop token
-(eos, or the template's end of turn) or ``--max-new-tokens``.
+``--prompt``, a one-turn conversation with one). Without ``--image`` a ``--prompt`` is asked from
+the text alone, through the model's image-less path (the one its text-only samples trained). The
+LLM then continues token by token with a KV cache (``train.models.llm.KVCache``): greedy
+(argmax), or with ``--temperature`` > 0 nucleus sampling (``--top-p``) from a CPU generator
+seeded with ``--seed`` alone, until a stop token (eos, or the template's end of turn) or
+``--max-new-tokens``. Each (image, prompt) is decoded once (``prefill``) and every seed continues
+from a fork of its cache (``continue_answer``): the same computation as decoding it again.
 
-Each (image, prompt, seed) is answered alone, a batch of one, in float32 on the CPU, so the same
-run, image, prompt and seed give the same answer and the same bytes of ``answers.jsonl``: one
-JSON object per line, ``{"image", "prompt", "seed", "answer", "tokens", "finish"}`` (``tokens``:
-the answer's token ids without the stop token; ``finish``: ``stop`` or ``length``; ``prompt`` is
-null for a caption, ``seed`` null when greedy).
+Each (image, prompt, seed) is answered alone, a batch of one, in float32 on ``--device`` (the CPU
+by default), so the same run, image, prompt, seed and device give the same answer and the same
+bytes of ``answers.jsonl``: one JSON object per line, ``{"image", "prompt", "seed", "answer",
+"tokens", "finish"}`` (``tokens``: the answer's token ids without the stop token; ``finish``:
+``stop`` or ``length``; ``image`` is null for a text-only question, ``prompt`` null for a
+caption, ``seed`` null when greedy). On an accelerator the kernels differ from the CPU's, so
+answers can differ from the CPU's in their rounding (and hence, rarely, in a token).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import numpy as np
 import torch
 
 from featstore.errors import ConfigError
+from train.models.llm import KVCache
 
 
 class AnswerConfigError(ConfigError):
@@ -69,39 +75,70 @@ def next_token(logits: torch.Tensor, config: AnswerConfig, generator: torch.Gene
     return int(order[min(int(torch.searchsorted(cumulative[:keep], draw, right=True)), keep - 1)])
 
 
+@dataclasses.dataclass(kw_only=True)
+class Prefix:
+    """A prompt decoded once: the logits of its last position [vocab] and the cache of its keys
+    and values, from which every seed's answer continues (``KVCache.fork``)."""
+
+    logits: torch.Tensor
+    cache: KVCache
+
+
 @torch.no_grad()
-def answer_tokens(model: torch.nn.Module, prompt_ids: np.ndarray, image: np.ndarray | None, ids_meta: dict[str, Any],
-                  stop: Sequence[int], config: AnswerConfig, seed: int | None = None) -> tuple[list[int], str]:
-    """A VLM's answer to one prompt (token ids with the image placeholder) about one image
-    (stored-dtype ViT features, as the cache holds them): (token ids, ``stop`` | ``length``)."""
-    from train.models.llm import KVCache
+def prefill(model: torch.nn.Module, prompt_ids: np.ndarray, image: np.ndarray | None, ids_meta: dict[str, Any]) -> Prefix:
+    """The forward of one prompt (token ids, with the image placeholder when ``image``: its
+    stored-dtype ViT features, as the cache holds them; None: a text-only question), on the
+    model's device."""
     from train.packing import expand_sample, pack
 
     pad = int(ids_meta.get("pad_token_id") or 0)
     expanded = expand_sample("answer", prompt_ids, np.zeros(len(prompt_ids), dtype=np.uint8), image, image_token_id=ids_meta.get("image_token_id"),
                              image_tokens=model.config.image_tokens, vocab_size=int(ids_meta["vocab_size"]), pad_id=pad)
-    batch = pack([expanded], expanded.input_ids.size, pad_id=pad)
+    batch = pack([expanded], expanded.input_ids.size, pad_id=pad).to(_device(model))
     cache = KVCache(len(model.llm.blocks))
     logits = model.llm.decode_logits(model.inputs_embeds(batch), cache)  # the prompt, image tokens spliced in
+    return Prefix(logits=logits[0], cache=cache)
+
+
+@torch.no_grad()
+def continue_answer(model: torch.nn.Module, prefix: Prefix, stop: Sequence[int], config: AnswerConfig,
+                    seed: int | None = None) -> tuple[list[int], str]:
+    """One answer from a decoded prompt, on a fork of its cache (``prefix`` is left as it was, for
+    the next seed): (token ids, ``stop`` | ``length``). The next token is chosen on the CPU, so a
+    seed draws alike on any device."""
+    cache, logits, device = prefix.cache.fork(), prefix.logits, _device(model)
     generator = None if config.greedy else torch.Generator().manual_seed(int(seed or 0))
     tokens: list[int] = []
     for _ in range(config.max_new_tokens):
-        token = next_token(logits[0].float(), config, generator)
+        token = next_token(logits.float().cpu(), config, generator)
         if token in stop:
             return tokens, "stop"
         tokens.append(token)
-        logits = model.llm.decode_logits(model.llm.embed_tokens(torch.tensor([[token]])), cache)
+        logits = model.llm.decode_logits(model.llm.embed_tokens(torch.tensor([[token]], device=device)), cache)[0]
     return tokens, "length"
 
 
+def answer_tokens(model: torch.nn.Module, prompt_ids: np.ndarray, image: np.ndarray | None, ids_meta: dict[str, Any],
+                  stop: Sequence[int], config: AnswerConfig, seed: int | None = None) -> tuple[list[int], str]:
+    """A VLM's answer to one prompt about one image (None: text only), its prompt decoded for this
+    answer alone: (token ids, ``stop`` | ``length``)."""
+    return continue_answer(model, prefill(model, prompt_ids, image, ids_meta), stop, config, seed)
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return model.llm.embed_tokens.weight.device
+
+
 def answer_vlm(trained, *, images: Sequence[str], prompts: Sequence[str | None], seeds: Sequence[int], config: AnswerConfig, out: Path,
-               features: str | None, storage_options: dict | None) -> dict[str, Any]:
-    """``mmtrain sample`` for a VLM run or export: ``out/answers.jsonl``; returns its rows."""
+               features: str | None, storage_options: dict | None, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """``mmtrain sample`` for a VLM run or export: ``out/answers.jsonl``; returns its rows. Each
+    prompt (about each image) is decoded once; its seeds continue from that."""
     import featstore
     from train.sample.source import reattach_trained
 
-    if not images:
-        raise AnswerConfigError("this is a VLM run: give the images to answer about with --image PATH (repeatable)")
+    if not images and None in prompts:
+        raise AnswerConfigError("this is a VLM run: give the images to answer about with --image PATH (repeatable), "
+                                "or a question with --prompt TEXT (without --image: answered from the text alone)")
     for path in images:
         if "://" not in path and not Path(path).is_file():
             raise AnswerConfigError(f"--image {path}: no such file")
@@ -111,18 +148,22 @@ def answer_vlm(trained, *, images: Sequence[str], prompts: Sequence[str | None],
     if not url:
         raise AnswerConfigError("the run's store is unknown: pass --features URL (its ViT and tokenizer are rebuilt from its record)")
     store = featstore.open(url, storage_options)
-    vit = reattach_trained(trained, store, vit_field, storage_options)
     tokenizer = reattach_trained(trained, store, ids_field, storage_options).encoder
     ids_meta = store.fields[ids_field].meta
     stop = tokenizer.stop_token_ids()
+    # No image: each prompt is asked alone (the model's image-less path, as its text-only samples trained).
+    subjects: list[tuple[str | None, np.ndarray | None]] = [(None, None)]
+    if images:
+        vit = reattach_trained(trained, store, vit_field, storage_options, device=device)
+        subjects = list(zip(images, vit.encode_files(list(images)), strict=True))
     rows = []
-    for path, image in zip(images, vit.encode_files(list(images)), strict=True):
+    for path, image in subjects:
         for prompt in prompts:
-            prompt_ids = tokenizer.generation_prompt(prompt, images=1)
+            prefix = prefill(trained.model, tokenizer.generation_prompt(prompt, images=int(image is not None)), image, ids_meta)
             for seed in [None] if config.greedy else list(seeds) or [0]:
-                tokens, finish = answer_tokens(trained.model, prompt_ids, image, ids_meta, stop, config, seed)
+                tokens, finish = continue_answer(trained.model, prefix, stop, config, seed)
                 rows.append({"image": path, "prompt": prompt, "seed": seed, "answer": tokenizer.decode(tokens), "tokens": tokens, "finish": finish})
     out.mkdir(parents=True, exist_ok=True)
     (out / "answers.jsonl").write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     return {"samples": rows, "answers": "answers.jsonl", "weights": trained.weights, "step": trained.step,
-            "note": f"{len(rows)} answer(s) in answers.jsonl"}
+            "device": str(device), "note": f"{len(rows)} answer(s) in answers.jsonl"}

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 import featstore
 from featstore.errors import ConfigError
 from featstore.prompts import MissingPromptError, read_prompt_file
@@ -27,7 +29,8 @@ def read_prompts_arg(prompt: tuple[str, ...], prompts_file: str | None) -> list[
     return read_prompt_file("\n".join(prompt), "--prompt")
 
 
-def live_prompt_embeddings(store, text_field: str, text_digest: str | None, prompts: list[str], why: str) -> dict[str, Any]:
+def live_prompt_embeddings(store, text_field: str, text_digest: str | None, prompts: list[str], why: str,
+                           device: torch.device | str = "cpu") -> dict[str, Any]:
     """The prompts (and the empty prompt) encoded now by the run's text encoder, re-attached from
     the store's record (``train.live.reattach``, as joint finetuning does; fingerprint-checked)."""
     from featstore.prompts import EMPTY_PROMPT
@@ -36,7 +39,7 @@ def live_prompt_embeddings(store, text_field: str, text_digest: str | None, prom
     if store is None:
         raise MissingPromptError(why)
     try:
-        live = reattach_encoder(store, text_field, device="cpu")
+        live = reattach_encoder(store, text_field, device=device)
     except ReattachError as exc:
         raise MissingPromptError(f"{why}; encoding them live failed too: {exc}") from None
     if text_digest is not None and live.fingerprint().get("digest") != text_digest:
@@ -46,7 +49,8 @@ def live_prompt_embeddings(store, text_field: str, text_digest: str | None, prom
 
 
 def sample_dit(trained, *, prompts: list[str], out: Path, seeds: list[int], sampler: SamplerConfig, size: str | None, frames: int,
-               fps: float, vae: str | None, latents_only: bool, features: str | None, storage_options: dict | None) -> dict[str, Any]:
+               fps: float, vae: str | None, latents_only: bool, features: str | None, storage_options: dict | None,
+               device: torch.device | str = "cpu") -> dict[str, Any]:
     data = trained.info.get("data") or {}
     latent_field, text_field = data.get("latent_field", "latent"), data.get("text_field", "text_emb")
     url = features or (trained.info.get("store") or {}).get("url")
@@ -68,22 +72,26 @@ def sample_dit(trained, *, prompts: list[str], out: Path, seeds: list[int], samp
             raise MissingPromptError("no feature store to read the prompts' embeddings from: pass --features URL")
         embeddings = store_prompt_embeddings(store, text_field, text_digest, prompts, need_empty=need_empty)
     except MissingPromptError as exc:
-        embeddings = live_prompt_embeddings(store, text_field, text_digest, prompts, str(exc))
+        embeddings = live_prompt_embeddings(store, text_field, text_digest, prompts, str(exc), device)
     decode = None
     if not latents_only:
-        decode = load_decoder(latent_meta, vae)
+        decode = load_decoder(latent_meta, vae, device)
         if decode is None:
             raise NoDecoderError(no_decoder_message(latent_meta))
     job = SampleJob(prompts=prompts, seeds=seeds, shape=shape, sampler=sampler, fps=fps)
-    extra = {"weights": trained.weights, "step": trained.step, "size": list(wh), "frames": frames}
-    return generate(trained.model, job, embeddings, latent_meta, decode, out, extra=extra)
+    extra = {"weights": trained.weights, "step": trained.step, "size": list(wh), "frames": frames, "device": str(device)}
+    return generate(trained.model, job, embeddings, latent_meta, decode, out, device=device, extra=extra)
 
 
 def sample_command(run: str, *, checkpoint: int | None, prompt: tuple[str, ...], prompts_file: str | None, out: str, seeds: tuple[int, ...],
                    steps: int, guidance: float, shift: float, size: str | None, frames: int, fps: float, vae: str | None,
                    latents_only: bool, features: str | None, storage_options: dict | None, images: tuple[str, ...],
-                   temperature: float = 0.0, top_p: float = 1.0, max_new_tokens: int = 64) -> dict[str, Any]:
+                   temperature: float = 0.0, top_p: float = 1.0, max_new_tokens: int = 64, device: str = "cpu") -> dict[str, Any]:
+    from train.parallel.dims import pick_device
+
+    where = pick_device(device)
     trained = load_trained(run, checkpoint)
+    trained.model.to(where)  # float32, as loaded: the bytes of an answer or a picture depend on nothing else
     if trained.family.name == "vlm":
         from train.sample.answer import AnswerConfig, AnswerConfigError, answer_vlm
 
@@ -93,7 +101,7 @@ def sample_command(run: str, *, checkpoint: int | None, prompt: tuple[str, ...],
         # No prompt: each image is captioned, as the caption samples were trained.
         prompts: list[str | None] = list(read_prompts_arg(prompt, prompts_file)) if (prompt or prompts_file) else [None]
         return answer_vlm(trained, images=images, prompts=prompts, seeds=list(seeds), config=config, out=Path(out),
-                          features=features, storage_options=storage_options)
+                          features=features, storage_options=storage_options, device=where)
     if trained.family.name != "dit":
         raise ConfigError(f"mmtrain sample: model family {trained.family.name!r} has no sampler (the DiT and the VLM have)")
     if images:
@@ -101,4 +109,4 @@ def sample_command(run: str, *, checkpoint: int | None, prompt: tuple[str, ...],
     prompts_dit = read_prompts_arg(prompt, prompts_file)
     sampler = SamplerConfig(steps=steps, guidance=guidance, shift=shift)
     return sample_dit(trained, prompts=prompts_dit, out=Path(out), seeds=list(seeds) or [0], sampler=sampler, size=size, frames=frames,
-                      fps=fps, vae=vae, latents_only=latents_only, features=features, storage_options=storage_options)
+                      fps=fps, vae=vae, latents_only=latents_only, features=features, storage_options=storage_options, device=where)

@@ -88,7 +88,7 @@ def _candidates(name: str, vae_path: str | None) -> list[Path]:
     return [tiny] if tiny.is_dir() else []
 
 
-def load_decoder(latent_meta: dict[str, Any], vae_path: str | None, device: str = "cpu") -> Decode | None:
+def load_decoder(latent_meta: dict[str, Any], vae_path: str | None, device: str | torch.device = "cpu") -> Decode | None:
     """The decoder of the VAE that made a latent field (its field meta), or None when none is at
     hand (no ``vae_path`` and no matching tiny model here). A ``vae_path`` holding other weights
     is an error."""

@@ -147,10 +147,12 @@ def load_trained(path: str | Path, checkpoint: int | None = None) -> Trained:
                    checkpoint=chosen, encoder_folders=folders)
 
 
-def reattach_trained(trained: Trained, store: Any, field: str, storage_options: dict[str, Any] | None = None) -> Any:
-    """The encoder of ``field`` as the run left it (a ``train.live.reattach.LiveEncoder``): as the
-    store records it, checked against its fingerprint, or, for a field the run trained, with the
-    run's weights in place of the recorded ones (then only the weights may differ)."""
+def reattach_trained(trained: Trained, store: Any, field: str, storage_options: dict[str, Any] | None = None,
+                     device: str | torch.device = "cpu") -> Any:
+    """The encoder of ``field`` as the run left it (a ``train.live.reattach.LiveEncoder``), loaded
+    on ``device``: as the store records it, checked against its fingerprint, or, for a field the
+    run trained, with the run's weights in place of the recorded ones (then only the weights may
+    differ)."""
     from train.live.reattach import EncoderMismatchError, reattach_encoder
 
     recorded = (trained.fields.get(field, {}).get("fingerprint") or {}).get("digest")
@@ -158,7 +160,7 @@ def reattach_trained(trained: Trained, store: Any, field: str, storage_options: 
     if recorded is not None and in_store != recorded:
         raise EncoderMismatchError(f"field {field!r} of {store.url} was made by encoder {in_store}, not the {recorded} this run trained on: pass --features, the run's store")
     if field not in trained.trained_encoders:
-        return reattach_encoder(store, field, storage_options=storage_options)
+        return reattach_encoder(store, field, storage_options=storage_options, device=device)
     folder = trained.encoder_folders.get(field)
     if folder is None and trained.checkpoint is None:
         raise RunFolderError(f"the run trained the encoder of {field!r}, but {trained.weights} comes without it: export the run with mmtrain export")
@@ -167,10 +169,10 @@ def reattach_trained(trained: Trained, store: Any, field: str, storage_options: 
 
         with tempfile.TemporaryDirectory(prefix="mmtrain-encoder-") as tmp:
             encoder_from_checkpoint(trained, store, field, Path(tmp), storage_options)
-            return reattach_trained(dataclasses.replace(trained, encoder_folders={field: Path(tmp)}), store, field, storage_options)
+            return reattach_trained(dataclasses.replace(trained, encoder_folders={field: Path(tmp)}), store, field, storage_options, device)
     if not folder.is_dir():
         raise RunFolderError(f"the run trained the encoder of {field!r}, but its weights are not at {folder}: sample from a checkpoint (--checkpoint STEP)")
-    live = reattach_encoder(store, field, weights_path=str(folder), storage_options=storage_options, check_fingerprint=False)
+    live = reattach_encoder(store, field, weights_path=str(folder), storage_options=storage_options, device=device, check_fingerprint=False)
     other = sorted(set(live.differences()) - {"weights_sha256"})
     if other:
         raise EncoderMismatchError(f"the trained encoder of {field!r} at {folder} differs from the recorded one in more than its weights: {', '.join(other)}")
