@@ -6,6 +6,10 @@ stores have many blocks per shard and many shards, as a real store of MB-sized s
 
 from __future__ import annotations
 
+import gc
+import mmap
+import os
+import threading
 import uuid
 
 import google_crc32c
@@ -19,7 +23,7 @@ from featstore import format as fmt
 from featstore import scan as scan_module
 from featstore.errors import CorruptionError, MissingFieldError, SchemaError
 from featstore.sample import Sample
-from tests.featstore.conformance import FIELDS, assert_same, ragged_samples
+from tests.featstore.conformance import FIELDS, assert_same, ragged_samples, random_array
 
 BACKENDS = ["local", "memory", "s3"]
 
@@ -307,3 +311,49 @@ def test_scan_refuses_unknown_fields_and_formats_before_reading(tmp_path):
         next(store.scan(format="jax"))
     got = dict(store.scan(format="torch"))
     assert all(t["latent"].dtype == torch.bfloat16 for t in got.values())
+
+
+def _evict(root) -> None:
+    """Drop every file under ``root`` from the page cache (clean pages: synced first)."""
+    os.sync()
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def test_a_scan_checks_shards_in_the_page_cache_on_a_thread_per_core_and_shards_on_disk_on_many(tmp_path, monkeypatch):
+    # Samples of 64-128 KiB, so that a block's pages are not the few the shard index shares (reading
+    # the index, to find the samples' bytes, brings its pages back into the page cache).
+    rng = np.random.default_rng(5)
+    url = str(tmp_path / "store")
+    ids = [f"s-{i}" for i in range(12)]
+    with featstore.create(url, fields=FIELDS, shard_bytes=600_000) as writer:
+        for sample_id in ids:
+            t = int(rng.integers(4, 9))
+            writer.add(sample_id, {"latent": random_array(rng, "bfloat16", (4, t, 64, 64)), "text": random_array(rng, "float16", (16, 8))})
+    threads: dict[str, set[str]] = {}
+    load = scan_module.Scanner.load
+    monkeypatch.setattr(scan_module.Scanner, "load", lambda self, block: threads.setdefault(block.shard, set()).add(
+        threading.current_thread().name.split("_")[0]) or load(self, block))
+    store = featstore.open(url)
+    list(store.scan())  # reads every shard: all in the page cache now
+    threads.clear()
+    assert [sid for sid, _ in store.scan()] == ids
+    assert len(threads) > 1 and set().union(*threads.values()) == {"featstore-check"}
+    store.close()
+    gc.collect()  # the scans' samples, which keep their pages mapped (the page cache keeps mapped pages)
+    _evict(tmp_path / "store")
+    data = max((p for p in (tmp_path / "store" / "shards").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    with open(data, "rb") as fh, mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+        view = np.frombuffer(mapped, dtype=np.uint8)
+        share = scan_module._resident_share(view)
+        del view
+    if share == 1.0:
+        pytest.skip("this file system keeps its pages in memory (tmpfs?): nothing to evict")
+    threads.clear()
+    assert [sid for sid, _ in featstore.open(url).scan()] == ids
+    assert set().union(*threads.values()) == {"featstore-scan"}
