@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -199,18 +199,14 @@ def encode_task(
     # the store from the manifest the client planned with (no request).
     store = open_store(store_url, storage_options, mode="a", load_index=False, manifest=settings.get("store_manifest"))
     try:
-        # Whether this shard is committed (by an earlier try of this task, or a concurrent run of
-        # the same plan) is asked while the rows encode, not before: a round trip less per task,
-        # at the price of encoding such a rare task's rows for nothing.
-        with ThreadPoolExecutor(1, thread_name_prefix="has-shard") as pool:
-            committed = pool.submit(store.has_shard, task.shard)
-            # What the client planned around need not be re-read before this task commits; only
-            # shards committed since (by a concurrent run) are.
-            store.assume_checked(known_shards or ())
-            done = _encode_rows(task, store, specs, device, threads, settings, result, cache)
-            if committed.result():
-                result.skipped = True
-                return result.summary()
+        # Whether this shard is committed already (by an earlier try of this task, or a concurrent
+        # run of the same plan) is found by the commit's own check, which refuses the name: no
+        # request of its own per task (a listing, on an object store the dearest request there
+        # is), at the price of encoding such a rare task's rows for nothing.
+        # What the client planned around need not be re-read before this task commits; only
+        # shards committed since (by a concurrent run) are.
+        store.assume_checked(known_shards or ())
+        done = _encode_rows(task, store, specs, device, threads, settings, result, cache)
         writer = store.writer(shard_prefix=task.shard[:60], shard_bytes=1 << 62, fields=task.fields)
         # One task is one shard, whatever its size: an automatic mid-task commit would get a name
         # a retried task could collide with.

@@ -57,14 +57,14 @@ def _encode(s3_server, cluster, dataset, bucket: str, name: str, *overrides: str
 
 
 def _per_shard(store, name: str, requests):
-    """shard -> (its has_shard probe, its data PUTs, its index part PUT), from the recording."""
+    """shard -> (its first data PUT, its data PUTs, its index part PUT), from the recording. A
+    task sends nothing before its data (the commit's own check finds a shard committed before)."""
     out = {}
     for shard, info in store.shards.items():
         data = [r for r in requests if r.method in ("PUT", "POST") and r.key.removeprefix(f"{name}/") in info.objects]
         index = [r for r in requests if r.method == "PUT" and r.key == f"{name}/index/{shard}.parquet"]
-        probe = [r for r in requests if r.method == "GET" and f"prefix={name}/index/{shard}." in r.query]
-        assert data and len(index) == 1 and probe, (shard, data, index, probe)
-        out[shard] = (min(probe, key=lambda r: r.start), data, index[0])
+        assert data and len(index) == 1, (shard, data, index)
+        out[shard] = (min(data, key=lambda r: r.start), data, index[0])
     return out
 
 
@@ -77,13 +77,13 @@ def test_next_task_encodes_while_the_last_commits_in_order(s3_server, cluster, d
     store, name, requests = _encode(s3_server, cluster, dataset, s3_server.make_bucket("ahead"), "on")
     shards = _per_shard(store, name, requests)
     checks = _checks(name, requests)
-    for probe, data, index in shards.values():
+    for _, data, index in shards.values():
         # FORMAT.md's order within each shard: every data object, then a check, then the index part.
         assert index.start > max(r.end for r in data)
         assert any(max(r.end for r in data) < c.start and c.end < index.start for c in checks)
         assert index.if_none_match == "*"
-    # One single-threaded worker: a task whose store probe reached the server before the previous
-    # task's index part was written ran while that commit was still going on.
+    # One single-threaded worker: a task whose first data PUT reached the server before the
+    # previous task's index part was written ran (and encoded) while that commit was going on.
     ordered = sorted(shards.values(), key=lambda s: s[2].end)
     overlapped = sum(1 for before, after in zip(ordered, ordered[1:]) if after[0].start < before[2].end)
     assert overlapped >= 1, [(p.start, i.end) for p, _, i in ordered]
@@ -92,7 +92,7 @@ def test_next_task_encodes_while_the_last_commits_in_order(s3_server, cluster, d
 def test_no_overlap_when_turned_off(s3_server, cluster, dataset):
     store, name, requests = _encode(s3_server, cluster, dataset, s3_server.make_bucket("ahead"), "off", "run.commit_ahead_bytes=0")
     ordered = sorted(_per_shard(store, name, requests).values(), key=lambda s: s[2].end)
-    # Each task starts (its probe) only after the previous one's commit point was answered.
+    # Each task's data go out only after the previous one's commit point was answered.
     assert all(after[0].start > before[2].end for before, after in zip(ordered, ordered[1:])), [(p.start, i.end) for p, _, i in ordered]
 
 
