@@ -548,7 +548,13 @@ class FsspecStorage(Storage):
         def probe() -> bool:
             self.fs.invalidate_cache(path)  # s3fs may answer from a stale listing
             try:
-                self.fs.info(path)
+                if self._s3:
+                    # One HEAD: s3fs's info() follows a miss with a listing (is it a directory?),
+                    # and a key here is always an object's.
+                    bucket, name, _ = self.fs.split_path(path)
+                    self.fs.call_s3("head_object", Bucket=bucket, Key=name)
+                else:
+                    self.fs.info(path)
             except FileNotFoundError:
                 return False
             return True
