@@ -76,4 +76,6 @@ def test_val_loss_follows_the_training_text_encoder(store, tmp_path):
     with_trained_encoder = validation_loss(store, config, tmp_path / "trained", live)
     with_cached_text = validation_loss(store, config, tmp_path / "trained")
     assert trained[6]["val_loss"] == pytest.approx(with_trained_encoder, rel=1e-5)
-    assert abs(with_cached_text - with_trained_encoder) > 1e-3 * with_trained_encoder, (with_cached_text, with_trained_encoder)
+    # ... and clearly not the cached embeddings' (10x the tolerance above apart; how far apart
+    # depends on how far 6 steps moved the encoder, measured 3e-4 to 2e-3 relative).
+    assert abs(with_cached_text - with_trained_encoder) > 1e-4 * with_trained_encoder, (with_cached_text, with_trained_encoder)

@@ -319,6 +319,8 @@ def as_tensor(array: Any) -> torch.Tensor:
     if isinstance(array, torch.Tensor):
         return array
     array = np.asarray(array)
+    if not array.flags.writeable:  # a view of read-only bytes: from_numpy would warn, and torch may write to what it gets
+        array = array.copy()
     if array.dtype.name == "bfloat16":
         return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(np.ascontiguousarray(array))
