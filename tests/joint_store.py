@@ -24,10 +24,12 @@ def encode_config(*overrides: str, preset: str = "tiny") -> EncodeConfig:
 
 def encode(manifest: Path, out: Path, *overrides: str, preset: str = "tiny") -> str:
     """``mmcache encode --config PRESET`` into ``out`` on a threaded one-worker cluster."""
-    from distributed import Client, LocalCluster
+    from distributed import Client
+
+    from precompute.executors import local_cluster
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, Client(cluster):
+    with local_cluster(1, processes=False) as cluster, Client(cluster):
         run_encode(encode_config(*overrides, preset=preset), str(manifest), str(out), scheduler=cluster.scheduler_address, progress=False, log=lambda *_: None)
     return str(out)
 

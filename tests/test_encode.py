@@ -29,10 +29,12 @@ TAEF2 = SHARED / "weights" / "taef2"
 
 @pytest.fixture(scope="module")
 def cluster():
-    from distributed import Client, LocalCluster
+    from distributed import Client
+
+    from precompute.executors import local_cluster
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, Client(cluster) as client:
+    with local_cluster(2) as cluster, Client(cluster) as client:
         yield cluster.scheduler_address, client
 
 
@@ -303,10 +305,12 @@ def test_kill_minus_9_then_rerun_gives_each_input_once(dataset, tmp_path):
 
 
 def test_killed_worker_is_survived(dataset, tmp_path):
-    from distributed import Client, LocalCluster
+    from distributed import Client
+
+    from precompute.executors import local_cluster
 
     out = tmp_path / "store"
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as local, Client(local) as client:
+    with local_cluster(2) as local, Client(local) as client:
         pids = client.run(os.getpid)
         errors: list[BaseException] = []
 

@@ -29,9 +29,11 @@ def media(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster():
-    from distributed import Client, LocalCluster
+    from distributed import Client
 
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as local, Client(local) as client:
+    from precompute.executors import local_cluster
+
+    with local_cluster(1) as local, Client(local) as client:
         yield local.scheduler_address, client
 
 

@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from distributed import LocalCluster
+from precompute.executors import local_cluster
 
 import featstore
 from featstore.config import load_config
@@ -37,7 +37,7 @@ def encoded(tmp_path_factory):
     logs: list[str] = []
     prompts = [caption, "a purple cat, 日本語 too"]
     # One cluster for the three runs: its worker keeps the encoders loaded.
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+    with local_cluster(1) as cluster:
         def encode(**kw):
             run_encode(config, str(manifest), str(store), scheduler=cluster.scheduler_address, progress=False, log=logs.append, **kw)
 

@@ -82,10 +82,12 @@ def test_flat_tile_batching_equals_encoding_each_tile_alone(tmp_path):
 
 @pytest.fixture(scope="module")
 def cluster():
-    from distributed import Client, LocalCluster
+    from distributed import Client
+
+    from precompute.executors import local_cluster
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, Client(cluster) as client:
+    with local_cluster(2) as cluster, Client(cluster) as client:
         yield cluster.scheduler_address, client
 
 
