@@ -3,7 +3,8 @@
 ``JointEncoders.setup`` re-attaches the encoders (``LiveFields.build``), checks them against the
 cache on a few samples (``drift.check_before_training``) before anything trains, chooses the
 parameters that train, shards each trained encoder with the same ``apply_fsdp`` as the model,
-and gives it its own AdamW + LR schedule (``optim.lr * lr_scale``, the model's schedule). Their
+splits the encoding of each batch over the ranks of a sequence-parallel group
+(``apply_encoder_sequence_parallel``: they train on the same samples), and gives it its own AdamW + LR schedule (``optim.lr * lr_scale``, the model's schedule). Their
 state rides in the model's DCP checkpoint (``extra``), and at the end each trained encoder is
 exported as a ``from_pretrained`` folder under ``RUN/export/<field>`` with a record saying the
 cached field is stale for it.
@@ -34,7 +35,7 @@ class JointEncoders:
     drift: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
-    def setup(cls, config, store: featstore.Store, read_fields: list[str], *, device: torch.device, fsdp_mesh=None,
+    def setup(cls, config, store: featstore.Store, read_fields: list[str], *, device: torch.device, meshes=None,
               storage_options: dict[str, Any] | None = None, lr_lambda=None, log=print, optional: list[str] | None = None,
               manifest=None) -> JointEncoders:
         # Nothing is loaded when every field is cached (build still refuses encoders.<field> the run does not read).
@@ -51,6 +52,11 @@ class JointEncoders:
             for report in reports:
                 log(f"drift check: {report.line()}")
         live.set_trainable(config)
+        if meshes is not None:
+            from train.parallel.encoders import apply_encoder_sequence_parallel
+
+            apply_encoder_sequence_parallel(live, meshes)
+        fsdp_mesh = meshes.fsdp if meshes is not None else None
         o = config.optim
         for name, trained in live.trained().items():
             module = trained.encoder.module()
