@@ -73,13 +73,19 @@ class JointEncoders:
 
     # -- the step -----------------------------------------------------------------------------
     def parameters(self) -> list[torch.nn.Parameter]:
-        return [p for module, _, _ in self.extra.values() for p in module.parameters() if p.requires_grad]
+        """The parameters the encoders' optimizers step. Not ``module.parameters()``: after a
+        forward under no_grad (val_loss) FSDP leaves the units it does not reshard after forward
+        (the root, the last block) gathered, with their unsharded tensors registered on the module
+        until the next backward reshards them, so a list taken from the module then holds tensors
+        whose gradients never arrive, and the normalisation and clipping of the step missed the
+        real (sharded) ones."""
+        return [p for _, optimizer, _ in self.extra.values() for group in optimizer.param_groups for p in group["params"]]
 
     def grad_norms(self) -> dict[str, float]:
         """Each trained encoder's gradient norm (of the step's mean loss, after clipping), for metrics.jsonl."""
         out = {}
-        for name, (module, _, _) in self.extra.items():
-            grads = [p.grad for p in module.parameters() if p.grad is not None]
+        for name, (_, optimizer, _) in self.extra.items():
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
             out[f"grad_norm.{name}"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         return out
