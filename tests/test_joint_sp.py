@@ -37,11 +37,11 @@ def store(tmp_path_factory) -> str:
     return encode(dataset(root / "data", images=8, videos=2), root / "store")
 
 
-def _fit(store: str, out: str, sets: list[str], rank: int, world: int) -> dict:
+def _fit(store: str, out: str, sets: list[str], rank: int, world: int, preset: str = "tiny-dit") -> dict:
     from train.config import TrainConfig
     from train.trainer import fit
 
-    config = load_config(TrainConfig, "tiny-dit", "train", sets)
+    config = load_config(TrainConfig, preset, "train", sets)
     result = fit(config, store, out, steps=STEPS, log=lambda *_: None)
     return {"encoded": result["encoded"], "idle": result["idle_encoder_runs"]}
 
@@ -99,6 +99,25 @@ def test_trained_encoder_encodes_a_share_per_sequence_parallel_rank(store, one_r
     # A rank with no sample of its own in a batch (the one-sample validation batches at least)
     # still runs the encoder once, for FSDP's collectives; its gather adds nothing of it.
     assert ranks[1]["idle"]["text_emb"] >= 2 * 3 and "text_emb" not in ranks[0]["idle"]
+
+
+@pytest.fixture(scope="module")
+def vlm_store(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("vlmsp")
+    return encode(dataset(root / "data", images=8, videos=0), root / "store", preset="tiny-vlm")
+
+
+def test_trained_vit_of_the_vlm_encodes_a_share_per_sequence_parallel_rank(vlm_store, tmp_path):
+    """The VLM's causal packed layout: the ViT's features enter the embeddings before sharding."""
+    sets = [*PARITY, "encoders.vit_features.mode=train", "encoders.vit_features.last_blocks=1"]
+    alone = run_on_ranks(functools.partial(_fit, vlm_store, str(tmp_path / "one"), sets, preset="tiny-vlm"), 1)[0]
+    ranks = run_on_ranks(functools.partial(_fit, vlm_store, str(tmp_path / "two"), [*sets, *SP["ulysses"]], preset="tiny-vlm"), 2)
+    ones, twos = records(tmp_path / "one"), records(tmp_path / "two")
+    assert [r["loss"] for r in twos] == pytest.approx([r["loss"] for r in ones], rel=1e-5)
+    assert min(r["grad_norm.encoder.vit_features"] for r in twos) > 0
+    assert [r["grad_norm.encoder.vit_features"] for r in twos] == pytest.approx([r["grad_norm.encoder.vit_features"] for r in ones], rel=1e-4)
+    assert alone["encoded"] == {"vit_features": 8 * STEPS}
+    assert [r["encoded"]["vit_features"] for r in ranks] == [4 * STEPS, 4 * STEPS]  # 8 equal images a step
 
 
 # -- the gathers themselves ------------------------------------------------------------------------
@@ -163,3 +182,22 @@ def test_gathers_are_exact_and_their_backward_sums_each_samples_gradient():
     assert ranks[0]["error"] == ("EncoderShareError: encoders.x: rank 1 of this sequence-parallel group could not encode its share "
                                  "of the batch (its own error says why)")
     assert ranks[1]["error"] == "ValueError: sample 'b': media moved"
+
+
+def _two_groups_case(rank: int, world: int) -> list:
+    from types import SimpleNamespace
+
+    from train.parallel.dims import ParallelDims
+    from train.parallel.encoders import apply_encoder_sequence_parallel
+
+    meshes = ParallelDims(dp_shard=2, ulysses=2, world_size=world).build_meshes("cpu")
+    live = apply_encoder_sequence_parallel(SimpleNamespace(split=None), meshes)
+    split = live.split
+    assert (split.rank, split.size) == (rank % 2, 2)
+    got = split.gather_arrays([np.array([rank, 10 * rank], dtype=np.int64)], [0, 1], np.dtype(np.int64), "encoders.x")
+    return [g.tolist() for g in got]
+
+
+def test_each_sequence_parallel_group_gathers_within_itself():
+    """2 DP × 2 Ulysses: ranks 0-1 and 2-3 are the SP groups (the world mesh's innermost dims)."""
+    assert run_on_ranks(_two_groups_case, 4) == [[[0, 0], [1, 10]]] * 2 + [[[2, 20], [3, 30]]] * 2
