@@ -3,11 +3,11 @@
 ``JointEncoders.setup`` re-attaches the encoders (``LiveFields.build``), checks them against the
 cache on a few samples (``drift.check_before_training``) before anything trains, chooses the
 parameters that train, shards each trained encoder with the same ``apply_fsdp`` as the model,
-splits the encoding of each batch over the ranks of a sequence-parallel group
-(``apply_encoder_sequence_parallel``: they train on the same samples), and gives it its own AdamW + LR schedule (``optim.lr * lr_scale``, the model's schedule). Their
-state rides in the model's DCP checkpoint (``extra``), and at the end each trained encoder is
-exported as a ``from_pretrained`` folder under ``RUN/export/<field>`` with a record saying the
-cached field is stale for it.
+splits the encoding of each batch over the ranks of a sequence-parallel group, which train on the
+same samples (``apply_encoder_sequence_parallel``), and gives each trained encoder its own AdamW +
+LR schedule (``optim.lr * lr_scale``, the model's schedule). Their state rides in the model's DCP
+checkpoint (``extra``), and at the end each trained encoder is exported as a ``from_pretrained``
+folder under ``RUN/export/<field>`` with a record saying the cached field is stale for it.
 """
 
 from __future__ import annotations
