@@ -44,6 +44,9 @@ class StepData:
     cache: dict[str, float] | None = None
     live_samples: int = 0  # samples of the global batch with a field encoded live
     captions_dropped: int = 0  # samples of the global batch trained on the empty caption
+    # Under sequence parallelism: the live features the other ranks of this rank's SP group encode
+    # (train.live.fields.Pending), added by ``FeatureStream.steps`` on the training thread.
+    pending: Any = None
 
 
 def open_features(url: str, storage_options: dict[str, Any] | None, *, cache_dir: str | None = None,
@@ -255,7 +258,8 @@ class FeatureStream:
         drop = self.dropout.mask(step, len(indices)).tolist() if self.dropout else []
         # Only this thread reads through the store, so the counters' change is this step's cost.
         before = self.cache.stats() if self.cache is not None else None
-        read = iter(self.read([indices[j] for j in positions], [drop[j] for j in positions] if drop else None))
+        samples, pending = self.read([indices[j] for j in positions], [drop[j] for j in positions] if drop else None)
+        read = iter(samples)
         cache = None
         if self.cache is not None and before is not None:
             after = self.cache.stats()
@@ -263,17 +267,18 @@ class FeatureStream:
         mine = [(mb, [next(read) for _ in mb.indices]) for mb in plan[self.dp_rank]]
         return StepData(step=step, micro_batches=mine, global_indices=indices, samples=len(indices), tokens=sum(tokens),
                         imbalance=imbalance(costs, parts), cache=cache, live_samples=int(self.is_live[indices].sum()),
-                        captions_dropped=sum(drop))
+                        captions_dropped=sum(drop), pending=pending)
 
     def epoch_of(self, step: int) -> tuple[int, bool]:
         """The epoch step ``step`` starts in, and whether the step finishes it."""
         first, end = step * self.global_batch, (step + 1) * self.global_batch
         return first // self.num_samples, end // self.num_samples > first // self.num_samples
 
-    def read(self, positions: list[int], blank: list[bool] | None = None) -> list[dict[str, Any]]:
+    def read(self, positions: list[int], blank: list[bool] | None = None) -> tuple[list[dict[str, Any]], Any]:
         """The samples at stream positions ``positions``: required fields, the optional ones each
         has, and the sample id; one batched read per set of fields. ``blank``: per position,
-        whether its caption is dropped (its text fields become the empty caption's)."""
+        whether its caption is dropped (its text fields become the empty caption's). Also what
+        ``LiveFields.gather`` must add to them under sequence parallelism (else None)."""
         dropped = self.dropout.fields if self.dropout else ()
         by_fields: dict[tuple[str, ...], list[int]] = {}
         for k, position in enumerate(positions):
@@ -291,16 +296,18 @@ class FeatureStream:
         blanked = {k for k in range(len(positions)) if blank and blank[k]}
         for k in blanked:
             out[k].update({f: array for f, array in self.dropout.empty.items()})  # cached text fields
-        if self.live is not None:
-            self.live.complete(out, [self.ids[p] for p in positions], blank_captions=blanked)
-        return out
+        pending = self.live.complete(out, [self.ids[p] for p in positions], blank_captions=blanked) if self.live is not None else None
+        return out, pending
 
     def steps(self, start: int, stop: int, prefetch: int) -> Iterator[StepData]:
-        """Steps ``start..stop-1``, read ``prefetch`` steps ahead on a background thread."""
+        """Steps ``start..stop-1``, read ``prefetch`` steps ahead on a background thread. What the
+        other ranks of an SP group encoded of a step's live fields is gathered here, on the
+        training thread (a collective: the reader thread runs none)."""
         if prefetch == 0:
             for step in range(start, stop):
                 t0 = time.perf_counter()
                 item = self.plan(step)
+                self._gather(item)
                 item.wait_s = time.perf_counter() - t0  # read in the training thread: all of it is waiting
                 yield item
             return
@@ -336,12 +343,18 @@ class FeatureStream:
                     return
                 if isinstance(item, BaseException):
                     raise item
+                self._gather(item)
                 item.wait_s = time.perf_counter() - t0
                 yield item
         finally:
             # Never leave the reader running into interpreter shutdown: join it.
             stop_flag.set()
             thread.join()
+
+    def _gather(self, item: StepData) -> None:
+        if self.live is not None:
+            self.live.gather(item.pending)
+        item.pending = None
 
 
 class MissingSamplesError(featstore.SchemaError):

@@ -169,7 +169,7 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
     meshes = dims.build_meshes(device.type)
     # Encoders re-attached for live/train fields (joint finetuning), checked against the cache
     # before step 1; nothing is loaded when every field is cached.
-    joint = JointEncoders.setup(config, store, fields, device=device, fsdp_mesh=meshes.fsdp, storage_options=storage_options,
+    joint = JointEncoders.setup(config, store, fields, device=device, meshes=meshes, storage_options=storage_options,
                                 lr_lambda=lr_lambda(config), log=log if rank == 0 else (lambda *_: None),
                                 optional=list(data_adapter.optional_fields), manifest=manifest)
     sizes = data_adapter.input_sizes()
@@ -328,7 +328,10 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
             metrics_file.close()
         if board is not None:
             board.close()
-    return {"run_dir": str(run), "start": start, "stop": stop, "losses": losses, "rank": rank}
+    # What this rank encoded of the run's batches per live/train field (under sequence parallelism
+    # its share), and its trained encoders' runs on no sample of its own.
+    return {"run_dir": str(run), "start": start, "stop": stop, "losses": losses, "rank": rank,
+            "encoded": dict(joint.live.encoded), "idle_encoder_runs": dict(joint.live.idle_runs)}
 
 
 def accumulate_gradients(model, family, objective, data, *, seed: int, collate, device: torch.device, dtype: torch.dtype,

@@ -12,15 +12,25 @@ way each field was made.
 - ``train`` fields: the background thread prepares the encoder's inputs (captions, decoded pixels);
   the step runs the encoder with autograd (``wrap_collate``), its output rounded to the stored
   dtype with a straight-through gradient, so step 1 sees the cached values.
+
+Under sequence parallelism (``train.parallel.encoders``, installed as ``split``) the ranks of an SP
+group, which train on the same samples, each encode only their share of them: ``complete`` encodes
+this rank's share of a live/fill field and hands back what ``gather`` (on the training thread)
+completes from the other ranks' shares; a train field's share is encoded and gathered in the step.
+``encoded`` counts, per field, the samples this rank encoded for the run's batches.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import math
+from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -53,6 +63,9 @@ class LiveFields:
         # field made live from its rows; and the conversations a live tokenizer field needs.
         self.manifest = manifest
         self._planned: dict[tuple[str, str], tuple[int, ...]] = {}  # (absent sample, field) -> its planned shape
+        self.split: Any | None = None  # train.parallel.encoders.SampleSplit under sequence parallelism
+        self.encoded: Counter[str] = Counter()  # field -> samples of the run's batches this rank encoded
+        self.idle_runs: Counter[str] = Counter()  # field -> trained-encoder runs on no sample of its own (SP)
 
     # -- building -----------------------------------------------------------------------------
     @classmethod
@@ -151,10 +164,12 @@ class LiveFields:
         return {n: f for n, f in self.fields.items() if f.mode == "train"}
 
     # -- the data pipeline --------------------------------------------------------------------
-    def complete(self, samples: list[dict[str, Any]], sample_ids: Sequence[str], blank_captions: Collection[int] = ()) -> None:
+    def complete(self, samples: list[dict[str, Any]], sample_ids: Sequence[str], blank_captions: Collection[int] = ()) -> Pending | None:
         """Add what the cache did not give: live/fill fields as stored-dtype arrays, train fields as
         prepared inputs under ``RAW + name``. In place, batched per field. Samples in
-        ``blank_captions`` (caption dropout) are encoded from the empty caption."""
+        ``blank_captions`` (caption dropout) are encoded from the empty caption. Under sequence
+        parallelism only this rank's share of each live/fill field is encoded: the ``Pending``
+        returned is what ``gather`` adds from the other ranks' (every rank of the group calls it)."""
         rows: dict[int, dict[str, Any]] = {}
 
         def rows_of(positions: list[int]) -> list[dict[str, Any]]:
@@ -163,6 +178,7 @@ class LiveFields:
                 rows[k] = {**row, "caption": ""} if k in blank_captions else row
             return [rows[k] for k in positions]
 
+        pending = Pending(samples=samples) if self.split is not None else None
         for name, live in self.fields.items():
             targets = [k for k, sample in enumerate(samples)
                        if name not in sample and (name not in self.optional or self.has_field(sample_ids[k], name))]
@@ -172,14 +188,57 @@ class LiveFields:
                 for k, item in zip(targets, live.encoder.inputs(rows_of(targets)), strict=True):
                     samples[k][RAW + name] = item
                 continue
-            for k, array in zip(targets, live.encoder.encode_rows(rows_of(targets)), strict=True):
-                planned = self._planned.get((sample_ids[k], name))
-                if planned is not None and tuple(array.shape) != planned:
-                    raise LiveInputError(
-                        f"sample {sample_ids[k]!r}: its {name!r} encoded live has shape {tuple(array.shape)}, but its media's headers "
-                        f"gave {planned} when the run planned its batches: the file changed during the run, or its header lies"
-                    )
-                samples[k][name] = array
+            if pending is None:
+                for k, array in zip(targets, self._encode(name, live, rows_of(targets), [sample_ids[k] for k in targets]), strict=True):
+                    samples[k][name] = array
+                continue
+            assert self.split is not None
+            owners = self.split.owners([self._size(sample_ids[k], name) for k in targets])
+            mine = [targets[i] for i in self.split.mine(owners)]
+            try:
+                arrays: list[Any] | BaseException = self._encode(name, live, rows_of(mine), [sample_ids[k] for k in mine])
+            # Re-raised by gather on the training thread, after the group has heard of it: the
+            # other ranks, which encoded other samples, raise too instead of waiting for this one.
+            except Exception as exc:  # noqa: BLE001
+                arrays = exc
+            pending.fields.append((name, targets, owners, arrays))
+            if isinstance(arrays, BaseException):
+                break
+        return pending
+
+    def _encode(self, name: str, live: LiveField, rows: list[dict[str, Any]], ids: list[str]) -> list[Any]:
+        arrays = live.encoder.encode_rows(rows) if rows else []
+        self.encoded[name] += len(rows)
+        for sample_id, array in zip(ids, arrays, strict=True):
+            planned = self._planned.get((sample_id, name))
+            if planned is not None and tuple(array.shape) != planned:
+                raise LiveInputError(
+                    f"sample {sample_id!r}: its {name!r} encoded live has shape {tuple(array.shape)}, but its media's headers "
+                    f"gave {planned} when the run planned its batches: the file changed during the run, or its header lies"
+                )
+        return arrays
+
+    def _size(self, sample_id: str, name: str) -> int:
+        """What encoding the sample's field costs, roughly, where known without encoding it: its
+        cached shape, or the shape the batch planner found; else 1 (the split then balances counts)."""
+        if sample_id in self.store and self.store.has_field(sample_id, name):
+            return math.prod(self.store.shape(sample_id, name))
+        planned = self._planned.get((sample_id, name))
+        return math.prod(planned) if planned is not None else 1
+
+    def gather(self, pending: Pending | None) -> None:
+        """Add the live/fill fields the other ranks of this sequence-parallel group encoded
+        (``complete``'s ``Pending``), in place; a collective of the group, on the training thread."""
+        if pending is None:
+            return
+        from featstore.format import dtype_info
+
+        assert self.split is not None
+        for name, targets, owners, arrays in pending.fields:
+            dtype = dtype_info(self.fields[name].encoder.dtype)[0]
+            for k, array in zip(targets, self.split.gather_arrays(arrays, owners, dtype, f"encoders.{name}"), strict=True):
+                pending.samples[k][name] = array
+        pending.fields.clear()
 
     # -- the step -----------------------------------------------------------------------------
     def wrap_collate(self, collate: Callable[..., Any]) -> Callable[..., Any]:
@@ -191,12 +250,30 @@ class LiveFields:
         def live_collate(samples: list[dict[str, Any]], device: torch.device, dtype: torch.dtype) -> Any:
             done = [dict(s) for s in samples]
             for name, live in trained.items():
-                features = live.encoder.features([s.pop(RAW + name) for s in done], dtype)
+                features = self._features(name, live, [s.pop(RAW + name) for s in done], dtype)
                 for sample, value in zip(done, features, strict=True):
                     sample[name] = value
             return collate(done, device, dtype)
 
         return live_collate
+
+    def _features(self, name: str, live: LiveField, inputs: list[Any], dtype: torch.dtype) -> list[torch.Tensor]:
+        """A train field's features of a micro-batch; under sequence parallelism each rank encodes
+        its share and the group gathers them (``SampleSplit.gather_features``)."""
+        if self.split is None or not inputs:
+            self.encoded[name] += len(inputs)
+            return live.encoder.features(inputs, dtype)
+        sizes = [_input_size(item) for item in inputs]
+        owners = self.split.owners(sizes)
+        mine = self.split.mine(owners)
+        self.encoded[name] += len(mine)
+        if mine:
+            return self.split.gather_features(live.encoder.features([inputs[k] for k in mine], dtype), owners, what=f"encoders.{name}")
+        # Fewer samples than ranks: FSDP's collectives need this rank's encoder to run all the same.
+        self.idle_runs[name] += 1
+        smallest = min(range(len(inputs)), key=lambda k: (sizes[k], k))
+        idle = live.encoder.features([inputs[smallest]], dtype)[0]
+        return self.split.gather_features([], owners, idle=idle, what=f"encoders.{name}")
 
     def set_trainable(self, config) -> None:
         """Freeze every re-attached encoder, then unfreeze what each train field names."""
@@ -233,6 +310,23 @@ class LiveFields:
                 entry["lr_scale"] = live.lr_scale
             out[name] = entry
         return out
+
+
+@dataclass(kw_only=True)
+class Pending:
+    """A batch's live/fill fields encoded by this rank for its share of them, which ``gather``
+    completes: per field, the batch positions needing it, each one's owning SP rank, and this
+    rank's arrays (in batch order) or the exception encoding them raised."""
+
+    samples: list[dict[str, Any]]
+    fields: list[tuple[str, list[int], list[int], list[Any] | BaseException]] = dataclass_field(default_factory=list)
+
+
+def _input_size(item: Any) -> int:
+    """A prepared encoder input's size, to balance the split by: pixels, or a caption's characters."""
+    if isinstance(item, np.ndarray):
+        return int(item.size)
+    return len(item) if isinstance(item, str) else 1
 
 
 def trainable_names(module: nn.Module, patterns: Sequence[str], last_blocks: int, field: str = "?") -> list[str]:

@@ -3,10 +3,11 @@
 ``JointEncoders.setup`` re-attaches the encoders (``LiveFields.build``), checks them against the
 cache on a few samples (``drift.check_before_training``) before anything trains, chooses the
 parameters that train, shards each trained encoder with the same ``apply_fsdp`` as the model,
-and gives it its own AdamW + LR schedule (``optim.lr * lr_scale``, the model's schedule). Their
-state rides in the model's DCP checkpoint (``extra``), and at the end each trained encoder is
-exported as a ``from_pretrained`` folder under ``RUN/export/<field>`` with a record saying the
-cached field is stale for it.
+splits the encoding of each batch over the ranks of a sequence-parallel group, which train on the
+same samples (``apply_encoder_sequence_parallel``), and gives each trained encoder its own AdamW +
+LR schedule (``optim.lr * lr_scale``, the model's schedule). Their state rides in the model's DCP
+checkpoint (``extra``), and at the end each trained encoder is exported as a ``from_pretrained``
+folder under ``RUN/export/<field>`` with a record saying the cached field is stale for it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class JointEncoders:
     drift: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
-    def setup(cls, config, store: featstore.Store, read_fields: list[str], *, device: torch.device, fsdp_mesh=None,
+    def setup(cls, config, store: featstore.Store, read_fields: list[str], *, device: torch.device, meshes=None,
               storage_options: dict[str, Any] | None = None, lr_lambda=None, log=print, optional: list[str] | None = None,
               manifest=None) -> JointEncoders:
         # Nothing is loaded when every field is cached (build still refuses encoders.<field> the run does not read).
@@ -51,6 +52,11 @@ class JointEncoders:
             for report in reports:
                 log(f"drift check: {report.line()}")
         live.set_trainable(config)
+        if meshes is not None:
+            from train.parallel.encoders import apply_encoder_sequence_parallel
+
+            apply_encoder_sequence_parallel(live, meshes)
+        fsdp_mesh = meshes.fsdp if meshes is not None else None
         o = config.optim
         for name, trained in live.trained().items():
             module = trained.encoder.module()
@@ -67,13 +73,19 @@ class JointEncoders:
 
     # -- the step -----------------------------------------------------------------------------
     def parameters(self) -> list[torch.nn.Parameter]:
-        return [p for module, _, _ in self.extra.values() for p in module.parameters() if p.requires_grad]
+        """The parameters the encoders' optimizers step. Not ``module.parameters()``: after a
+        forward under no_grad (val_loss) FSDP leaves the units it does not reshard after forward
+        (the root, the last block) gathered, with their unsharded tensors registered on the module
+        until the next backward reshards them, so a list taken from the module then holds tensors
+        whose gradients never arrive, and the normalisation and clipping of the step missed the
+        real (sharded) ones."""
+        return [p for _, optimizer, _ in self.extra.values() for group in optimizer.param_groups for p in group["params"]]
 
     def grad_norms(self) -> dict[str, float]:
         """Each trained encoder's gradient norm (of the step's mean loss, after clipping), for metrics.jsonl."""
         out = {}
-        for name, (module, _, _) in self.extra.items():
-            grads = [p.grad for p in module.parameters() if p.grad is not None]
+        for name, (_, optimizer, _) in self.extra.items():
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
             out[f"grad_norm.{name}"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         return out

@@ -76,7 +76,7 @@ def read_held_out(store, sample_ids: list[str], data_adapter, live=None) -> list
         for k, sample in zip(members, read, strict=True):
             out[k] = {**sample, SAMPLE_ID: sample_ids[k]}
     if live:
-        live.complete(out, sample_ids)
+        live.gather(live.complete(out, sample_ids))  # every SP rank reads the same held-out samples, together
     return out
 
 

@@ -1,0 +1,181 @@
+"""``apply_encoder_sequence_parallel(live, meshes)``: live and trained encoders under sequence
+parallelism, each rank of a sequence-parallel group encoding only its share of the samples.
+
+The ranks of one SP group (``ring × ulysses``) train on the same samples: each attends its slice
+of every sample's tokens, but the model needs every sample's whole encoder output (the DiT keeps
+the caption replicated for cross-attention; the VLM embeds the whole sequence before sharding).
+Left alone, every rank would run each live/trained encoder on all of them. Instead the group
+splits each batch's samples over its ranks (``greedy``: by size, heaviest first, deterministic, so
+every rank computes the same split without talking), each encodes its own, and the features are
+all-gathered so every rank holds all of them, bit for bit what its owner computed:
+
+- a ``live``/``fill`` field: encoded in the data pipeline's background thread, the numpy arrays
+  exchanged on the training thread when the step is handed out (``gather_arrays``; collectives
+  stay on one thread per process, so nothing can interleave with the step's, and a stopped run
+  never leaves a reader blocked in one);
+- a ``train`` field: encoded with autograd in the step, gathered by ``_GatherSamples``, whose
+  backward reduce-scatters the gradient: each rank gets the gradient of its own samples summed over
+  the group's ranks (each of which back-propagated only its tokens' share). Its encoder's parameter
+  gradients are then those of its samples, and FSDP, which shards over the SP ranks and sums,
+  adds them into the full-batch gradient: the same gradient as before, with 1/SP of the encoding.
+
+A rank left without a sample of a micro-batch (fewer samples than ranks) still runs the trained
+encoder once, on the smallest sample, contributing nothing: FSDP's all-gathers and reduce-scatters
+are collectives every rank of its mesh must run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from train.balance import greedy
+from train.parallel.dims import ParallelMeshes
+from train.parallel.sequence.comm import all_gather_rows
+
+MAX_NDIM = 8  # a feature's dimensions travel in a fixed-width header row
+
+
+class EncoderShareError(RuntimeError):
+    """Another rank of this sequence-parallel group could not encode its share of a batch."""
+
+
+class SampleSplit:
+    """One sequence-parallel group's split of a batch's samples, and the gathers that put each
+    rank's encodings together. ``group`` runs on the training backend (device tensors: the
+    trained features), ``cpu_group`` on gloo (the pipeline's numpy arrays); both are the one SP
+    block of ranks, in SP-rank order."""
+
+    def __init__(self, group: ProcessGroup, cpu_group: ProcessGroup) -> None:
+        self.group, self.cpu_group = group, cpu_group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+
+    def owners(self, sizes: Sequence[float]) -> list[int]:
+        """The SP rank that encodes each sample: balanced by size (heaviest first), the same on every rank."""
+        owners = [0] * len(sizes)
+        for rank, part in enumerate(greedy(sizes, self.size)):
+            for k in part:
+                owners[k] = rank
+        return owners
+
+    def mine(self, owners: Sequence[int]) -> list[int]:
+        return [k for k, owner in enumerate(owners) if owner == self.rank]
+
+    # -- the data pipeline's arrays -----------------------------------------------------------
+    def gather_arrays(self, mine: Sequence[np.ndarray] | BaseException, owners: Sequence[int], dtype: np.dtype,
+                      what: str) -> list[np.ndarray]:
+        """Every sample's array, in batch order, from each rank's ``mine`` (its samples' arrays in
+        batch order, or the exception encoding them raised: then every rank raises, this one its
+        own error, the others saying whose it was)."""
+        error = mine if isinstance(mine, BaseException) else None
+        own = [] if isinstance(mine, BaseException) else [np.ascontiguousarray(a) for a in mine]
+        assert all(a.dtype == dtype for a in own), f"{what}: live arrays are not in the stored dtype {dtype}"
+        shapes = self._shapes([a.shape for a in own], owners, self.cpu_group, torch.device("cpu"), what, error)
+        sizes = [math.prod(s) * dtype.itemsize for s in shapes]
+        flat = np.zeros(max(_totals(owners, sizes, self.size)), dtype=np.uint8)  # padded to the longest share
+        if own:
+            joined = np.concatenate([a.reshape(-1).view(np.uint8) for a in own])
+            flat[:joined.size] = joined
+        everyone = [part.numpy() for part in all_gather_rows(torch.from_numpy(flat), self.cpu_group, kind="encoder_arrays")]
+        return [everyone[o][start:start + n].view(dtype).reshape(shape)
+                for o, start, n, shape in _places(owners, sizes, shapes)]
+
+    # -- the step's trained features ----------------------------------------------------------
+    def gather_features(self, mine: Sequence[torch.Tensor], owners: Sequence[int], *, idle: torch.Tensor | None = None,
+                        what: str = "features") -> list[torch.Tensor]:
+        """Every sample's features, in batch order, differentiable: the backward hands each rank
+        the gradient of its own samples summed over the group. ``idle``: the output of the run a
+        rank without samples made to keep FSDP's collectives in step; it joins the graph with
+        nothing of it gathered."""
+        assert bool(mine) != (idle is not None), "either this rank's samples' features or its idle run's"
+        like = mine[0] if mine else idle
+        assert like is not None
+        shapes = self._shapes([t.shape for t in mine], owners, self.group, like.device, what)
+        flat = torch.cat([t.reshape(-1) for t in mine]) if mine else like.reshape(-1)[:0]
+        sizes = [math.prod(s) for s in shapes]
+        longest = max(_totals(owners, sizes, self.size))
+        full = _GatherSamples.apply(torch.nn.functional.pad(flat, (0, longest - flat.numel())), self.group)
+        return [full[o, start:start + n].view(shape) for o, start, n, shape in _places(owners, sizes, shapes)]
+
+    def _shapes(self, mine: list[tuple[int, ...]], owners: Sequence[int], group: ProcessGroup, device: torch.device,
+                what: str, error: BaseException | None = None) -> list[tuple[int, ...]]:
+        """Every sample's shape, in batch order, each owner sending its own; and whether a rank
+        could not encode its share (``error``): then every rank raises, after hearing of it."""
+        counts = [sum(1 for o in owners if o == r) for r in range(self.size)]
+        header = torch.zeros(1 + max(counts) * (1 + MAX_NDIM), dtype=torch.int64)
+        header[0] = int(error is not None)
+        for i, shape in enumerate(mine):
+            assert len(shape) <= MAX_NDIM, f"{what}: a {len(shape)}-D feature"
+            row = 1 + i * (1 + MAX_NDIM)
+            header[row] = len(shape)
+            header[row + 1:row + 1 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
+        headers = [h.cpu() for h in all_gather_rows(header.to(device), group, kind="encoder_shapes")]
+        if error is not None:
+            raise error
+        if bad := [r for r, h in enumerate(headers) if int(h[0])]:
+            raise EncoderShareError(
+                f"{what}: rank {dist.get_global_rank(group, bad[0])} of this sequence-parallel group could not encode its "
+                "share of the batch (its own error says why)"
+            )
+        seen = [0] * self.size
+        out = []
+        for owner in owners:
+            row = 1 + seen[owner] * (1 + MAX_NDIM)
+            seen[owner] += 1
+            ndim = int(headers[owner][row])
+            out.append(tuple(int(d) for d in headers[owner][row + 1:row + 1 + ndim]))
+        return out
+
+
+class _GatherSamples(torch.autograd.Function):
+    """[M] per rank -> [S, M]; backward: the [S, M] gradient summed over the group, row r to rank r."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group: ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return torch.stack(all_gather_rows(local, group, kind="encoder_features"))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        out = torch.empty(grad.shape[1], dtype=grad.dtype, device=grad.device)
+        dist.reduce_scatter_single(out, grad.contiguous().reshape(-1), group=ctx.group)
+        return out, None
+
+
+def _totals(owners: Sequence[int], sizes: Sequence[int], ranks: int) -> list[int]:
+    totals = [0] * ranks
+    for owner, n in zip(owners, sizes, strict=True):
+        totals[owner] += n
+    return totals
+
+
+def _places(owners: Sequence[int], sizes: Sequence[int], shapes: Sequence[tuple[int, ...]]):
+    """(owner, offset in its gathered row, length, shape) of each sample, in batch order."""
+    cursor: dict[int, int] = {}
+    for owner, n, shape in zip(owners, sizes, shapes, strict=True):
+        start = cursor.get(owner, 0)
+        cursor[owner] = start + n
+        yield owner, start, n, shape
+
+
+def apply_encoder_sequence_parallel(live: Any, meshes: ParallelMeshes) -> Any:
+    """Install the SP group's sample split on the run's live fields (``train.live.fields.LiveFields``);
+    a no-op when ring × ulysses is 1. Every rank calls it (it creates process groups)."""
+    sp = meshes.dims.sp_size
+    if sp == 1:
+        return live
+    # The world mesh's ranks, (dp_replicate, dp_shard, ring, ulysses): each row of sp is one SP
+    # block in SP-rank order (ring major, ulysses minor), as sequence_parallel_groups_from_mesh has it.
+    blocks = meshes.world.mesh.reshape(-1, sp).tolist()
+    group, _ = dist.new_subgroups_by_enumeration(blocks)
+    cpu_group = group
+    if dist.get_backend(group) != "gloo":
+        cpu_group, _ = dist.new_subgroups_by_enumeration(blocks, backend="gloo")
+    live.split = SampleSplit(group, cpu_group)
+    return live
