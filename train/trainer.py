@@ -35,7 +35,7 @@ from train.models import count_parameters, export_model, get_model_family
 from train.objective import sample_generators
 from train.order import plan_order
 from train.parallel.dims import MESH_DIMS, ParallelDims, device_and_backend
-from train.parallel.fsdp import apply_fsdp, local_state_bytes
+from train.parallel.fsdp import apply_fsdp, local_state_bytes, reshard
 from train.parallel.sequence_parallel import apply_sequence_parallel
 from train.sample.during_fit import FitSampler, Validator, due, validation_ids
 
@@ -262,6 +262,7 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
             extra["val_time_s"] = time.perf_counter() - t0
         if fit_sampler is not None:
             extra["sample_time_s"] = fit_sampler.run(model, run, step, device, board)
+        reshard(model, *(module for module, _, _ in joint.extra.values()))
         return extra
 
     try:

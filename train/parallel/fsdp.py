@@ -99,6 +99,17 @@ def apply_fsdp(
     return model
 
 
+def reshard(*modules: nn.Module) -> None:
+    """Free the parameters FSDP gathered for a forward without backward (val_loss, samples): it
+    reshards those of the units it keeps whole after forward (the root, the last block) only
+    after a backward, so they would stay gathered, and registered on the module in place of the
+    sharded ones, until the next training step's backward."""
+    for module in modules:
+        for unit in module.modules():
+            if isinstance(unit, FSDPModule):
+                unit.reshard()
+
+
 def local_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """Bytes this rank holds for parameters and optimizer state (shards only, for DTensors)."""
 
