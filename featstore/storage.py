@@ -134,32 +134,6 @@ def open_storage(url: str | os.PathLike[str], storage_options: dict[str, Any] | 
     return FsspecStorage(text, storage_options or {})
 
 
-def write_all(fd: int, parts: Iterable[Any]) -> None:
-    """Every byte of ``parts`` written to ``fd`` at its position, as few ``writev`` calls as the
-    system allows. One call spanning the whole object, not one per part, is what lets the kernel
-    fill the page cache with 2 MiB folios (it sizes folios by the bytes a call has left to write):
-    a later mapped scan of those pages then runs ~1.3x faster than over pages left by part-sized
-    writes (fewer, larger page-table entries)."""
-    views = [_byte_view(part) for part in parts]
-    views = [view for view in views if view.nbytes]
-    limit = os.sysconf("SC_IOV_MAX")
-    first = 0
-    while first < len(views):
-        written = os.writev(fd, views[first : first + limit])
-        while written:  # skip what went out; a part written in part goes again from where it stopped
-            if written >= views[first].nbytes:
-                written -= views[first].nbytes
-                first += 1
-            else:
-                views[first], written = views[first][written:], 0
-
-
-def _byte_view(part: Any) -> memoryview:
-    if isinstance(part, np.ndarray):  # any dtype (bfloat16 too) as its bytes
-        part = np.ascontiguousarray(part).reshape(-1).view(np.uint8)
-    return memoryview(part).cast("B")
-
-
 class LocalStorage(Storage):
     # Readers keep shard objects open across reads; cap the number so a store with many shards
     # does not exhaust file descriptors.
@@ -254,7 +228,9 @@ class LocalStorage(Storage):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
         with open(tmp, "wb") as fh:
-            write_all(fh.fileno(), parts)
+            for part in parts:
+                fh.write(part)
+            fh.flush()
             os.fsync(fh.fileno())
         return tmp
 
