@@ -160,14 +160,15 @@ def bench_writes(server, bucket: str, workdir: Path, repeat: int, shards: int = 
     local, remote, per_shard, depth, slow = [], [], [], [], []
     for i in range(repeat):
         local.append(write_shards(str(workdir / f"w-local-{i}"), shards))
+        dest, far = f"{own_bucket(server)}/w-{i}", f"{own_bucket(server)}/w-slow-{i}"  # not counted among the requests
         with server.recording() as requests:
-            remote.append(write_shards(f"{own_bucket(server)}/w-{i}", shards))
+            remote.append(write_shards(dest, shards))
         per_shard.append(len(requests) / shards)
         # The same with 20 ms added to every answer, as from an object store in another
         # building: what sequential round trips cost there (and, with requests that surely
         # overlap when sent together, the round trips of the last commit).
         with server.slowed(0.02), server.recording() as requests:
-            slow.append(write_shards(f"{own_bucket(server)}/w-slow-{i}", 8))
+            slow.append(write_shards(far, 8))
         commits = [r for r in requests if r.method == "PUT" and "/index/w-" in r.key]
         depth.append(rounds([r for r in requests if r.start > max(c.end for c in commits[:-1])]))
     slow_best = min(slow)

@@ -370,8 +370,8 @@ def byte_ranges(chunks: np.ndarray, layout: ChunkLayout, start: int, count: int,
 #   instruction elsewhere, ARM's on aarch64), ~21 GiB/s a core from memory here, and it releases
 #   the GIL above 5 KiB, so a scan's checks run on all cores beside the consumer;
 # * google_crc32c (zarr's dependency; the CRC instruction, ~14 GiB/s) holds the GIL for anything
-#   but ``bytes``: short calls, where releasing costs more than it frees, and the fallback for a
-#   platform without an awscrt wheel, where checks then run one at a time.
+#   but ``bytes``: short calls, where releasing costs more than it frees, and the fallback where
+#   awscrt cannot be imported (then checks run one at a time).
 # awscrt is imported on first use (~27 ms, which a CLI command that never checks a large buffer
 # should not pay). Installed, it also becomes botocore's SigV4 signer (s3fs): the S3 tests run so.
 _LARGE = 1 << 20  # from here on (or on request) a buffer goes to the releasing library

@@ -113,16 +113,12 @@ class Scanner:
     # ---- loading (background threads) -----------------------------------------------------
     def load(self, block: _Block) -> _Loaded:
         store = self.store
-        info = store.shards[block.shard]
         specs = store.fields
         flat: dict[str, np.ndarray] = {}
         requests = []
         for name, (lo, hi) in block.fields.items():
-            spec = specs[name]
-            itemsize = np.dtype(spec.zarr_dtype).itemsize
-            ranges = store._ranges(block.shard, spec, lo, hi - lo)
-            key = info.data_key(name)
-            mapped = self._map(block.shard, name, key, info.objects[key]["nbytes"])
+            itemsize = np.dtype(specs[name].zarr_dtype).itemsize
+            key, ranges, mapped = self._field_bytes(block, name)
             if mapped is not None and len(ranges) <= 1:
                 flat[name] = mapped[ranges[0][0] : ranges[0][1]] if ranges else mapped[:0]
             elif mapped is not None:  # inner chunks not back to back (not what our writer makes)
@@ -147,19 +143,31 @@ class Scanner:
                 _fault_in(array)
         return _Loaded(block, flat, self._elsewhere(block, flat), bad, checked)
 
+    def _field_bytes(self, block: _Block, name: str) -> tuple[str, list[tuple[int, int]], np.ndarray | None]:
+        """(the object holding field ``name`` of the block, the byte ranges of the block's
+        samples in it, the object mapped, or None where it cannot be)."""
+        store, (lo, hi) = self.store, block.fields[name]
+        info = store.shards[block.shard]
+        key = info.data_key(name)
+        ranges = store._ranges(block.shard, store.fields[name], lo, hi - lo)
+        return key, ranges, self._map(block.shard, name, key, info.objects[key]["nbytes"])
+
     def in_page_cache(self, block: _Block) -> bool:
         """Whether the block's shard is (mostly) mapped and in the page cache, judged once per
-        shard from its first block's pages (probing every block cost a warm scan ~5%)."""
+        shard from its first block's pages (probing every block cost a warm scan ~5%). False
+        where that cannot be told; and on an error, which ``load`` then raises in its turn."""
         cached = self._in_page_cache.get(block.shard)
         if cached is None:
-            store = self.store
-            info = store.shards[block.shard]
             shares = []
-            for name, (lo, hi) in block.fields.items():
-                ranges = store._ranges(block.shard, store.fields[name], lo, hi - lo)
-                key = info.data_key(name)
-                mapped = self._map(block.shard, name, key, info.objects[key]["nbytes"])
-                shares.append(0.0 if mapped is None else _resident_share(mapped[ranges[0][0] : ranges[-1][1]]) if ranges else 1.0)
+            try:
+                for name in block.fields:
+                    key, ranges, mapped = self._field_bytes(block, name)
+                    if mapped is None or not self.store.storage.page_cache_visible(key):
+                        shares.append(0.0)
+                    elif ranges:
+                        shares.append(_resident_share(mapped[ranges[0][0] : ranges[-1][1]]))
+            except Exception:  # noqa: BLE001 - the block's own load reports it, in order
+                shares.append(0.0)
             # Not all: the page cache may have dropped a few pages of a file read a while ago.
             cached = self._in_page_cache[block.shard] = min(shares, default=1.0) >= 0.75
         return cached
@@ -310,17 +318,19 @@ def _usable_cores() -> int:
 def _resident_share(view: np.ndarray) -> float:
     """The share of the pages under a mapped ``view`` that are in the page cache, probed with
     ``mincore`` at one page per 2 MiB (huge folios come whole; the kernel answers ``mincore``
-    page by page, so asking for every page of 16 MiB costs a tenth of their checksum). An array
-    not mapped, or a system without ``mincore``: 1.0."""
+    page by page, so asking for every page of 16 MiB costs a tenth of their checksum). 0.0 where
+    it cannot be told (not a mapping, no ``mincore``, a failed call): the pool for the disk."""
     _, mapping = _mapping_of(view)
     if mapping is None or not view.size or _mincore is None:
-        return 1.0
+        return 0.0
     start = view.__array_interface__["data"][0]
     pages = [page - page % mmap.PAGESIZE for page in [*range(start, start + view.size, _PROBE_STRIDE), start + view.size - 1]]
     probe = np.zeros(1, dtype=np.uint8)
     resident = 0
     for page in pages:
-        resident += _mincore(page, mmap.PAGESIZE, probe.ctypes.data) != 0 or bool(probe[0] & 1)
+        if _mincore(page, mmap.PAGESIZE, probe.ctypes.data) != 0:
+            return 0.0
+        resident += bool(probe[0] & 1)
     return resident / len(pages)
 
 

@@ -67,6 +67,12 @@ class Storage:
         self.read_ranges(key, [(start, end)], out)
         return out.tobytes()
 
+    def page_cache_visible(self, key: str) -> bool:
+        """Whether ``mincore`` on a mapping of ``key`` tells which of its pages are in the page
+        cache: Linux (since 5.0) answers it only for a file the process owns or may write, and
+        claims every page otherwise. False where objects are not files."""
+        return False
+
     def map_object(self, key: str, nbytes: int) -> np.ndarray | None:
         """The whole object (of ``nbytes``, from its commit record) as a flat uint8 array backed by
         the OS page cache, or None where objects cannot be mapped (then callers read ranges)."""
@@ -193,6 +199,13 @@ class LocalStorage(Storage):
                 pos += want
         finally:
             self._release(entry)
+
+    def page_cache_visible(self, key: str) -> bool:
+        path = self._path(key)
+        try:
+            return path.stat().st_uid == os.geteuid() or os.access(path, os.W_OK)
+        except OSError:
+            return False
 
     def map_object(self, key: str, nbytes: int) -> np.ndarray | None:
         # Copy-on-write (MAP_PRIVATE): arrays viewing the map are writable like any read's, and a

@@ -220,8 +220,8 @@ def encode_task(
             try:
                 writer.commit(task.shard)
             except ShardCommittedError:
-                # A zombie of this task (its worker was presumed dead) or a concurrent run of the
-                # same plan committed it first: theirs is kept, ours was discarded.
+                # An earlier try of this task, a zombie of it (its worker was presumed dead) or a
+                # concurrent run of the same plan committed it first: theirs is kept, ours discarded.
                 result.skipped = True
                 return result.summary()
         result.samples = sum(1 for _, arrays, _ in done if arrays is not None) - len(writer.dropped)
