@@ -8,6 +8,7 @@ gradient of a loss each rank holds only a part of."""
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from pathlib import Path
 
 import ml_dtypes
@@ -15,6 +16,9 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.nn.modules.module import register_module_forward_pre_hook
 
 from featstore.config import load_config
 from tests.joint_store import dataset, encode, losses, records
@@ -42,8 +46,23 @@ def _fit(store: str, out: str, sets: list[str], rank: int, world: int, preset: s
     from train.trainer import fit
 
     config = load_config(TrainConfig, preset, "train", sets)
-    result = fit(config, store, out, steps=STEPS, log=lambda *_: None)
-    return {"encoded": result["encoded"], "idle": result["idle_encoder_runs"]}
+    checked, gathered = Counter[str](), set()
+
+    def sharded_before_training_forward(module: torch.nn.Module, _args) -> None:
+        # What an evaluation (no-grad forwards) leaves behind, seen at the next training forward,
+        # before FSDP gathers anything for it: fit's reshard after val_loss leaves every parameter
+        # sharded (a DTensor); without it FSDP keeps the root's and last block's gathered tensors
+        # registered until the next backward.
+        if isinstance(module, FSDPModule) and torch.is_grad_enabled():
+            checked[type(module).__name__] += 1
+            gathered.update(f"{type(module).__name__}.{n}" for n, p in module.named_parameters() if not isinstance(p, DTensor))
+
+    hook = register_module_forward_pre_hook(sharded_before_training_forward)
+    try:
+        result = fit(config, store, out, steps=STEPS, log=lambda *_: None)
+    finally:
+        hook.remove()
+    return {"encoded": result["encoded"], "idle": result["idle_encoder_runs"], "checked": dict(checked), "gathered": sorted(gathered)}
 
 
 def fit_on(store: str, out: Path, world: int, *sets: str) -> list[dict]:
@@ -91,6 +110,9 @@ def test_trained_encoder_encodes_a_share_per_sequence_parallel_rank(store, one_r
     assert max(drift.values()) < 1e-4, sorted(drift.items(), key=lambda kv: -kv[1])[:3]
     # 4 training samples a step, and 3 held-out ones at each of the 2 evaluations.
     assert alone["encoded"] == {"text_emb": 4 * STEPS + 3 * 2} and alone["idle"] == {}
+    # After the evaluation at step 3, steps 4 and 5 start from sharded parameters, the model's and the encoder's.
+    for r in ranks:
+        assert r["gathered"] == [] and {"FSDPDiT", "FSDPT5EncoderModel"} <= set(r["checked"]), r
     shares = [r["encoded"]["text_emb"] for r in ranks]
     if sp in DP:  # each rank its own part of the batches (with the balancer's filler micro-batches)
         assert max(shares) < alone["encoded"]["text_emb"] and ranks[0]["idle"] == ranks[1]["idle"] == {}, shares
@@ -165,11 +187,19 @@ def _gather_cases(rank: int, world: int) -> dict:
     got = split.gather_arrays([arrays[k] for k in split.mine(owners)], owners, np.dtype(ml_dtypes.bfloat16), "encoders.x")
     assert [g.tobytes() for g in got] == [a.tobytes() for a in arrays] and [g.shape for g in got] == [a.shape for a in arrays]
     # A rank whose share failed raises its own error; the others, after hearing of it, say whose.
-    mine_or_error = ValueError("sample 'b': media moved") if rank == 1 else [arrays[k] for k in split.mine(owners)]
     try:
-        split.gather_arrays(mine_or_error, owners, np.dtype(ml_dtypes.bfloat16), "encoders.x")
+        split.agree([("x", owners)], ValueError("sample 'b': media moved") if rank == 1 else None, "encoders")
     except (ValueError, EncoderShareError) as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
+    # Ranks that split the samples differently raise, both, instead of mixing each other's shares:
+    # before a batch's gathers (agree), and in a gather's own header (the step's trained features).
+    swapped = [1 - o for o in owners] if rank == 1 else owners
+    for label, call in (("plans", lambda: split.agree([("x", swapped)], None, "encoders")),
+                        ("split", lambda: split.gather_arrays([arrays[k] for k in split.mine(swapped)], swapped,
+                                                              np.dtype(ml_dtypes.bfloat16), "encoders.x"))):
+        with pytest.raises(EncoderShareError) as caught:
+            call()
+        out[label] = str(caught.value)
     return out
 
 
@@ -179,9 +209,43 @@ def test_gathers_are_exact_and_their_backward_sums_each_samples_gradient():
     assert [r["ragged"]["mine"] for r in ranks] == [[0, 1, 3], [2, 4]]
     assert [r["one sample"]["mine"] for r in ranks] == [[0], []]
     assert ranks[1]["one sample"]["grad_is_set"]  # the idle run took part in the backward
-    assert ranks[0]["error"] == ("EncoderShareError: encoders.x: rank 1 of this sequence-parallel group could not encode its share "
+    assert ranks[0]["error"] == ("EncoderShareError: encoders: rank 1 of this sequence-parallel group could not prepare its share "
                                  "of the batch (its own error says why)")
     assert ranks[1]["error"] == "ValueError: sample 'b': media moved"
+    for rank, other in ((0, 1), (1, 0)):
+        assert f"this rank ({rank}) planned 1 gather(s)" in ranks[rank]["plans"] and f"and rank {other} of" in ranks[rank]["plans"]
+        assert f"this rank ({rank}) split 3 samples" in ranks[rank]["split"] and f"and rank {other} of" in ranks[rank]["split"]
+
+
+def _failing_preparation(store: str, rank: int, world: int) -> str:
+    import featstore
+    from train.config import TrainConfig
+    from train.live.fields import LiveFields
+    from train.parallel.dims import ParallelDims
+    from train.parallel.encoders import apply_encoder_sequence_parallel
+
+    # The latent trained: its inputs (decoded pixels) are prepared in complete, before the live
+    # captions' share is encoded; rank 1 finds no media where the config says (a missing mount).
+    sets = ["encoders.latent.mode=train", "encoders.text_emb.mode=live", *(["data.media_root=/nonexistent"] if rank == 1 else [])]
+    opened = featstore.open(store)
+    live = LiveFields.build(load_config(TrainConfig, "tiny-dit", "train", sets), opened, ["latent", "text_emb"])
+    apply_encoder_sequence_parallel(live, ParallelDims(ulysses=2, world_size=world).build_meshes("cpu"))
+    ids = opened.sample_ids()[:4]
+    pending = live.complete([{} for _ in ids], ids)
+    try:
+        live.gather(pending)
+    except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+        return f"{type(exc).__name__}: {exc}"
+    return "gathered"
+
+
+def test_a_rank_failing_to_prepare_its_inputs_makes_every_rank_raise(store):
+    """Once, the other rank waited in the live captions' gather for the failed rank's share until
+    the process group's timeout; a short deadline makes that a failure here, not a hang."""
+    other, failed = run_on_ranks(functools.partial(_failing_preparation, store), 2, deadline_s=45)
+    assert other == ("EncoderShareError: encoders: rank 1 of this sequence-parallel group could not prepare its share of the "
+                     "batch (its own error says why)")
+    assert "/nonexistent" in failed and not failed.startswith("EncoderShareError"), failed
 
 
 def _two_groups_case(rank: int, world: int) -> list:

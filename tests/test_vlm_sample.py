@@ -166,7 +166,7 @@ def test_text_only_questions_are_answered_from_the_text_alone(setup):
 
 
 def test_each_seed_continues_the_prompts_cache_as_if_decoded_again(setup):
-    from train.sample.answer import AnswerConfig, answer_tokens, continue_answer, prefill
+    from train.sample.answer import AnswerConfig, continue_answer, prefill
     from train.sample.source import load_trained, reattach_trained
 
     root = setup["root"]
@@ -185,7 +185,8 @@ def test_each_seed_continues_the_prompts_cache_as_if_decoded_again(setup):
     length = prefix.cache.length
     for row in rows:
         # Decoding the prompt again for this seed alone gives this seed's answer ...
-        assert answer_tokens(trained.model, prompt, image, meta, stop, config, row["seed"]) == (row["tokens"], row["finish"])
+        fresh = prefill(trained.model, prompt, image, meta)
+        assert continue_answer(trained.model, fresh, stop, config, row["seed"]) == (row["tokens"], row["finish"])
         # ... and so does continuing one prefix seed after seed, which keeps its length.
         assert continue_answer(trained.model, prefix, stop, config, row["seed"]) == (row["tokens"], row["finish"])
         assert prefix.cache.length == length

@@ -170,6 +170,19 @@ class LiveFields:
         ``blank_captions`` (caption dropout) are encoded from the empty caption. Under sequence
         parallelism only this rank's share of each live/fill field is encoded: the ``Pending``
         returned is what ``gather`` adds from the other ranks' (every rank of the group calls it)."""
+        pending = Pending(samples=samples) if self.split is not None else None
+        try:
+            self._complete(samples, sample_ids, blank_captions, pending)
+        # Under SP, re-raised by gather on the training thread after the group has heard of it:
+        # the other ranks raise too, instead of waiting in a gather for this one's share.
+        except Exception as exc:
+            if pending is None:
+                raise
+            pending.error = exc
+        return pending
+
+    def _complete(self, samples: list[dict[str, Any]], sample_ids: Sequence[str], blank_captions: Collection[int],
+                  pending: Pending | None) -> None:
         rows: dict[int, dict[str, Any]] = {}
 
         def rows_of(positions: list[int]) -> list[dict[str, Any]]:
@@ -178,7 +191,6 @@ class LiveFields:
                 rows[k] = {**row, "caption": ""} if k in blank_captions else row
             return [rows[k] for k in positions]
 
-        pending = Pending(samples=samples) if self.split is not None else None
         for name, live in self.fields.items():
             targets = [k for k, sample in enumerate(samples)
                        if name not in sample and (name not in self.optional or self.has_field(sample_ids[k], name))]
@@ -195,16 +207,7 @@ class LiveFields:
             assert self.split is not None
             owners = self.split.owners([self._size(sample_ids[k], name) for k in targets])
             mine = [targets[i] for i in self.split.mine(owners)]
-            try:
-                arrays: list[Any] | BaseException = self._encode(name, live, rows_of(mine), [sample_ids[k] for k in mine])
-            # Re-raised by gather on the training thread, after the group has heard of it: the
-            # other ranks, which encoded other samples, raise too instead of waiting for this one.
-            except Exception as exc:  # noqa: BLE001
-                arrays = exc
-            pending.fields.append((name, targets, owners, arrays))
-            if isinstance(arrays, BaseException):
-                break
-        return pending
+            pending.fields.append((name, targets, owners, self._encode(name, live, rows_of(mine), [sample_ids[k] for k in mine])))
 
     def _encode(self, name: str, live: LiveField, rows: list[dict[str, Any]], ids: list[str]) -> list[Any]:
         arrays = live.encoder.encode_rows(rows) if rows else []
@@ -228,12 +231,16 @@ class LiveFields:
 
     def gather(self, pending: Pending | None) -> None:
         """Add the live/fill fields the other ranks of this sequence-parallel group encoded
-        (``complete``'s ``Pending``), in place; a collective of the group, on the training thread."""
+        (``complete``'s ``Pending``), in place; a collective of the group, on the training thread.
+        First every rank says whether it completed the batch and how it split it (``agree``, one
+        small exchange a batch), so a rank that failed anywhere in ``complete`` makes every rank
+        raise instead of leaving them waiting in a gather for its share."""
         if pending is None:
             return
         from featstore.format import dtype_info
 
         assert self.split is not None
+        self.split.agree([(name, owners) for name, _, owners, _ in pending.fields], pending.error, "encoders")
         for name, targets, owners, arrays in pending.fields:
             dtype = dtype_info(self.fields[name].encoder.dtype)[0]
             for k, array in zip(targets, self.split.gather_arrays(arrays, owners, dtype, f"encoders.{name}"), strict=True):
@@ -316,10 +323,11 @@ class LiveFields:
 class Pending:
     """A batch's live/fill fields encoded by this rank for its share of them, which ``gather``
     completes: per field, the batch positions needing it, each one's owning SP rank, and this
-    rank's arrays (in batch order) or the exception encoding them raised."""
+    rank's arrays (in batch order); or the exception completing the batch raised on this rank."""
 
     samples: list[dict[str, Any]]
-    fields: list[tuple[str, list[int], list[int], list[Any] | BaseException]] = dataclass_field(default_factory=list)
+    fields: list[tuple[str, list[int], list[int], list[Any]]] = dataclass_field(default_factory=list)
+    error: Exception | None = None
 
 
 def _input_size(item: Any) -> int:

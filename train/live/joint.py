@@ -73,19 +73,18 @@ class JointEncoders:
 
     # -- the step -----------------------------------------------------------------------------
     def parameters(self) -> list[torch.nn.Parameter]:
-        """The parameters the encoders' optimizers step. Not ``module.parameters()``: after a
-        forward under no_grad (val_loss) FSDP leaves the units it does not reshard after forward
-        (the root, the last block) gathered, with their unsharded tensors registered on the module
-        until the next backward reshards them, so a list taken from the module then holds tensors
-        whose gradients never arrive, and the normalisation and clipping of the step missed the
-        real (sharded) ones."""
-        return [p for _, optimizer, _ in self.extra.values() for group in optimizer.param_groups for p in group["params"]]
+        """The parameters the encoders' optimizers step: the ones whose gradients the step
+        normalises and clips. Taken from the optimizers, not ``module.parameters()``: what the
+        optimizer steps is the definition, whatever FSDP has registered on the module at the time
+        (fit reshards after each evaluation, so the two agree there; a list from the module taken
+        while FSDP had gathered units registered would hold tensors no gradient reaches)."""
+        return [p for _, optimizer, _ in self.extra.values() for p in _stepped(optimizer)]
 
     def grad_norms(self) -> dict[str, float]:
         """Each trained encoder's gradient norm (of the step's mean loss, after clipping), for metrics.jsonl."""
         out = {}
         for name, (_, optimizer, _) in self.extra.items():
-            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            grads = [p.grad for p in _stepped(optimizer) if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
             out[f"grad_norm.{name}"] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         return out
@@ -131,3 +130,8 @@ class JointEncoders:
 
     def describe(self) -> dict[str, Any]:
         return self.live.describe()
+
+
+def _stepped(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    """The parameters ``optimizer`` steps, in its groups' order."""
+    return [p for group in optimizer.param_groups for p in group["params"]]

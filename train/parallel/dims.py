@@ -19,7 +19,8 @@ From one 1-D mesh over all ranks we build these views, once and in the same orde
                are sharded over sequence-parallel ranks too, since they hold the same model. With
                dp_replicate > 1 it is the 2-D (dp_replicate, dp_shard_cp) mesh, which FSDP2 runs as
                HSDP: shard within a group, all-reduce across groups (hierarchical ZeRO).
-- ``sp``     the 2-D (ring, ulysses) submesh, for sequence-parallel attention.
+- ``sp``     the 2-D (ring, ulysses) submesh, for sequence-parallel attention; ``sp_block`` the
+             same ranks as one 1-D dim "sp" (its one group: the SP block, for encoder sharing).
 
 Device choice (``device_and_backend``) is lazy about torch_npu: only if it is installed, imports
 (it needs Ascend's CANN libraries) and reports a device. We set no environment variables; note
@@ -144,10 +145,10 @@ class ParallelDims:
         # views. (Slicing a *flattened* dim back out of a root mesh is deprecated in PyTorch.)
         ranks = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("world",))
         world = ranks._unflatten(0, self.shape, MESH_DIMS)
-        dp = ranks._unflatten(0, (self.dp_size, self.sp_size), ("dp", "sp"))["dp"]
+        dp_sp = ranks._unflatten(0, (self.dp_size, self.sp_size), ("dp", "sp"))
         hsdp = ranks._unflatten(0, (self.dp_replicate, self.fsdp_shard_size), ("dp_replicate", "dp_shard_cp"))
         fsdp = hsdp if self.dp_replicate > 1 else hsdp["dp_shard_cp"]
-        return ParallelMeshes(dims=self, world=world, dp=dp, fsdp=fsdp, sp=world["ring", "ulysses"])
+        return ParallelMeshes(dims=self, world=world, dp=dp_sp["dp"], fsdp=fsdp, sp=world["ring", "ulysses"], sp_block=dp_sp["sp"])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -157,6 +158,7 @@ class ParallelMeshes:
     dp: DeviceMesh  # 1-D "dp": shard the batch / average the loss over this
     fsdp: DeviceMesh  # 1-D "dp_shard_cp", or 2-D ("dp_replicate", "dp_shard_cp") = HSDP
     sp: DeviceMesh  # 2-D ("ring", "ulysses")
+    sp_block: DeviceMesh  # 1-D "sp": ring × ulysses as one dim (ring major), a group over each SP block
 
     @property
     def dp_rank(self) -> int:

@@ -26,6 +26,8 @@ are collectives every rank of its mesh must run.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -68,15 +70,36 @@ class SampleSplit:
         return [k for k, owner in enumerate(owners) if owner == self.rank]
 
     # -- the data pipeline's arrays -----------------------------------------------------------
-    def gather_arrays(self, mine: Sequence[np.ndarray] | BaseException, owners: Sequence[int], dtype: np.dtype,
-                      what: str) -> list[np.ndarray]:
+    def agree(self, plan: Sequence[tuple[str, Sequence[int]]], error: BaseException | None, what: str) -> None:
+        """Before a batch's arrays are gathered: each rank's plan (per field, the owner of each
+        sample) and whether it could prepare its share at all. A fixed-size exchange, so it cannot
+        mis-assemble whatever the ranks hold: when one failed (``error``) every rank raises, this
+        one its own error, the others saying whose it was; when their plans differ, every rank
+        raises saying so, instead of gathering arrays of different sizes."""
+        row = torch.tensor([int(error is not None), len(plan), _digest([(name, list(owners)) for name, owners in plan])],
+                           dtype=torch.int64)
+        rows = [r.tolist() for r in all_gather_rows(row, self.cpu_group, kind="encoder_plan")]
+        if error is not None:
+            raise error
+        if bad := [r for r, (failed, _, _) in enumerate(rows) if failed]:
+            raise EncoderShareError(
+                f"{what}: rank {dist.get_global_rank(self.cpu_group, bad[0])} of this sequence-parallel group could not "
+                "prepare its share of the batch (its own error says why)"
+            )
+        if (other := next((r for r, got in enumerate(rows) if got != rows[self.rank]), None)) is not None:
+            raise EncoderShareError(
+                f"{what}: this rank ({dist.get_rank()}) planned {rows[self.rank][1]} gather(s) of the batch's live fields "
+                f"(owners digest {rows[self.rank][2]:x}) and rank {dist.get_global_rank(self.cpu_group, other)} of its "
+                f"sequence-parallel group {rows[other][1]} (digest {rows[other][2]:x}): the ranks of an SP group must split "
+                "the same samples alike"
+            )
+
+    def gather_arrays(self, mine: Sequence[np.ndarray], owners: Sequence[int], dtype: np.dtype, what: str) -> list[np.ndarray]:
         """Every sample's array, in batch order, from each rank's ``mine`` (its samples' arrays in
-        batch order, or the exception encoding them raised: then every rank raises, this one its
-        own error, the others saying whose it was)."""
-        error = mine if isinstance(mine, BaseException) else None
-        own = [] if isinstance(mine, BaseException) else [np.ascontiguousarray(a) for a in mine]
+        batch order). After ``agree``: every rank has the same owners."""
+        own = [np.ascontiguousarray(a) for a in mine]
         assert all(a.dtype == dtype for a in own), f"{what}: live arrays are not in the stored dtype {dtype}"
-        shapes = self._shapes([a.shape for a in own], owners, self.cpu_group, torch.device("cpu"), what, error)
+        shapes = self._shapes([a.shape for a in own], owners, self.cpu_group, torch.device("cpu"), what)
         sizes = [math.prod(s) * dtype.itemsize for s in shapes]
         flat = np.zeros(max(_totals(owners, sizes, self.size)), dtype=np.uint8)  # padded to the longest share
         if own:
@@ -104,32 +127,30 @@ class SampleSplit:
         return [full[o, start:start + n].view(shape) for o, start, n, shape in _places(owners, sizes, shapes)]
 
     def _shapes(self, mine: list[tuple[int, ...]], owners: Sequence[int], group: ProcessGroup, device: torch.device,
-                what: str, error: BaseException | None = None) -> list[tuple[int, ...]]:
-        """Every sample's shape, in batch order, each owner sending its own; and whether a rank
-        could not encode its share (``error``): then every rank raises, after hearing of it."""
-        counts = [sum(1 for o in owners if o == r) for r in range(self.size)]
-        header = torch.zeros(1 + max(counts) * (1 + MAX_NDIM), dtype=torch.int64)
-        header[0] = int(error is not None)
+                what: str) -> list[tuple[int, ...]]:
+        """Every sample's shape, in batch order, each owner sending its own. Row 0 is the rank's
+        split (how many samples, a digest of their owners): every rank raises if they differ,
+        rather than reading another rank's shapes as its samples'."""
+        header = torch.zeros(1 + len(owners), 1 + MAX_NDIM, dtype=torch.int64)
+        header[0, :2] = torch.tensor([len(owners), _digest(list(owners))])
         for i, shape in enumerate(mine):
             assert len(shape) <= MAX_NDIM, f"{what}: a {len(shape)}-D feature"
-            row = 1 + i * (1 + MAX_NDIM)
-            header[row] = len(shape)
-            header[row + 1:row + 1 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
+            header[1 + i, 0] = len(shape)
+            header[1 + i, 1:1 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
         headers = [h.cpu() for h in all_gather_rows(header.to(device), group, kind="encoder_shapes")]
-        if error is not None:
-            raise error
-        if bad := [r for r, h in enumerate(headers) if int(h[0])]:
+        if (other := next((r for r, h in enumerate(headers) if not torch.equal(h[0], header[0])), None)) is not None:
+            n, digest = (int(v) for v in headers[other][0, :2])
             raise EncoderShareError(
-                f"{what}: rank {dist.get_global_rank(group, bad[0])} of this sequence-parallel group could not encode its "
-                "share of the batch (its own error says why)"
+                f"{what}: this rank ({dist.get_rank()}) split {len(owners)} samples (owners digest {int(header[0, 1]):x}) and "
+                f"rank {dist.get_global_rank(group, other)} of its sequence-parallel group {n} (digest {digest:x}): the "
+                "ranks of an SP group must split the same samples alike"
             )
         seen = [0] * self.size
         out = []
         for owner in owners:
-            row = 1 + seen[owner] * (1 + MAX_NDIM)
+            row = headers[owner][1 + seen[owner]]
             seen[owner] += 1
-            ndim = int(headers[owner][row])
-            out.append(tuple(int(d) for d in headers[owner][row + 1:row + 1 + ndim]))
+            out.append(tuple(int(d) for d in row[1:1 + int(row[0])]))
         return out
 
 
@@ -146,6 +167,11 @@ class _GatherSamples(torch.autograd.Function):
         out = torch.empty(grad.shape[1], dtype=grad.dtype, device=grad.device)
         dist.reduce_scatter_single(out, grad.contiguous().reshape(-1), group=ctx.group)
         return out, None
+
+
+def _digest(value: Any) -> int:
+    """A 56-bit digest of a JSON-able value (fits an int64 header cell), the same on every rank."""
+    return int.from_bytes(hashlib.blake2b(json.dumps(value).encode(), digest_size=7).digest(), "little")
 
 
 def _totals(owners: Sequence[int], sizes: Sequence[int], ranks: int) -> list[int]:
@@ -170,12 +196,11 @@ def apply_encoder_sequence_parallel(live: Any, meshes: ParallelMeshes) -> Any:
     sp = meshes.dims.sp_size
     if sp == 1:
         return live
-    # The world mesh's ranks, (dp_replicate, dp_shard, ring, ulysses): each row of sp is one SP
-    # block in SP-rank order (ring major, ulysses minor), as sequence_parallel_groups_from_mesh has it.
-    blocks = meshes.world.mesh.reshape(-1, sp).tolist()
-    group, _ = dist.new_subgroups_by_enumeration(blocks)
+    group = meshes.sp_block.get_group()  # the mesh's own SP group: ring × ulysses, in SP-rank order
     cpu_group = group
     if dist.get_backend(group) != "gloo":
-        cpu_group, _ = dist.new_subgroups_by_enumeration(blocks, backend="gloo")
+        # The pipeline's arrays are numpy: a gloo group over the same blocks of ranks (every rank
+        # creates every block's group), the world mesh's rows of sp as sp_block has them.
+        cpu_group, _ = dist.new_subgroups_by_enumeration(meshes.world.mesh.reshape(-1, sp).tolist(), backend="gloo")
     live.split = SampleSplit(group, cpu_group)
     return live

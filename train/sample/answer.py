@@ -118,13 +118,6 @@ def continue_answer(model: torch.nn.Module, prefix: Prefix, stop: Sequence[int],
     return tokens, "length"
 
 
-def answer_tokens(model: torch.nn.Module, prompt_ids: np.ndarray, image: np.ndarray | None, ids_meta: dict[str, Any],
-                  stop: Sequence[int], config: AnswerConfig, seed: int | None = None) -> tuple[list[int], str]:
-    """A VLM's answer to one prompt about one image (None: text only), its prompt decoded for this
-    answer alone: (token ids, ``stop`` | ``length``)."""
-    return continue_answer(model, prefill(model, prompt_ids, image, ids_meta), stop, config, seed)
-
-
 def _device(model: torch.nn.Module) -> torch.device:
     return model.llm.embed_tokens.weight.device
 
