@@ -9,6 +9,7 @@ recorded as field metadata rather than baked into the latents.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,7 +89,11 @@ class DiffusersVAE(VisualEncoder):
 
         self.raw_config()  # clear error for a wrong folder before diffusers' own
         cls = getattr(diffusers, self.model_class_name)
-        model = cls.from_pretrained(self.config.path, subfolder=self.config.subfolder, local_files_only=True)
+        # diffusers loads without a random init first only through accelerate, and without it
+        # warns on every load ("Cannot initialize model with low cpu memory usage..."): ask for
+        # what is installed.
+        lean = importlib.util.find_spec("accelerate") is not None
+        model = cls.from_pretrained(self.config.path, subfolder=self.config.subfolder, local_files_only=True, low_cpu_mem_usage=lean)
         digest = sha256_state_dict(model.state_dict())  # as loaded, before the compute-dtype cast
         if self.config.tiling:
             model.enable_tiling()
