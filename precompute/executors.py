@@ -192,7 +192,12 @@ class DaskExecutor:
 
     def share(self, value: Any) -> Any:
         # A task's result, not scattered data: if the worker holding it dies, it is recomputed.
-        return self.client.submit(list, value, pure=False)
+        future = self.client.submit(list, value, pure=False)
+        # Held by every worker: Dask places a task on a worker that holds its dependencies, so with
+        # this one on a single worker every encode task queued there and work stealing moved them
+        # late (measured: a worker idle 1.2 s of a 5 s job, 0.78x the encoders' throughput).
+        self.client.replicate([future])
+        return future
 
     def submit_task(self, task, output_url, storage_options, specs, requested, settings, known) -> Any:
         # No placement hints: the scheduler spreads the tasks, and a task whose worker died (an OOM

@@ -107,6 +107,18 @@ def test_second_job_on_a_warm_cluster_loads_no_encoder(dataset, tmp_path, cluste
     assert all(n == after_copy[w] + 1 for w, n in client.run(encoder_loads).items())
 
 
+def test_what_every_task_depends_on_is_held_by_every_worker(cluster):
+    """Dask places a task on a worker that holds its dependencies: with the job's shard list on
+    the one worker that computed it, every encode task queued there and waited for work stealing."""
+    from precompute.executors import DaskExecutor, Placement
+
+    _, client = cluster
+    placement = Placement(kind="scheduler", workers=2, threads=1, device_type="cpu", device_count=0, reason="test")
+    shared = DaskExecutor(client, placement, wait_for=2).share(["t-0001", "t-0002"])
+    assert shared.result() == ["t-0001", "t-0002"]
+    assert len(client.who_has([shared])[shared.key]) == 2
+
+
 def test_the_client_of_a_cluster_imports_no_encoder_nor_decoder(dataset, tmp_path, cluster):
     out, modules, prompts = tmp_path / "store", tmp_path / "modules.json", tmp_path / "prompts.txt"
     prompts.write_text("a red fox in the snow\n")
