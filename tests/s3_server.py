@@ -1,6 +1,6 @@
 """Real S3 over HTTP on 127.0.0.1 for the tests: a moto server, and a fault-injecting proxy.
 
-``S3Server`` runs ``moto.server.ThreadedMotoServer`` on a free loopback port, and can record the
+``S3Server`` serves moto's S3 application (through waitress) on a free loopback port, and can record the
 requests it answers (``recording()``: method, key, query, start and end time), so a test counts
 what a client really sends over HTTP; ``latency`` adds a delay to every answer, as a distant
 object store has (and so requests sent concurrently surely overlap). ``S3ServerProcess`` is
@@ -69,22 +69,22 @@ def rounds(requests: list[Request]) -> int:
 
 class S3Server:
     def __init__(self) -> None:
-        from moto.server import ThreadedMotoServer
+        import waitress
+        from moto.server import create_backend_app
 
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
-        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        self._server.start()
-        host, port = self._server.get_host_and_port()
-        self.host, self.port = host, port
-        self.endpoint = f"http://{host}:{port}"
+        # moto's S3 application itself, not its all-services dispatcher: that one looks up the
+        # service of every request under one global lock, listing moto's package directory
+        # (~180 stat calls a request, half of the server's time). Served by waitress, which
+        # keeps connections open between requests as S3 does (moto's own werkzeug server
+        # closes every connection after one answer, so each request paid a TCP handshake and a
+        # new thread). Both costs belong to the test server, not to the client being measured.
+        app = create_backend_app("s3")
         self._records: list[list[Request]] = []
         self._remote: dict[int, list[Request]] = {}  # recordings an S3ServerProcess started
         self._lock = threading.Lock()
         self.latency = 0.0  # seconds added before every answer
-        # Every request passes through this wrapper of moto's WSGI app on its way in and out.
-        wsgi = self._server._server
-        app = wsgi.app
 
+        # Every request passes through this wrapper of moto's WSGI app on its way in and out.
         def recorded(environ, start_response):
             if environ.get("PATH_INFO", "").startswith(_CONTROL):
                 return self._control(environ, start_response)
@@ -102,7 +102,15 @@ class S3Server:
                         for record in self._records:
                             record.append(req)
 
-        wsgi.app = recorded
+        logging.getLogger("waitress.queue").setLevel(logging.ERROR)  # no "task queue depth" lines
+        # Threads enough that requests sent at once are answered at once (``latency`` relies on
+        # it); poll(), not select(), so descriptors past 1024 work in a long test process.
+        self._server = waitress.create_server(recorded, host="127.0.0.1", port=0, threads=64, connection_limit=1000,
+                                              asyncore_use_poll=True, ident="mmcache-tests-s3")
+        self.host, self.port = "127.0.0.1", self._server.effective_port
+        self.endpoint = f"http://{self.host}:{self.port}"
+        self._thread = threading.Thread(target=self._server.run, name="s3-server", daemon=True)
+        self._thread.start()
 
     @contextmanager
     def slowed(self, latency: float) -> Iterator[None]:
@@ -146,7 +154,11 @@ class S3Server:
         return f"s3://{name}"
 
     def stop(self) -> None:
-        self._server.stop()
+        from waitress import wasyncore
+
+        self._server.task_dispatcher.shutdown()
+        wasyncore.close_all(self._server._map)  # the serving loop ends once its map is empty
+        self._thread.join(10)
 
     def _control(self, environ, start_response):
         """``S3ServerProcess``'s requests: start or collect a recording, set the latency.
