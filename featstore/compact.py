@@ -110,7 +110,7 @@ def list_index(storage: Storage) -> dict[str, str]:
         def listing() -> dict[str, str]:
             storage.fs.invalidate_cache(path)  # s3fs caches listings; a reader must see new commits
             try:
-                entries = storage.fs.ls(path, detail=True)
+                entries = storage.list_entries(path)
             except FileNotFoundError:
                 return {}
             return {e["name"].rstrip("/").rsplit("/", 1)[-1]: _fingerprint(e) for e in entries if e.get("type") != "directory" and e["name"].rstrip("/") != path}

@@ -169,17 +169,15 @@ def list_parts(storage) -> list[str]:
 def write_prompts(store, field: str, embeddings: Mapping[str, np.ndarray]) -> str | None:
     """Store ``embeddings`` (prompt -> array in the field's dtype) for text field ``field`` of
     ``store`` (opened with ``mode="a"``), tagged with the field's fingerprint. Idempotent: the
-    object's name is a hash of the prompts, and one that exists is kept. Returns the key written,
-    or None when it was there already."""
+    object's name is a hash of the prompts, and one that exists is kept (it is created only if
+    absent: one request, no look first). Returns the key, or None when an object of other bytes
+    was there already (the same prompts embedded otherwise) and was kept."""
     if store.mode != "a":
         raise ReadOnlyError(f"{store.url} is open for reading; open it with mode='a' to store prompt embeddings")
     spec = store.fields.get(field)
     if spec is None:
         raise SchemaError(f"{store.url} has no field {field!r} to store prompt embeddings for")
     fingerprint = spec.meta.get("fingerprint") or {}
-    key = part_key(field, _fingerprint_digest(fingerprint, field), list(embeddings))
-    if store.storage.exists(key):
-        return None
     want = spec.numpy_dtype
     raw: RawEmbeddings = {}
     for prompt, value in embeddings.items():
@@ -188,8 +186,7 @@ def write_prompts(store, field: str, embeddings: Mapping[str, np.ndarray]) -> st
             raise SchemaError(f"prompt {prompt[:40]!r}: embedding {array.dtype} {array.shape} does not fit field {field!r} ({spec.dtype}, ndim {spec.ndim})")
         raw[prompt] = (spec.dtype, tuple(array.shape), array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes())
     key, data = part_bytes(field, fingerprint, raw)
-    store.storage.write_new(key, data)
-    return key
+    return key if store.storage.write_new(key, data) else None
 
 
 def read_prompts(store, field: str, *, fingerprint_digest: str | None = None) -> dict[str, np.ndarray]:

@@ -185,12 +185,13 @@ class Store:
         for (key, parsed), raw in zip(new, _read_parts(self.storage, [k for k, _ in new]), strict=True):
             table, info = parse_index_part(raw, parsed[0], key, self.url, parsed[1])
             self.note_committed(info.name, table.column("id").to_pylist(), list(info.layouts))
-            self._rechecked.add(info.name)
         return committed
 
     def note_committed(self, shard: str, sample_ids: list[str], fields: Sequence[str] | None = None) -> None:
         """Called by a writer of this store after a commit, so its duplicate checks see new ids.
         The read snapshot itself does not change: reopen the store to read new shards."""
+        # Its own index part need not be read back by this writer's next check.
+        self._rechecked.add(shard)
         for field in fields or self.fields:
             self._written.setdefault(field, set()).update(sample_ids)
 
@@ -552,19 +553,23 @@ def create_store(
         raise SchemaError("a store needs at least one field")
     specs = {name: fmt.FieldSpec.from_value(name, value) for name, value in fields.items()}
     storage = open_storage(url, storage_options)
-    if storage.exists(fmt.MANIFEST_KEY):
+    # One listing tells both whether a store is there and whether the place is empty.
+    present = storage.list_dir("")
+    if fmt.MANIFEST_KEY in present:
         store = Store(storage, fmt.parse_root_group(storage.read(fmt.MANIFEST_KEY), storage.url), mode="a")
         if not exist_ok:
             raise SchemaError(f"{storage.url} already holds a feature store; open it with featstore.append() to add to it")
         _check_same_fields(store, specs)
         return store
-    if not storage.is_empty():
+    if present:
         raise NotAStoreError(f"{storage.url} exists and is not empty, and is not a feature store; choose a new location")
     manifest = fmt.make_manifest(specs, dict(attrs or {}))
     # The shards group first, the root group (which makes it a store) last.
     storage.write_atomic(f"{fmt.SHARDS_DIR}/zarr.json", fmt.group_json())
     storage.write_atomic(fmt.MANIFEST_KEY, fmt.root_group_json(manifest))
-    return Store(storage, manifest, mode="a")
+    # Nothing to read back: the place was empty a moment ago, so there are no declarations and no
+    # index parts (a writer racing on the new store is caught by its writers' commit checks).
+    return Store(storage, manifest, mode="a", load_index=False, merge_declarations=False)
 
 
 def _check_same_fields(store: Store, specs: dict[str, fmt.FieldSpec]) -> None:

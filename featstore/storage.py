@@ -559,6 +559,16 @@ class FsspecStorage(Storage):
 
         return self._call("stat", key, stat)
 
+    def list_entries(self, path: str) -> list[dict[str, Any]]:
+        """fsspec's detailed listing of ``path`` (a full path; not retried: callers do). On S3 one
+        request per 1,000 names: s3fs's ls() lists the parent too when a directory is empty (to
+        tell an empty one from a file), a second request for every new store's empty folders."""
+        if self._s3:
+            from fsspec.asyn import sync
+
+            return sync(self.fs.loop, self.fs._lsdir, path, refresh=True)
+        return self.fs.ls(path, detail=True)
+
     def list_dir(self, prefix: str) -> list[str]:
         path = self._path(prefix)
 
@@ -566,14 +576,7 @@ class FsspecStorage(Storage):
             # Listings are cached by some filesystems (s3fs); a reader must see fresh commits.
             self.fs.invalidate_cache(path)
             try:
-                if self._s3:
-                    # One request per 1,000 names: s3fs's ls() lists the parent too when a
-                    # directory is empty (to tell an empty one from a file).
-                    from fsspec.asyn import sync
-
-                    entries = [e["name"] for e in sync(self.fs.loop, self.fs._lsdir, path, refresh=True)]
-                else:
-                    entries = self.fs.ls(path, detail=False)
+                entries = [e["name"] for e in self.list_entries(path)]
             except FileNotFoundError:
                 return []
             return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != path.rstrip("/")})

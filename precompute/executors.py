@@ -188,7 +188,7 @@ class DaskExecutor:
         """Encoded and written by the first worker, with the encoders it has loaded: the client
         never loads a model, nor handles an embedding (a bfloat16 one would import ml_dtypes)."""
         return self.client.submit(_prompts_on_worker, specs, requested, self.placement.threads, sections, prompts, output_url,
-                                  storage_options, workers=[self.addresses[0]], pure=False).result()
+                                  storage_options, store.manifest, workers=[self.addresses[0]], pure=False).result()
 
     def share(self, value: Any) -> Any:
         # A task's result, not scattered data: if the worker holding it dies, it is recomputed.
@@ -335,13 +335,14 @@ def _specs_on_worker(config, cache_dir):
     return specs, takes_text_only(specs)
 
 
-def _prompts_on_worker(specs, requested, threads, sections, prompts, output_url, storage_options):
+def _prompts_on_worker(specs, requested, threads, sections, prompts, output_url, storage_options, manifest):
     from featstore.reader import open_store
     from precompute.prompts import encode_and_store_prompts
     from precompute.worker_plugin import worker_cache
 
     encoders = loaded_encoders(specs, _device_here(requested), threads, worker_cache())
-    store = open_store(output_url, storage_options, mode="a", load_index=False)
+    # The manifest the client just read or wrote: no request to read it again.
+    store = open_store(output_url, storage_options, mode="a", load_index=False, manifest=manifest)
     try:
         return encode_and_store_prompts(encoders, store, sections, prompts)
     finally:

@@ -225,7 +225,7 @@ def run_encode(
         store = _open_or_create(output_url, fields, storage_options, transform, log, existing[0])
         # The empty prompt's embedding always, and the validation prompts' when given.
         store_prompt_embeddings(executor, specs, config.device, fields, store, prompts or [], log,
-                                output_url=output_url, storage_options=storage_options)
+                                output_url=output_url, storage_options=storage_options, new_store=existing[0] is None)
         startup = time.perf_counter() - t0
         unit = "thread(s) of this process" if placement.kind == "threads" else "worker(s)"
         loaded = f"{described['loaded']} model load(s)" if described["loaded"] else "all models already loaded"

@@ -61,16 +61,18 @@ def encode_and_store_prompts(encoders: dict[str, Any], store, sections: dict[str
 
 
 def store_prompt_embeddings(executor, specs, requested: str, fields: dict[str, Any], store, prompts: list[str], log, *,
-                            output_url: str, storage_options: dict[str, Any] | None) -> int:
+                            output_url: str, storage_options: dict[str, Any] | None, new_store: bool = False) -> int:
     """Encode and store the prompt embeddings of every text field; returns how many objects were
-    written (0 when the store already had them)."""
+    written (0 when the store already had them). ``new_store``: the store was created by this job
+    just now, so none can be there (no request to ask)."""
     sections = text_sections(fields)
     if not sections:
         if prompts:
             log("note: --prompts given, but this config has no text-embedding field: no prompts stored")
         return 0
     wanted = [EMPTY_PROMPT, *prompts]
-    todo = {f: s for f, s in sections.items() if not store.storage.exists(part_key(f, fields[f]["meta"]["fingerprint"]["digest"], wanted))}
+    todo = {f: s for f, s in sections.items()
+            if new_store or not store.storage.exists(part_key(f, fields[f]["meta"]["fingerprint"]["digest"], wanted))}
     if not todo:
         return 0  # stored by an earlier run: no worker round trip
     written = executor.store_prompts(specs, requested, todo, prompts, store, output_url, storage_options)

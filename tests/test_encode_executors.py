@@ -208,3 +208,28 @@ def test_model_folders_relative_to_the_client_are_resolved_by_it(tmp_path, monke
     config = with_client_paths(tiny_config("vae.path=models/vae"))
     assert config.vae["path"] == str(tmp_path / "models" / "vae")
     assert config.text["path"] == "tiny"  # built where the client would build it, by name
+
+
+@pytest.mark.parametrize("where", ["threads", "scheduler"])
+def test_a_new_store_on_s3_costs_five_requests_besides_its_shards(dataset, cluster, s3_server, where):
+    # An encode of a few samples to an object store is mostly fixed cost: every request the job
+    # sends besides its shards' commits is a round trip before or between them. For a new store:
+    # look for it (GET zarr.json), one listing (is the place empty?), its two groups, the empty
+    # prompt's embedding: no HEAD of what was just looked for or written, no re-read of what
+    # this job itself wrote, on either executor (a worker writes the prompts on a cluster).
+    from featstore import format as fmt
+
+    url = f"{s3_server.make_bucket()}/store"
+    kw = {"scheduler": cluster[0]} if where == "scheduler" else {}
+    with s3_server.recording() as requests:
+        summary = run_encode(tiny_config(), str(dataset), url, progress=False, log=lambda *_: None, **kw)
+    assert summary.executor == where and summary.samples_written == 8 and summary.tasks >= 2
+    store = featstore.open(url)
+    shards = {info.data_root.rstrip("/") for info in store.shards.values()}
+    per_shard = [r for r in requests if any(r.key.startswith(f"store/{root}/") for root in shards) or "/index/" in f"/{r.key}"
+                 or (r.method == "GET" and "prefix=store/index/&" in r.query)]
+    fixed = sorted((r.method, r.key.removeprefix("store/")) for r in requests if r not in per_shard)
+    assert fixed == sorted([("GET", fmt.MANIFEST_KEY), ("GET", ""), ("PUT", f"{fmt.SHARDS_DIR}/zarr.json"), ("PUT", fmt.MANIFEST_KEY),
+                            ("PUT", next(k for k in [r.key.removeprefix("store/") for r in requests] if k.startswith("prompts/")))]), fixed
+    # Per shard: its group and two fields' (zarr.json, chunk), one check of index/, its index part.
+    assert len(store.shards) == summary.tasks and len(per_shard) == summary.tasks * (5 + 1 + 1), sorted((r.method, r.key, r.query) for r in per_shard)

@@ -60,6 +60,29 @@ def test_commit_costs_a_fixed_number_of_requests_and_round_trips(s3_bucket, s3_s
     assert seen[0] == seen[1]  # 2 samples or 40: the same requests
 
 
+def test_a_writer_reads_back_no_index_part_of_its_own(s3_bucket, s3_server):
+    # Each commit checks index/ for what other writers committed since the snapshot; the parts a
+    # writer committed itself are known to it, and another writer's are read once.
+    url = f"{s3_bucket}/store"
+    fields = {"f0": {"dtype": "float16", "ndim": 2}}
+    featstore.create(url, fields=fields).close()
+    writer = open_store(url, mode="a").writer()
+    rng = np.random.default_rng(0)
+    reads = []
+    for shards in ((0, 1), (2, 3)):
+        with s3_server.recording() as requests:
+            for shard in shards:
+                writer.add(f"s{shard}", {"f0": random_array(rng, "float16", (3, 5))})
+                writer.commit(f"own-{shard}")
+        reads.append([r.key.removeprefix("store/") for r in requests if r.method == "GET" and r.key.startswith("store/index/")])
+        if shards == (0, 1):
+            other = open_store(url, mode="a").writer()
+            other.add("other", {"f0": random_array(rng, "float16", (3, 5))})
+            other.commit("other")
+    assert reads == [[], [fmt.index_part_key("other")]], reads
+    assert sorted(featstore.open(url).sample_ids()) == ["other", "s0", "s1", "s2", "s3"]
+
+
 @pytest.fixture
 def proxy(s3_server):
     with FaultProxy((s3_server.host, s3_server.port), lifetime=120) as p:
