@@ -93,6 +93,23 @@ def test_tiny_models_are_built_once_and_atomically(tiny):
     assert total < 8_000_000  # tiny means tiny
 
 
+def test_tiny_models_are_the_same_bytes_in_every_process(tiny, tmp_path):
+    # Another process (so another hash seed, as on another machine) builds every tiny model again:
+    # byte for byte what the session's builder made, so `path: tiny` gives one fingerprint and one
+    # set of features everywhere. (The Unigram trainer of `tokenizers` gave other token ids per
+    # process, and a test training on tiny-T5 captions another result per run.)
+    import subprocess
+    import sys
+
+    code = f"from precompute.encoders.tiny import ensure_tiny_models; ensure_tiny_models({str(tmp_path / 'again')!r})"
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, cwd=Path(__file__).resolve().parents[1])
+    for name, path in tiny.items():
+        files = sorted(p.name for p in path.iterdir())
+        assert files == sorted(p.name for p in (tmp_path / "again" / path.name).iterdir())
+        for file in files:
+            assert (path / file).read_bytes() == (tmp_path / "again" / path.name / file).read_bytes(), (name, file)
+
+
 @pytest.mark.parametrize(
     "name, options, item, shape",
     [
@@ -167,9 +184,29 @@ def test_text_embeddings_are_unpadded_and_deduplicated(tiny, name):
     assert len({lengths[0], lengths[1], lengths[2], lengths[4]}) == 4 and lengths[4] == 1  # "" is just EOS
     assert out[0].dtype == ml_dtypes.bfloat16
     np.testing.assert_array_equal(out[0], out[3])
-    # Batching with longer captions (more padding) does not change a caption's features.
+    # Batching with longer captions does not change a caption's features, to the bit.
     (alone,) = encoder.encode([CAPTIONS[1]])
-    np.testing.assert_allclose(alone["text_emb"].astype(np.float32), out[1].astype(np.float32), atol=1e-2)
+    np.testing.assert_array_equal(alone["text_emb"].view(np.uint16), out[1].view(np.uint16))
+
+
+def test_a_caption_has_the_same_bits_in_any_batch(tiny):
+    # Padding a caption to a batch-mate's length changed its embedding by rounding (one bf16 value
+    # of "a red circle on a gradient" batched with "a green square on a gradient": 23 vs 25
+    # tokens). Whatever it is batched with, as a prompt, or live in training (features), a
+    # caption's embedding is the one it has alone.
+    encoder = loaded("t5", tiny["t5"])
+    captions = ["a red circle on a gradient", "a green square on a gradient", "a blue circle on a gradient", "a orange square on a gradient",
+                "", "x", "a purple cat, 日本語 too", "kari tomu sane lo pi da " * 4, "a much longer caption about a blue square that goes on and on"]
+    alone = {c: encoder.encode([c])[0]["text_emb"].view(np.uint16) for c in captions}
+    rng = np.random.default_rng(0)
+    for batch in [captions[:2], captions[:4], captions, *([captions[i] for i in rng.choice(len(captions), size=6)] for _ in range(3))]:
+        for caption, got in zip(batch, encoder.encode(batch), strict=True):
+            np.testing.assert_array_equal(got["text_emb"].view(np.uint16), alone[caption], err_msg=caption)
+        with torch.no_grad():
+            live = encoder.features(batch)
+        for caption, got in zip(batch, live, strict=True):
+            stored = got["text_emb"].to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            np.testing.assert_array_equal(stored, alone[caption], err_msg=caption)
 
 
 def test_text_truncation_and_fp16(tiny):

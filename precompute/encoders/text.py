@@ -3,9 +3,14 @@
 The stored embedding is *unpadded*: L x D for the L real tokens of the caption (EOS included),
 never max_length x D. Padded fp32 embeddings are what made other caches ~10x too big; a trainer
 pads per batch, to the batch's own longest caption, when it streams them back.
-Because T5 uses relative position biases and an attention mask, a caption's embedding does not
-depend on what it was batched with, which is what makes encoding each distinct caption once
-(and copying the result to its duplicates) exact.
+T5 uses relative position biases and an attention mask, so padding changes a caption's
+embedding only through rounding: the matrix products' sums run over the padded length, in an
+order their kernels pick by size (measured: a caption padded to another's 25 tokens instead of
+its own 23 differs in one bf16 value). So a caption is never padded to its batch-mates' length:
+each forward pass holds captions of one *padded length*, their own token count rounded up to a
+multiple of ``PAD_MULTIPLE`` (capped at ``max_length``). A caption's embedding then depends on
+the caption alone, the same bits in any batch, as a prompt, live in training or cached, which is
+what makes encoding each distinct caption once (and copying the result to its duplicates) exact.
 """
 
 from __future__ import annotations
@@ -34,6 +39,11 @@ from precompute.encoders.base import (
     to_numpy,
     torch_dtype,
 )
+
+
+# Captions are padded to a multiple of this many tokens of their own length (see the module doc):
+# few distinct lengths per batch, so few forward passes, and little padding.
+PAD_MULTIPLE = 8
 
 
 @dataclass(kw_only=True)
@@ -130,34 +140,50 @@ class T5FamilyEncoder(Encoder):
         for i, caption in enumerate(batch):
             if not isinstance(caption, str):
                 raise EncoderInputError(f"batch item {i}: expected a caption string, got {type(caption).__name__}")
-        # Distinct captions, longest first so each micro-batch pads to similar lengths.
-        distinct = sorted(dict.fromkeys(batch), key=len, reverse=True)
+        distinct = list(dict.fromkeys(batch))
         by_caption: dict[str, np.ndarray] = {}
         with torch.inference_mode():
-            for start in range(0, len(distinct), self.config.micro_batch):
-                chunk = distinct[start : start + self.config.micro_batch]
-                by_caption.update(zip(chunk, self._encode_distinct(chunk)))
+            for length, group in self._padded_lengths(distinct):
+                for start in range(0, len(group), self.config.micro_batch):
+                    chunk = group[start : start + self.config.micro_batch]
+                    by_caption.update(zip(chunk, self._encode_distinct(chunk, length)))
         # Duplicates share one read-only array: equal captions have equal features.
         return [{self.config.field: by_caption[caption]} for caption in batch]
 
     def features(self, batch: Sequence[str]) -> list[dict[str, torch.Tensor]]:
-        """L x D states (compute dtype, differentiable) per caption, as one padded forward pass."""
+        """L x D states (compute dtype, differentiable) per caption: one forward pass per padded
+        length, so each caption's states are the bits ``encode`` stores for it."""
         self.require_loaded()
-        hidden, mask = self._forward(list(batch))
-        # Select by mask, not by a [:L] slice, so the padding side cannot matter.
-        return [{self.config.field: hidden[i][mask[i].bool().to(hidden.device)]} for i in range(len(batch))]
+        captions = list(batch)
+        out: list[dict[str, torch.Tensor]] = [{} for _ in captions]
+        for length, group in self._padded_lengths(list(dict.fromkeys(captions))):
+            hidden, mask = self._forward(group, length)
+            # Select by mask, not by a [:L] slice, so the padding side cannot matter.
+            states = {caption: hidden[i][mask[i].bool().to(hidden.device)] for i, caption in enumerate(group)}
+            for i, caption in enumerate(captions):
+                if caption in states:
+                    out[i] = {self.config.field: states[caption]}
+        return out
 
-    def _forward(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _padded_lengths(self, captions: list[str]) -> list[tuple[int, list[str]]]:
+        """(padded length, captions) groups, longest first: a caption's token count (EOS included,
+        truncated at max_length) rounded up to a multiple of PAD_MULTIPLE, at most max_length."""
         with self._tokenizer_lock:
-            tokens = self.tokenizer(
-                captions, padding="longest", truncation=True, max_length=self.config.max_length, return_tensors="pt"
-            )
+            ids = self.tokenizer(captions, truncation=True, max_length=self.config.max_length)["input_ids"]
+        groups: dict[int, list[str]] = {}
+        for caption, tokens in zip(captions, ids, strict=True):
+            groups.setdefault(min(self.config.max_length, -(-len(tokens) // PAD_MULTIPLE) * PAD_MULTIPLE), []).append(caption)
+        return sorted(groups.items(), reverse=True)
+
+    def _forward(self, captions: list[str], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._tokenizer_lock:
+            tokens = self.tokenizer(captions, padding="max_length", truncation=True, max_length=length, return_tensors="pt")
         mask = tokens["attention_mask"]
         hidden = self.model(input_ids=tokens["input_ids"].to(self.device), attention_mask=mask.to(self.device)).last_hidden_state
         return hidden, mask
 
-    def _encode_distinct(self, captions: list[str]) -> list[np.ndarray]:
-        hidden, mask = self._forward(captions)
+    def _encode_distinct(self, captions: list[str], length: int) -> list[np.ndarray]:
+        hidden, mask = self._forward(captions, length)
         # One transfer per micro-batch; checked after the cast, where an fp16 overflow becomes inf.
         stored = hidden.to(torch_dtype(self.config.dtype)).cpu()
         out = []

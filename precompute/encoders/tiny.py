@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-TINY_VERSION = 1  # bump when a tiny config changes, so stale folders are not reused
+TINY_VERSION = 2  # bump when a tiny config changes, so stale folders are not reused
 SEED = 0
 # Words from a fixed syllable set: enough variety for a small Unigram vocabulary.
 _SYLLABLES = ("ka", "ri", "to", "mu", "sa", "ne", "lo", "pi", "da", "ve", "zu", "qo", "fa", "xi", "bo", "he", "an", "el")
@@ -28,24 +28,42 @@ _SYLLABLES = ("ka", "ri", "to", "mu", "sa", "ne", "lo", "pi", "da", "ve", "zu", 
 
 def train_tiny_tokenizer(seed: int = SEED, vocab_size: int = 200):
     """A T5-style Unigram tokenizer (<pad>=0, </s>=1, <unk>=2, EOS appended) as a transformers
-    fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    fast tokenizer, the same bytes on every build.
+
+    Its pieces and scores are counted here rather than trained by ``tokenizers``' Unigram trainer:
+    that trainer appends the characters it did not keep in the order of a hash set seeded per
+    process, and sums scores on parallel threads, so two builds gave different token ids (and so
+    different text features, and two machines' ``path: tiny`` models different fingerprints).
+    Pieces: whole words, syllables and single characters (every lowercase letter and digit, so
+    captions of plain English text tokenize without <unk>), scored by their log frequency."""
+    import math
+    from collections import Counter
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     rng = random.Random(seed)
     words = ["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4))) for _ in range(400)]
     sentences = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(400)]
-    tokenizer = Tokenizer(models.Unigram())
+    counts: Counter[str] = Counter()
+    for sentence in sentences:
+        for word in sentence.split():
+            marked = "\u2581" + word  # Metaspace's word-start mark
+            counts[marked] += 1
+            counts.update(marked[i : i + 2] for i in range(0, len(marked) - 1))
+            counts.update(marked)
+    chars = sorted(set("\u2581abcdefghijklmnopqrstuvwxyz0123456789") | {c for piece in counts for c in piece})
+    longer = sorted((p for p in counts if len(p) > 1), key=lambda p: (-counts[p], p))[: vocab_size - 3 - len(chars)]
+    total = sum(counts.values())
+    scored = sorted(((p, math.log(max(counts[p], 0.5) / total)) for p in [*longer, *chars]), key=lambda e: (-e[1], e[0]))
+    specials = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    tokenizer = Tokenizer(models.Unigram(specials + scored, unk_id=2))
     tokenizer.normalizer = normalizers.NFKC()
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
     tokenizer.decoder = decoders.Metaspace()
-    trainer = trainers.UnigramTrainer(
-        vocab_size=vocab_size, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>", show_progress=False
-    )
-    tokenizer.train_from_iterator(sentences, trainer)
-    eos = tokenizer.token_to_id("</s>")
+    tokenizer.add_special_tokens(["<pad>", "</s>", "<unk>"])
     tokenizer.post_processor = processors.TemplateProcessing(
-        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", eos)]
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)]
     )
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
 
