@@ -9,8 +9,9 @@ order their kernels pick by size (measured: a caption padded to another's 25 tok
 its own 23 differs in one bf16 value). So a caption is never padded to its batch-mates' length:
 each forward pass holds captions of one *padded length*, their own token count rounded up to a
 multiple of ``PAD_MULTIPLE`` (capped at ``max_length``). A caption's embedding then depends on
-the caption alone, the same bits in any batch, as a prompt, live in training or cached, which is
-what makes encoding each distinct caption once (and copying the result to its duplicates) exact.
+the caption alone, the same bits in any batch, as a prompt, live or cached, which is what makes encoding each
+distinct caption once (and copying the result to its duplicates) exact. (A *trained* encoder's
+``features`` pass is one per batch: see there.)
 """
 
 from __future__ import annotations
@@ -151,19 +152,16 @@ class T5FamilyEncoder(Encoder):
         return [{self.config.field: by_caption[caption]} for caption in batch]
 
     def features(self, batch: Sequence[str]) -> list[dict[str, torch.Tensor]]:
-        """L x D states (compute dtype, differentiable) per caption: one forward pass per padded
-        length, so each caption's states are the bits ``encode`` stores for it."""
+        """L x D states (compute dtype, differentiable) per caption, as one forward pass padded to
+        the batch's longest padded length: a trained encoder is sharded (FSDP), and every rank
+        must run the same number of passes whatever its captions. Where they share one padded
+        length these are the bits ``encode`` stores; else they differ from them by rounding."""
         self.require_loaded()
         captions = list(batch)
-        out: list[dict[str, torch.Tensor]] = [{} for _ in captions]
-        for length, group in self._padded_lengths(list(dict.fromkeys(captions))):
-            hidden, mask = self._forward(group, length)
-            # Select by mask, not by a [:L] slice, so the padding side cannot matter.
-            states = {caption: hidden[i][mask[i].bool().to(hidden.device)] for i, caption in enumerate(group)}
-            for i, caption in enumerate(captions):
-                if caption in states:
-                    out[i] = {self.config.field: states[caption]}
-        return out
+        length = max(length for length, _ in self._padded_lengths(captions))
+        hidden, mask = self._forward(captions, length)
+        # Select by mask, not by a [:L] slice, so the padding side cannot matter.
+        return [{self.config.field: hidden[i][mask[i].bool().to(hidden.device)]} for i in range(len(captions))]
 
     def _padded_lengths(self, captions: list[str]) -> list[tuple[int, list[str]]]:
         """(padded length, captions) groups, longest first: a caption's token count (EOS included,
