@@ -9,9 +9,9 @@ order their kernels pick by size (measured: a caption padded to another's 25 tok
 its own 23 differs in one bf16 value). So a caption is never padded to its batch-mates' length:
 each forward pass holds captions of one *padded length*, their own token count rounded up to a
 multiple of ``PAD_MULTIPLE`` (capped at ``max_length``). A caption's embedding then depends on
-the caption alone, the same bits in any batch, as a prompt, live or cached, which is what makes encoding each
-distinct caption once (and copying the result to its duplicates) exact. (A *trained* encoder's
-``features`` pass is one per batch: see there.)
+the caption alone: the same bits in any batch, as a prompt, live or cached, which is what makes
+encoding each distinct caption once (and copying the result to its duplicates) exact. (A
+*trained* encoder's ``features`` pass is one per batch: see there.)
 """
 
 from __future__ import annotations

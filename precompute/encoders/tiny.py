@@ -34,7 +34,7 @@ def train_tiny_tokenizer(seed: int = SEED, vocab_size: int = 200):
     that trainer appends the characters it did not keep in the order of a hash set seeded per
     process, and sums scores on parallel threads, so two builds gave different token ids (and so
     different text features, and two machines' ``path: tiny`` models different fingerprints).
-    Pieces: whole words, syllables and single characters (every lowercase letter and digit, so
+    Pieces: whole words, two-character pieces and single characters (every lowercase letter and digit, so
     captions of plain English text tokenize without <unk>), scored by their log frequency."""
     import math
     from collections import Counter
