@@ -147,7 +147,7 @@ class T5FamilyEncoder(Encoder):
             for length, group in self._padded_lengths(distinct):
                 for start in range(0, len(group), self.config.micro_batch):
                     chunk = group[start : start + self.config.micro_batch]
-                    by_caption.update(zip(chunk, self._encode_distinct(chunk, length)))
+                    by_caption.update(zip((c for c, _ in chunk), self._encode_distinct(chunk, length)))
         # Duplicates share one read-only array: equal captions have equal features.
         return [{self.config.field: by_caption[caption]} for caption in batch]
 
@@ -157,31 +157,38 @@ class T5FamilyEncoder(Encoder):
         must run the same number of passes whatever its captions. Where they share one padded
         length these are the bits ``encode`` stores; else they differ from them by rounding."""
         self.require_loaded()
-        captions = list(batch)
-        length = max(length for length, _ in self._padded_lengths(captions))
-        hidden, mask = self._forward(captions, length)
+        groups = self._padded_lengths(list(batch))
+        tokens = dict(pair for _, group in groups for pair in group)
+        hidden, mask = self._forward([tokens[caption] for caption in batch], max(length for length, _ in groups))
         # Select by mask, not by a [:L] slice, so the padding side cannot matter.
-        return [{self.config.field: hidden[i][mask[i].bool().to(hidden.device)]} for i in range(len(captions))]
+        return [{self.config.field: hidden[i][mask[i].bool().to(hidden.device)]} for i in range(len(batch))]
 
-    def _padded_lengths(self, captions: list[str]) -> list[tuple[int, list[str]]]:
-        """(padded length, captions) groups, longest first: a caption's token count (EOS included,
-        truncated at max_length) rounded up to a multiple of PAD_MULTIPLE, at most max_length."""
+    def _padded_lengths(self, captions: list[str]) -> list[tuple[int, list[tuple[str, list[int]]]]]:
+        """(padded length, [(caption, token ids)]) groups, longest first: a caption's token count
+        (EOS included, truncated at max_length) rounded up to a multiple of PAD_MULTIPLE, at most
+        max_length. Tokenized once, here; padded by ``_forward``."""
         with self._tokenizer_lock:
             ids = self.tokenizer(captions, truncation=True, max_length=self.config.max_length)["input_ids"]
-        groups: dict[int, list[str]] = {}
+        groups: dict[int, list[tuple[str, list[int]]]] = {}
         for caption, tokens in zip(captions, ids, strict=True):
-            groups.setdefault(min(self.config.max_length, -(-len(tokens) // PAD_MULTIPLE) * PAD_MULTIPLE), []).append(caption)
-        return sorted(groups.items(), reverse=True)
+            groups.setdefault(min(self.config.max_length, -(-len(tokens) // PAD_MULTIPLE) * PAD_MULTIPLE), []).append((caption, tokens))
+        return sorted(groups.items(), key=lambda group: group[0], reverse=True)
 
-    def _forward(self, captions: list[str], length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        with self._tokenizer_lock:
-            tokens = self.tokenizer(captions, padding="max_length", truncation=True, max_length=length, return_tensors="pt")
-        mask = tokens["attention_mask"]
-        hidden = self.model(input_ids=tokens["input_ids"].to(self.device), attention_mask=mask.to(self.device)).last_hidden_state
+    def _forward(self, ids: list[list[int]], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids padded to ``length`` on the tokenizer's padding side -> (hidden states, mask)."""
+        input_ids = torch.full((len(ids), length), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(ids), length), dtype=torch.long)
+        left = self.tokenizer.padding_side == "left"
+        for row, tokens in enumerate(ids):
+            span = slice(length - len(tokens), length) if left else slice(0, len(tokens))
+            input_ids[row, span] = torch.tensor(tokens, dtype=torch.long)
+            mask[row, span] = 1
+        hidden = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device)).last_hidden_state
         return hidden, mask
 
-    def _encode_distinct(self, captions: list[str], length: int) -> list[np.ndarray]:
-        hidden, mask = self._forward(captions, length)
+    def _encode_distinct(self, tokenized: list[tuple[str, list[int]]], length: int) -> list[np.ndarray]:
+        captions = [caption for caption, _ in tokenized]
+        hidden, mask = self._forward([tokens for _, tokens in tokenized], length)
         # One transfer per micro-batch; checked after the cast, where an fp16 overflow becomes inf.
         stored = hidden.to(torch_dtype(self.config.dtype)).cpu()
         out = []
