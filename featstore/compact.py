@@ -105,17 +105,7 @@ def list_index(storage: Storage) -> dict[str, str]:
             pass
         return out
     if isinstance(storage, FsspecStorage):
-        path = f"{storage.root}/{fmt.INDEX_DIR}"
-
-        def listing() -> dict[str, str]:
-            storage.fs.invalidate_cache(path)  # s3fs caches listings; a reader must see new commits
-            try:
-                entries = storage.list_entries(path)
-            except FileNotFoundError:
-                return {}
-            return {e["name"].rstrip("/").rsplit("/", 1)[-1]: _fingerprint(e) for e in entries if e.get("type") != "directory" and e["name"].rstrip("/") != path}
-
-        return storage._call("list", fmt.INDEX_DIR, listing)
+        return {e["name"].rstrip("/").rsplit("/", 1)[-1]: _fingerprint(e) for e in storage.list_entries(fmt.INDEX_DIR) if e.get("type") != "directory"}
     return {name: "" for name in storage.list_dir(fmt.INDEX_DIR)}  # no fingerprint: names only
 
 

@@ -559,29 +559,31 @@ class FsspecStorage(Storage):
 
         return self._call("stat", key, stat)
 
-    def list_entries(self, path: str) -> list[dict[str, Any]]:
-        """fsspec's detailed listing of ``path`` (a full path; not retried: callers do). On S3 one
-        request per 1,000 names: s3fs's ls() lists the parent too when a directory is empty (to
-        tell an empty one from a file), a second request for every new store's empty folders."""
-        if self._s3:
-            from fsspec.asyn import sync
-
-            return sync(self.fs.loop, self.fs._lsdir, path, refresh=True)
-        return self.fs.ls(path, detail=True)
-
-    def list_dir(self, prefix: str) -> list[str]:
+    def list_entries(self, prefix: str) -> list[dict[str, Any]]:
+        """fsspec's detailed entries directly under ``prefix`` (its own entry left out; empty if it
+        does not exist), listed afresh and retried. On S3 one request per 1,000 names: s3fs's
+        ls() lists the parent too when a folder is empty (to tell an empty one from a file), a
+        second request for every new store's empty folders."""
         path = self._path(prefix)
 
-        def listing() -> list[str]:
+        def listing() -> list[dict[str, Any]]:
             # Listings are cached by some filesystems (s3fs); a reader must see fresh commits.
             self.fs.invalidate_cache(path)
             try:
-                entries = [e["name"] for e in self.list_entries(path)]
+                if self._s3:
+                    from fsspec.asyn import sync
+
+                    entries = sync(self.fs.loop, self.fs._lsdir, path, refresh=True)
+                else:
+                    entries = self.fs.ls(path, detail=True)
             except FileNotFoundError:
                 return []
-            return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != path.rstrip("/")})
+            return [e for e in entries if e["name"].rstrip("/") != path.rstrip("/")]
 
         return self._call("list", prefix, listing)
+
+    def list_dir(self, prefix: str) -> list[str]:
+        return sorted({e["name"].rstrip("/").rsplit("/", 1)[-1] for e in self.list_entries(prefix)})
 
     def list_names(self, prefix: str, start: str) -> list[str]:
         # Object stores filter by key prefix on the server (s3fs: find(prefix=...)): asking

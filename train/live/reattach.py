@@ -451,8 +451,8 @@ class LiveEncoder:
 
     def features(self, inputs: Sequence[Any], dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
         """Differentiable features, rounded to the stored dtype (so a step sees the values the cache
-        holds, up to the rounding of the step's thread count: a trained encoder runs on the training
-        thread, whose autograd state it needs) and returned in ``dtype``; gradients pass the
+        holds, up to the rounding of the step's thread count — a trained encoder runs on the training
+        thread, whose autograd state it needs — and, for text, of one pass per batch) and returned in ``dtype``; gradients pass the
         rounding unchanged."""
         from precompute.encoders.base import torch_dtype
 
