@@ -25,7 +25,7 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.torch
 	touch $@
 
 demo: $(VENV)/.installed-demo
-	$(PY) -m precompute.demo --out $(DEMO_DIR)
+	$(PY) -m mmcache.precompute.demo --out $(DEMO_DIR)
 
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -q

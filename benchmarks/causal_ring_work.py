@@ -5,7 +5,7 @@
 Builds the ``DocumentMaskPlan`` the ring forward uses, for every ring rank, and sums the tile
 area (query x key elements the kernels compute) over all ring steps. Layouts:
 - ``balanced``: what ``causal_packed`` installs, chunks assigned by their work under the batch's
-  document mask (``train.parallel.sequence.causal_layout``);
+  document mask (``mmcache.train.parallel.sequence.causal_layout``);
 - ``zigzag``: the static head-tail layout (2 chunks per block);
 - ``contiguous``: block r = the r-th contiguous slice, 2 chunks per block like zigzag (finer
   chunks would tend to (2R-1)/R, the exact triangle's ratio).
@@ -25,11 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from train.packing import first_fit_decreasing  # noqa: E402
-from train.parallel.sequence import DocumentMaskPlan  # noqa: E402
-from train.parallel.sequence.causal_layout import packed_causal_layout  # noqa: E402
-from train.parallel.sequence.document_mask import pad_document_ids  # noqa: E402
-from train.parallel.sequence.usp import SequenceLayout  # noqa: E402
+from mmcache.train.packing import first_fit_decreasing  # noqa: E402
+from mmcache.train.parallel.sequence import DocumentMaskPlan  # noqa: E402
+from mmcache.train.parallel.sequence.causal_layout import packed_causal_layout  # noqa: E402
+from mmcache.train.parallel.sequence.document_mask import pad_document_ids  # noqa: E402
+from mmcache.train.parallel.sequence.usp import SequenceLayout  # noqa: E402
 
 
 def plan_area_per_rank(docs: torch.Tensor, layout: SequenceLayout) -> list[int]:
@@ -54,7 +54,7 @@ def layouts(docs: torch.Tensor, ring: int) -> dict[str, SequenceLayout]:
 
 def long_tailed_packs(seq_len: int, packs: int, rows: int, seed: int = 0) -> list[torch.Tensor]:
     """``packs`` batches of ``rows`` packed rows: sample lengths log-normal (median ~600, long
-    tail, capped at the pack length), packed first-fit-decreasing like ``train.packing.pack``."""
+    tail, capped at the pack length), packed first-fit-decreasing like ``mmcache.train.packing.pack``."""
     rng = np.random.default_rng(seed)
     batches = []
     for _ in range(packs):

@@ -75,14 +75,14 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
 
-import featstore  # noqa: E402
-from featstore.config import load_config  # noqa: E402
-from precompute.config import EncodeConfig  # noqa: E402
-from precompute.inputs import sample_id_for  # noqa: E402
-from precompute.encoders import build_encoder  # noqa: E402
-from precompute.media import prepare as prepare_media  # noqa: E402
-from precompute.executors import local_cluster  # noqa: E402
-from precompute.pipeline import encoder_specs, run_encode  # noqa: E402
+from mmcache import featstore  # noqa: E402
+from mmcache.featstore.config import load_config  # noqa: E402
+from mmcache.precompute.config import EncodeConfig  # noqa: E402
+from mmcache.precompute.inputs import sample_id_for  # noqa: E402
+from mmcache.precompute.encoders import build_encoder  # noqa: E402
+from mmcache.precompute.media import prepare as prepare_media  # noqa: E402
+from mmcache.precompute.executors import local_cluster  # noqa: E402
+from mmcache.precompute.pipeline import encoder_specs, run_encode  # noqa: E402
 
 SHARED = REPO.parent / "shared"
 CORES = os.cpu_count() or 1
@@ -460,7 +460,7 @@ def run_startup(args) -> list[tuple[str, float, float]]:
         print(f"\n== workload startup: SKIPPED, no TAESD-F2 weights at {args.taef2} (pass --taef2 DIR)")
         return []
     weights = f"vae.path={Path(args.taef2).resolve()}"
-    cli = [sys.executable, "-m", "precompute.cli", "encode", "--config", "taef2", "--set", weights, "--no-progress"]
+    cli = [sys.executable, "-m", "mmcache.precompute.cli", "encode", "--config", "taef2", "--set", weights, "--no-progress"]
     verdicts = []
     print("\n== workload startup: TAESD-F2 + tiny T5, 256^2 images, whole commands from process start (one run each)")
     print(f"{'images':>6} {'way':<44} {'start-up s':>10} {'1st shard s':>11} {'total s':>8}  notes")
@@ -492,8 +492,8 @@ def run_startup(args) -> list[tuple[str, float, float]]:
 def planning_seconds(manifest: Path, per_task: int) -> float:
     """What planning this job costs (manifest read and checked, tasks named), timed here, imports
     done: the part of a job's start-up that grows with the job and is not start-up overhead."""
-    from precompute.inputs import read_inputs
-    from precompute.pipeline import plan_tasks
+    from mmcache.precompute.inputs import read_inputs
+    from mmcache.precompute.pipeline import plan_tasks
 
     t0 = time.perf_counter()
     rows, _ = read_inputs(str(manifest))

@@ -64,8 +64,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-import featstore  # noqa: E402
-from featstore.writer import DEFAULT_SHARD_BYTES  # noqa: E402
+from mmcache import featstore  # noqa: E402
+from mmcache.featstore.writer import DEFAULT_SHARD_BYTES  # noqa: E402
 
 MB = 1e6
 SEED = 1234
@@ -597,7 +597,7 @@ def bench_open(base: Path, shards: int, s3_shards: list[int], reps: int, log, re
     """Open of a ``shards``-shard local store before and after `mmcache compact`, and the object
     reads (and listings) one open makes on S3 (moto over HTTP, counted at a loopback proxy) at
     each of ``s3_shards``, with a checkpoint plus two commits after it, and without one."""
-    from featstore.compact import compact_store
+    from mmcache.featstore.compact import compact_store
 
     root = reuse if reuse is not None else base / f"open-{shards}"
     if not (root / "zarr.json").exists():

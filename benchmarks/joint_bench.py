@@ -42,7 +42,7 @@ VLM_MIXES = {
 
 
 def run_mix(store: str, out: Path, sets: list[str], steps: int, config: str = "tiny-dit") -> dict:
-    args = [sys.executable, "-m", "train.cli", "fit", "--config", config, "--features", store, "--out", str(out),
+    args = [sys.executable, "-m", "mmcache.train.cli", "fit", "--config", config, "--features", store, "--out", str(out),
             "--steps", str(steps), "--set", "checkpoint.every=0", "--set", "data.drift_samples=0",
             *[a for s in sets for a in ("--set", s)]]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

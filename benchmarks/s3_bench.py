@@ -50,7 +50,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-import featstore  # noqa: E402
+from mmcache import featstore  # noqa: E402
 
 MB = 1e6
 
@@ -182,10 +182,10 @@ def bench_writes(server, bucket: str, workdir: Path, repeat: int, shards: int = 
 def bench_encode(server, bucket: str, workdir: Path, repeat: int) -> dict[str, float]:
     from distributed import Client, LocalCluster
 
-    from featstore.config import load_config
-    from precompute.config import EncodeConfig, RunConfig
-    from precompute.demo_data import make_dataset
-    from precompute.pipeline import run_encode
+    from mmcache.featstore.config import load_config
+    from mmcache.precompute.config import EncodeConfig, RunConfig
+    from mmcache.precompute.demo_data import make_dataset
+    from mmcache.precompute.pipeline import run_encode
 
     manifest = make_dataset(workdir / "media", num_images=40, num_videos=8)
     out: dict[str, float] = {}

@@ -10,7 +10,7 @@ run's time spent on samples + validation with the default ``sample.every``.
    its parts; the baseline measured in the same run is ``steps`` plain forwards of the batch of 2
    (conditional + empty prompt) that each guided step runs, the floor the sampler cannot beat, so
    "x floor" is the sampler's own overhead plus the decode and the PNG.
-2. Validation share: ``train.trainer.fit`` (in this process, a 1-rank group) for ``--fit-steps``
+2. Validation share: ``mmcache.train.trainer.fit`` (in this process, a 1-rank group) for ``--fit-steps``
    steps of the tiny-dit preset with its defaults (``sample.every`` = 100, sample.steps 20,
    guidance 4) on a store of 64 samples of 64x64 px, 2 prompts x 1 seed and a 5 % held-out split;
    share = (val_time_s + sample_time_s) / (the run's wall time), from metrics.jsonl. Goal < 5 %.
@@ -33,19 +33,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import featstore  # noqa: E402
-from train.models import build_model  # noqa: E402
-from train.sample.decode import load_decoder  # noqa: E402
-from train.sample.generate import SampleJob, generate  # noqa: E402
-from train.sample.sampler import SamplerConfig  # noqa: E402
+from mmcache import featstore  # noqa: E402
+from mmcache.train.models import build_model  # noqa: E402
+from mmcache.train.sample.decode import load_decoder  # noqa: E402
+from mmcache.train.sample.generate import SampleJob, generate  # noqa: E402
+from mmcache.train.sample.sampler import SamplerConfig  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 TAEF2 = SHARED / "weights" / "taef2"
 
 
 def encoder_meta(name: str, cache: Path) -> tuple[dict, str]:
-    from precompute.encoders import build_encoder
-    from precompute.encoders.tiny import ensure_tiny_models
+    from mmcache.precompute.encoders import build_encoder
+    from mmcache.precompute.encoders.tiny import ensure_tiny_models
 
     path = TAEF2 if name == "taef2" else ensure_tiny_models(cache / "tiny", [name])[name]
     encoder = build_encoder(name, {"path": str(path), "modality": "video"})
@@ -83,9 +83,9 @@ def time_image(name: str, cache: Path, steps: int, repeats: int) -> dict:
 
 
 def validation_share(cache: Path, root: Path, fit_steps: int) -> dict:
-    from featstore.config import load_config
-    from train.config import TrainConfig
-    from train.trainer import fit
+    from mmcache.featstore.config import load_config
+    from mmcache.train.config import TrainConfig
+    from mmcache.train.trainer import fit
 
     meta, _ = encoder_meta("autoencoder_kl", cache)
     text_meta = {"fingerprint": {"encoder": "t5", "digest": "benchtext0000001"}, "hidden_size": 32}

@@ -12,11 +12,11 @@ by 10x from step to step).
    of one cannot hide in the other's):
      (a) cached: the batch's features are read from a store written by ``run_encode`` (the
          trainer's own FeatureStream.plan: balanced plan + store reads), then the step;
-     (b) live:   every step reads each sample's media bytes, ``precompute.media.prepare``s them
+     (b) live:   every step reads each sample's media bytes, ``mmcache.precompute.media.prepare``s them
          (decode, bucket, crop, resize) on 2 threads as the encode stage does, runs the frozen
          VAE + T5 (``build_encoder`` with the very options the store was encoded with, in
          inference_mode), then the same step.
-   The step body is the one ``train.trainer.fit`` runs (FSDP2 on a 1-rank gloo group, summed
+   The step body is the one ``mmcache.train.trainer.fit`` runs (FSDP2 on a 1-rank gloo group, summed
    losses / global count, grad clip, AdamW, LR schedule). Reads and encodes are synchronous (no
    prefetch thread) in both, so (a) is the worst case for the cache. Timings: median of the timed
    steps after warm-up. Memory: ru_maxrss of the child, total and above the common baseline
@@ -112,10 +112,10 @@ def make_shared_dataset(root: Path) -> Path:
 def build_stores(work: Path, sets: list[dict]) -> None:
     from distributed import Client, LocalCluster
 
-    from featstore.config import load_config
-    from precompute.config import EncodeConfig
-    from precompute.demo_data import make_dataset
-    from precompute.pipeline import run_encode
+    from mmcache.featstore.config import load_config
+    from mmcache.precompute.config import EncodeConfig
+    from mmcache.precompute.demo_data import make_dataset
+    from mmcache.precompute.pipeline import run_encode
 
     manifests = {"demo": lambda: make_dataset(work / "demo_data"), "shared": lambda: make_shared_dataset(work / "shared_data")}
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -140,13 +140,13 @@ def child(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    import featstore
-    from featstore.config import load_config
-    from train.config import TrainConfig
-    from train.data import FeatureStream
-    from train.parallel.dims import ParallelDims
-    from train.parallel.fsdp import apply_fsdp
-    from train.trainer import accumulate_gradients, init_distributed, input_sizes, lr_lambda, resolve_model
+    from mmcache import featstore
+    from mmcache.featstore.config import load_config
+    from mmcache.train.config import TrainConfig
+    from mmcache.train.data import FeatureStream
+    from mmcache.train.parallel.dims import ParallelDims
+    from mmcache.train.parallel.fsdp import apply_fsdp
+    from mmcache.train.trainer import accumulate_gradients, init_distributed, input_sizes, lr_lambda, resolve_model
 
     torch.set_num_threads(args.threads)
     rss_base = maxrss()
@@ -228,11 +228,11 @@ def make_live(args: argparse.Namespace, rows: list[dict]):
     import fsspec
     import torch
 
-    from featstore.config import load_config
-    from precompute.config import EncodeConfig
-    from precompute.encoders import build_encoder
-    from precompute.media import FrameSampling, ResizeConfig, prepare
-    from precompute.pipeline import encoder_specs
+    from mmcache.featstore.config import load_config
+    from mmcache.precompute.config import EncodeConfig
+    from mmcache.precompute.encoders import build_encoder
+    from mmcache.precompute.media import FrameSampling, ResizeConfig, prepare
+    from mmcache.precompute.pipeline import encoder_specs
 
     config = load_config(EncodeConfig, args.preset, "encode", json.loads(args.overrides))
     # encoder_specs resolves ``path: tiny`` through ensure_tiny_models and sets the VAE's modality
@@ -328,7 +328,7 @@ def data_wait(store: str, work: Path, steps: int, threads: int) -> dict:
 def balance_bench(median: int, sigma: float, low: int, high: int, batches: int = 50, batch: int = 64, ranks: int = 8) -> dict:
     import numpy as np
 
-    from train.balance import CostModel, balance, imbalance
+    from mmcache.train.balance import CostModel, balance, imbalance
 
     cost = CostModel.for_transformer(dim=1152)
     rng = np.random.default_rng(0)
@@ -377,10 +377,10 @@ def zero3_state(store: str, work: Path, world: int) -> dict:
 
 
 def cache_bench(work: Path, threads: int, shards: int = 48, per_shard: int = 16) -> dict:
-    import featstore
+    from mmcache import featstore
     from tests.s3_server import S3Server
     from tests.test_epoch_order import write_store
-    from train.order import shard_read_bytes
+    from mmcache.train.order import shard_read_bytes
 
     server = S3Server()
     try:

@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from train.parallel.sequence import count_comm_bytes, kv_replication_factor, usp_attention  # noqa: E402
+from mmcache.train.parallel.sequence import count_comm_bytes, kv_replication_factor, usp_attention  # noqa: E402
 
 WORLD = 4
 # (name, ring size, ulysses size); SP groups are the first R*U ranks.

@@ -27,12 +27,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import featstore  # noqa: E402
+from mmcache import featstore  # noqa: E402
 from tests.vlm_store import draw, random_store, shapes_store, tiny_vit, train_tokenizer  # noqa: E402
-from train.config import DataSection  # noqa: E402
-from train.models import build_model, get_model_family  # noqa: E402
-from train.models.vlm import next_token_loss  # noqa: E402
-from train.packing import SAMPLE_ID  # noqa: E402
+from mmcache.train.config import DataSection  # noqa: E402
+from mmcache.train.models import build_model, get_model_family  # noqa: E402
+from mmcache.train.models.vlm import next_token_loss  # noqa: E402
+from mmcache.train.packing import SAMPLE_ID  # noqa: E402
 
 
 def _samples(url):
@@ -159,7 +159,7 @@ def _padded(adapter, batch, lengths):
     old = adapter.max_tokens
     adapter.max_tokens = longest
     try:
-        from train.packing import expand_sample, pack
+        from mmcache.train.packing import expand_sample, pack
 
         meta = adapter.ids_meta
         rows = [pack([expand_sample(s[SAMPLE_ID], s[adapter.ids_field], s[adapter.target_field], s.get(adapter.vit_field),
@@ -189,9 +189,9 @@ def _usp_bytes_worker(rank: int, port: int, results) -> None:
     import torch.distributed as dist
 
     from benchmarks.causal_ring_work import long_tailed_packs
-    from train.parallel.dims import ParallelDims
-    from train.parallel.sequence import count_comm_bytes, sequence_parallel_groups_from_mesh, shard_sequence, usp_attention
-    from train.parallel.sequence.causal_layout import packed_causal_layout
+    from mmcache.train.parallel.dims import ParallelDims
+    from mmcache.train.parallel.sequence import count_comm_bytes, sequence_parallel_groups_from_mesh, shard_sequence, usp_attention
+    from mmcache.train.parallel.sequence.causal_layout import packed_causal_layout
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)

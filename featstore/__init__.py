@@ -1,6 +1,6 @@
 """mmcache's feature store: ragged, sharded, checksummed features in Zarr v3 + Parquet.
 
-    import featstore
+    from mmcache import featstore
     with featstore.create("./st", fields={"latent": "bfloat16", "text": "float16"}) as w:
         w.add("sample-0", {"latent": latent, "text": text}, meta={"caption": "a cat"})
     s = featstore.open("./st")
@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from featstore.errors import (
+from mmcache.featstore.errors import (
     ConfigError,
     CorruptionError,
     DuplicateSampleError,
@@ -32,12 +32,12 @@ from featstore.errors import (
     SnapshotError,
     StorageError,
 )
-from featstore.copy import copy_store
-from featstore.format import FORMAT_VERSION, FieldSpec
-from featstore.prompts import prompt_embedding, read_prompts, write_prompts
-from featstore.reader import Store, create_store, open_store
-from featstore.sample import Sample
-from featstore.writer import StoreWriter
+from mmcache.featstore.copy import copy_store
+from mmcache.featstore.format import FORMAT_VERSION, FieldSpec
+from mmcache.featstore.prompts import prompt_embedding, read_prompts, write_prompts
+from mmcache.featstore.reader import Store, create_store, open_store
+from mmcache.featstore.sample import Sample
+from mmcache.featstore.writer import StoreWriter
 
 __all__ = [
     "FORMAT_VERSION",

@@ -1,4 +1,4 @@
-"""A local read-through cache of a remote store's objects (``featstore.open(..., cache_dir=)``).
+"""A local read-through cache of a remote store's objects (``mmcache.featstore.open(..., cache_dir=)``).
 
 A second epoch (or a second run) of a trainer streaming ``s3://...`` reads at local-disk speed.
 Correct by construction rather than by invalidation:
@@ -56,11 +56,11 @@ from typing import Any
 
 import numpy as np
 
-from featstore import format as fmt
-from featstore.errors import ConfigError, CorruptionError
-from featstore.storage import ReadRequest, Storage
+from mmcache.featstore import format as fmt
+from mmcache.featstore.errors import ConfigError, CorruptionError
+from mmcache.featstore.storage import ReadRequest, Storage
 
-log = logging.getLogger("featstore.cache")
+log = logging.getLogger("mmcache.featstore.cache")
 
 LAYOUT = "mmcache-objects-v1"
 STALE_PART_SECONDS = 3600   # temporary files older than this belong to a dead process

@@ -1,6 +1,6 @@
 """``mmcache info``, ``verify``, ``copy``, ``repair`` and ``compact``: the store commands, which need neither torch nor dask.
-``precompute.cli`` adds ``encode`` to this group; the ``mmcache`` script points there. User
-errors print one line (``featstore.user_errors``); ``--debug`` shows the traceback."""
+``mmcache.precompute.cli`` adds ``encode`` to this group; the ``mmcache`` script points there. User
+errors print one line (``mmcache.featstore.user_errors``); ``--debug`` shows the traceback."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import Any
 
 import click
 
-import featstore
-from featstore.secrets import redact
-from featstore.user_errors import UserErrorGroup, debug_option
-from featstore.verify import store_info, verify_store
+from mmcache import featstore
+from mmcache.featstore.secrets import redact
+from mmcache.featstore.user_errors import UserErrorGroup, debug_option
+from mmcache.featstore.verify import store_info, verify_store
 
 
 def parse_storage_options(raw: str | None) -> dict[str, Any] | None:
@@ -26,7 +26,7 @@ def parse_storage_options(raw: str | None) -> dict[str, Any] | None:
         raise click.BadParameter(f"not valid JSON: {exc}", param_hint="--storage-options") from None
     if not isinstance(value, dict):
         raise click.BadParameter("must be a JSON object", param_hint="--storage-options")
-    from featstore import secrets
+    from mmcache.featstore import secrets
 
     secrets.register(value)  # so no message can show them
     return value
@@ -50,7 +50,7 @@ def cli(debug: bool) -> None:
 def _plain_store_warnings() -> None:
     """A damaged index checkpoint is a warning (nothing is lost: the parts are read instead);
     on the command line it reads as one line, like the other warnings, not as Python's."""
-    from featstore.compact import CheckpointWarning
+    from mmcache.featstore.compact import CheckpointWarning
 
     python_format = warnings.formatwarning
 
@@ -162,7 +162,7 @@ def copy(src, dst, storage_options, src_storage_options, dst_storage_options, wo
 def repair(url: str, storage_options: str | None) -> None:
     """Remove the rows of URL that readers ignore: a (sample id, field) that racing writers both
     committed is kept in the earliest commit only. Moves no data; safe while others read."""
-    from featstore.repair import repair_store
+    from mmcache.featstore.repair import repair_store
 
     try:
         store = featstore.open(url, parse_storage_options(storage_options), mode="a")
@@ -181,8 +181,8 @@ def compact(url: str, storage_options: str | None, rebuild: bool) -> None:
     """Checkpoint the index of the store at URL: one Parquet object holding the rows of every
     committed index part, so that opening the store reads it instead of every part. Deletes no
     index part; safe while others read, write or compact. Writers also do this every so often."""
-    from featstore.compact import compact_store
-    from featstore.reader import open_store
+    from mmcache.featstore.compact import compact_store
+    from mmcache.featstore.reader import open_store
 
     try:  # the store's index is what this reads, once, below
         store = open_store(url, parse_storage_options(storage_options), load_index=False)

@@ -40,13 +40,13 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from featstore import format as fmt
-from featstore.errors import CorruptionError, FeatstoreError, FormatVersionError
-from featstore.snapshot import ShardInfo, recorded_shard_info
+from mmcache.featstore import format as fmt
+from mmcache.featstore.errors import CorruptionError, FeatstoreError, FormatVersionError
+from mmcache.featstore.snapshot import ShardInfo, recorded_shard_info
 
 if TYPE_CHECKING:
-    from featstore.reader import Store
-    from featstore.storage import Storage
+    from mmcache.featstore.reader import Store
+    from mmcache.featstore.storage import Storage
 
 CHECKPOINT_DIR = "checkpoints"
 CHECKPOINT_METADATA_KEY = b"mmcache.checkpoint"
@@ -85,7 +85,7 @@ def list_index(storage: Storage) -> dict[str, str]:
     """Names directly under ``index/`` -> a fingerprint of the object (its size and what the
     backend says changes when it is rewritten), from one listing: what tells a reader that a part
     is the very one a checkpoint covers, without reading it."""
-    from featstore.storage import FsspecStorage, LocalStorage
+    from mmcache.featstore.storage import FsspecStorage, LocalStorage
 
     remote = getattr(storage, "remote", None)  # a CachingStorage lists through its remote
     if remote is not None:
@@ -253,7 +253,7 @@ def compact_store(storage: Storage, *, keep: int = KEEP, rebuild: bool = False) 
     other compactors: it creates objects only if absent and deletes only checkpoints.
     ``rebuild``: read every part, ignoring the existing checkpoints, and then delete all of them
     (for one that ``mmcache verify`` found disagreeing with the parts)."""
-    from featstore.snapshot import gather_parts
+    from mmcache.featstore.snapshot import gather_parts
 
     gathered = gather_parts(storage, strict=False, use_checkpoint=not rebuild, checkpoint_problems=[])
     summary = CompactSummary(damaged=gathered.damaged)

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from featstore.errors import ConfigError
+from mmcache.featstore.errors import ConfigError
 
 T = TypeVar("T")
 

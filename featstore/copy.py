@@ -19,7 +19,7 @@ any store with the same fields, and each source shard is committed there without
 (sample id, field) the destination already holds (an index part rewritten over the same objects),
 so every sample stays in one shard. The source is read as the snapshot taken when the copy starts.
 
-Prompt embeddings (``prompts/``, see ``featstore.prompts``) are copied too, each object checked
+Prompt embeddings (``prompts/``, see ``mmcache.featstore.prompts``) are copied too, each object checked
 (its CRC-32Cs, its metadata against its name) and created only if absent, before any shard. The
 destination's embedding of a prompt wins: a plain copy refuses a destination that holds another
 embedding of a source prompt (same field and encoder); ``merge`` leaves such prompts out of the
@@ -37,9 +37,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from featstore import format as fmt
-from featstore.errors import CorruptionError, NotAStoreError, SchemaError
-from featstore.storage import Storage, open_storage
+from mmcache.featstore import format as fmt
+from mmcache.featstore.errors import CorruptionError, NotAStoreError, SchemaError
+from mmcache.featstore.storage import Storage, open_storage
 
 
 @dataclass(kw_only=True)
@@ -103,7 +103,7 @@ def copy_store(
     destination that holds shards the source lacks is refused, unless ``merge``: then the
     source's shards are added, without the samples the destination already holds.
     ``progress(shards_done, shards_total, bytes_copied)`` is called after each shard."""
-    from featstore.reader import open_store
+    from mmcache.featstore.reader import open_store
 
     t0 = time.perf_counter()
     source = open_store(src, src_options)  # strict: a damaged index part fails the copy at once
@@ -189,7 +189,7 @@ def _put_manifest(source: Any, dest: Storage) -> None:
         if not dest.is_empty():
             raise NotAStoreError(f"{dest.url} exists, is not empty and is not a feature store; copy into a new location")
     elif existing != raw:
-        from featstore import manifest as manifests
+        from mmcache.featstore import manifest as manifests
 
         theirs = manifests.merged(dest, fmt.parse_root_group(existing, dest.url))
         # The same store, if its fields are the source's (or some of them: fields added since).
@@ -206,7 +206,7 @@ def _put_manifest(source: Any, dest: Storage) -> None:
 def _plan_prompts(source: Any, dest: Storage, merge: bool) -> tuple[list[tuple[str, bytes]], int]:
     """The prompt-embedding objects to create at ``dest`` (key, bytes), and how many embeddings
     ``merge`` left out. Every object on both sides is read and checked; a damaged one is an error."""
-    from featstore.prompts import list_parts, part_bytes, read_part
+    from mmcache.featstore.prompts import list_parts, part_bytes, read_part
 
     # What the destination held before this copy: (field, digest, prompt) -> embedding. (The
     # source is compared with it only: a source whose own objects differ on a prompt, e.g. encoded
@@ -249,7 +249,7 @@ def _plan_prompts(source: Any, dest: Storage, merge: bool) -> tuple[list[tuple[s
 
 def _held_at(url: str | os.PathLike[str], options: dict[str, Any] | None) -> set[tuple[str, str]]:
     """Every (sample id, field) the destination's readers see."""
-    from featstore.reader import open_store
+    from mmcache.featstore.reader import open_store
 
     with open_store(url, options) as store:
         return {(sample_id, field) for sample_id in store.sample_ids() for field in store.fields_of(sample_id)}
@@ -279,8 +279,8 @@ def _copy_object(src: Storage, dest: Storage, key: str, expected: dict[str, int]
 
 
 def _commit_shard(src: Storage, dest: Storage, info: Any, drop: set[str]) -> None:
-    from featstore.repair import rewritten_part
-    from featstore.snapshot import parse_index_part
+    from mmcache.featstore.repair import rewritten_part
+    from mmcache.featstore.snapshot import parse_index_part
 
     raw = src.read(info.index_key)
     parse_index_part(raw, info.name, info.index_key, src.url, fmt.parse_index_part_name(info.index_key.rsplit("/", 1)[-1])[1])

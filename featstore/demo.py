@@ -8,7 +8,7 @@ import sys
 import ml_dtypes
 import numpy as np
 
-import featstore
+from mmcache import featstore
 
 
 def write_demo_store(url: str, num_samples: int = 64, seed: int = 0) -> featstore.Store:

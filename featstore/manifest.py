@@ -24,9 +24,9 @@ import copy
 import json
 from typing import Any
 
-from featstore import format as fmt
-from featstore.errors import SchemaError
-from featstore.storage import Storage
+from mmcache.featstore import format as fmt
+from mmcache.featstore.errors import SchemaError
+from mmcache.featstore.storage import Storage
 
 _PUBLISH_TRIES = 20
 

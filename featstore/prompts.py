@@ -30,8 +30,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from featstore import format as fmt
-from featstore.errors import CorruptionError, FeatstoreError, ReadOnlyError, SchemaError
+from mmcache.featstore import format as fmt
+from mmcache.featstore.errors import CorruptionError, FeatstoreError, ReadOnlyError, SchemaError
 
 PROMPTS_DIR = "prompts"
 METADATA_KEY = b"mmcache.prompts"

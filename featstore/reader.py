@@ -22,17 +22,17 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from featstore import format as fmt
-from featstore import manifest as manifests
+from mmcache.featstore import format as fmt
+from mmcache.featstore import manifest as manifests
 
 # Arrow's thread pools can abort the interpreter at exit (apache/arrow#34314); index parts are
 # small, so every Parquet read and write here is single-threaded.
-from featstore.errors import CorruptionError, MissingFieldError, NotAStoreError, ReadOnlyError, SchemaError
-from featstore.sample import Sample
-from featstore.scan import DEFAULT_READAHEAD_BYTES, scan_samples
-from featstore.snapshot import ShardInfo, load_snapshot
-from featstore.storage import Storage, open_storage
-from featstore.tensors import in_format
+from mmcache.featstore.errors import CorruptionError, MissingFieldError, NotAStoreError, ReadOnlyError, SchemaError
+from mmcache.featstore.sample import Sample
+from mmcache.featstore.scan import DEFAULT_READAHEAD_BYTES, scan_samples
+from mmcache.featstore.snapshot import ShardInfo, load_snapshot
+from mmcache.featstore.storage import Storage, open_storage
+from mmcache.featstore.tensors import in_format
 
 
 class Store:
@@ -172,7 +172,7 @@ class Store:
         and note their samples, so that a writer's duplicate checks see them. Only a shard's ids
         and fields are kept: the read snapshot itself does not change. Returns the name of every
         shard committed now (one listing answers both questions)."""
-        from featstore.snapshot import _read_parts, parse_index_part
+        from mmcache.featstore.snapshot import _read_parts, parse_index_part
 
         committed, new = set(), []
         for entry in self.storage.list_dir(fmt.INDEX_DIR):
@@ -501,7 +501,7 @@ class Store:
         """A ``StoreWriter`` adding shards to this store (needs ``mode="a"``)."""
         if self.mode != "a":
             raise ReadOnlyError(f"{self.url} is opened read-only; open it with mode='a' (or featstore.append) to add samples")
-        from featstore.writer import StoreWriter
+        from mmcache.featstore.writer import StoreWriter
 
         return StoreWriter(self, **kwargs)
 
@@ -527,7 +527,7 @@ def open_store(url: str | os.PathLike[str], storage_options: dict[str, Any] | No
     matter: a first commit re-reads the manifest to fix a field's ndim."""
     storage = open_storage(url, storage_options)
     if cache_dir is not None and storage.is_remote:
-        from featstore.cache import CachingStorage
+        from mmcache.featstore.cache import CachingStorage
 
         storage = CachingStorage(storage, cache_dir, cache_bytes)
     if manifest is not None:

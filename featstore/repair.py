@@ -19,11 +19,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from featstore import format as fmt
-from featstore.errors import CorruptionError
-from featstore.reader import Store
-from featstore.snapshot import ShardInfo
-from featstore.writer import index_part_bytes
+from mmcache.featstore import format as fmt
+from mmcache.featstore.errors import CorruptionError
+from mmcache.featstore.reader import Store
+from mmcache.featstore.snapshot import ShardInfo
+from mmcache.featstore.writer import index_part_bytes
 
 
 @dataclass(kw_only=True)

@@ -23,10 +23,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from featstore import secrets
-from featstore.errors import FeatstoreError, StorageError
+from mmcache.featstore import secrets
+from mmcache.featstore.errors import FeatstoreError, StorageError
 
-log = logging.getLogger("featstore.storage")
+log = logging.getLogger("mmcache.featstore.storage")
 T = TypeVar("T")
 
 

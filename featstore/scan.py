@@ -45,11 +45,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from featstore import format as fmt
-from featstore.errors import CorruptionError
+from mmcache.featstore import format as fmt
+from mmcache.featstore.errors import CorruptionError
 
 if TYPE_CHECKING:
-    from featstore.reader import Store
+    from mmcache.featstore.reader import Store
 
 # Large enough that per-read costs vanish (and an object store's per-request latency), small
 # enough that a remote block in memory and a checked-but-unconsumed run stay modest.

@@ -23,9 +23,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from featstore import format as fmt
-from featstore.errors import CorruptionError, FormatVersionError, SnapshotError
-from featstore.storage import Storage
+from mmcache.featstore import format as fmt
+from mmcache.featstore.errors import CorruptionError, FormatVersionError, SnapshotError
+from mmcache.featstore.storage import Storage
 
 # Arrow's thread pools can abort the interpreter at exit (apache/arrow#34314); index parts are
 # small, so every Parquet read here is single-threaded.
@@ -131,7 +131,7 @@ def gather_parts(storage: Storage, *, strict: bool, list_parts: bool = True, onl
     rows of those a checkpoint covers from it (one read), the others from their own parts. A part
     is taken from the checkpoint only while it is listed with the fingerprint the checkpoint
     recorded, so the result is exactly what reading every listed part gives."""
-    from featstore import compact
+    from mmcache.featstore import compact
 
     url = storage.url
     listing = compact.list_index(storage) if list_parts else {}

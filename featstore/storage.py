@@ -7,7 +7,7 @@ because per-call overhead, not bandwidth, decides small reads. Everything else (
 ``s3://``, ...) goes through fsspec, whose single-object PUTs are atomic and whose
 ``cat_ranges`` batches many ranged reads into few concurrent requests.
 
-Remote operations are retried (``featstore.retry``): a transient fault (HTTP 5xx, throttling,
+Remote operations are retried (``mmcache.featstore.retry``): a transient fault (HTTP 5xx, throttling,
 connection reset or refused, timeout, a body cut short) is tried again with backoff, and one that
 persists fails with a ``StorageError`` naming the object. Messages never carry credentials.
 
@@ -33,13 +33,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from featstore import secrets
-from featstore.errors import CorruptionError
-from featstore.retry import RetryPolicy, describe, is_transient, remote_filesystem, with_retries, with_retries_async
+from mmcache.featstore import secrets
+from mmcache.featstore.errors import CorruptionError
+from mmcache.featstore.retry import RetryPolicy, describe, is_transient, remote_filesystem, with_retries, with_retries_async
 
 __all__ = ["FsspecStorage", "LocalStorage", "RetryPolicy", "Storage", "UploadPolicy", "open_storage", "with_retries"]
 T = TypeVar("T")
-log = logging.getLogger("featstore.storage")
+log = logging.getLogger("mmcache.featstore.storage")
 
 # (key, byte ranges, flat uint8 buffer the ranges fill, back to back)
 ReadRequest = tuple[str, Sequence[tuple[int, int]], np.ndarray]
@@ -335,7 +335,7 @@ class FsspecStorage(Storage):
             # featstore's retries are the only ones: s3fs's and botocore's are set to one attempt.
             self.fs, root = remote_filesystem(url, storage_options, self.retry)
         except (ImportError, ValueError) as exc:
-            from featstore.errors import ConfigError
+            from mmcache.featstore.errors import ConfigError
 
             raise ConfigError(f"cannot open {secrets.redact_url(url)}: {describe(exc)}") from None
         self.root = root.rstrip("/")

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from featstore.errors import SchemaError
-from featstore.format import dtype_info
+from mmcache.featstore.errors import SchemaError
+from mmcache.featstore.format import dtype_info
 
 FORMATS = ("numpy", "torch")
 

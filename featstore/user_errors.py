@@ -18,10 +18,10 @@ from typing import Any
 
 import click
 
-from featstore.secrets import redact
+from mmcache.featstore.secrets import redact
 
 DEBUG_ENV = "MMCACHE_DEBUG"
-PROJECT_PACKAGES = frozenset({"featstore", "precompute", "train"})
+PROJECT_PACKAGES = frozenset({"mmcache"})
 
 _OS_HINTS = {
     errno.ENOSPC: "the disk is full: free some space or choose a location on another disk",

@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from featstore import compact
-from featstore import format as fmt
-from featstore.errors import CorruptionError, FormatVersionError
-from featstore.reader import Store
-from featstore.snapshot import parse_index_part_record
-from featstore.storage import Storage
+from mmcache.featstore import compact
+from mmcache.featstore import format as fmt
+from mmcache.featstore.errors import CorruptionError, FormatVersionError
+from mmcache.featstore.reader import Store
+from mmcache.featstore.snapshot import parse_index_part_record
+from mmcache.featstore.storage import Storage
 
 
 @dataclass
@@ -102,7 +102,7 @@ def _verify_prompts(store: Store, report: VerifyReport) -> None:
     manifest declares in that field's dtype. Embeddings of another encoder than the field's
     current one, and a prompt whose embedding differs between two objects, are warnings: readers
     ignore the former and take the first object in name order for the latter."""
-    from featstore.prompts import PROMPTS_DIR, parse_part_name, read_part
+    from mmcache.featstore.prompts import PROMPTS_DIR, parse_part_name, read_part
 
     seen: dict[tuple[str, str, str], tuple[str, Any]] = {}  # (field, digest, prompt) -> (first key, embedding)
     for name in store.storage.list_dir(PROMPTS_DIR):

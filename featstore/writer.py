@@ -19,15 +19,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from featstore import compact
-from featstore import format as fmt
-from featstore.compact import DEFAULT_COMPACT_EVERY
-from featstore.errors import DuplicateSampleError, SchemaError, ShardCommittedError
-from featstore.storage import Storage
-from featstore.tensors import as_array
+from mmcache.featstore import compact
+from mmcache.featstore import format as fmt
+from mmcache.featstore.compact import DEFAULT_COMPACT_EVERY
+from mmcache.featstore.errors import DuplicateSampleError, SchemaError, ShardCommittedError
+from mmcache.featstore.storage import Storage
+from mmcache.featstore.tensors import as_array
 
 if TYPE_CHECKING:
-    from featstore.reader import Store
+    from mmcache.featstore.reader import Store
 
 DEFAULT_SHARD_BYTES = 256 << 20
 

@@ -1,4 +1,4 @@
-"""The ``mmcache`` command: the store commands from ``featstore.cli`` plus ``encode``.
+"""The ``mmcache`` command: the store commands from ``mmcache.featstore.cli`` plus ``encode``.
 Heavy imports (torch, dask, encoders) happen inside the commands that need them, so
 ``mmcache info`` stays fast and works without them."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import click
 
-from featstore.cli import cli, parse_storage_options, storage_options_option
-from featstore.user_errors import check_output_location
+from mmcache.featstore.cli import cli, parse_storage_options, storage_options_option
+from mmcache.featstore.user_errors import check_output_location
 
 
 @cli.command()
@@ -27,10 +27,10 @@ def encode(config_name, input_url, output_url, workers, scheduler, device, overr
     """Run frozen encoders over INPUT once and write their features to the store at OUTPUT."""
     if workers is not None and scheduler:
         raise click.UsageError("--workers and --scheduler exclude each other")
-    from featstore.config import load_config
-    from precompute.config import EncodeConfig
-    from precompute.pipeline import run_encode
-    from precompute.prompts import load_prompt_file
+    from mmcache.featstore.config import load_config
+    from mmcache.precompute.config import EncodeConfig
+    from mmcache.precompute.pipeline import run_encode
+    from mmcache.precompute.prompts import load_prompt_file
 
     config = load_config(EncodeConfig, config_name, "encode", overrides)
     prompts = load_prompt_file(prompts_file) if prompts_file else None

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from featstore.cache import parse_size
-from featstore.errors import ConfigError
-from precompute.media import FrameSampling, ResizeConfig
+from mmcache.featstore.cache import parse_size
+from mmcache.featstore.errors import ConfigError
+from mmcache.precompute.media import FrameSampling, ResizeConfig
 
 # `path: tiny` in a preset means "the tiny random-weight model of this encoder", built once into
 # this cache (see precompute.encoders.tiny) and then loaded through from_pretrained like any other.

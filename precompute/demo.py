@@ -25,7 +25,7 @@ def main() -> None:
     out = Path(args.out).resolve()
     bindir = Path(sys.executable).parent
 
-    from precompute.demo_data import make_dataset
+    from mmcache.precompute.demo_data import make_dataset
 
     manifest = out / "data" / "manifest.jsonl"
     if not manifest.exists():

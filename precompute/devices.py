@@ -8,7 +8,7 @@ import importlib
 import importlib.util
 import warnings
 
-from featstore.errors import ConfigError
+from mmcache.featstore.errors import ConfigError
 
 
 def npu_count() -> int:

@@ -27,9 +27,9 @@ from concurrent.futures import as_completed as futures_as_completed
 from dataclasses import dataclass
 from typing import Any
 
-from precompute.config import EncodeConfig
-from precompute.devices import resolve_device, worker_device
-from precompute.tasks import PROCESS_ENCODERS, DaemonPool, EncoderSpec, describe_encoders, encode_task, loaded_encoders
+from mmcache.precompute.config import EncodeConfig
+from mmcache.precompute.devices import resolve_device, worker_device
+from mmcache.precompute.tasks import PROCESS_ENCODERS, DaemonPool, EncoderSpec, describe_encoders, encode_task, loaded_encoders
 
 # Dask settings for the workers of a LocalCluster (jobs/ sets the same for external clusters):
 # - the nanny's MALLOC_TRIM_THRESHOLD_ turns off glibc's adaptive mmap threshold, so every large
@@ -140,7 +140,7 @@ class ThreadExecutor:
         return value  # one process: every task sees the same object
 
     def store_prompts(self, specs, requested, sections, prompts, store, output_url, storage_options) -> int:
-        from precompute.prompts import encode_and_store_prompts
+        from mmcache.precompute.prompts import encode_and_store_prompts
 
         return encode_and_store_prompts(loaded_encoders(specs, self.device, self.placement.threads, PROCESS_ENCODERS), store, sections, prompts)
 
@@ -158,7 +158,7 @@ class DaskExecutor:
     """Tasks on a Dask cluster: a LocalCluster of worker processes, or an external one."""
 
     def __init__(self, client: Any, placement: Placement, wait_for: int) -> None:
-        from precompute.worker_plugin import EncoderPlugin
+        from mmcache.precompute.worker_plugin import EncoderPlugin
 
         self.client, self.placement, self.kind = client, placement, placement.kind
         self.dashboard_link = client.dashboard_link if _has_bokeh() else None
@@ -174,7 +174,7 @@ class DaskExecutor:
         by a worker: the encoder classes that check the options import torch, which the client of
         an external cluster need not (a worker has it already). ``path: tiny`` is built, by that
         worker, where this process would have built it (its MMCACHE_CACHE)."""
-        from precompute.config import default_cache_dir
+        from mmcache.precompute.config import default_cache_dir
 
         return self.client.submit(_specs_on_worker, config, str(default_cache_dir()), pure=False).result()
 
@@ -318,7 +318,7 @@ def _device_here(requested: str) -> str:
 
 
 def _describe_on_worker(specs, requested, threads):
-    from precompute.worker_plugin import worker_cache
+    from mmcache.precompute.worker_plugin import worker_cache
 
     cache = worker_cache()
     before = cache.loads
@@ -329,16 +329,16 @@ def _describe_on_worker(specs, requested, threads):
 def _specs_on_worker(config, cache_dir):
     from pathlib import Path
 
-    from precompute.pipeline import encoder_specs, takes_text_only
+    from mmcache.precompute.pipeline import encoder_specs, takes_text_only
 
     specs = encoder_specs(config, Path(cache_dir))
     return specs, takes_text_only(specs)
 
 
 def _prompts_on_worker(specs, requested, threads, sections, prompts, output_url, storage_options, manifest):
-    from featstore.reader import open_store
-    from precompute.prompts import encode_and_store_prompts
-    from precompute.worker_plugin import worker_cache
+    from mmcache.featstore.reader import open_store
+    from mmcache.precompute.prompts import encode_and_store_prompts
+    from mmcache.precompute.worker_plugin import worker_cache
 
     encoders = loaded_encoders(specs, _device_here(requested), threads, worker_cache())
     # The manifest the client just read or wrote: no request to read it again.
@@ -350,7 +350,7 @@ def _prompts_on_worker(specs, requested, threads, sections, prompts, output_url,
 
 
 def _run_on_worker(task, output_url, storage_options, specs, requested, threads, settings, known):
-    from precompute.worker_plugin import worker_cache
+    from mmcache.precompute.worker_plugin import worker_cache
 
     return encode_task(task, store_url=output_url, storage_options=storage_options, specs=specs, device=_device_here(requested),
                        threads=threads, settings=settings, known_shards=known, cache=worker_cache())

@@ -32,10 +32,10 @@ import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
-from featstore.errors import ConfigError, SchemaError
-from featstore.format import check_name
-from featstore.retry import remote_filesystem, with_retries
-from featstore.secrets import redact_url
+from mmcache.featstore.errors import ConfigError, SchemaError
+from mmcache.featstore.format import check_name
+from mmcache.featstore.retry import remote_filesystem, with_retries
+from mmcache.featstore.secrets import redact_url
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 VIDEO_SUFFIXES = {".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v"}

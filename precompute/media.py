@@ -27,10 +27,10 @@ import numpy as np
 if TYPE_CHECKING:
     from PIL import Image
 
-from featstore.errors import ConfigError, StorageError
-from featstore.retry import describe, is_transient, remote_filesystem, with_retries
-from featstore.secrets import redact_url
-from precompute.inputs import DEFAULT_MAX_INPUT_BYTES, InputFileError, read_local_file
+from mmcache.featstore.errors import ConfigError, StorageError
+from mmcache.featstore.retry import describe, is_transient, remote_filesystem, with_retries
+from mmcache.featstore.secrets import redact_url
+from mmcache.precompute.inputs import DEFAULT_MAX_INPUT_BYTES, InputFileError, read_local_file
 
 # Landscape and portrait variants of the usual photo/video aspect ratios (width / height).
 DEFAULT_ASPECT_RATIOS = (1.0, 5 / 4, 4 / 5, 4 / 3, 3 / 4, 3 / 2, 2 / 3, 16 / 9, 9 / 16, 2.0, 0.5, 21 / 9, 9 / 21)

@@ -23,19 +23,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import featstore
-from featstore import secrets
-from featstore.config import from_dict
-from featstore.errors import FingerprintMismatchError
-from featstore.format import EXCLUSIVE_COMMIT_VERSION
-from featstore.secrets import RedactedOptions
-from precompute.config import TINY_PATH, EncodeConfig, default_cache_dir
-from precompute.executors import DaskExecutor, ThreadExecutor, choose_placement, connect, open_executor, preserved_environ
-from precompute.inputs import InputRow, Reject, read_inputs
-from precompute.prompts import store_prompt_embeddings
-from precompute.stale import describe as describe_stale
-from precompute.stale import stale_samples
-from precompute.tasks import EncoderSpec, TaskSpec, quiet_offline_env
+from mmcache import featstore
+from mmcache.featstore import secrets
+from mmcache.featstore.config import from_dict
+from mmcache.featstore.errors import FingerprintMismatchError
+from mmcache.featstore.format import EXCLUSIVE_COMMIT_VERSION
+from mmcache.featstore.secrets import RedactedOptions
+from mmcache.precompute.config import TINY_PATH, EncodeConfig, default_cache_dir
+from mmcache.precompute.executors import DaskExecutor, ThreadExecutor, choose_placement, connect, open_executor, preserved_environ
+from mmcache.precompute.inputs import InputRow, Reject, read_inputs
+from mmcache.precompute.prompts import store_prompt_embeddings
+from mmcache.precompute.stale import describe as describe_stale
+from mmcache.precompute.stale import stale_samples
+from mmcache.precompute.tasks import EncoderSpec, TaskSpec, quiet_offline_env
 
 
 @dataclass(kw_only=True)
@@ -76,7 +76,7 @@ def with_client_paths(config: EncodeConfig) -> EncodeConfig:
 
 def encoder_specs(config: EncodeConfig, cache_dir: Path | None = None) -> list[EncoderSpec]:
     """Config sections -> specs with concrete model folders (``path: tiny`` built on demand)."""
-    from precompute.encoders import encoder_class
+    from mmcache.precompute.encoders import encoder_class
 
     specs = []
     for section, raw in config.encoder_sections().items():
@@ -84,7 +84,7 @@ def encoder_specs(config: EncodeConfig, cache_dir: Path | None = None) -> list[E
         name = options.pop("encoder")
         cls = encoder_class(name)
         if options.get("path") == TINY_PATH:
-            from precompute.encoders.tiny import ensure_tiny_models
+            from mmcache.precompute.encoders.tiny import ensure_tiny_models
 
             options["path"] = str(ensure_tiny_models((cache_dir or default_cache_dir()) / "tiny", [name])[name])
         elif "path" in options:
@@ -117,7 +117,7 @@ def plan_tasks(rows: list[InputRow], specs_digest: str, per_task: int, fields: l
 def takes_text_only(specs: list[EncoderSpec]) -> bool:
     """Text-only rows (no media) are samples only for an LLM's tokenizer: a diffusion model has
     nothing to learn from a caption without its image."""
-    from precompute.encoders import encoder_class
+    from mmcache.precompute.encoders import encoder_class
 
     return any(spec.section == "text" and encoder_class(spec.name).text_input == "sample" for spec in specs)
 
@@ -303,7 +303,7 @@ def _samples_to_encode(rows: list[InputRow], store: featstore.Store | None, spec
     an encoder names its fields from its config). Rows rejected before count too: a bound."""
     if store is None:
         return len(rows)
-    from precompute.encoders import build_encoder
+    from mmcache.precompute.encoders import build_encoder
 
     names = [name for spec in specs for name in build_encoder(spec.name, spec.options).fields()]
     return sum(len(group) for group in fields_to_write(rows, store, names).values())
@@ -315,7 +315,7 @@ def _open_or_create(url: str, fields: dict[str, Any], storage_options: dict[str,
     against them (fail closed). Configured fields it lacks are added to it, so a new encoder (or a
     changed one under a new field name) extends a store in place."""
     if store is None:
-        from featstore.reader import create_store
+        from mmcache.featstore.reader import create_store
 
         return create_store(url, fields, storage_options=storage_options, attrs={"transform": transform})
     if store.attrs.get("transform") != json.loads(json.dumps(transform)):

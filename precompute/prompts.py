@@ -2,7 +2,7 @@
 
 Every text field of the job (a text encoder whose items are captions, e.g. T5) gets the empty
 prompt's embedding, always, and the embeddings of the prompts in FILE when given, stored with the
-field's fingerprint beside the samples (``featstore.prompts``). The empty prompt is what a trainer
+field's fingerprint beside the samples (``mmcache.featstore.prompts``). The empty prompt is what a trainer
 needs for caption dropout and classifier-free guidance; the prompts are what it samples from
 during and after training, without loading the text encoder again.
 
@@ -18,12 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from featstore.prompts import EMPTY_PROMPT, part_key, read_prompt_file, write_prompts
+from mmcache.featstore.prompts import EMPTY_PROMPT, part_key, read_prompt_file, write_prompts
 
 
 def load_prompt_file(path: str) -> list[str]:
     """The prompts of ``path`` (one per line; a blank line is an error naming the line)."""
-    from featstore.prompts import PromptFileError
+    from mmcache.featstore.prompts import PromptFileError
 
     file = Path(path)
     try:

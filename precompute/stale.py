@@ -15,8 +15,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-import featstore
-from precompute.inputs import InputRow
+from mmcache import featstore
+from mmcache.precompute.inputs import InputRow
 
 # Inputs hashed per Dask task: enough to amortise a task, few enough to spread over workers.
 HASH_BATCH = 64
@@ -57,8 +57,8 @@ def stale_samples(rows: list[InputRow], store: featstore.Store, *, client=None, 
 
 def changed_contents(items: list[tuple[str, str, str]], storage_options: dict[str, Any] | None) -> dict[str, str]:
     """(sample id, uri, recorded sha256) -> the ids whose input now differs (run on a worker)."""
-    from precompute.media import MediaError
-    from precompute.tasks import read_input_bytes
+    from mmcache.precompute.media import MediaError
+    from mmcache.precompute.tasks import read_input_bytes
 
     changed = {}
     for sample_id, uri, recorded in items:

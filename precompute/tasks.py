@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from featstore.errors import ShardCommittedError
-from featstore.reader import open_store
-from featstore.secrets import redact_url
-from precompute.commit_ahead import commit_ahead
-from precompute.inputs import InputRow
+from mmcache.featstore.errors import ShardCommittedError
+from mmcache.featstore.reader import open_store
+from mmcache.featstore.secrets import redact_url
+from mmcache.precompute.commit_ahead import commit_ahead
+from mmcache.precompute.inputs import InputRow
 
 # Models load from local folders only, without progress bars or hub look-ups cluttering the
 # job's output. Set in the client (inherited by local workers) and again in every worker.
@@ -97,7 +97,7 @@ class EncoderCache:
 
     def get(self, specs: list[EncoderSpec], device: str) -> dict[str, Any]:
         """Section -> loaded encoder for ``specs`` on ``device``, loading only what is missing or stale."""
-        from precompute.encoders import build_encoder
+        from mmcache.precompute.encoders import build_encoder
 
         with self._lock:
             quiet_offline_env()
@@ -169,7 +169,7 @@ def describe_encoders(specs: list[EncoderSpec], device: str, threads: int, cache
             fields[name] = {
                 "dtype": spec.dtype,
                 "ndim": spec.ndim,
-                # "encoder": what rebuilds this encoder later (``train.live.reattach``), its
+                # "encoder": what rebuilds this encoder later (``mmcache.train.live.reattach``), its
                 # registry name and typed config as plain JSON.
                 "meta": {"section": section, "modality": spec.modality, "fingerprint": encoder.fingerprint(),
                          "encoder": {**encoder.config_record(), "threads": used}, **metadata.get(name, {})},
@@ -234,7 +234,7 @@ def encode_task(
 
 def _encode_rows(task: TaskSpec, store, specs, device, threads, settings, result: TaskResult, cache: EncoderCache | None = None) -> list:
     """(row, arrays or None, meta) for each row that was not rejected; rejects go to ``result``."""
-    from precompute.media import FrameSampling, MediaError, ResizeConfig
+    from mmcache.precompute.media import FrameSampling, MediaError, ResizeConfig
 
     configured = loaded_encoders(specs, device, threads, cache)
     # Only the encoders of the fields this task writes run (a field added to committed samples).
@@ -262,7 +262,7 @@ def _encode_rows(task: TaskSpec, store, specs, device, threads, settings, result
         data = read_input_bytes(row.uri, settings.get("input_storage_options"), settings.get("max_input_bytes"))
         if not rules:
             return None
-        from precompute.media import prepare as prepare_media
+        from mmcache.precompute.media import prepare as prepare_media
 
         prepared: dict[str, Any] = {}
         for section, rule in rules.items():
@@ -328,8 +328,8 @@ class DaemonPool:
 
 
 def read_input_bytes(uri: str, storage_options: dict[str, Any] | None, max_bytes: int | None = None) -> bytes:
-    """A source file's bytes (see ``precompute.media.read_source``: regular files only, size-capped)."""
-    from precompute.media import read_source
+    """A source file's bytes (see ``mmcache.precompute.media.read_source``: regular files only, size-capped)."""
+    from mmcache.precompute.media import read_source
 
     return read_source(uri, storage_options, max_bytes)
 
@@ -397,7 +397,7 @@ def _meta(row: InputRow, prepared: dict[str, Any] | None, primary: str | None) -
 
 
 def _encode_batch(batch, encoders: dict[str, Any], reject, done: list, primary: str | None) -> None:
-    from precompute.encoders import EncoderInputError, EncoderOutputError
+    from mmcache.precompute.encoders import EncoderInputError, EncoderOutputError
 
     outputs: list[dict[str, np.ndarray]] = [{} for _ in batch]
     for section in ("vae", "vit"):
@@ -441,7 +441,7 @@ def text_input(encoder: Any, caption: str, conversations: Any, modality: str) ->
     """A sample's text as the text encoder takes it: the caption, or a ``TextSample``."""
     if encoder.text_input == "caption":
         return caption
-    from precompute.encoders import TextSample
+    from mmcache.precompute.encoders import TextSample
 
     # A tokenizer checks the image placeholders against the images the sample really has.
     return TextSample(caption=caption, conversations=conversations, images=int(modality in ("image", "video")))
@@ -450,7 +450,7 @@ def text_input(encoder: Any, caption: str, conversations: Any, modality: str) ->
 def _encode_text(done: list, encoder: Any, batch_size: int, reject) -> None:
     if encoder is None or not done:
         return
-    from precompute.encoders import EncoderInputError, EncoderOutputError
+    from mmcache.precompute.encoders import EncoderInputError, EncoderOutputError
 
     items = [text_input(encoder, row.caption, row.conversations, row.modality) for row, _, _ in done]
     # Identical texts are encoded once for the whole task, not once per batch.

@@ -12,7 +12,7 @@ from typing import Any
 
 from distributed import WorkerPlugin, get_worker
 
-from precompute.tasks import PROCESS_ENCODERS, EncoderCache
+from mmcache.precompute.tasks import PROCESS_ENCODERS, EncoderCache
 
 PLUGIN_NAME = "mmcache-encoders"
 

@@ -16,7 +16,7 @@ NOT_IN_THE_CLIENT = ("torch", "transformers", "diffusers", "PIL", "av", "ml_dtyp
 # The command's own entry point; sys.modules goes to the file named by $MODULES_OUT.
 _PROBE = """
 import json, os, sys
-from precompute.cli import main
+from mmcache.precompute.cli import main
 try:
     main()
 finally:

@@ -9,10 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from featstore.config import load_config
-from precompute.config import EncodeConfig
-from precompute.demo_data import make_dataset
-from precompute.pipeline import run_encode
+from mmcache.featstore.config import load_config
+from mmcache.precompute.config import EncodeConfig
+from mmcache.precompute.demo_data import make_dataset
+from mmcache.precompute.pipeline import run_encode
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +26,7 @@ def encode(manifest: Path, out: Path, *overrides: str, preset: str = "tiny") -> 
     """``mmcache encode --config PRESET`` into ``out`` on a threaded one-worker cluster."""
     from distributed import Client
 
-    from precompute.executors import local_cluster
+    from mmcache.precompute.executors import local_cluster
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with local_cluster(1, processes=False) as cluster, Client(cluster):
@@ -54,8 +54,8 @@ def train(store: str, out: Path, *sets: str, steps: int = 5, resume: bool = Fals
     """``mmtrain fit`` in this process (one rank): the preset plus ``sets``; its result and log lines."""
     import torch.distributed as dist
 
-    from train.config import TrainConfig
-    from train.trainer import fit
+    from mmcache.train.config import TrainConfig
+    from mmcache.train.trainer import fit
 
     config = load_config(TrainConfig, preset, "train", ["log_every=1", "data.prefetch=1", *sets])
     config.data.media_root = media
@@ -68,8 +68,8 @@ def train(store: str, out: Path, *sets: str, steps: int = 5, resume: bool = Fals
 
 
 def fit_ranks(store: str, out: Path, *sets: str, nproc: int = 2, steps: int = 5) -> subprocess.CompletedProcess:
-    """``torchrun --nproc-per-node NPROC -m train.cli fit`` on the tiny-dit preset plus ``sets``."""
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "train.cli", "fit",
+    """``torchrun --nproc-per-node NPROC -m mmcache.train.cli fit`` on the tiny-dit preset plus ``sets``."""
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "mmcache.train.cli", "fit",
             "--config", "tiny-dit", "--features", store, "--out", str(out), "--steps", str(steps),
             "--set", "log_every=1", "--set", "data.prefetch=1", *[a for s in sets for a in ("--set", s)]]
     env = {"OMP_NUM_THREADS": "1", "PATH": str(BIN) + ":/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}

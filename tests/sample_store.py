@@ -1,5 +1,5 @@
 """A DiT store whose latent field is made by the real tiny AutoencoderKL (so `mmtrain sample` finds
-and verifies its decoder), with text embeddings and stored prompts (``featstore.write_prompts``).
+and verifies its decoder), with text embeddings and stored prompts (``mmcache.featstore.write_prompts``).
 Built with the featstore API directly: encoding itself is tested in test_encode / test_prompts."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-import featstore
+from mmcache import featstore
 
 PROMPTS = ["a red circle", "a blue square"]
 
 
 def tiny_vae(cache: Path):
-    from precompute.encoders import build_encoder
-    from precompute.encoders.tiny import ensure_tiny_models
+    from mmcache.precompute.encoders import build_encoder
+    from mmcache.precompute.encoders.tiny import ensure_tiny_models
 
     path = ensure_tiny_models(cache / "tiny", ["autoencoder_kl"])["autoencoder_kl"]
     encoder = build_encoder("autoencoder_kl", {"path": str(path), "modality": "video"})

@@ -7,8 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from featstore.errors import ConfigError
-from train.balance import (
+from mmcache.featstore.errors import ConfigError
+from mmcache.train.balance import (
     BALANCERS,
     BalanceConfig,
     BalanceError,
@@ -138,7 +138,7 @@ def test_micro_batch_plan_errors():
 
 
 def test_plan_global_batch_from_a_yaml_config():
-    from featstore.config import from_dict
+    from mmcache.featstore.config import from_dict
 
     config = from_dict(BalanceConfig, {"algorithm": "greedy", "max_samples": 3}, where="balance")
     cost = config.cost_model(model_dim=64)

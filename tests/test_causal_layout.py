@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from benchmarks.causal_ring_work import layouts, long_tailed_packs, plan_area_per_rank, ratio
-from train.parallel.sequence.causal_layout import balanced_owners, chunk_work, packed_causal_layout
-from train.parallel.sequence.document_mask import DocumentMaskPlan, pad_document_ids, visible_pairs
-from train.parallel.sequence.usp import SequenceLayout, zigzag_owners
+from mmcache.train.parallel.sequence.causal_layout import balanced_owners, chunk_work, packed_causal_layout
+from mmcache.train.parallel.sequence.document_mask import DocumentMaskPlan, pad_document_ids, visible_pairs
+from mmcache.train.parallel.sequence.usp import SequenceLayout, zigzag_owners
 
 
 def test_balanced_layout_evens_ring_work_on_long_tailed_packs():
@@ -92,14 +92,14 @@ def test_plan_visibility_matches_the_full_map_for_any_block_layout():
 def test_chunk_owner_must_split_evenly():
     import pytest
 
-    from train.parallel.sequence import SequenceParallelConfigError
+    from mmcache.train.parallel.sequence import SequenceParallelConfigError
 
     with pytest.raises(SequenceParallelConfigError, match="same number of chunks"):
         SequenceLayout(seq_len=8, ring_size=2, ulysses_size=1, ring_rank=0, ulysses_rank=0, zigzag=True, chunk_owner=(0, 0, 0, 1))
 
 
 def test_static_zigzag_is_the_head_tail_chunk_layout():
-    from train.parallel.sequence import zigzag_indices
+    from mmcache.train.parallel.sequence import zigzag_indices
 
     for ring, ulysses in ((2, 1), (4, 1), (2, 2), (4, 3)):
         layouts = [SequenceLayout.for_ranks(45, ring_size=ring, ulysses_size=ulysses, ring_rank=r, ulysses_rank=0, causal=True)

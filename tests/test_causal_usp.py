@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.ranks import run_on_ranks
-from train.parallel.dims import ParallelDims
-from train.parallel.sequence import (
+from mmcache.train.parallel.dims import ParallelDims
+from mmcache.train.parallel.sequence import (
     SequenceLayout,
     SequenceParallelConfigError,
     count_block_work,
@@ -27,9 +27,9 @@ from train.parallel.sequence import (
     shard_sequence,
     usp_attention,
 )
-from train.parallel.sequence.causal_layout import chunk_work, packed_causal_layout
-from train.parallel.sequence.document_mask import DocumentMaskPlan, pad_document_ids
-from train.parallel.sequence_parallel import (
+from mmcache.train.parallel.sequence.causal_layout import chunk_work, packed_causal_layout
+from mmcache.train.parallel.sequence.document_mask import DocumentMaskPlan, pad_document_ids
+from mmcache.train.parallel.sequence_parallel import (
     CausalPackedSequenceSharding,
     DiTSequenceSharding,
     apply_sequence_parallel,

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import featstore
-from featstore import format as fmt
-from featstore.user_errors import user_message
-from precompute.cli import cli as mmcache
-from precompute.demo_data import make_dataset
+from mmcache import featstore
+from mmcache.featstore import format as fmt
+from mmcache.featstore.user_errors import user_message
+from mmcache.precompute.cli import cli as mmcache
+from mmcache.precompute.demo_data import make_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,7 +71,7 @@ def single_process(monkeypatch):
 
 
 def fit(*args: str):
-    from train.cli import cli as mmtrain
+    from mmcache.train.cli import cli as mmtrain
 
     return CliRunner().invoke(mmtrain, ["fit", "--config", "tiny-dit", "--steps", "2", "--set", "data.prefetch=1", *args])
 
@@ -82,7 +82,7 @@ def test_malformed_yaml_names_the_file_and_line(tmp_path):
     line = one_line_error(CliRunner().invoke(mmcache, ["encode", "--config", str(bad), "--input", str(tmp_path), "--output", str(tmp_path / "o")]),
                           f"{bad}: not valid YAML: line 4, column 8", "fix the file")
     assert len(line) < 200
-    from train.cli import cli as mmtrain
+    from mmcache.train.cli import cli as mmtrain
 
     one_line_error(CliRunner().invoke(mmtrain, ["fit", "--config", str(bad), "--features", "x", "--out", str(tmp_path / "r")]), "line 4, column 8")
     one_line_error(CliRunner().invoke(mmcache, ["encode", "--config", "tiny", "--set", "run.batch_size=[1", "--input", ".", "--output", "o"]),
@@ -143,7 +143,7 @@ def test_disk_full(tmp_path, store, single_process):
 
 
 def test_sequence_parallel_errors_count_as_user_errors():
-    from train.parallel.sequence.groups import SequenceParallelConfigError
+    from mmcache.train.parallel.sequence.groups import SequenceParallelConfigError
 
     assert user_message(SequenceParallelConfigError("ring and ulysses dims must differ")) == "ring and ulysses dims must differ"
     assert user_message(ValueError("a bug somewhere")) is None  # not ours: the traceback stays
@@ -184,9 +184,9 @@ def test_read_only_output(read_only_folder, store):
 def test_debug_shows_the_traceback(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("vae: [\n")
-    args = ["-m", "precompute.cli", "encode", "--config", str(bad), "--input", ".", "--output", str(tmp_path / "o")]
+    args = ["-m", "mmcache.precompute.cli", "encode", "--config", str(bad), "--input", ".", "--output", str(tmp_path / "o")]
     one_line_error(run_as_user(args), "not valid YAML")
-    for result in (run_as_user(["-m", "precompute.cli", "--debug", *args[2:]]), run_as_user(args, env={"MMCACHE_DEBUG": "1"})):
+    for result in (run_as_user(["-m", "mmcache.precompute.cli", "--debug", *args[2:]]), run_as_user(args, env={"MMCACHE_DEBUG": "1"})):
         assert result.returncode == 1 and "Traceback" in result.stderr and "ConfigError" in result.stderr, result.stderr
     # A bug (not a user error) keeps its traceback without --debug.
     result = run_as_user(["-c", "from featstore.cli import cli\n@cli.command()\ndef boom():\n    raise ValueError('a bug')\ncli(['boom'])"])

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-import featstore
-from featstore.verify import verify_store
-from precompute.commit_ahead import commit_ahead, committing_bytes
-from precompute.demo_data import make_dataset
-from precompute.executors import local_cluster
-from precompute.pipeline import run_encode
+from mmcache import featstore
+from mmcache.featstore.verify import verify_store
+from mmcache.precompute.commit_ahead import commit_ahead, committing_bytes
+from mmcache.precompute.demo_data import make_dataset
+from mmcache.precompute.executors import local_cluster
+from mmcache.precompute.pipeline import run_encode
 from tests.s3_server import FaultProxy
 from tests.test_encode import tiny_config
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from featstore.errors import ConfigError
-from train.models import (
+from mmcache.featstore.errors import ConfigError
+from mmcache.train.models import (
     DiTConfig,
     InputShapeError,
     LatentTextBatch,
@@ -20,8 +20,8 @@ from train.models import (
     get_model_family,
     pad_text,
 )
-from train.balance import BalanceConfig, CostModel, plan_global_batch
-from train.objective import (
+from mmcache.train.balance import BalanceConfig, CostModel, plan_global_batch
+from mmcache.train.objective import (
     FlowMatchingConfig,
     draw_timesteps_and_noise,
     flow_matching_loss,
@@ -111,7 +111,7 @@ def test_adaln_zero_init_makes_blocks_identity_and_output_zero():
     x = model.patch_embed(tokens)
     cond = model.time_embed(t)
     context = model.text_embed(text)
-    from train.models.layers import rope_tables
+    from mmcache.train.models.layers import rope_tables
 
     cos, sin = rope_tables(grid, model.config.rope_parts, model.config.rope_theta)
     for block in model.blocks:

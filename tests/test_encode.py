@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import featstore
-from featstore.config import load_config
-from precompute.config import EncodeConfig
-from precompute.demo_data import make_dataset, write_video
-from precompute.pipeline import run_encode
+from mmcache import featstore
+from mmcache.featstore.config import load_config
+from mmcache.precompute.config import EncodeConfig
+from mmcache.precompute.demo_data import make_dataset, write_video
+from mmcache.precompute.pipeline import run_encode
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 TAEF2 = SHARED / "weights" / "taef2"
@@ -31,7 +31,7 @@ TAEF2 = SHARED / "weights" / "taef2"
 def cluster():
     from distributed import Client
 
-    from precompute.executors import local_cluster
+    from mmcache.precompute.executors import local_cluster
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with local_cluster(2) as cluster, Client(cluster) as client:
@@ -261,7 +261,7 @@ def test_local_cluster_settings_stay_with_its_workers(dataset, tmp_path):
     import dask
     from distributed import Client
 
-    from precompute.executors import local_cluster
+    from mmcache.precompute.executors import local_cluster
 
     before = dict(os.environ)
     with local_cluster(1) as cluster, Client(cluster) as client:
@@ -307,7 +307,7 @@ def test_kill_minus_9_then_rerun_gives_each_input_once(dataset, tmp_path):
 def test_killed_worker_is_survived(dataset, tmp_path):
     from distributed import Client
 
-    from precompute.executors import local_cluster
+    from mmcache.precompute.executors import local_cluster
 
     out = tmp_path / "store"
     with local_cluster(2) as local, Client(local) as client:
@@ -337,7 +337,7 @@ def test_taef2_encode_decode_reconstructs_real_photos(tmp_path, cluster):
     import torch
     from PIL import Image
 
-    from precompute.encoders.taef2 import load_taef2_decoder
+    from mmcache.precompute.encoders.taef2 import load_taef2_decoder
 
     names = ["astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg"]
     manifest = write_manifest(tmp_path / "m.jsonl", [{"path": str(SHARED / "media" / "images" / n), "caption": n} for n in names])

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-import featstore
-from precompute.config import EncodeConfig
-from precompute.demo_data import make_dataset
-from precompute.executors import choose_placement, local_cluster
-from precompute.pipeline import encoder_specs, run_encode
+from mmcache import featstore
+from mmcache.precompute.config import EncodeConfig
+from mmcache.precompute.demo_data import make_dataset
+from mmcache.precompute.executors import choose_placement, local_cluster
+from mmcache.precompute.pipeline import encoder_specs, run_encode
 from tests.client_probe import imported, not_in_the_client, probed_command
 from tests.test_encode import manifest_rows, tiny_config, write_manifest
 from tests.test_encode_faults import StallingServer
@@ -75,7 +75,7 @@ def test_in_process_threads_write_the_same_store_as_worker_processes(dataset, tm
 
 
 def test_second_job_on_a_warm_cluster_loads_no_encoder(dataset, tmp_path, cluster):
-    from precompute.worker_plugin import encoder_loads
+    from mmcache.precompute.worker_plugin import encoder_loads
 
     address, client = cluster
     rows = manifest_rows(dataset)
@@ -110,7 +110,7 @@ def test_second_job_on_a_warm_cluster_loads_no_encoder(dataset, tmp_path, cluste
 def test_what_every_task_depends_on_is_held_by_every_worker(cluster):
     """Dask places a task on a worker that holds its dependencies: with the job's shard list on
     the one worker that computed it, every encode task queued there and waited for work stealing."""
-    from precompute.executors import DaskExecutor, Placement
+    from mmcache.precompute.executors import DaskExecutor, Placement
 
     _, client = cluster
     placement = Placement(kind="scheduler", workers=2, threads=1, device_type="cpu", device_count=0, reason="test")
@@ -145,7 +145,7 @@ def test_stuck_input_in_process_becomes_a_reject_and_the_command_exits(dataset, 
         out = tmp_path / "store"
         # A deadline of 1 s instead of the default 30 min, for the stuck input's task to give up on
         # (each input is a task of its own here; the good ones decode in milliseconds).
-        cmd = [sys.executable, "-m", "precompute.cli", "encode", "--config", "tiny", "--input", str(manifest), "--output", str(out),
+        cmd = [sys.executable, "-m", "mmcache.precompute.cli", "encode", "--config", "tiny", "--input", str(manifest), "--output", str(out),
                "--set", "run.task_timeout=1", "--set", "data.allow_outside_root=true"]
         start = time.monotonic()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, check=False)
@@ -202,7 +202,7 @@ def test_the_executor_is_chosen_by_job_size_unless_asked(overrides, kw, samples,
 def test_model_folders_relative_to_the_client_are_resolved_by_it(tmp_path, monkeypatch):
     """An external cluster's worker resolves the specs (with_client_paths first): a folder named
     relative to the command's directory must reach it as that folder, not its own cwd's."""
-    from precompute.pipeline import with_client_paths
+    from mmcache.precompute.pipeline import with_client_paths
 
     monkeypatch.chdir(tmp_path)
     config = with_client_paths(tiny_config("vae.path=models/vae"))
@@ -217,7 +217,7 @@ def test_a_new_store_on_s3_costs_five_requests_besides_its_shards(dataset, clust
     # look for it (GET zarr.json), one listing (is the place empty?), its two groups, the empty
     # prompt's embedding: no HEAD of what was just looked for or written, no re-read of what
     # this job itself wrote, on either executor (a worker writes the prompts on a cluster).
-    from featstore import format as fmt
+    from mmcache.featstore import format as fmt
 
     url = f"{s3_server.make_bucket()}/store"
     kw = {"scheduler": cluster[0]} if where == "scheduler" else {}

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-import featstore
-from featstore.verify import verify_store
-from precompute.demo_data import make_dataset
+from mmcache import featstore
+from mmcache.featstore.verify import verify_store
+from mmcache.precompute.demo_data import make_dataset
 from tests.test_encode import encode, tiny_config, write_manifest
 
 
@@ -31,7 +31,7 @@ def media(tmp_path_factory):
 def cluster():
     from distributed import Client
 
-    from precompute.executors import local_cluster
+    from mmcache.precompute.executors import local_cluster
 
     with local_cluster(1) as local, Client(local) as client:
         yield local.scheduler_address, client

@@ -15,8 +15,8 @@ import pytest
 import torch
 from PIL import Image
 
-from featstore.errors import ConfigError
-from precompute.encoders import (
+from mmcache.featstore.errors import ConfigError
+from mmcache.precompute.encoders import (
     ENCODERS,
     EncoderConfigError,
     EncoderInputError,
@@ -24,10 +24,10 @@ from precompute.encoders import (
     build_encoder,
     encoder_class,
 )
-from precompute.encoders.base import sha256_state_dict, to_numpy
-from precompute.encoders.taef2 import TAEF2Encoder, build_taef2_decoder, build_taef2_encoder
-from precompute.encoders.tiny import ensure_tiny_models
-from precompute.media import FrameSampling, PreparedMedia, ResizeConfig, prepare_image, prepare_video
+from mmcache.precompute.encoders.base import sha256_state_dict, to_numpy
+from mmcache.precompute.encoders.taef2 import TAEF2Encoder, build_taef2_decoder, build_taef2_encoder
+from mmcache.precompute.encoders.tiny import ensure_tiny_models
+from mmcache.precompute.media import FrameSampling, PreparedMedia, ResizeConfig, prepare_image, prepare_video
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 TAEF2_DIR = SHARED / "weights" / "taef2"

@@ -17,16 +17,16 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import featstore
-from featstore.cache import LAYOUT
-from featstore.config import load_config
-from featstore.errors import ConfigError
+from mmcache import featstore
+from mmcache.featstore.cache import LAYOUT
+from mmcache.featstore.config import load_config
+from mmcache.featstore.errors import ConfigError
 from tests.s3_server import FaultProxy
-from train.balance import BalanceConfig, CostModel
-from train.data import FeatureStream, LatentTextData
-from train.config import DataSection, TrainConfig
-from train.order import auto_window, plan_order, resolve_window, shard_positions, shard_read_bytes
-from train.packing import SAMPLE_ID
+from mmcache.train.balance import BalanceConfig, CostModel
+from mmcache.train.data import FeatureStream, LatentTextData
+from mmcache.train.config import DataSection, TrainConfig
+from mmcache.train.order import auto_window, plan_order, resolve_window, shard_positions, shard_read_bytes
+from mmcache.train.packing import SAMPLE_ID
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[1]

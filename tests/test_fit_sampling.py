@@ -60,13 +60,13 @@ def test_samples_and_val_loss_when_due(setup):
 
 
 def test_held_out_samples_are_never_trained_on(setup):
-    import featstore
-    from featstore.errors import ConfigError
-    from train.balance import BalanceConfig
-    from train.data import FeatureStream, LatentTextData
-    from train.models import DiTConfig
-    from train.packing import SAMPLE_ID
-    from train.sample.during_fit import validation_ids
+    from mmcache import featstore
+    from mmcache.featstore.errors import ConfigError
+    from mmcache.train.balance import BalanceConfig
+    from mmcache.train.data import FeatureStream, LatentTextData
+    from mmcache.train.models import DiTConfig
+    from mmcache.train.packing import SAMPLE_ID
+    from mmcache.train.sample.during_fit import validation_ids
 
     store = featstore.open(setup["store"])
     adapter = LatentTextData(store=store, latent_field="latent", text_field="text_emb")

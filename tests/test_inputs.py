@@ -1,4 +1,4 @@
-"""Contained inputs (``precompute.inputs`` / ``precompute.media.read_source``), with real files,
+"""Contained inputs (``mmcache.precompute.inputs`` / ``mmcache.precompute.media.read_source``), with real files,
 symlinks, a FIFO and a device: nothing outside the input root is read unless allowed, only
 regular files are opened (and never blocking), a size cap holds before decoding; manifests
 with a BOM, bad lines, control characters in captions, empty inputs and colliding ids."""
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from precompute.inputs import EmptyInputError, ManifestError, read_inputs, sample_id_for
-from precompute.media import MediaError, read_source
+from mmcache.precompute.inputs import EmptyInputError, ManifestError, read_inputs, sample_id_for
+from mmcache.precompute.media import MediaError, read_source
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 64  # bytes enough for the reading rules (decoding is not tested here)
 
@@ -181,9 +181,9 @@ def test_encode_of_a_hostile_folder_rejects_and_finishes(tmp_path):
     rejects say why for each of the others."""
     from click.testing import CliRunner
 
-    import featstore
-    from precompute.cli import cli
-    from precompute.demo_data import make_dataset
+    from mmcache import featstore
+    from mmcache.precompute.cli import cli
+    from mmcache.precompute.demo_data import make_dataset
 
     make_dataset(tmp_path / "data", num_images=1, num_videos=0)
     folder = tmp_path / "in"

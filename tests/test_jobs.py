@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from precompute.executors import WORKER_CONFIG
+from mmcache.precompute.executors import WORKER_CONFIG
 
 JOBS = Path(__file__).resolve().parents[1] / "jobs"
 

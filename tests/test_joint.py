@@ -14,12 +14,12 @@ import pytest
 import torch.distributed as dist
 from click.testing import CliRunner
 
-import featstore
-from featstore.config import load_config
+from mmcache import featstore
+from mmcache.featstore.config import load_config
 from tests.joint_store import ROOT, dataset, encode, fit_ranks, losses, records, subset_manifest, train
-from train.cli import cli
-from train.config import TrainConfig
-from train.trainer import fit
+from mmcache.train.cli import cli
+from mmcache.train.config import TrainConfig
+from mmcache.train.trainer import fit
 
 LIVE = ["encoders.latent.mode=live", "encoders.text_emb.mode=live"]
 
@@ -150,7 +150,7 @@ def test_drift(store, tmp_path):
     assert "latent: 4 sample(s)" in same.output and "text_emb: 4 sample(s)" in same.output
     resampled = runner.invoke(cli, ["drift", "--features", store, "--fields", "latent", "--set", "encoders.latent.resize.resample=lanczos"])
     assert resampled.exit_code == 1 and "DRIFT" in resampled.output and "resize.resample cached 'bicubic', now 'lanczos'" in resampled.output
-    from precompute.encoders.tiny import build_tiny_model
+    from mmcache.precompute.encoders.tiny import build_tiny_model
 
     other = build_tiny_model("t5", tmp_path / "t5-other", seed=1)
     reweighted = runner.invoke(cli, ["drift", "--features", store, "--fields", "text_emb", "--set", f"encoders.text_emb.path={other}", "--json"])
@@ -164,7 +164,7 @@ def test_drift(store, tmp_path):
 
 
 def test_bad_input_is_refused_before_step_1(store, tmp_path):
-    from precompute.encoders.tiny import build_tiny_model
+    from mmcache.precompute.encoders.tiny import build_tiny_model
 
     s = featstore.open(store)
     media = Path(s.index.column("source_uri")[0].as_py()).parent

@@ -15,11 +15,11 @@ import pytest
 from click.testing import CliRunner
 from PIL import Image
 
-import featstore
+from mmcache import featstore
 from tests import joint_store
 from tests.joint_store import ROOT, dataset, encode, fit_ranks, losses, manifest_rows, records, subset_manifest
-from train.cli import cli
-from train.live.manifest import ManifestResumeError
+from mmcache.train.cli import cli
+from mmcache.train.live.manifest import ManifestResumeError
 
 PARITY = ["optim.grad_clip=0"]  # clipping is exact too, but its norm adds rounding across ranks
 SHARED = ROOT.parent / "shared" / "media"
@@ -191,8 +191,8 @@ def _media(root: Path) -> list[Path]:
 
 
 def test_prepared_shape_reads_what_prepare_gives(tmp_path):
-    from precompute.inputs import modality_of
-    from precompute.media import FrameSampling, ResizeConfig, SizeRule, TilingConfig, prepare, prepared_shape
+    from mmcache.precompute.inputs import modality_of
+    from mmcache.precompute.media import FrameSampling, ResizeConfig, SizeRule, TilingConfig, prepare, prepared_shape
 
     rules = [SizeRule(spatial_multiple=8), SizeRule(spatial_multiple=16, temporal="4k+1"), SizeRule(fixed_size=(32, 32)),
              SizeRule(fixed_size=(32, 32), tiling=TilingConfig(max_tiles=6))]

@@ -1,4 +1,4 @@
-"""Live and trained encoders under sequence parallelism (``train.parallel.encoders``): the ranks of
+"""Live and trained encoders under sequence parallelism (``mmcache.train.parallel.encoders``): the ranks of
 an SP group, which train on the same samples, each encode only their share of them and gather the
 rest. Real gloo ranks (the fork-server harness) on the real tiny store of the joint-finetune
 tests: 1 DP × 2 Ulysses and 1 DP × 2 ring give the losses and trained-encoder weights of one
@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from featstore.config import load_config
+from mmcache.featstore.config import load_config
 from tests.joint_store import dataset, encode, losses, records
 from tests.ranks import run_on_ranks
 
@@ -42,8 +42,8 @@ def store(tmp_path_factory) -> str:
 
 
 def _fit(store: str, out: str, sets: list[str], rank: int, world: int, preset: str = "tiny-dit") -> dict:
-    from train.config import TrainConfig
-    from train.trainer import fit
+    from mmcache.train.config import TrainConfig
+    from mmcache.train.trainer import fit
 
     config = load_config(TrainConfig, preset, "train", sets)
     checked, gathered = Counter[str](), set()
@@ -144,7 +144,7 @@ def test_trained_vit_of_the_vlm_encodes_a_share_per_sequence_parallel_rank(vlm_s
 
 # -- the gathers themselves ------------------------------------------------------------------------
 def _gather_cases(rank: int, world: int) -> dict:
-    from train.parallel.encoders import EncoderShareError, SampleSplit
+    from mmcache.train.parallel.encoders import EncoderShareError, SampleSplit
 
     group = dist.new_group(list(range(world)))
     split = SampleSplit(group, group)
@@ -218,11 +218,11 @@ def test_gathers_are_exact_and_their_backward_sums_each_samples_gradient():
 
 
 def _failing_preparation(store: str, rank: int, world: int) -> str:
-    import featstore
-    from train.config import TrainConfig
-    from train.live.fields import LiveFields
-    from train.parallel.dims import ParallelDims
-    from train.parallel.encoders import apply_encoder_sequence_parallel
+    from mmcache import featstore
+    from mmcache.train.config import TrainConfig
+    from mmcache.train.live.fields import LiveFields
+    from mmcache.train.parallel.dims import ParallelDims
+    from mmcache.train.parallel.encoders import apply_encoder_sequence_parallel
 
     # The latent trained: its inputs (decoded pixels) are prepared in complete, before the live
     # captions' share is encoded; rank 1 finds no media where the config says (a missing mount).
@@ -251,8 +251,8 @@ def test_a_rank_failing_to_prepare_its_inputs_makes_every_rank_raise(store):
 def _two_groups_case(rank: int, world: int) -> list:
     from types import SimpleNamespace
 
-    from train.parallel.dims import ParallelDims
-    from train.parallel.encoders import apply_encoder_sequence_parallel
+    from mmcache.train.parallel.dims import ParallelDims
+    from mmcache.train.parallel.encoders import apply_encoder_sequence_parallel
 
     meshes = ParallelDims(dp_shard=2, ulysses=2, world_size=world).build_meshes("cpu")
     live = apply_encoder_sequence_parallel(SimpleNamespace(split=None), meshes)

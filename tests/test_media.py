@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from featstore.errors import ConfigError
-from precompute.media import (
+from mmcache.featstore.errors import ConfigError
+from mmcache.precompute.media import (
     FrameSampling,
     MediaError,
     ResizeConfig,

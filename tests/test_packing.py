@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-import featstore
+from mmcache import featstore
 from tests.vlm_store import random_store
-from train.config import DataSection
-from train.models import build_model, get_model_family
-from train.models.vlm import next_token_loss
-from train.packing import IGNORE, SAMPLE_ID, ImageTokenMismatchError, SampleTooLongError, first_fit_decreasing
+from mmcache.train.config import DataSection
+from mmcache.train.models import build_model, get_model_family
+from mmcache.train.models.vlm import next_token_loss
+from mmcache.train.packing import IGNORE, SAMPLE_ID, ImageTokenMismatchError, SampleTooLongError, first_fit_decreasing
 
 
 @pytest.fixture(scope="module")

@@ -14,14 +14,14 @@ import ml_dtypes
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from precompute.executors import local_cluster
+from mmcache.precompute.executors import local_cluster
 
-import featstore
-from featstore.config import load_config
-from featstore.prompts import MissingPromptError, PromptFileError, read_prompt_file
-from precompute.config import EncodeConfig
-from precompute.demo_data import make_dataset
-from precompute.pipeline import run_encode
+from mmcache import featstore
+from mmcache.featstore.config import load_config
+from mmcache.featstore.prompts import MissingPromptError, PromptFileError, read_prompt_file
+from mmcache.precompute.config import EncodeConfig
+from mmcache.precompute.demo_data import make_dataset
+from mmcache.precompute.pipeline import run_encode
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,7 +100,7 @@ def test_a_blank_line_is_an_error_naming_it(tmp_path):
 def test_prompts_not_in_the_store_are_encoded_live_like_the_stored_ones(encoded):
     """mmtrain sample's fallback: the run's text encoder re-attached from the store's record gives
     the stored bytes for a stored prompt, and encodes new ones."""
-    from train.sample.command import live_prompt_embeddings
+    from mmcache.train.sample.command import live_prompt_embeddings
 
     store = featstore.open(encoded["store"])
     digest = store.fields["text_emb"].meta["fingerprint"]["digest"]

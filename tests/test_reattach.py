@@ -1,4 +1,4 @@
-"""Re-attaching a field's encoder from what the store recorded (``train.live.reattach``): live
+"""Re-attaching a field's encoder from what the store recorded (``mmcache.train.live.reattach``): live
 features equal the cached ones up to storage rounding; moved media, other weights, a store
 without the record and an unknown encoder are refused with errors that say what to do."""
 
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-import featstore
+from mmcache import featstore
 from tests.joint_store import dataset, encode
-from train.live.reattach import (
+from mmcache.train.live.reattach import (
     EncoderMismatchError,
     EncoderRecordError,
     MediaMovedError,
@@ -112,7 +112,7 @@ def test_live_features_do_not_depend_on_the_callers_thread_count(store, field):
 
 
 def test_other_weights_are_refused_saying_what_differs(store, tmp_path):
-    from precompute.encoders.tiny import build_tiny_model
+    from mmcache.precompute.encoders.tiny import build_tiny_model
 
     s = featstore.open(store)
     other = build_tiny_model("t5", tmp_path / "t5-other", seed=1)

@@ -27,7 +27,7 @@ def mmtrain(*args: str, cache: Path, check: bool = True) -> subprocess.Completed
     else:
         from click.testing import CliRunner
 
-        from train.cli import cli
+        from mmcache.train.cli import cli
 
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("MMCACHE_CACHE", str(cache))  # where the tiny VAE (the decoder) was built

@@ -77,7 +77,7 @@ def overfit(tmp_path_factory):
             *(arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")), cache=cache)
     from click.testing import CliRunner
 
-    from train.cli import cli
+    from mmcache.train.cli import cli
 
     out = root / "samples"
     invoked = CliRunner().invoke(cli, ["sample", "--run", str(run), "--prompts", str(captions), "--out", str(out), "--vae", str(TAEF2),
@@ -90,8 +90,8 @@ def reconstructions(store: Path) -> dict[str, np.ndarray]:
     """caption -> the TAESD-F2 decoder's picture of that training image's stored latent."""
     import torch
 
-    import featstore
-    from train.sample.decode import load_decoder
+    from mmcache import featstore
+    from mmcache.train.sample.decode import load_decoder
 
     features = featstore.open(str(store))
     decode = load_decoder(features.fields["latent"].meta, str(TAEF2))

@@ -25,7 +25,7 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 @pytest.fixture(scope="module")
 def vae():
-    from precompute.encoders import build_encoder
+    from mmcache.precompute.encoders import build_encoder
 
     encoder = build_encoder("taef2", {"path": str(TAEF2), "modality": "video"})
     encoder.load("cpu")
@@ -40,9 +40,9 @@ def meta_of(encoder) -> dict:
 def test_taef2_decoder_reconstructs_real_photos(vae, name):
     from PIL import Image
 
-    from train.sample.decode import load_decoder, to_store_space
-    from train.sample.generate import latent_shape
-    from train.models import DiTConfig
+    from mmcache.train.sample.decode import load_decoder, to_store_space
+    from mmcache.train.sample.generate import latent_shape
+    from mmcache.train.models import DiTConfig
 
     image = Image.open(SHARED / "media/images" / name).convert("RGB")
     side = min(image.size)
@@ -60,8 +60,8 @@ def test_taef2_decoder_reconstructs_real_photos(vae, name):
 
 
 def test_a_folder_with_other_weights_is_refused(vae, tmp_path):
-    from featstore.errors import FingerprintMismatchError
-    from train.sample.decode import load_decoder
+    from mmcache.featstore.errors import FingerprintMismatchError
+    from mmcache.train.sample.decode import load_decoder
 
     state = torch.load(TAEF2 / "taef2_encoder.pth", map_location="cpu", weights_only=True)
     first = next(iter(state))

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.models import build_model
-from train.objective import interpolate, velocity_target
-from train.sample.sampler import SamplerConfig, SamplerConfigError, euler_sample, initial_noise, sample_one, timestep_grid
+from mmcache.train.models import build_model
+from mmcache.train.objective import interpolate, velocity_target
+from mmcache.train.sample.sampler import SamplerConfig, SamplerConfigError, euler_sample, initial_noise, sample_one, timestep_grid
 
 
 def straight_to(target: torch.Tensor):
@@ -102,7 +102,7 @@ def test_guidance_one_is_the_conditional_prediction_only(dit):
 
 
 def test_a_batch_of_pairs_matches_each_pair_alone(dit):
-    from train.sample.sampler import sample_batch
+    from mmcache.train.sample.sampler import sample_batch
 
     texts, empty = [torch.randn(5, 8), torch.randn(2, 8)], torch.randn(1, 8)
     config = SamplerConfig(steps=3, guidance=3.0)

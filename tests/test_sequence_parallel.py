@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from tests.ranks import run_on_ranks
 
-from train.parallel.sequence import (
+from mmcache.train.parallel.sequence import (
     SequenceLayout,
     SequenceParallelConfigError,
     block_attention_forward,

@@ -12,20 +12,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import featstore
-from featstore.config import load_config
-from precompute.config import EncodeConfig
-from precompute.demo_data import make_dataset
-from precompute.encoders import EncoderConfigError, TextSample, build_encoder
-from precompute.encoders.tiny import ensure_tiny_models, train_tiny_bpe_tokenizer
-from precompute.pipeline import run_encode
+from mmcache import featstore
+from mmcache.featstore.config import load_config
+from mmcache.precompute.config import EncodeConfig
+from mmcache.precompute.demo_data import make_dataset
+from mmcache.precompute.encoders import EncoderConfigError, TextSample, build_encoder
+from mmcache.precompute.encoders.tiny import ensure_tiny_models, train_tiny_bpe_tokenizer
+from mmcache.precompute.pipeline import run_encode
 
 
 @pytest.fixture(scope="module")
 def cluster():
     from distributed import Client
 
-    from precompute.executors import local_cluster
+    from mmcache.precompute.executors import local_cluster
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with local_cluster(2) as cluster, Client(cluster) as client:
@@ -148,7 +148,7 @@ def test_text_only_samples_and_edited_text_on_a_rerun(media, tmp_path, cluster):
 
 def test_text_only_rows_need_the_tokenizer(tmp_path, media, cluster):
     """A DiT config (no tokenizer) has nothing to train on in a caption without its image."""
-    from precompute.inputs import read_inputs
+    from mmcache.precompute.inputs import read_inputs
 
     manifest = write_manifest(media / "dit.jsonl", [{"path": "media/image_000.png", "caption": "x"}, {"path": None, "caption": "y"}])
     rows, rejects = read_inputs(str(manifest))
@@ -249,7 +249,7 @@ def test_chat_template_of_the_tokenizer_is_used(tmp_path, tokenizer_dir):
 
 @pytest.mark.parametrize("preset", ["internvl2-2b", "llava-1.5-7b"])
 def test_real_presets_load_and_ask_for_their_folders(preset):
-    from precompute.pipeline import encoder_specs
+    from mmcache.precompute.pipeline import encoder_specs
 
     config = load_config(EncodeConfig, preset, "encode", [])
     assert config.vit["encoder"] in ("internvl_vision", "clip_vision") and config.text["encoder"] == "tokenizer"
@@ -262,7 +262,7 @@ def test_real_presets_load_and_ask_for_their_folders(preset):
 def test_conversations_column_in_csv_is_a_json_string(tmp_path):
     import csv
 
-    from precompute.inputs import read_inputs
+    from mmcache.precompute.inputs import read_inputs
 
     (tmp_path / "a.png").write_bytes(b"png")
     turns = [{"from": "human", "value": "<image>\nhi"}, {"from": "gpt", "value": "hello"}]

@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import featstore
+from mmcache import featstore
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[1]  # the checkout under test, also for the subprocesses
@@ -194,9 +194,9 @@ def test_bad_sequence_parallel_mesh(store, tmp_path):
 
 
 def test_zero_is_a_top_level_setting():
-    from featstore.config import load_config
-    from featstore.errors import ConfigError
-    from train.config import TrainConfig
+    from mmcache.featstore.config import load_config
+    from mmcache.featstore.errors import ConfigError
+    from mmcache.train.config import TrainConfig
 
     assert load_config(TrainConfig, "tiny-dit", "train", ["zero=2"]).zero == 2
     with pytest.raises(ConfigError, match=r"parallel.zero is not a setting: the ZeRO stage is the top-level `zero: 2\|3`"):
@@ -204,10 +204,10 @@ def test_zero_is_a_top_level_setting():
 
 
 def test_checkpoint_keep_must_keep_one():
-    from featstore.config import load_config
-    from featstore.errors import ConfigError
-    from train.checkpoint import save_checkpoint
-    from train.config import TrainConfig
+    from mmcache.featstore.config import load_config
+    from mmcache.featstore.errors import ConfigError
+    from mmcache.train.checkpoint import save_checkpoint
+    from mmcache.train.config import TrainConfig
 
     with pytest.raises(ConfigError, match="checkpoint.keep must be >= 1"):
         load_config(TrainConfig, "tiny-dit", "train", ["checkpoint.keep=0"])
@@ -221,10 +221,10 @@ def test_a_checkpoint_without_scheduler_state_replays_the_schedule(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from featstore.config import load_config
-    from train.checkpoint import load_checkpoint
-    from train.config import TrainConfig
-    from train.trainer import lr_lambda
+    from mmcache.featstore.config import load_config
+    from mmcache.train.checkpoint import load_checkpoint
+    from mmcache.train.config import TrainConfig
+    from mmcache.train.trainer import lr_lambda
 
     config = load_config(TrainConfig, "tiny-dit", "train")
 
@@ -274,10 +274,10 @@ def test_caption_dropout_is_the_same_at_any_world_size(tmp_path):
     """Which captions a step drops depends on (seed, step, position in the global batch) only:
     the ranks of 2-way data parallelism drop exactly the captions one process drops, and each
     dropped sample gets the stored empty caption's embedding."""
-    from train.balance import BalanceConfig, CostModel
-    from train.data import FeatureStream, LatentTextData
-    from train.live.dropout import CaptionDropout
-    from train.packing import SAMPLE_ID
+    from mmcache.train.balance import BalanceConfig, CostModel
+    from mmcache.train.data import FeatureStream, LatentTextData
+    from mmcache.train.live.dropout import CaptionDropout
+    from mmcache.train.packing import SAMPLE_ID
 
     url = str(tmp_path / "store")
     rng = np.random.default_rng(1)

@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import featstore
-from featstore.config import load_config
+from mmcache import featstore
+from mmcache.featstore.config import load_config
 from tests.joint_store import dataset, encode
-from train.config import TrainConfig
-from train.trainer import fit
+from mmcache.train.config import TrainConfig
+from mmcache.train.trainer import fit
 
 # 3 of the 10 samples held out (hash below 0.3), so a global batch of 4 of the 7 left.
 SETS = ["log_every=1", "data.prefetch=1", "optim.grad_clip=0", "data.validation_fraction=0.3", "data.global_batch=4",
@@ -42,8 +42,8 @@ def train(store: str, out: Path, *sets: str) -> tuple[TrainConfig, dict[int, dic
 
 def validation_loss(store_url: str, config: TrainConfig, run: Path, live=None) -> float:
     """The held-out loss of the run's final model, computed here (one gloo rank)."""
-    from train.sample.during_fit import Validator, validation_ids
-    from train.sample.source import load_trained
+    from mmcache.train.sample.during_fit import Validator, validation_ids
+    from mmcache.train.sample.source import load_trained
 
     store = featstore.open(store_url)
     trained = load_trained(run)
@@ -59,8 +59,8 @@ def validation_loss(store_url: str, config: TrainConfig, run: Path, live=None) -
 
 
 def test_val_loss_follows_the_training_text_encoder(store, tmp_path):
-    from train.live.fields import LiveField, LiveFields
-    from train.live.reattach import reattach_encoder
+    from mmcache.train.live.fields import LiveField, LiveFields
+    from mmcache.train.live.reattach import reattach_encoder
 
     _, cached = train(store, tmp_path / "cached")
     # lr_scale 20: the tiny T5 moves enough in 6 steps for its change to show clearly in val_loss.

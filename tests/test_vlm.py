@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.models.hf import HFCheckpointError, decoder_config_from_hf, load_hf_weights, save_hf
-from train.models.llm import Decoder
+from mmcache.train.models.hf import HFCheckpointError, decoder_config_from_hf, load_hf_weights, save_hf
+from mmcache.train.models.llm import Decoder
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,12 +78,12 @@ def test_the_model_learns_to_read_the_image(tmp_path):
     with the images shuffled among the samples: the answer comes from the image, not the prompt."""
     import numpy as np
 
-    import featstore
+    from mmcache import featstore
     from tests.vlm_store import shapes_store, tiny_vit, train_tokenizer
-    from train.config import DataSection
-    from train.models import build_model, get_model_family
-    from train.models.vlm import next_token_loss
-    from train.packing import SAMPLE_ID
+    from mmcache.train.config import DataSection
+    from mmcache.train.models import build_model, get_model_family
+    from mmcache.train.models.vlm import next_token_loss
+    from mmcache.train.packing import SAMPLE_ID
 
     tokenizer, vit = train_tokenizer(), tiny_vit()
     train_url, _ = shapes_store(str(tmp_path / "train"), 160, seed=0, tokenizer=tokenizer, vit=vit)
@@ -122,7 +122,7 @@ def test_the_model_learns_to_read_the_image(tmp_path):
 
 
 def test_bad_model_args_are_refused():
-    from train.models import ModelConfigError, get_model_family
+    from mmcache.train.models import ModelConfigError, get_model_family
 
     family = get_model_family("vlm")
     with pytest.raises(ModelConfigError, match=r"model.args.train must list some of \['projector', 'llm'\]"):
@@ -134,7 +134,7 @@ def test_bad_model_args_are_refused():
 
 
 def test_the_vlm_starts_from_a_hugging_face_folder(tmp_path):
-    from train.models import ModelConfigError, get_model_family
+    from mmcache.train.models import ModelConfigError, get_model_family
 
     hf = _hf_model("qwen2")
     hf.save_pretrained(tmp_path / "hf")
@@ -154,8 +154,8 @@ def test_the_family_export_hook_writes_a_from_pretrained_llm_and_the_projector(t
     """What `mmtrain fit` writes to RUN_DIR/export (and `mmtrain export` may call): the registry's
     hook on a full state dict; the LLM reloads with from_pretrained with the same logits, the
     projector with load_projector with the same outputs."""
-    from train.models import build_model, export_model, get_model_family
-    from train.models.vlm import load_projector
+    from mmcache.train.models import build_model, export_model, get_model_family
+    from mmcache.train.models.vlm import load_projector
 
     config = get_model_family("vlm").resolve_config({"pixel_shuffle": shuffle, "qkv_bias": qkv_bias, "dim": 32, "mlp_dim": 64})
     torch.manual_seed(0)
@@ -182,8 +182,8 @@ def test_the_family_export_hook_writes_a_from_pretrained_llm_and_the_projector(t
 def test_the_family_export_keeps_the_trained_encoders_beside_it(tmp_path):
     """RUN/export is shared: the VLM's llm/ + projector/ and each trained encoder's RUN/export/<field>
     (train.live.joint). Whichever is written first, both are there after; other leftovers go."""
-    from train.live.reattach import EXPORT_RECORD
-    from train.models import build_model, export_model
+    from mmcache.train.live.reattach import EXPORT_RECORD
+    from mmcache.train.models import build_model, export_model
 
     config = {"dim": 32, "mlp_dim": 64}
     model = build_model("vlm", config, vit_dim=12, vocab_size=99)

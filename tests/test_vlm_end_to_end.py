@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import featstore
-from precompute.demo_data import make_dataset
+from mmcache import featstore
+from mmcache.precompute.demo_data import make_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ def test_encode_then_fit_a_vlm(tmp_path):
     with manifest.open("a") as fh:
         fh.write("".join(json.dumps(row) + "\n" for row in text_only))
     store_url, out = str(tmp_path / "store"), tmp_path / "run"
-    run("-m", "precompute.cli", "encode", "--config", "tiny-vlm", "--input", str(manifest), "--output", store_url,
+    run("-m", "mmcache.precompute.cli", "encode", "--config", "tiny-vlm", "--input", str(manifest), "--output", store_url,
         "--workers", "1")
     store = featstore.open(store_url)
     assert len(store) == 14 and {"vit_features", "input_ids", "target_mask"} <= set(store.fields)
@@ -43,7 +43,7 @@ def test_encode_then_fit_a_vlm(tmp_path):
     assert int((sample["input_ids"] == image_token).sum()) == 1
     assert sample["target_mask"].shape == sample["input_ids"].shape and 0 < sample["target_mask"].sum() < len(sample["target_mask"])
 
-    run("-m", "train.cli", "fit", "--config", "tiny-vlm", "--features", store_url, "--out", str(out), "--steps", "12",
+    run("-m", "mmcache.train.cli", "fit", "--config", "tiny-vlm", "--features", store_url, "--out", str(out), "--steps", "12",
         "--set", "log_every=1")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 13))

@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 from click.testing import CliRunner
 
-import featstore
-from featstore.config import load_config
+from mmcache import featstore
+from mmcache.featstore.config import load_config
 from tests.joint_store import dataset, encode
-from train.config import TrainConfig
-from train.trainer import fit
+from mmcache.train.config import TrainConfig
+from mmcache.train.trainer import fit
 
 
 def train(store: str, out: Path, steps: int, *sets: str) -> Path:
@@ -51,7 +51,7 @@ def setup(tmp_path_factory):
 
 
 def mmtrain(*args: str, check: bool = True):
-    from train.cli import cli
+    from mmcache.train.cli import cli
 
     result = CliRunner().invoke(cli, list(args))
     if check:
@@ -64,7 +64,7 @@ def answers(out: Path) -> list[dict]:
 
 
 def test_kv_cache_logits_equal_the_full_forward():
-    from train.models.llm import Decoder, DecoderConfig, KVCache
+    from mmcache.train.models.llm import Decoder, DecoderConfig, KVCache
 
     for kv_heads, bias in ((2, False), (4, True)):
         torch.manual_seed(0)
@@ -93,9 +93,9 @@ def test_kv_cache_logits_equal_the_full_forward():
 
 
 def test_greedy_answers_are_the_models_argmax_step_by_step(setup):
-    from train.live.reattach import sample_rows
-    from train.packing import expand_sample, pack
-    from train.sample.source import load_trained, reattach_trained
+    from mmcache.train.live.reattach import sample_rows
+    from mmcache.train.packing import expand_sample, pack
+    from mmcache.train.sample.source import load_trained, reattach_trained
 
     out = setup["root"] / "greedy"
     result = mmtrain("sample", "--run", str(setup["run"]), *[a for i in setup["images"] for a in ("--image", i)], "--prompt", "describe the image",
@@ -131,8 +131,8 @@ def test_greedy_answers_are_the_models_argmax_step_by_step(setup):
 
 
 def test_text_only_questions_are_answered_from_the_text_alone(setup):
-    from train.packing import expand_sample, pack
-    from train.sample.source import load_trained, reattach_trained
+    from mmcache.train.packing import expand_sample, pack
+    from mmcache.train.sample.source import load_trained, reattach_trained
 
     root, run = setup["root"], str(setup["run"])
     questions = ["what is this", "tell me about it"]
@@ -166,8 +166,8 @@ def test_text_only_questions_are_answered_from_the_text_alone(setup):
 
 
 def test_each_seed_continues_the_prompts_cache_as_if_decoded_again(setup):
-    from train.sample.answer import AnswerConfig, continue_answer, prefill
-    from train.sample.source import load_trained, reattach_trained
+    from mmcache.train.sample.answer import AnswerConfig, continue_answer, prefill
+    from mmcache.train.sample.source import load_trained, reattach_trained
 
     root = setup["root"]
     seeds = ["--seed", "1", "--seed", "2", "--seed", "3"]
@@ -209,7 +209,7 @@ def test_sampled_answers_are_the_same_bytes_for_the_same_seed_from_a_run_or_its_
 
 
 def test_a_run_that_trained_its_vit_answers_with_the_trained_vit(setup):
-    from train.sample.source import load_trained, reattach_trained
+    from mmcache.train.sample.source import load_trained, reattach_trained
 
     root = setup["root"]
     # With a held-out split (3 of the 8, hence a global batch of 4): val_loss reads the held-out
@@ -258,7 +258,7 @@ def test_bad_input_is_a_clear_error(setup):
 
 
 def test_devices_by_name():
-    from train.parallel.dims import DeviceChoiceError, device_and_backend, pick_device
+    from mmcache.train.parallel.dims import DeviceChoiceError, device_and_backend, pick_device
 
     assert pick_device("cpu") == pick_device(" CPU ") == torch.device("cpu")
     assert pick_device("auto") == device_and_backend()[0]  # the trainer's pick

@@ -23,10 +23,10 @@ def store(tmp_path_factory) -> str:
 
 
 def mmtrain(*args: str, nproc: int = 1, check: bool = True) -> subprocess.CompletedProcess:
-    """The CLI of this checkout (python -m train.cli), alone or under torchrun."""
-    command = [sys.executable, "-m", "train.cli", *args]
+    """The CLI of this checkout (python -m mmcache.train.cli), alone or under torchrun."""
+    command = [sys.executable, "-m", "mmcache.train.cli", *args]
     if nproc > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "train.cli", *args]
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "mmcache.train.cli", *args]
     env = {"OMP_NUM_THREADS": "1", "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     if check:
@@ -67,8 +67,8 @@ def test_a_run_ends_with_a_hugging_face_export(reference):
     import torch
     import transformers
 
-    from train.models import build_model
-    from train.models.vlm import load_projector
+    from mmcache.train.models import build_model
+    from mmcache.train.models.vlm import load_projector
 
     weights = load_file(str(reference / "model.safetensors"))
     sizes = json.loads((reference / "run.json").read_text())["input_sizes"]
@@ -104,10 +104,10 @@ def test_resume_at_step_5_equals_the_uninterrupted_run(store, reference, tmp_pat
 def test_stage_one_trains_only_the_projector(store, tmp_path):
     import torch
 
-    from featstore.config import load_config
-    from train.config import TrainConfig
-    from train.models import build_model
-    from train.trainer import dry_run
+    from mmcache.featstore.config import load_config
+    from mmcache.train.config import TrainConfig
+    from mmcache.train.models import build_model
+    from mmcache.train.trainer import dry_run
 
     stage1 = ["model.args.train=[projector]"]
     described = dry_run(load_config(TrainConfig, "tiny-vlm", "train", stage1), store, None)

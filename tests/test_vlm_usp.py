@@ -44,13 +44,13 @@ def _gradients_under_sp(store_url: str, rank: int, world: int) -> None:
     """The real VLM's parameter gradients of one packed micro-batch: 1 process vs ring x ulysses
     over ``world`` ranks with the SP gradients summed (what FSDP does). The losses above cannot
     show a wrong gradient *scale* (Adam is invariant to it), so this compares the gradients."""
-    import featstore
-    from train.config import DataSection
-    from train.models import build_model, get_model_family
-    from train.models.vlm import next_token_loss
-    from train.packing import SAMPLE_ID
-    from train.parallel.dims import ParallelDims
-    from train.parallel.sequence_parallel import apply_sequence_parallel
+    from mmcache import featstore
+    from mmcache.train.config import DataSection
+    from mmcache.train.models import build_model, get_model_family
+    from mmcache.train.models.vlm import next_token_loss
+    from mmcache.train.packing import SAMPLE_ID
+    from mmcache.train.parallel.dims import ParallelDims
+    from mmcache.train.parallel.sequence_parallel import apply_sequence_parallel
 
     store = featstore.open(store_url)
     samples = [{**store.read(i, [f for f in store.fields if store.has_field(i, f)]), SAMPLE_ID: i} for i in store.sample_ids()[:8]]

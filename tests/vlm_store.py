@@ -14,7 +14,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-import featstore
+from mmcache import featstore
 
 SPECIALS = ["<s>", "</s>", "<pad>", "<image>"]
 COLOURS = {"red": (230, 30, 30), "green": (30, 200, 40), "blue": (40, 60, 230), "yellow": (230, 220, 30)}

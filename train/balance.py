@@ -33,7 +33,7 @@ import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import Literal
 
-from featstore.errors import ConfigError
+from mmcache.featstore.errors import ConfigError
 
 
 class BalanceError(ValueError):

@@ -8,8 +8,8 @@ import sys
 
 import click
 
-from featstore.cli import parse_storage_options, storage_options_option
-from featstore.user_errors import UserErrorGroup, check_output_location, debug_option
+from mmcache.featstore.cli import parse_storage_options, storage_options_option
+from mmcache.featstore.user_errors import UserErrorGroup, check_output_location, debug_option
 
 
 @click.group(cls=UserErrorGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -33,8 +33,8 @@ def cli(debug: bool) -> None:
 def fit(config_name, features, run_dir, steps, resume, overrides, dry_run, cache_dir, media_root, storage_options) -> None:
     """Train on the features at --features. ``--resume`` loads the checkpoint's torch DCP metadata,
     which is pickled: resume only run folders you trust."""
-    from featstore.config import load_config
-    from train.config import TrainConfig
+    from mmcache.featstore.config import load_config
+    from mmcache.train.config import TrainConfig
 
     config = load_config(TrainConfig, config_name, "train", overrides)
     if cache_dir:
@@ -43,14 +43,14 @@ def fit(config_name, features, run_dir, steps, resume, overrides, dry_run, cache
         config.data.media_root = media_root
     options = parse_storage_options(storage_options)
     if dry_run:
-        from train.trainer import dry_run as describe
+        from mmcache.train.trainer import dry_run as describe
 
         click.echo(json.dumps(describe(config, features, options), indent=2, default=str))
         return
     if not run_dir:
         raise click.UsageError("--out RUN_DIR is required to train")
     check_output_location(run_dir, "--out")
-    from train.trainer import fit as run_fit
+    from mmcache.train.trainer import fit as run_fit
 
     import torch.distributed as dist
 
@@ -89,11 +89,11 @@ def drift(features, field_names, samples, seed, media_root, tolerance, config_na
     relative L2 error, cosine). Exit code 1 when a field differs by more than the tolerance."""
     import sys
 
-    import featstore
-    from featstore.config import load_config
-    from train.config import TrainConfig
-    from train.live.drift import measure_drift, pick_samples
-    from train.live.reattach import reattach_field
+    from mmcache import featstore
+    from mmcache.featstore.config import load_config
+    from mmcache.train.config import TrainConfig
+    from mmcache.train.live.drift import measure_drift, pick_samples
+    from mmcache.train.live.reattach import reattach_field
 
     if samples < 1:
         raise click.UsageError("--samples must be >= 1")
@@ -103,7 +103,7 @@ def drift(features, field_names, samples, seed, media_root, tolerance, config_na
     names = [n.strip() for n in field_names.split(",") if n.strip()] if field_names else [n for n, f in store.fields.items() if "encoder" in f.meta]
     if not names:
         raise click.UsageError(f"{store.url} records no encoder for any field; name them with --fields (and --set encoders.<field>.rebuild...)")
-    from train.live.manifest import TrainingManifest
+    from mmcache.train.live.manifest import TrainingManifest
 
     manifest = TrainingManifest.from_config(config.data, options, store)  # the conversations a tokenizer field was encoded from
     reports = []
@@ -150,7 +150,7 @@ def sample(run, checkpoint, prompt, prompts_file, out, seeds, steps, guidance, s
     samples.json. From a VLM: answers about each --image (to each --prompt, or a caption without
     one), or to each --prompt alone without --image, in answers.jsonl. Same run, input, seed and
     device -> the same bytes."""
-    from train.sample.command import sample_command
+    from mmcache.train.sample.command import sample_command
 
     check_output_location(out, "--out")
     doc = sample_command(run, checkpoint=checkpoint, prompt=prompt, prompts_file=prompts_file, out=out, seeds=seeds, steps=steps,
@@ -167,7 +167,7 @@ def sample(run, checkpoint, prompt, prompts_file, out, seeds, steps, guidance, s
 @click.option("--checkpoint", type=int, default=None, metavar="STEP", help="A checkpoint's step (default: the final weights, else the newest checkpoint).")
 def export(run_dir, out, checkpoint) -> None:
     """Write a run's model (safetensors + config.json, or the family's own format) from any checkpoint."""
-    from train.sample.source import export_run
+    from mmcache.train.sample.source import export_run
 
     check_output_location(out, "--out")
     result = export_run(run_dir, out, checkpoint)

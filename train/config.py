@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from featstore.errors import ConfigError
-from train.balance import BalanceConfig
-from train.parallel.dims import ParallelConfig
+from mmcache.featstore.errors import ConfigError
+from mmcache.train.balance import BalanceConfig
+from mmcache.train.parallel.dims import ParallelConfig
 
 
 @dataclass(kw_only=True)
@@ -77,7 +77,7 @@ class DataSection:
         if not 0.0 <= self.validation_fraction < 1.0:
             raise ConfigError(f"data.validation_fraction must be in [0, 1), got {self.validation_fraction}")
         if self.cache_bytes is not None:
-            from featstore.cache import parse_size
+            from mmcache.featstore.cache import parse_size
 
             self.cache_bytes = parse_size(self.cache_bytes, "data.cache_bytes")
 

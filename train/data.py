@@ -1,7 +1,7 @@
 """Streaming cached features into training steps.
 
 The global batch of step ``s`` is a function of the seed and ``s`` only — a per-epoch permutation
-of the store's samples (shard-aware: ``train.order``), cut into consecutive batches — never of
+of the store's samples (shard-aware: ``mmcache.train.order``), cut into consecutive batches — never of
 the world size. Every rank
 computes the same balanced plan for it from the index alone (shapes are in the index, so no data
 is read to plan), then reads only its own samples, in a background thread a few steps ahead. The
@@ -22,12 +22,12 @@ from typing import Any
 import numpy as np
 import torch
 
-import featstore
-from featstore.errors import ConfigError, FingerprintMismatchError
-from featstore.cache import CachingStorage
-from train.balance import MicroBatch, imbalance, plan_global_batch
-from train.order import EpochOrder, shard_positions
-from train.packing import SAMPLE_ID
+from mmcache import featstore
+from mmcache.featstore.errors import ConfigError, FingerprintMismatchError
+from mmcache.featstore.cache import CachingStorage
+from mmcache.train.balance import MicroBatch, imbalance, plan_global_batch
+from mmcache.train.order import EpochOrder, shard_positions
+from mmcache.train.packing import SAMPLE_ID
 
 
 @dataclass(kw_only=True)
@@ -110,7 +110,7 @@ class FeatureStream:
 
     ``data`` is the model family's adapter (``ModelFamily.data``): it names the fields to read and
     gives each sample's shape (from the index) and micro-batch group. Each sample handed out is a
-    dict of its fields plus its id under ``train.packing.SAMPLE_ID``, for error messages."""
+    dict of its fields plus its id under ``mmcache.train.packing.SAMPLE_ID``, for error messages."""
 
     def __init__(self, store: featstore.Store, *, data, global_batch: int, seed: int,
                  dp_size: int, dp_rank: int, balance, cost, tokens_per_sample, repeat: bool = False,
@@ -142,7 +142,7 @@ class FeatureStream:
         absent = manifest.absent(store) if manifest is not None else []
         self.named = len(universe) + len(absent)  # samples the run was asked to train on
         if absent:
-            from train.live.manifest import describe_absent
+            from mmcache.train.live.manifest import describe_absent
 
             if on_missing == "error":
                 raise MissingSamplesError(
@@ -190,7 +190,7 @@ class FeatureStream:
                                  for r, i in zip(reads, ids, strict=True)], dtype=bool)
         planner = data
         if live:
-            from train.live.manifest import planning_adapter
+            from mmcache.train.live.manifest import planning_adapter
 
             planner = planning_adapter(data, store, live)  # sizes what samples lack by its live encoding
         self.shapes = [self._shape(planner, i) for i in ids]
@@ -421,7 +421,7 @@ class LatentTextData:
 
 def to_batch(samples: list[dict[str, np.ndarray]], latent_field: str, text_field: str, device: torch.device, dtype: torch.dtype,
              normalisation: tuple[list[float], list[float]] | None = None):
-    from train.models.dit import LatentTextBatch
+    from mmcache.train.models.dit import LatentTextBatch
 
     batch = LatentTextBatch.from_samples([s[latent_field] for s in samples], [s[text_field] for s in samples], device=device, text_dtype=dtype)
     latents = batch.latents.to(dtype)

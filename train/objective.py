@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from featstore.errors import ConfigError
+from mmcache.featstore.errors import ConfigError
 
 
 class ObjectiveConfigError(ConfigError):
@@ -61,7 +61,7 @@ class FlowMatchingConfig:
 
 
 class LatentTextInputs(Protocol):
-    """What the flow-matching loss reads from a batch (``train.models.dit.LatentTextBatch``)."""
+    """What the flow-matching loss reads from a batch (``mmcache.train.models.dit.LatentTextBatch``)."""
 
     latents: torch.Tensor  # [B, C, T, H, W], the clean latents x0
     text: torch.Tensor  # [B, L, D] padded text embeddings

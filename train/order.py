@@ -23,9 +23,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-import featstore
-from featstore.cache import LOW_WATER, CachingStorage
-from featstore.errors import ConfigError
+from mmcache import featstore
+from mmcache.featstore.cache import LOW_WATER, CachingStorage
+from mmcache.featstore.errors import ConfigError
 
 
 class EpochOrder:

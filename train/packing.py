@@ -158,7 +158,7 @@ def pack(samples: Sequence[Expanded], max_tokens: int, *, pad_id: int = 0) -> Pa
                 images.append(s.image)
             at = span.stop
         names.append([samples[i].sample_id for i in row])
-    from train.models.dit import as_tensor  # numpy bfloat16 -> torch without a float32 copy
+    from mmcache.train.models.dit import as_tensor  # numpy bfloat16 -> torch without a float32 copy
 
     images = [as_tensor(x) if as_tensor(x).dim() == 3 else as_tensor(x)[None] for x in images]
     return PackedBatch(

@@ -21,23 +21,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import featstore
-from featstore.config import to_dict
-from featstore.errors import ConfigError
-from train.checkpoint import export_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint
-from train.config import TrainConfig
-from train.data import FeatureStream, check_fingerprints, latent_normalisation, open_features, snapshot_digest
-from train.live.dropout import CaptionDropout
-from train.live.joint import JointEncoders
-from train.live.manifest import TrainingManifest, manifest_line
-from train.live.manifest import check_resume as check_manifest_resume
-from train.models import count_parameters, export_model, get_model_family
-from train.objective import sample_generators
-from train.order import plan_order
-from train.parallel.dims import MESH_DIMS, ParallelDims, device_and_backend
-from train.parallel.fsdp import apply_fsdp, local_state_bytes, reshard
-from train.parallel.sequence_parallel import apply_sequence_parallel
-from train.sample.during_fit import FitSampler, Validator, due, validation_ids
+from mmcache import featstore
+from mmcache.featstore.config import to_dict
+from mmcache.featstore.errors import ConfigError
+from mmcache.train.checkpoint import export_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint
+from mmcache.train.config import TrainConfig
+from mmcache.train.data import FeatureStream, check_fingerprints, latent_normalisation, open_features, snapshot_digest
+from mmcache.train.live.dropout import CaptionDropout
+from mmcache.train.live.joint import JointEncoders
+from mmcache.train.live.manifest import TrainingManifest, manifest_line
+from mmcache.train.live.manifest import check_resume as check_manifest_resume
+from mmcache.train.models import count_parameters, export_model, get_model_family
+from mmcache.train.objective import sample_generators
+from mmcache.train.order import plan_order
+from mmcache.train.parallel.dims import MESH_DIMS, ParallelDims, device_and_backend
+from mmcache.train.parallel.fsdp import apply_fsdp, local_state_bytes, reshard
+from mmcache.train.parallel.sequence_parallel import apply_sequence_parallel
+from mmcache.train.sample.during_fit import FitSampler, Validator, due, validation_ids
 
 
 def init_distributed() -> tuple[torch.device, str]:
@@ -118,7 +118,7 @@ def dry_run(config: TrainConfig, features: str, storage_options: dict | None) ->
 def _describe_encoders(config: TrainConfig, store: featstore.Store, adapter, storage_options: dict | None = None) -> dict[str, Any]:
     """Per field the run reads: its mode and, for live/train fields, the re-attached encoder's
     parameter count and which parameters train (what memory and speed the mix costs)."""
-    from train.live.fields import LiveFields
+    from mmcache.train.live.fields import LiveFields
 
     fields = list(adapter.required_fields) + [f for f in adapter.optional_fields if f in store.fields]
     manifest = TrainingManifest.from_config(config.data, storage_options, store)

@@ -4,7 +4,7 @@ Importing this package registers every built-in encoder; heavy libraries (transf
 diffusers) are imported only when an encoder is loaded, so listing encoders stays cheap.
 """
 
-from precompute.encoders.base import (
+from mmcache.precompute.encoders.base import (
     ENCODERS,
     Encoder,
     EncoderConfigError,
@@ -19,11 +19,11 @@ from precompute.encoders.base import (
 )
 
 # Imported for their @register side effect.
-from precompute.encoders import taef2 as _taef2  # noqa: E402,F401
-from precompute.encoders import text as _text  # noqa: E402,F401
-from precompute.encoders import tokenizer as _tokenizer  # noqa: E402,F401
-from precompute.encoders import vae as _vae  # noqa: E402,F401
-from precompute.encoders import vision as _vision  # noqa: E402,F401
+from mmcache.precompute.encoders import taef2 as _taef2  # noqa: E402,F401
+from mmcache.precompute.encoders import text as _text  # noqa: E402,F401
+from mmcache.precompute.encoders import tokenizer as _tokenizer  # noqa: E402,F401
+from mmcache.precompute.encoders import vae as _vae  # noqa: E402,F401
+from mmcache.precompute.encoders import vision as _vision  # noqa: E402,F401
 
 __all__ = [
     "ENCODERS",

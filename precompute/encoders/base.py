@@ -19,9 +19,9 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from featstore.config import from_dict
-from featstore.errors import ConfigError
-from precompute.media import SizeRule
+from mmcache.featstore.config import from_dict
+from mmcache.featstore.errors import ConfigError
+from mmcache.precompute.media import SizeRule
 
 FINGERPRINT_VERSION = 1
 Modality = Literal["image", "video", "text"]
@@ -163,7 +163,7 @@ class Encoder(ABC):
     def features(self, batch: Sequence[Any]) -> list[dict[str, torch.Tensor]]:
         """What ``encode`` computes, before the cast to the stored dtype: one dict field -> tensor
         per batch item, in the compute dtype, on the device, and differentiable (autograd records
-        it unless the caller turns it off). Joint finetuning (``train.live``) trains through it."""
+        it unless the caller turns it off). Joint finetuning (``mmcache.train.live``) trains through it."""
         raise NotImplementedError(f"encoder {self.registry_name!r} cannot run inside a training step (it has no differentiable features())")
 
     def trainable_module(self) -> torch.nn.Module:

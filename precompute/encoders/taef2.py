@@ -17,9 +17,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from precompute.encoders.base import EncoderConfigError, FieldSpec, register, sha256_json, sha256_state_dict
-from precompute.encoders.visual import VisualEncoder
-from precompute.media import SizeRule
+from mmcache.precompute.encoders.base import EncoderConfigError, FieldSpec, register, sha256_json, sha256_state_dict
+from mmcache.precompute.encoders.visual import VisualEncoder
+from mmcache.precompute.media import SizeRule
 
 LATENT_CHANNELS = 32
 WIDTH = 64  # feature channels of every hidden layer

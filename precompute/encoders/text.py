@@ -27,7 +27,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from precompute.encoders.base import (
+from mmcache.precompute.encoders.base import (
     Encoder,
     EncoderConfigError,
     EncoderInputError,

@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from precompute.encoders.base import (
+from mmcache.precompute.encoders.base import (
     FINGERPRINT_VERSION,
     Encoder,
     EncoderConfigError,

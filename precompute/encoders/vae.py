@@ -17,9 +17,9 @@ from typing import Any, Literal
 
 import torch
 
-from precompute.encoders.base import EncoderConfigError, FieldSpec, architecture_config, register, sha256_json, sha256_state_dict
-from precompute.encoders.visual import VisualEncoder
-from precompute.media import SizeRule
+from mmcache.precompute.encoders.base import EncoderConfigError, FieldSpec, architecture_config, register, sha256_json, sha256_state_dict
+from mmcache.precompute.encoders.visual import VisualEncoder
+from mmcache.precompute.media import SizeRule
 
 
 @dataclass(kw_only=True)

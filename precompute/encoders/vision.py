@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from precompute.encoders.base import (
+from mmcache.precompute.encoders.base import (
     EncoderConfigError,
     EncoderInputError,
     FieldSpec,
@@ -32,8 +32,8 @@ from precompute.encoders.base import (
     to_numpy,
     torch_dtype,
 )
-from precompute.encoders.visual import VisualEncoder
-from precompute.media import PreparedMedia, SizeRule, TilingConfig
+from mmcache.precompute.encoders.visual import VisualEncoder
+from mmcache.precompute.media import PreparedMedia, SizeRule, TilingConfig
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

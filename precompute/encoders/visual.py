@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from precompute.encoders.base import Encoder, EncoderInputError, check_finite, to_numpy, torch_dtype
-from precompute.media import PreparedMedia
+from mmcache.precompute.encoders.base import Encoder, EncoderInputError, check_finite, to_numpy, torch_dtype
+from mmcache.precompute.media import PreparedMedia
 
 
 class VisualEncoder(Encoder):

@@ -16,10 +16,10 @@ import pyarrow.parquet as pq
 import pytest
 import zarr
 
-import featstore
-from featstore import format as fmt
-from featstore.reader import open_store
-from featstore.verify import verify_store
+from mmcache import featstore
+from mmcache.featstore import format as fmt
+from mmcache.featstore.reader import open_store
+from mmcache.featstore.verify import verify_store
 
 ALL_DTYPES = list(fmt.ZARR_DTYPES)
 
@@ -134,7 +134,7 @@ class StoreConformance:
         store = featstore.open(url)
         assert len(store) == 0 and store.sample_ids() == [] and store.index.num_rows == 0
         assert list(store.scan()) == []
-        from featstore.verify import store_info, verify_store
+        from mmcache.featstore.verify import store_info, verify_store
 
         assert store_info(store)["num_samples"] == 0
         assert verify_store(store).ok
@@ -218,7 +218,7 @@ class StoreConformance:
         assert len(ids) == len(samples) + (3 if self.shared_across_processes else 0)
         for sample_id, arrays, _ in samples:
             assert_same(store.read(sample_id)["text"], arrays["text"])
-        from featstore.verify import verify_store
+        from mmcache.featstore.verify import verify_store
 
         report = verify_store(store)
         assert report.ok, report.problems

@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import featstore
+from mmcache import featstore
 from tests.featstore.conformance import FIELDS, assert_same, ragged_samples
 
 
@@ -93,7 +93,7 @@ def test_open_path_that_is_not_a_store(tmp_path):
 
 
 def test_newer_format_version(store_url):
-    from featstore import format as fmt
+    from mmcache.featstore import format as fmt
 
     path = f"{store_url}/zarr.json"
     manifest = fmt.parse_root_group(open(path, "rb").read(), store_url)

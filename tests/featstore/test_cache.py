@@ -1,4 +1,4 @@
-"""The local read-through cache of a remote store (``featstore.open(..., cache_dir=)``) against
+"""The local read-through cache of a remote store (``mmcache.featstore.open(..., cache_dir=)``) against
 real S3 over HTTP: later reads are local, the size bound holds, entries are never stale, partial
 or corrupt, several processes can share one directory, and a damaged remote object is refused."""
 
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import featstore
-from featstore.cache import LAYOUT
-from featstore.cli import cli
+from mmcache import featstore
+from mmcache.featstore.cache import LAYOUT
+from mmcache.featstore.cli import cli
 from tests.featstore.conformance import FIELDS, assert_same, ragged_samples
 from tests.s3_server import FaultProxy
 

@@ -19,13 +19,13 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-import featstore
-from featstore import compact
-from featstore import format as fmt
-from featstore.cli import cli
-from featstore.compact import CheckpointWarning, compact_store
-from featstore.reader import open_store
-from featstore.verify import verify_store
+from mmcache import featstore
+from mmcache.featstore import compact
+from mmcache.featstore import format as fmt
+from mmcache.featstore.cli import cli
+from mmcache.featstore.compact import CheckpointWarning, compact_store
+from mmcache.featstore.reader import open_store
+from mmcache.featstore.verify import verify_store
 from tests.featstore.conformance import FIELDS, assert_same, ragged_samples
 from tests.featstore.test_concurrency import Interleave, _one_ulp_apart, _writer
 from tests.s3_server import FAKE_KEY_ID, FAKE_SECRET, FaultProxy

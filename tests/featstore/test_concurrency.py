@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import featstore
-from featstore import format as fmt
-from featstore.cli import cli
-from featstore.reader import open_store
-from featstore.storage import Storage
-from featstore.verify import verify_store
+from mmcache import featstore
+from mmcache.featstore import format as fmt
+from mmcache.featstore.cli import cli
+from mmcache.featstore.reader import open_store
+from mmcache.featstore.storage import Storage
+from mmcache.featstore.verify import verify_store
 from tests.featstore.conformance import FIELDS, assert_same, ragged_samples
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import featstore
-import featstore.copy as copy_module
-from featstore.cli import cli
-from featstore.verify import verify_store
+from mmcache import featstore
+import mmcache.featstore.copy as copy_module
+from mmcache.featstore.cli import cli
+from mmcache.featstore.verify import verify_store
 from tests.featstore.conformance import FIELDS, assert_same, ragged_samples
 
 

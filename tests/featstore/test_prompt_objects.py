@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import featstore
-from featstore.cli import cli
-from featstore.prompts import PROMPTS_DIR, read_part, read_prompts, write_prompts
-from featstore.verify import verify_store
+from mmcache import featstore
+from mmcache.featstore.cli import cli
+from mmcache.featstore.prompts import PROMPTS_DIR, read_part, read_prompts, write_prompts
+from mmcache.featstore.verify import verify_store
 from tests.featstore.conformance import ragged_samples
 
 # The conformance fields, the text field with an encoder fingerprint (prompt objects need one).
@@ -104,7 +104,7 @@ def test_verify_flags_foreign_and_stale_prompt_objects(tmp_path):
     # An object of an older encoder of the field (readers ignore it), and one of a field the
     # manifest does not declare (copied in by hand).
     stale = read_part(*_one(url))
-    from featstore.prompts import part_bytes
+    from mmcache.featstore.prompts import part_bytes
 
     key, raw = part_bytes("text", {"digest": "enc0000"}, {"x": stale.embeddings[""]})
     store.storage.write_new(key, raw)

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-import featstore
-from featstore import format as fmt
-from featstore import scan as scan_module
-from featstore.errors import CorruptionError, MissingFieldError, SchemaError
-from featstore.sample import Sample
+from mmcache import featstore
+from mmcache.featstore import format as fmt
+from mmcache.featstore import scan as scan_module
+from mmcache.featstore.errors import CorruptionError, MissingFieldError, SchemaError
+from mmcache.featstore.sample import Sample
 from tests.featstore.conformance import FIELDS, assert_same, ragged_samples, random_array
 
 BACKENDS = ["local", "memory", "s3"]

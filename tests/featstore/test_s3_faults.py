@@ -1,7 +1,7 @@
 """Faults between the store and real S3 (moto over HTTP, through a fault-injecting loopback
 proxy): transient ones are retried and nothing is lost, duplicated or partial; persistent ones
 fail with a clear message naming the object; no credential ever appears in a message. s3fs and
-botocore run at their production settings (what ``featstore.retry.remote_filesystem`` sets):
+botocore run at their production settings (what ``mmcache.featstore.retry.remote_filesystem`` sets):
 featstore's retry layer is the only one, so its attempts and deadline are what happens."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import traceback
 import pytest
 from click.testing import CliRunner
 
-import featstore
-from featstore.cli import cli
-from featstore.secrets import redact, redact_url
-from featstore.storage import FsspecStorage, RetryPolicy
-from featstore.verify import verify_store
+from mmcache import featstore
+from mmcache.featstore.cli import cli
+from mmcache.featstore.secrets import redact, redact_url
+from mmcache.featstore.storage import FsspecStorage, RetryPolicy
+from mmcache.featstore.verify import verify_store
 from tests.featstore.conformance import FIELDS, assert_same, ragged_samples
 from tests.s3_server import FAKE_KEY_ID, FAKE_SECRET, FaultProxy
 

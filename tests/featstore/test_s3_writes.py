@@ -8,11 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import featstore
-from featstore import format as fmt
-from featstore.reader import open_store
-from featstore.storage import FsspecStorage, RetryPolicy, UploadPolicy
-from featstore.verify import verify_store
+from mmcache import featstore
+from mmcache.featstore import format as fmt
+from mmcache.featstore.reader import open_store
+from mmcache.featstore.storage import FsspecStorage, RetryPolicy, UploadPolicy
+from mmcache.featstore.verify import verify_store
 from tests.featstore.conformance import assert_same, random_array
 from tests.s3_server import FAKE_KEY_ID, FAKE_SECRET, FaultProxy, rounds
 

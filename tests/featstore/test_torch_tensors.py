@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-import featstore
-from featstore.errors import SchemaError
+from mmcache import featstore
+from mmcache.featstore.errors import SchemaError
 
 
 def _store(tmp_path):

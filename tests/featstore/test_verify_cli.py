@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import featstore
-from featstore.cli import cli
-from featstore.reader import open_store
+from mmcache import featstore
+from mmcache.featstore.cli import cli
+from mmcache.featstore.reader import open_store
 from tests.featstore.conformance import FIELDS, ragged_samples
 
 
@@ -114,7 +114,7 @@ def test_verify_index_data_disagreement(store_url):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from featstore import format as fmt
+    from mmcache.featstore import format as fmt
 
     part = sorted((Path(store_url) / "index").glob("*.parquet"))[0]
     table = pq.read_table(part, use_threads=False)

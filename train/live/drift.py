@@ -1,6 +1,6 @@
 """Drift check: do the cached features still match what the recorded encoder produces now?
 
-A few committed samples are re-encoded live (``train.live.reattach``) and compared with the cached
+A few committed samples are re-encoded live (``mmcache.train.live.reattach``) and compared with the cached
 values, both in the stored dtype: max abs error, relative L2 error and cosine similarity per
 field. An unchanged encoder and preparation differ by storage rounding only (at most one step of
 the stored dtype where a batch's arithmetic differs), so the tolerance is one relative step of
@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-import featstore
-from train.live.reattach import LiveEncoder, LiveInputError, sample_rows
+from mmcache import featstore
+from mmcache.train.live.reattach import LiveEncoder, LiveInputError, sample_rows
 
 # One relative step (ulp at the bottom of a binade) of each stored dtype: storage rounding only.
 # A live encoder runs at the encode's recorded thread count, but it cannot always reproduce the

@@ -5,7 +5,7 @@ global batch) only, like its noise and timestep, so it is the same at any world 
 grouping, and a resumed run drops the same captions: one generator per step draws a number per
 position of the global batch in order, and every rank draws the whole batch's. A dropped sample
 gets the empty caption's embedding: for a cached text field the one `mmcache encode` stores once
-per text field with its fingerprint (``featstore.prompt_embedding(store, field, "")``); for a live
+per text field with its fingerprint (``mmcache.featstore.prompt_embedding(store, field, "")``); for a live
 or trained text field the encoder runs on the empty caption instead of the sample's.
 """
 
@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-import featstore
-from featstore.errors import ConfigError
+from mmcache import featstore
+from mmcache.featstore.errors import ConfigError
 
 _STREAM = 0xCA9  # keeps these draws apart from any other use of (seed, step, position)
 

@@ -13,7 +13,7 @@ way each field was made.
   the step runs the encoder with autograd (``wrap_collate``), its output rounded to the stored
   dtype with a straight-through gradient, so step 1 sees the cached values.
 
-Under sequence parallelism (``train.parallel.encoders``, installed as ``split``) the ranks of an SP
+Under sequence parallelism (``mmcache.train.parallel.encoders``, installed as ``split``) the ranks of an SP
 group, which train on the same samples, each encode only their share of them: ``complete`` encodes
 this rank's share of a live/fill field and hands back what ``gather`` (on the training thread)
 completes from the other ranks' shares; a train field's share is encoded and gathered in the step.
@@ -34,9 +34,9 @@ import numpy as np
 import torch
 from torch import nn
 
-import featstore
-from featstore.errors import ConfigError
-from train.live.reattach import LiveEncoder, LiveInputError, reattach_field, sample_rows
+from mmcache import featstore
+from mmcache.featstore.errors import ConfigError
+from mmcache.train.live.reattach import LiveEncoder, LiveInputError, reattach_field, sample_rows
 
 RAW = "__live_input__:"  # sample-dict key prefix of a train field's prepared encoder input
 
@@ -132,7 +132,7 @@ class LiveFields:
         store lacks gets every text field, and the visual ones when its row has media."""
         if sample_id in self.store:
             return self.store.has_field(sample_id, name)
-        from train.live.manifest import has_media
+        from mmcache.train.live.manifest import has_media
 
         live = self.fields.get(name)
         assert self.manifest is not None, f"sample {sample_id!r} is neither in the store nor in a manifest"
@@ -237,7 +237,7 @@ class LiveFields:
         raise instead of leaving them waiting in a gather for its share."""
         if pending is None:
             return
-        from featstore.format import dtype_info
+        from mmcache.featstore.format import dtype_info
 
         assert self.split is not None
         self.split.agree([(name, owners) for name, _, owners, _ in pending.fields], pending.error, "encoders")

@@ -1,7 +1,7 @@
 """A training manifest (``data.manifest``): the samples a run trains on, named by the same kind of
 input ``mmcache encode`` reads, some of which the store may not hold yet.
 
-The manifest is parsed by ``mmcache encode``'s own reader (``precompute.inputs.read_inputs``: JSONL,
+The manifest is parsed by ``mmcache encode``'s own reader (``mmcache.precompute.inputs.read_inputs``: JSONL,
 CSV or Parquet with ``path``, ``caption``, optional ``id`` and ``conversations``, or a folder of
 media with ``.txt`` captions), so a sample has the id ``mmcache encode`` gives it and its media
 resolve against the manifest's folder the same way. A named sample the store holds is read from
@@ -10,7 +10,7 @@ the cache as usual; one it does not hold (*absent*) is what ``data.on_missing`` 
 the data pipeline from the manifest row, decoded and resized by the recorded preparation.
 
 Sizing an absent sample for the batch planner reads only its media's header (its prepared size
-and frame count, ``precompute.media.prepared_shape``) and runs the field's encoder once per
+and frame count, ``mmcache.precompute.media.prepared_shape``) and runs the field's encoder once per
 distinct input shape on zeros; the plan is then a function of the manifest, the store snapshot and
 the seed alone, as for cached samples (same at any world size, and on resume).
 
@@ -27,8 +27,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import featstore
-from featstore.errors import ConfigError
+from mmcache import featstore
+from mmcache.featstore.errors import ConfigError
 
 
 class ManifestResumeError(ConfigError):
@@ -50,8 +50,8 @@ class TrainingManifest:
     def read(cls, url: str, storage_options: dict[str, Any] | None, store: featstore.Store) -> TrainingManifest:
         """Parse ``url`` as ``mmcache encode`` would. Text-only rows (no path) are samples when the
         store's text field is an LLM tokenizer's (what makes ``mmcache encode`` take them)."""
-        from precompute.encoders import encoder_class
-        from precompute.inputs import read_inputs
+        from mmcache.precompute.encoders import encoder_class
+        from mmcache.precompute.inputs import read_inputs
 
         text_only = False
         for spec in store.fields.values():
@@ -83,7 +83,7 @@ class TrainingManifest:
         return [sid for sid in self.rows if sid not in store] + [sid for sid in self.unusable if sid not in store and sid not in self.rows]
 
     def row(self, sample_id: str) -> dict[str, Any]:
-        """An absent sample as ``train.live.reattach`` takes a store's rows: caption, modality, the
+        """An absent sample as ``mmcache.train.live.reattach`` takes a store's rows: caption, modality, the
         media's URL (resolved against the manifest's folder) and the conversations."""
         if sample_id not in self.rows:
             raise ConfigError(f"sample {sample_id!r} of {self.url} cannot be encoded: {self.unusable.get(sample_id, 'not in the manifest')}")

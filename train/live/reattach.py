@@ -10,7 +10,7 @@ fingerprint is checked against the recorded one (fail closed), and media are dec
 same code as ``mmcache encode`` and checked against the recorded geometry, and a CPU encoder runs
 at the recorded intra-op thread count, so a live encoder reproduces the cached features: bit for
 bit where the batch a sample was encoded in does not change its rounding, else up to one step of
-the stored dtype (see ``train.live.drift.TOLERANCE``).
+the stored dtype (see ``mmcache.train.live.drift.TOLERANCE``).
 
 Public API (stable; the sampling helper uses it to encode prompts with a run's text encoder)::
 
@@ -46,9 +46,9 @@ from typing import Any
 import numpy as np
 import torch
 
-import featstore
-from featstore.config import from_dict
-from featstore.errors import ConfigError, FingerprintMismatchError
+from mmcache import featstore
+from mmcache.featstore.config import from_dict
+from mmcache.featstore.errors import ConfigError, FingerprintMismatchError
 
 # Written into an exported (finetuned) encoder folder: the cache it was trained from is stale for it.
 EXPORT_RECORD = "mmcache_export.json"
@@ -79,7 +79,7 @@ def sample_rows(store: featstore.Store, sample_ids: Sequence[str], manifest: Any
     """Each sample's id and recorded metadata (caption, modality, source and geometry columns),
     from the store's per-column lists (built once per store; slicing the index per sample cost
     a pyarrow call per row on the data pipeline's path). With a training manifest
-    (``train.live.manifest.TrainingManifest``): samples the store lacks come from its rows, and
+    (``mmcache.train.live.manifest.TrainingManifest``): samples the store lacks come from its rows, and
     store samples get the conversations their tokenizer field was encoded from."""
     if manifest is None:
         return [{"id": sid, **store.meta(sid)} for sid in sample_ids]
@@ -132,9 +132,9 @@ def reattach_encoder(
     ``weights_path`` replaces the recorded model folder (weights move); the fingerprint must still
     match. ``media_root``: the folder the manifest's relative paths are under now. ``resize``
     overrides recorded resize settings (what the drift check uses to show a changed rule)."""
-    from precompute.encoders import UnknownEncoderError, build_encoder
-    from precompute.media import FrameSampling, ResizeConfig
-    from precompute.tasks import quiet_offline_env
+    from mmcache.precompute.encoders import UnknownEncoderError, build_encoder
+    from mmcache.precompute.media import FrameSampling, ResizeConfig
+    from mmcache.precompute.tasks import quiet_offline_env
 
     record = encoder_record(store, field_name, rebuild)
     meta = store.fields[field_name].meta
@@ -295,8 +295,8 @@ class LiveEncoder:
         """The caption, or for a tokenizer the ``TextSample``: caption or conversation and whether
         the sample has an image. The store keeps a conversation's sha256 only (``conversations_sha256``),
         so the turns come from the training manifest (``data.manifest``) and must hash to it."""
-        from precompute.inputs import conversations_digest
-        from precompute.tasks import text_input
+        from mmcache.precompute.inputs import conversations_digest
+        from mmcache.precompute.tasks import text_input
 
         caption, modality = str(row.get("caption") or ""), str(row.get("modality"))
         if self.encoder.text_input == "caption":
@@ -319,7 +319,7 @@ class LiveEncoder:
 
     def _source(self, row: Mapping[str, Any]) -> tuple[str, bytes]:
         """(where it is now, its bytes) of a sample's media, checked against the recorded content hash."""
-        from precompute.media import MediaError, read_source
+        from mmcache.precompute.media import MediaError, read_source
 
         url = self.locate(row)
         sid = row.get("id")
@@ -341,7 +341,7 @@ class LiveEncoder:
         return url, data
 
     def _pixels(self, row: Mapping[str, Any]) -> np.ndarray:
-        from precompute.tasks import encoder_input
+        from mmcache.precompute.tasks import encoder_input
 
         url, data = self._source(row)
         modality = str(row.get("modality"))
@@ -354,8 +354,8 @@ class LiveEncoder:
         a text field's from its text (a tokenizer is cheap; it is asked only where a model family
         sizes samples by it), a visual one's from the media's headers (the prepared size and frame
         count) and one encoder pass on zeros per distinct input shape."""
-        from precompute.media import MediaError, prepared_shape
-        from precompute.tasks import encoder_input
+        from mmcache.precompute.media import MediaError, prepared_shape
+        from mmcache.precompute.tasks import encoder_input
 
         if self.is_text:
             return tuple(self.encode_rows([row])[0].shape)
@@ -372,7 +372,7 @@ class LiveEncoder:
 
     def _prepare(self, data: bytes, url: str, modality: str, what: str) -> Any:
         """Decoded media, resized and framed by the recorded rule (``mmcache encode``'s code)."""
-        from precompute.media import MediaError, prepare
+        from mmcache.precompute.media import MediaError, prepare
 
         try:
             return prepare(data, url, modality=modality, resize=self.resize, rule=self._size_rule(), sampling=self.frames)  # type: ignore[arg-type]
@@ -382,9 +382,9 @@ class LiveEncoder:
     def encode_files(self, paths: Sequence[str]) -> list[np.ndarray]:
         """Media that are in no store (the images a VLM is asked about) -> features, prepared as
         ``mmcache encode`` prepares a sample's media with this field's recorded settings."""
-        from precompute.inputs import modality_of
-        from precompute.media import MediaError, read_source
-        from precompute.tasks import encoder_input
+        from mmcache.precompute.inputs import modality_of
+        from mmcache.precompute.media import MediaError, read_source
+        from mmcache.precompute.tasks import encoder_input
 
         if self.is_text:
             raise LiveInputError(f"field {self.field!r} is made by a text encoder, not from media")
@@ -401,7 +401,7 @@ class LiveEncoder:
         return self.encode_inputs(inputs)
 
     def _size_rule(self) -> Any:
-        from precompute.tasks import size_rule_for
+        from mmcache.precompute.tasks import size_rule_for
 
         if self._rule is None:
             self._rule = size_rule_for(self.encoder, self.size_multiple)
@@ -454,7 +454,7 @@ class LiveEncoder:
         holds, up to the rounding of the step's thread count — a trained encoder runs on the training
         thread, whose autograd state it needs — and, for text, of one pass per batch) and returned in ``dtype``; gradients pass the
         rounding unchanged."""
-        from precompute.encoders.base import torch_dtype
+        from mmcache.precompute.encoders.base import torch_dtype
 
         stored = torch_dtype(self.dtype)
         return [_round_through(item[self.field], stored).to(dtype) for item in self.encoder.features(list(inputs))]
@@ -468,12 +468,12 @@ _PINNED_LOCK = threading.Lock()
 
 
 def _pinned_thread(threads: int) -> Any:
-    """A thread (``precompute.tasks.DaemonPool``) whose intra-op thread count is ``threads``, set
+    """A thread (``mmcache.precompute.tasks.DaemonPool``) whose intra-op thread count is ``threads``, set
     once when it starts. Switching the count around each call instead would cost every thread of
     the process: ``torch.set_num_threads`` also empties oneDNN's process-wide primitive cache, so
     the training step's oneDNN kernels are created again after each live encode (measured on the
     tiny DiT with live fields: median steps up to ~5x slower)."""
-    from precompute.tasks import DaemonPool
+    from mmcache.precompute.tasks import DaemonPool
 
     with _PINNED_LOCK:
         pool = _PINNED.get(threads)

@@ -1,6 +1,6 @@
 """Model families for ``mmtrain``, looked up by name through a registry.
 
-    from train.models import build_model, get_model_family
+    from mmcache.train.models import build_model, get_model_family
     model = build_model("dit", "tiny", in_channels=16, text_dim=512)   # sizes from the store schema
     family = get_model_family("dit")
     terms = family.training_loss(model, batch, generators, family.resolve_objective(cfg.objective))
@@ -9,7 +9,7 @@ See ``registry.py`` for the contract a family fulfils. Importing this package re
 built-in family (importing ``dit`` / ``vlm`` runs its ``@register_model``).
 """
 
-from train.models.registry import (
+from mmcache.train.models.registry import (
     InputShapeError,
     ModelConfigError,
     ModelFamily,
@@ -20,11 +20,11 @@ from train.models.registry import (
     model_names,
     register_model,
 )
-from train.objective import LossTerms
-from train.models import dit  # noqa: E402,F401  (registers "dit")
-from train.models.dit import DiT, DiTConfig, LatentTextBatch, pad_text
-from train.models import vlm  # noqa: E402,F401  (registers "vlm")
-from train.models.vlm import VLM, VLMConfig
+from mmcache.train.objective import LossTerms
+from mmcache.train.models import dit  # noqa: E402,F401  (registers "dit")
+from mmcache.train.models.dit import DiT, DiTConfig, LatentTextBatch, pad_text
+from mmcache.train.models import vlm  # noqa: E402,F401  (registers "vlm")
+from mmcache.train.models.vlm import VLM, VLMConfig
 
 __all__ = [
     "DiT",

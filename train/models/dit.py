@@ -1,7 +1,7 @@
 """A video/image diffusion transformer (DiT) over cached VAE latents, conditioned on cached text.
 
 Plain ``nn.Module``, no distributed code (parallelism is applied from outside, see
-``train.parallel``). The forward pass:
+``mmcache.train.parallel``). The forward pass:
 
     latents [B, C, T, H, W]  --3-D patchify (pt, ph, pw) + Linear-->  tokens [B, N, dim]
     timesteps [B]            --sinusoid + MLP-->                      conditioning [B, dim]
@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from train.models.layers import (
+from mmcache.train.models.layers import (
     AttentionFn,
     CrossAttention,
     Mlp,
@@ -50,9 +50,9 @@ from train.models.layers import (
     modulate,
     rope_tables,
 )
-from train.models.registry import InputShapeError, ModelConfigError, register_model
-from train.data import LatentTextData
-from train.objective import FlowMatchingConfig, flow_matching_loss, flow_matching_validation_loss
+from mmcache.train.models.registry import InputShapeError, ModelConfigError, register_model
+from mmcache.train.data import LatentTextData
+from mmcache.train.objective import FlowMatchingConfig, flow_matching_loss, flow_matching_validation_loss
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -9,7 +9,7 @@ Design notes (the why):
 - Module and parameter names follow Hugging Face's ``LlamaForCausalLM`` (``embed_tokens``,
   ``self_attn.q_proj``, ``mlp.gate_proj``, ``input_layernorm``, ...) with ``model.layers`` called
   ``blocks`` (what ``apply_fsdp`` shards one by one), so the key mapping to and from a Hugging Face
-  folder (``train.models.hf``) is a prefix rename, both ways.
+  folder (``mmcache.train.models.hf``) is a prefix rename, both ways.
 - Rotary embeddings in Hugging Face's "rotate half" layout, computed from explicit
   ``position_ids``: in a packed row every sample restarts at position 0.
 - Attention goes through ``self.attn_fn(q, k, v, document_ids)`` (q ``[B, H, S_local, Dh]``, k/v
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.models.registry import InputShapeError, ModelConfigError
+from mmcache.train.models.registry import InputShapeError, ModelConfigError
 
 PackedAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -10,7 +10,7 @@ the trainer needs to use it without knowing which family it is:
                    they are keyword arguments, never config; their names are the builder's
                    keyword-only parameters and are listed in ``ModelFamily.input_sizes``;
 - ``training_loss(model, batch, generators, objective) -> LossTerms``  one micro-batch's loss;
-                   ``generators[i]`` is sample i's own (``train.objective.sample_generators``): draw
+                   ``generators[i]`` is sample i's own (``mmcache.train.objective.sample_generators``): draw
                    all of a sample's randomness from it, so losses do not depend on the grouping;
 - ``tokens_per_sample(config, sample_shape) -> int``  the model's sequence length for a sample,
                    which is what the batch balancer's cost model needs;
@@ -50,9 +50,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from featstore.config import from_dict
-from featstore.errors import ConfigError
-from train.objective import LossTerms
+from mmcache.featstore.config import from_dict
+from mmcache.featstore.errors import ConfigError
+from mmcache.train.objective import LossTerms
 
 
 class ModelConfigError(ConfigError):

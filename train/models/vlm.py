@@ -31,12 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.models.hf import decoder_config_from_hf, load_hf_weights, read_hf_config
-from train.models.llm import Decoder, DecoderConfig
-from train.models.registry import InputShapeError, ModelConfigError, register_model
-from train.models.vlm_data import PackedVLMData
-from train.objective import LossTerms
-from train.packing import IGNORE, PackedBatch
+from mmcache.train.models.hf import decoder_config_from_hf, load_hf_weights, read_hf_config
+from mmcache.train.models.llm import Decoder, DecoderConfig
+from mmcache.train.models.registry import InputShapeError, ModelConfigError, register_model
+from mmcache.train.models.vlm_data import PackedVLMData
+from mmcache.train.objective import LossTerms
+from mmcache.train.packing import IGNORE, PackedBatch
 
 PARTS = ("projector", "llm")
 
@@ -152,13 +152,13 @@ def export_vlm(model: VLM, out: Path) -> list[Path]:
     projector's weights (safetensors) with a config.json saying how to rebuild it
     (``load_projector``). Written beside ``out`` first, then moved into place, so a re-run never
     leaves a mix of two exports. ``out`` is shared with the run's trained encoders
-    (``train.live.joint`` writes ``out/<field>`` with an export record): those are kept, whichever
+    (``mmcache.train.live.joint`` writes ``out/<field>`` with an export record): those are kept, whichever
     of the two exports runs first; anything else in ``out`` is from an earlier export and goes.
     The tokenizer is the one the store was encoded with (its fingerprint is in run.json): copy
     that folder next to ``llm`` to ship a complete model."""
     from safetensors.torch import save_file
 
-    from train.models.hf import save_hf
+    from mmcache.train.models.hf import save_hf
 
     out = Path(out)
     staging = out.with_name(out.name + ".tmp")
@@ -177,7 +177,7 @@ def export_vlm(model: VLM, out: Path) -> list[Path]:
         "norm_eps": model.projector.norm.eps,
     }
     (projector / "config.json").write_text(json.dumps(spec, indent=2))
-    from train.live.reattach import EXPORT_RECORD  # marks a trained encoder's folder
+    from mmcache.train.live.reattach import EXPORT_RECORD  # marks a trained encoder's folder
 
     if out.is_dir():
         for entry in out.iterdir():

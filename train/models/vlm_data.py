@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-import featstore
-from train.packing import SAMPLE_ID, PackedBatch, check_lengths, expand_sample, pack
+from mmcache import featstore
+from mmcache.train.packing import SAMPLE_ID, PackedBatch, check_lengths, expand_sample, pack
 
 
 @dataclasses.dataclass(kw_only=True)

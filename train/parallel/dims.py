@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from featstore.errors import ConfigError
+from mmcache.featstore.errors import ConfigError
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "ring", "ulysses")
 

@@ -37,9 +37,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from train.balance import greedy
-from train.parallel.dims import ParallelMeshes
-from train.parallel.sequence.comm import all_gather_rows
+from mmcache.train.balance import greedy
+from mmcache.train.parallel.dims import ParallelMeshes
+from mmcache.train.parallel.sequence.comm import all_gather_rows
 
 MAX_NDIM = 8  # a feature's dimensions travel in a fixed-width header row
 
@@ -191,7 +191,7 @@ def _places(owners: Sequence[int], sizes: Sequence[int], shapes: Sequence[tuple[
 
 
 def apply_encoder_sequence_parallel(live: Any, meshes: ParallelMeshes) -> Any:
-    """Install the SP group's sample split on the run's live fields (``train.live.fields.LiveFields``);
+    """Install the SP group's sample split on the run's live fields (``mmcache.train.live.fields.LiveFields``);
     a no-op when ring × ulysses is 1. Every rank calls it (it creates process groups)."""
     sp = meshes.dims.sp_size
     if sp == 1:

@@ -12,7 +12,7 @@ stages map to:
   gradient shards across groups.
 
 Gradient reduction is a SUM by default (``sum_gradients=True``), not FSDP's average: the trainer
-normalises each micro-batch loss by the step's global element count (see ``train.objective``), so
+normalises each micro-batch loss by the step's global element count (see ``mmcache.train.objective``), so
 summing gives the exact full-batch gradient even when ranks hold different numbers of samples or
 tokens, and sequence-parallel ranks — each contributing the gradient of its slice of the tokens —
 add up correctly.
@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from featstore.errors import ConfigError
+from mmcache.featstore.errors import ConfigError
 
 
 class FSDPConfigError(ConfigError):

@@ -30,8 +30,8 @@ from collections.abc import Callable
 
 import torch
 
-from train.parallel.dims import ParallelMeshes
-from train.parallel.sequence import (
+from mmcache.train.parallel.dims import ParallelMeshes
+from mmcache.train.parallel.sequence import (
     SequenceLayout,
     SequenceParallelConfigError,
     gather_sequence,
@@ -40,9 +40,9 @@ from train.parallel.sequence import (
     shard_sequence,
     usp_attention,
 )
-from train.parallel.sequence.causal_layout import packed_causal_layout
-from train.parallel.sequence.document_mask import DocumentMaskPlan
-from train.parallel.sequence.usp import build_document_plan
+from mmcache.train.parallel.sequence.causal_layout import packed_causal_layout
+from mmcache.train.parallel.sequence.document_mask import DocumentMaskPlan
+from mmcache.train.parallel.sequence.usp import build_document_plan
 
 DEFAULT_STYLE = "bidirectional"
 

@@ -6,7 +6,7 @@ to), with the same decoding, resize and tiling as ``mmcache encode``; the prompt
 tokenizer and template (``TokenizerEncoder.generation_prompt``: a caption's start without
 ``--prompt``, a one-turn conversation with one). Without ``--image`` a ``--prompt`` is asked from
 the text alone, through the model's image-less path (the one its text-only samples trained). The
-LLM then continues token by token with a KV cache (``train.models.llm.KVCache``): greedy
+LLM then continues token by token with a KV cache (``mmcache.train.models.llm.KVCache``): greedy
 (argmax), or with ``--temperature`` > 0 nucleus sampling (``--top-p``) from a CPU generator
 seeded with ``--seed`` alone, until a stop token (eos, or the template's end of turn) or
 ``--max-new-tokens``. Each (image, prompt) is decoded once (``prefill``) and every seed continues
@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from featstore.errors import ConfigError
-from train.models.llm import KVCache
+from mmcache.featstore.errors import ConfigError
+from mmcache.train.models.llm import KVCache
 
 
 class AnswerConfigError(ConfigError):
@@ -89,7 +89,7 @@ def prefill(model: torch.nn.Module, prompt_ids: np.ndarray, image: np.ndarray | 
     """The forward of one prompt (token ids, with the image placeholder when ``image``: its
     stored-dtype ViT features, as the cache holds them; None: a text-only question), on the
     model's device."""
-    from train.packing import expand_sample, pack
+    from mmcache.train.packing import expand_sample, pack
 
     pad = int(ids_meta.get("pad_token_id") or 0)
     expanded = expand_sample("answer", prompt_ids, np.zeros(len(prompt_ids), dtype=np.uint8), image, image_token_id=ids_meta.get("image_token_id"),
@@ -126,8 +126,8 @@ def answer_vlm(trained, *, images: Sequence[str], prompts: Sequence[str | None],
                features: str | None, storage_options: dict | None, device: torch.device | str = "cpu") -> dict[str, Any]:
     """``mmtrain sample`` for a VLM run or export: ``out/answers.jsonl``; returns its rows. Each
     prompt (about each image) is decoded once; its seeds continue from that."""
-    import featstore
-    from train.sample.source import reattach_trained
+    from mmcache import featstore
+    from mmcache.train.sample.source import reattach_trained
 
     if not images and None in prompts:
         raise AnswerConfigError("this is a VLM run: give the images to answer about with --image PATH (repeatable), "

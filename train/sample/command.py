@@ -7,20 +7,20 @@ from typing import Any
 
 import torch
 
-import featstore
-from featstore.errors import ConfigError
-from featstore.prompts import MissingPromptError, read_prompt_file
-from train.sample.decode import NoDecoderError, load_decoder, no_decoder_message
-from train.sample.generate import SampleJob, default_size, generate, latent_shape, parse_size, store_prompt_embeddings
-from train.sample.sampler import SamplerConfig
-from train.sample.source import load_trained
+from mmcache import featstore
+from mmcache.featstore.errors import ConfigError
+from mmcache.featstore.prompts import MissingPromptError, read_prompt_file
+from mmcache.train.sample.decode import NoDecoderError, load_decoder, no_decoder_message
+from mmcache.train.sample.generate import SampleJob, default_size, generate, latent_shape, parse_size, store_prompt_embeddings
+from mmcache.train.sample.sampler import SamplerConfig
+from mmcache.train.sample.source import load_trained
 
 
 def read_prompts_arg(prompt: tuple[str, ...], prompts_file: str | None) -> list[str]:
     if bool(prompt) == bool(prompts_file):
         raise ConfigError("give the prompts with --prompt TEXT (repeatable) or --prompts FILE (one per line), one of the two")
     if prompts_file:
-        from precompute.prompts import load_prompt_file
+        from mmcache.precompute.prompts import load_prompt_file
 
         return load_prompt_file(prompts_file)
     for text in prompt:
@@ -32,9 +32,9 @@ def read_prompts_arg(prompt: tuple[str, ...], prompts_file: str | None) -> list[
 def live_prompt_embeddings(store, text_field: str, text_digest: str | None, prompts: list[str], why: str,
                            device: torch.device | str = "cpu") -> dict[str, Any]:
     """The prompts (and the empty prompt) encoded now by the run's text encoder, re-attached from
-    the store's record (``train.live.reattach``, as joint finetuning does; fingerprint-checked)."""
-    from featstore.prompts import EMPTY_PROMPT
-    from train.live.reattach import ReattachError, reattach_encoder
+    the store's record (``mmcache.train.live.reattach``, as joint finetuning does; fingerprint-checked)."""
+    from mmcache.featstore.prompts import EMPTY_PROMPT
+    from mmcache.train.live.reattach import ReattachError, reattach_encoder
 
     if store is None:
         raise MissingPromptError(why)
@@ -87,13 +87,13 @@ def sample_command(run: str, *, checkpoint: int | None, prompt: tuple[str, ...],
                    steps: int, guidance: float, shift: float, size: str | None, frames: int, fps: float, vae: str | None,
                    latents_only: bool, features: str | None, storage_options: dict | None, images: tuple[str, ...],
                    temperature: float = 0.0, top_p: float = 1.0, max_new_tokens: int = 64, device: str = "cpu") -> dict[str, Any]:
-    from train.parallel.dims import pick_device
+    from mmcache.train.parallel.dims import pick_device
 
     where = pick_device(device)
     trained = load_trained(run, checkpoint)
     trained.model.to(where)  # float32, as loaded: the bytes of an answer or a picture depend on nothing else
     if trained.family.name == "vlm":
-        from train.sample.answer import AnswerConfig, AnswerConfigError, answer_vlm
+        from mmcache.train.sample.answer import AnswerConfig, AnswerConfigError, answer_vlm
 
         config = AnswerConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
         if seeds and config.greedy:

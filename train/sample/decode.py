@@ -3,7 +3,7 @@
 The latent field's fingerprint names the encoder that made it (``taef2``, ``autoencoder_kl``,
 ``autoencoder_kl_wan``) and the hash of its weights. A decoder is loaded from a folder (``--vae
 DIR``, or the tiny model of that name that ``path: tiny`` built on this machine) through the
-encoder's own loader in ``precompute.encoders``, and is used only when the weights there hash to
+encoder's own loader in ``mmcache.precompute.encoders``, and is used only when the weights there hash to
 what the fingerprint records: a decoder of another VAE would turn the latents into noise without
 saying so. (TAESD-F2's hash is that of its encoder file, which sits beside the decoder's.)
 
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from featstore.errors import ConfigError, FingerprintMismatchError
+from mmcache.featstore.errors import ConfigError, FingerprintMismatchError
 
 
 class NoDecoderError(ConfigError):
@@ -31,7 +31,7 @@ Decode = Callable[[torch.Tensor], np.ndarray]
 
 
 def to_store_space(latent: torch.Tensor, normalisation: tuple[list[float], list[float]] | None) -> torch.Tensor:
-    """Undo ``train.data.latent_normalisation``'s ``(x - shift) * scale`` on ``[C, ...]``."""
+    """Undo ``mmcache.train.data.latent_normalisation``'s ``(x - shift) * scale`` on ``[C, ...]``."""
     if normalisation is None:
         return latent
     shift, scale = (torch.tensor(v, dtype=latent.dtype).view(-1, *([1] * (latent.dim() - 1))) for v in normalisation)
@@ -81,8 +81,8 @@ DECODERS: dict[str, Callable[[Any], Decode]] = {"taef2": _taef2, "autoencoder_kl
 def _candidates(name: str, vae_path: str | None) -> list[Path]:
     if vae_path:
         return [Path(vae_path).expanduser()]
-    from precompute.config import default_cache_dir
-    from precompute.encoders.tiny import TINY_VERSION
+    from mmcache.precompute.config import default_cache_dir
+    from mmcache.precompute.encoders.tiny import TINY_VERSION
 
     tiny = default_cache_dir() / "tiny" / f"{name}-v{TINY_VERSION}"
     return [tiny] if tiny.is_dir() else []
@@ -92,8 +92,8 @@ def load_decoder(latent_meta: dict[str, Any], vae_path: str | None, device: str 
     """The decoder of the VAE that made a latent field (its field meta), or None when none is at
     hand (no ``vae_path`` and no matching tiny model here). A ``vae_path`` holding other weights
     is an error."""
-    from precompute.encoders import build_encoder
-    from precompute.tasks import quiet_offline_env
+    from mmcache.precompute.encoders import build_encoder
+    from mmcache.precompute.tasks import quiet_offline_env
 
     quiet_offline_env()  # local folders only, no hub look-ups or banners
     fingerprint = latent_meta.get("fingerprint") or {}

@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import featstore
-from featstore.errors import ConfigError
-from train.objective import sample_generators
-from train.sample.decode import load_decoder
-from train.sample.generate import SampleJob, default_size, generate, latent_shape, parse_size, store_prompt_embeddings
-from train.sample.sampler import SamplerConfig
+from mmcache import featstore
+from mmcache.featstore.errors import ConfigError
+from mmcache.train.objective import sample_generators
+from mmcache.train.sample.decode import load_decoder
+from mmcache.train.sample.generate import SampleJob, default_size, generate, latent_shape, parse_size, store_prompt_embeddings
+from mmcache.train.sample.sampler import SamplerConfig
 
 VALIDATION_SEED = 20_240_601  # fixed: the held-out noise is the same in every run
 
@@ -58,11 +58,11 @@ def validation_ids(store: featstore.Store, required: list[str], fraction: float,
 
 
 def read_held_out(store, sample_ids: list[str], data_adapter, live=None) -> list[dict]:
-    """The held-out samples as the training stream makes them (``train.data.FeatureStream.read``):
+    """The held-out samples as the training stream makes them (``mmcache.train.data.FeatureStream.read``):
     the cached fields (the required ones, and the optional ones each sample has, e.g. a VLM's
     image), then what the run's live/train fields add (``live.complete``: a train field's prepared
     inputs, which ``Validator`` encodes with the encoder as it is at each evaluation)."""
-    from train.packing import SAMPLE_ID
+    from mmcache.train.packing import SAMPLE_ID
 
     produced, fillable = (live.produced, live.fillable) if live else (set(), set())
     by_fields: dict[tuple[str, ...], list[int]] = {}

@@ -13,12 +13,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from featstore.errors import ConfigError
-from featstore.prompts import EMPTY_PROMPT, MissingPromptError, read_prompts
-from train.data import latent_normalisation
-from train.sample.decode import Decode, to_store_space
-from train.sample.output import sample_name, write_frames, write_grid, write_index, write_latents
-from train.sample.sampler import SamplerConfig, sample_batch
+from mmcache.featstore.errors import ConfigError
+from mmcache.featstore.prompts import EMPTY_PROMPT, MissingPromptError, read_prompts
+from mmcache.train.data import latent_normalisation
+from mmcache.train.sample.decode import Decode, to_store_space
+from mmcache.train.sample.output import sample_name, write_frames, write_grid, write_index, write_latents
+from mmcache.train.sample.sampler import SamplerConfig, sample_batch
 
 
 class SampleSizeError(ConfigError):
@@ -89,7 +89,7 @@ def store_prompt_embeddings(store: Any, text_field: str, fingerprint_digest: str
 
 
 def as_float_tensor(array: np.ndarray) -> torch.Tensor:
-    from train.models.dit import as_tensor
+    from mmcache.train.models.dit import as_tensor
 
     return as_tensor(np.array(array)).float()  # a copy: store arrays are read-only
 

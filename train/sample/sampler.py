@@ -1,6 +1,6 @@
 """Euler sampling of a flow-matching DiT, with classifier-free guidance and a timestep shift.
 
-The convention is ``train.objective``'s, exactly: ``x_t = (1 - t) * x0 + t * eps`` joins data
+The convention is ``mmcache.train.objective``'s, exactly: ``x_t = (1 - t) * x0 + t * eps`` joins data
 (t = 0) to noise (t = 1), and the model predicts the velocity ``v = eps - x0 = dx_t/dt``. So a
 sample starts from noise at t = 1 and integrates ``dx = v dt`` down to t = 0 in ``steps`` Euler
 steps: ``x <- x + (t_next - t) * v(x, t)``. On a straight path (what the objective trains
@@ -10,7 +10,7 @@ Timestep shift (SD3 / FLUX): ``t' = s t / (1 + (s - 1) t)`` spends more of the s
 noise for s > 1, where large images need them; s = 1 is the plain uniform grid.
 
 Classifier-free guidance: ``v = v_uncond + g (v_cond - v_uncond)`` with the *empty prompt* as the
-unconditional text (its embedding is stored with the features, ``featstore.read_prompts``).
+unconditional text (its embedding is stored with the features, ``mmcache.featstore.read_prompts``).
 g = 1 is the conditional prediction alone, and the unconditional pass is then skipped.
 
 Determinism: each (prompt, seed) is sampled on its own, its noise drawn by a CPU generator seeded
@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from featstore.errors import ConfigError
+from mmcache.featstore.errors import ConfigError
 
 
 class SamplerConfigError(ConfigError):
@@ -118,7 +118,7 @@ def sample_batch(model: torch.nn.Module, shape: Sequence[int], seeds: Sequence[i
     all of them (what sampling during fit uses: far fewer, larger forwards). Deterministic for a
     given set of pairs; a pair's result can differ from ``sample_one``'s by float rounding (other
     batch shapes can take other kernels). ``empty`` is the empty prompt's embedding (guidance)."""
-    from train.models.dit import pad_text
+    from mmcache.train.models.dit import pad_text
 
     device = torch.device(device)
     text, mask = pad_text([t.float() for t in texts], dtype=torch.float32, device=device)

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from featstore.errors import ConfigError
-from train.checkpoint import checkpoints
-from train.models.registry import EXPORT_FORMAT, ModelFamily, get_model_family
+from mmcache.featstore.errors import ConfigError
+from mmcache.train.checkpoint import checkpoints
+from mmcache.train.models.registry import EXPORT_FORMAT, ModelFamily, get_model_family
 
 
 class RunFolderError(ConfigError):
@@ -149,11 +149,11 @@ def load_trained(path: str | Path, checkpoint: int | None = None) -> Trained:
 
 def reattach_trained(trained: Trained, store: Any, field: str, storage_options: dict[str, Any] | None = None,
                      device: str | torch.device = "cpu") -> Any:
-    """The encoder of ``field`` as the run left it (a ``train.live.reattach.LiveEncoder``), loaded
+    """The encoder of ``field`` as the run left it (a ``mmcache.train.live.reattach.LiveEncoder``), loaded
     on ``device``: as the store records it, checked against its fingerprint, or, for a field the
     run trained, with the run's weights in place of the recorded ones (then only the weights may
     differ)."""
-    from train.live.reattach import EncoderMismatchError, reattach_encoder
+    from mmcache.train.live.reattach import EncoderMismatchError, reattach_encoder
 
     recorded = (trained.fields.get(field, {}).get("fingerprint") or {}).get("digest")
     in_store = (store.fields[field].meta.get("fingerprint") or {}).get("digest") if field in store.fields else None
@@ -182,7 +182,7 @@ def reattach_trained(trained: Trained, store: Any, field: str, storage_options: 
 def encoder_from_checkpoint(trained: Trained, store: Any, field: str, out: Path, storage_options: dict[str, Any] | None = None) -> None:
     """The state of the encoder of ``field`` in the run's checkpoint, written as a from_pretrained
     folder ``out`` through the encoder the store records (which it is a finetune of)."""
-    from train.live.reattach import reattach_encoder
+    from mmcache.train.live.reattach import reattach_encoder
 
     assert trained.checkpoint is not None
     live = reattach_encoder(store, field, storage_options=storage_options)
@@ -212,7 +212,7 @@ def _export_trained_encoders(trained: Trained, out_dir: Path) -> list[str]:
     the run's final export copied, or a checkpoint's state written through the re-attached encoder."""
     import shutil
 
-    import featstore
+    from mmcache import featstore
 
     for name in trained.trained_encoders:
         target = out_dir / "encoders" / name
