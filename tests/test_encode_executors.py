@@ -128,7 +128,7 @@ def test_the_client_of_a_cluster_imports_no_encoder_nor_decoder(dataset, tmp_pat
     assert proc.returncode == 0, proc.stderr
     assert "scheduler: --scheduler" in proc.stderr, proc.stderr
     loaded = imported(modules)
-    assert "distributed" in loaded and "featstore" in loaded  # the probe saw the command's modules
+    assert "distributed" in loaded and "mmcache.featstore" in loaded  # the probe saw the command's modules
     assert not_in_the_client(loaded) == []
     store = featstore.open(str(out))
     assert len(store) == 8 and store.num_rejected() == 0  # images and videos, decoded on the workers
