@@ -9,7 +9,23 @@
     s.read("sample-0", with_meta=True).meta["caption"]  # a Sample: the arrays, .id, .meta
     s.index                     # pyarrow.Table, one row per sample (per shard it has fields in)
 
-This package imports neither torch nor dask: anything that reads numpy can use it.
+This package imports neither torch nor dask: anything that reads numpy can use it (tensors.py
+and dataset-style helpers take torch from the caller).
+
+The modules, bottom up (each imports only those above it):
+    errors, secrets, retry    user-facing errors; credentials kept out of messages; retried remote calls
+    format                    the on-disk format: names, dtypes, chunk layouts, checksums (docs/FORMAT.md)
+    storage, cache            the object layer (Storage ABC: local, fsspec) and the local read-through cache
+    manifest, config          the store's declarations (zarr.json); typed YAML configs for every command
+    index                     listing index/ and parsing its parts: ShardInfo, one home for both
+    checkpoints, snapshot     reading index checkpoints; the snapshot an open takes (parts in commit order)
+    compact                   writing index checkpoints (mmcache compact; writers every so often)
+    sample, tensors           Sample (arrays + id + meta); torch tensors in and out, torch from the caller
+    writer, scan              committing shards atomically; full scans in large sequential blocks
+    reader                    Store: open, read, read_at, scan, add fields, writer()
+    prompts, repair, copy     prompt embeddings; mmcache repair; mmcache copy
+    verify, user_errors       mmcache verify / info; one-line errors for the command-line tools
+    cli, demo                 the store commands (info, verify, copy, repair, compact); a demo store
 """
 
 from __future__ import annotations

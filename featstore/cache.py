@@ -289,10 +289,7 @@ class CachingStorage(Storage):
             if part is None:
                 return None
             try:
-                if hasattr(self.remote, "get_file"):
-                    self.remote.get_file(key, str(part))
-                else:
-                    part.write_bytes(self.remote.read(key))
+                self.remote.get_file(key, str(part))
                 fd = os.open(part, os.O_RDONLY)
                 size = os.fstat(fd).st_size
                 self._count(bytes_downloaded=size)  # what arrived, checked or not
@@ -414,6 +411,16 @@ class CachingStorage(Storage):
 
     def list_names(self, prefix: str, start: str) -> list[str]:
         return self.remote.list_names(prefix, start)
+
+    def list_fingerprints(self, prefix: str) -> dict[str, str]:
+        return self.remote.list_fingerprints(prefix)
+
+    def get_file(self, key: str, local_path: str) -> None:
+        self.remote.get_file(key, local_path)
+
+    @property
+    def local_cache(self) -> CachingStorage:
+        return self
 
     @property
     def is_remote(self) -> bool:

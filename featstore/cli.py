@@ -12,6 +12,11 @@ from typing import Any
 import click
 
 from mmcache import featstore
+from mmcache.featstore import secrets
+from mmcache.featstore.checkpoints import CheckpointWarning
+from mmcache.featstore.compact import compact_store
+from mmcache.featstore.reader import open_store
+from mmcache.featstore.repair import repair_store
 from mmcache.featstore.secrets import redact
 from mmcache.featstore.user_errors import UserErrorGroup, debug_option
 from mmcache.featstore.verify import store_info, verify_store
@@ -26,8 +31,6 @@ def parse_storage_options(raw: str | None) -> dict[str, Any] | None:
         raise click.BadParameter(f"not valid JSON: {exc}", param_hint="--storage-options") from None
     if not isinstance(value, dict):
         raise click.BadParameter("must be a JSON object", param_hint="--storage-options")
-    from mmcache.featstore import secrets
-
     secrets.register(value)  # so no message can show them
     return value
 
@@ -50,8 +53,6 @@ def cli(debug: bool) -> None:
 def _plain_store_warnings() -> None:
     """A damaged index checkpoint is a warning (nothing is lost: the parts are read instead);
     on the command line it reads as one line, like the other warnings, not as Python's."""
-    from mmcache.featstore.compact import CheckpointWarning
-
     python_format = warnings.formatwarning
 
     def plain(message, category, filename, lineno, line=None):  # type: ignore[no-untyped-def]
@@ -162,8 +163,6 @@ def copy(src, dst, storage_options, src_storage_options, dst_storage_options, wo
 def repair(url: str, storage_options: str | None) -> None:
     """Remove the rows of URL that readers ignore: a (sample id, field) that racing writers both
     committed is kept in the earliest commit only. Moves no data; safe while others read."""
-    from mmcache.featstore.repair import repair_store
-
     try:
         store = featstore.open(url, parse_storage_options(storage_options), mode="a")
     except featstore.FeatstoreError as exc:
@@ -181,9 +180,6 @@ def compact(url: str, storage_options: str | None, rebuild: bool) -> None:
     """Checkpoint the index of the store at URL: one Parquet object holding the rows of every
     committed index part, so that opening the store reads it instead of every part. Deletes no
     index part; safe while others read, write or compact. Writers also do this every so often."""
-    from mmcache.featstore.compact import compact_store
-    from mmcache.featstore.reader import open_store
-
     try:  # the store's index is what this reads, once, below
         store = open_store(url, parse_storage_options(storage_options), load_index=False)
     except featstore.FeatstoreError as exc:

@@ -1,7 +1,7 @@
-"""Index checkpoints: the rows of many committed index parts in two Parquet objects, so that
+"""Index checkpoints, written: the rows of many committed index parts in two Parquet objects, so that
 opening a store costs one listing and a couple of reads at any shard count (Delta Lake and
 Iceberg checkpoint their logs for the same reason). ``mmcache verify`` checks them against the
-parts (featstore.verify).
+parts (featstore.verify); reading them is featstore.checkpoints'.
 
 A checkpoint is written in two steps, like a shard (docs/FORMAT.md, "Index checkpoints"):
 
@@ -25,205 +25,32 @@ falls back to the next one, or to the parts.
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
-import os
-import re
-import threading
 import warnings
-from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from mmcache.featstore import format as fmt
+from mmcache.featstore.checkpoints import (
+    CHECKPOINT_DIR,
+    CHECKPOINT_METADATA_KEY,
+    CHECKPOINT_VERSION,
+    KEEP,
+    CheckpointWarning,
+    checkpoint_keys,
+    digest_of,
+    marker_name,
+    markers,
+    read_checkpoint,
+)
 from mmcache.featstore.errors import CorruptionError, FeatstoreError, FormatVersionError
-from mmcache.featstore.snapshot import ShardInfo, recorded_shard_info
+from mmcache.featstore.index import index_parts, list_index, parquet_bytes
+from mmcache.featstore.snapshot import gather_parts
+from mmcache.featstore.storage import Storage
 
-if TYPE_CHECKING:
-    from mmcache.featstore.reader import Store
-    from mmcache.featstore.storage import Storage
-
-CHECKPOINT_DIR = "checkpoints"
-CHECKPOINT_METADATA_KEY = b"mmcache.checkpoint"
-CHECKPOINT_VERSION = 1
 # Writers start a compaction after about this many commits (StoreWriter(compact_every=...)).
 DEFAULT_COMPACT_EVERY = 64
-KEEP = 2             # checkpoints kept: the newest, and the one before for readers that listed it
-MAX_TRIES = 3        # damaged or pruned checkpoints a reader tries before it reads every part
-_MARKER = re.compile(r"^_checkpoint\.(\d{10})\.([0-9a-f]{32})\.json$")
-
-
-class CheckpointWarning(UserWarning):
-    """A checkpoint could not be used (damaged): it was ignored, and the parts it covers read."""
-
-
-def marker_name(parts: int, digest: str) -> str:
-    return f"_checkpoint.{parts:010d}.{digest}.json"
-
-
-def parse_marker(name: str) -> tuple[int, str] | None:
-    match = _MARKER.match(name)
-    return (int(match.group(1)), match.group(2)) if match else None
-
-
-def checkpoint_keys(digest: str) -> tuple[str, str]:
-    """The (parts, rows) objects of checkpoint ``digest``."""
-    return f"{CHECKPOINT_DIR}/{digest}.parts.parquet", f"{CHECKPOINT_DIR}/{digest}.rows.parquet"
-
-
-def digest_of(parts: bytes, rows: bytes) -> str:
-    return hashlib.sha256(parts + rows).hexdigest()[:32]
-
-
-# ---- the listing ---------------------------------------------------------------------------
-def list_index(storage: Storage) -> dict[str, str]:
-    """Names directly under ``index/`` -> a fingerprint of the object (its size and what the
-    backend says changes when it is rewritten), from one listing: what tells a reader that a part
-    is the very one a checkpoint covers, without reading it."""
-    from mmcache.featstore.storage import FsspecStorage, LocalStorage
-
-    remote = getattr(storage, "remote", None)  # a CachingStorage lists through its remote
-    if remote is not None:
-        return list_index(remote)
-    if isinstance(storage, LocalStorage):
-        out = {}
-        try:
-            with os.scandir(storage.root / fmt.INDEX_DIR) as entries:
-                for entry in entries:
-                    try:
-                        st = entry.stat()
-                    except FileNotFoundError:
-                        continue  # a temporary file that went away meanwhile
-                    # A name recreated after a delete gets a new inode or mtime, whatever its size.
-                    out[entry.name] = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
-        except (FileNotFoundError, NotADirectoryError):
-            pass
-        return out
-    if isinstance(storage, FsspecStorage):
-        return {e["name"].rstrip("/").rsplit("/", 1)[-1]: _fingerprint(e) for e in storage.list_entries(fmt.INDEX_DIR) if e.get("type") != "directory"}
-    return {name: "" for name in storage.list_dir(fmt.INDEX_DIR)}  # no fingerprint: names only
-
-
-def _fingerprint(entry: dict[str, Any]) -> str:
-    # S3 and GCS give a content hash (the ETag of a single PUT is its MD5); others a time stamp.
-    tag = next((entry[k] for k in ("ETag", "etag", "md5Hash", "crc32c", "mtime", "LastModified", "created") if entry.get(k) is not None), "")
-    return f"{entry.get('size')}:{tag}"
-
-
-# ---- reading -------------------------------------------------------------------------------
-class _Records:
-    """The ``record`` column of a checkpoint's parts object, decoded on first use: it is most of
-    that object's bytes, and an open needs none of it."""
-
-    def __init__(self, raw: bytes) -> None:
-        self._raw, self._texts = raw, None
-        self._lock = threading.Lock()
-
-    def __call__(self, row: int) -> str:
-        with self._lock:  # readers of one store may first touch its shards from several threads
-            if self._texts is None:
-                self._texts = pq.ParquetFile(io.BytesIO(self._raw)).read(columns=["record"], use_threads=False).column("record").to_pylist()
-        return self._texts[row]
-
-
-class CoveredPart:
-    """One index part a checkpoint covers. (A plain class: thousands are made per open, and a
-    frozen dataclass's __init__ costs several times more.)"""
-
-    __slots__ = ("entry", "listed", "info", "start", "records", "row")
-
-    def __init__(self, entry: str, listed: str, info: ShardInfo, start: int, records: _Records, row: int) -> None:
-        self.entry = entry      # its file name under index/
-        self.listed = listed    # its fingerprint when it was compacted
-        self.info = info
-        self.start = start      # its first row in the checkpoint's table
-        self.records, self.row = records, row  # its row in the parts object
-
-    @property
-    def record(self) -> str:
-        """Its commit record, JSON, exactly as its index part holds it."""
-        return self.records(self.row)
-
-
-@dataclass
-class Checkpoint:
-    key: str                          # checkpoints/<digest>: what messages and Store.checkpoint name
-    marker: str
-    table: pa.Table                   # the covered rows, with a "shard" column
-    parts: dict[str, CoveredPart]     # entry -> part, in table order
-    nbytes: int
-
-
-_PART_COLUMNS = ("entry", "shard", "listed", "index_nbytes", "num_samples", "num_rejected", "committed_at", "data", "rejects", "fields", "record")
-
-
-def markers(listing: Iterable[str]) -> list[tuple[int, str, str]]:
-    """(parts, digest, marker name) of the checkpoints in a listing, the most complete first."""
-    found = [(*parsed, name) for name in listing if (parsed := parse_marker(name))]
-    return sorted(found, key=lambda m: (-m[0], m[1]))
-
-
-def parse_checkpoint(parts_raw: bytes, rows_raw: bytes, digest: str, marker: str, url: str) -> Checkpoint:
-    key = f"{CHECKPOINT_DIR}/{digest}"
-    where = f"{url}/{key}"
-    if digest_of(parts_raw, rows_raw) != digest:
-        raise CorruptionError(f"{where}: index checkpoint does not match the SHA-256 in its name (damaged or cut short)")
-    try:
-        listing = pq.ParquetFile(io.BytesIO(parts_raw))
-        doc = json.loads((listing.metadata.metadata or {})[CHECKPOINT_METADATA_KEY])
-        if doc.get("checkpoint_version", 0) > CHECKPOINT_VERSION:
-            raise FormatVersionError(f"{where} was written by a newer mmcache (checkpoint version {doc['checkpoint_version']}); upgrade mmcache")
-        described = listing.read(columns=list(_PART_COLUMNS[:-1]), use_threads=False)
-        columns = [described.column(name).to_pylist() for name in _PART_COLUMNS[:-1]]
-        if listing.schema_arrow.names != list(_PART_COLUMNS):
-            raise ValueError(f"columns {listing.schema_arrow.names}")
-        table = pq.read_table(io.BytesIO(rows_raw), use_threads=False)
-    except (pa.ArrowException, KeyError, OSError, TypeError, ValueError) as exc:
-        if isinstance(exc, FormatVersionError):
-            raise
-        raise CorruptionError(f"{where}: not a valid index checkpoint ({exc})") from None
-    parts, start, index, records = {}, 0, fmt.INDEX_DIR, _Records(parts_raw)
-    for row, (entry, name, listed, nbytes, num_samples, num_rejected, committed_at, data_root, rejects_key, fields) in enumerate(zip(*columns, strict=True)):
-        info = recorded_shard_info(name, f"{index}/{entry}", nbytes, num_samples, num_rejected, committed_at, data_root, rejects_key, fields, records, row)
-        parts[entry] = CoveredPart(entry, listed, info, start, records, row)
-        start += num_samples
-    if start != table.num_rows or doc.get("rows") != start:
-        raise CorruptionError(f"{where}: {table.num_rows} rows but its parts hold {start}")
-    return Checkpoint(key, marker, table.replace_schema_metadata(None), parts, len(parts_raw) + len(rows_raw))
-
-
-def read_checkpoint(storage: Storage, digest: str, marker: str) -> Checkpoint:
-    """Checkpoint ``digest``, read (both objects at once from an object store) and checked;
-    FileNotFoundError when it was pruned."""
-    keys = checkpoint_keys(digest)
-    if storage.is_remote:
-        with ThreadPoolExecutor(2, thread_name_prefix="featstore-checkpoint") as pool:
-            parts_raw, rows_raw = pool.map(storage.read, keys)
-    else:
-        parts_raw, rows_raw = (storage.read(k) for k in keys)
-    return parse_checkpoint(parts_raw, rows_raw, digest, marker, storage.url)
-
-
-def find_checkpoint(storage: Storage, listing: dict[str, str], problems: list[str] | None = None) -> Checkpoint | None:
-    """The most complete readable checkpoint the listing shows, or None. A damaged one is
-    reported (``problems``, and a warning) and skipped; a pruned one is skipped silently."""
-    for _, digest, marker in markers(listing)[:MAX_TRIES]:
-        try:
-            return read_checkpoint(storage, digest, marker)
-        except FileNotFoundError:
-            continue  # pruned by a compactor after our listing
-        except FormatVersionError:
-            continue  # a newer mmcache's: the parts it covers are still there to read
-        except CorruptionError as exc:
-            if problems is not None:
-                problems.append(str(exc))
-            warnings.warn(f"{exc}; it is ignored and the index parts it covers are read instead (`mmcache compact {storage.url}` replaces it)", CheckpointWarning, stacklevel=3)
-    return None
 
 
 # ---- writing -------------------------------------------------------------------------------
@@ -253,8 +80,6 @@ def compact_store(storage: Storage, *, keep: int = KEEP, rebuild: bool = False) 
     other compactors: it creates objects only if absent and deletes only checkpoints.
     ``rebuild``: read every part, ignoring the existing checkpoints, and then delete all of them
     (for one that ``mmcache verify`` found disagreeing with the parts)."""
-    from mmcache.featstore.snapshot import gather_parts
-
     gathered = gather_parts(storage, strict=False, use_checkpoint=not rebuild, checkpoint_problems=[])
     summary = CompactSummary(damaged=gathered.damaged)
     if not gathered.order:
@@ -281,8 +106,8 @@ def compact_store(storage: Storage, *, keep: int = KEEP, rebuild: bool = False) 
         })
         # Nothing time- or writer-dependent: compactors of the same parts write the same bytes.
         doc = {"checkpoint_version": CHECKPOINT_VERSION, "format_version": fmt.FORMAT_VERSION, "rows": gathered.table.num_rows}
-        parts_raw = _parquet_bytes(described, {CHECKPOINT_METADATA_KEY: json.dumps(doc).encode()})
-        rows_raw = _parquet_bytes(gathered.table.replace_schema_metadata(None), {})
+        parts_raw = parquet_bytes(described, {CHECKPOINT_METADATA_KEY: json.dumps(doc).encode()})
+        rows_raw = parquet_bytes(gathered.table.replace_schema_metadata(None), {})
         digest = digest_of(parts_raw, rows_raw)
         # Content-named: a concurrent compactor of the same parts writes the very same bytes.
         for key, raw in zip(checkpoint_keys(digest), (parts_raw, rows_raw), strict=True):
@@ -296,16 +121,6 @@ def compact_store(storage: Storage, *, keep: int = KEEP, rebuild: bool = False) 
         summary.key, summary.nbytes, summary.written = f"{CHECKPOINT_DIR}/{digest}", len(parts_raw) + len(rows_raw), True
     summary.pruned = _prune(storage, summary.key, keep, everything=rebuild)
     return summary
-
-
-def _parquet_bytes(table: pa.Table, metadata: dict[bytes, bytes]) -> bytes:
-    # In the footer's key/value metadata only: as schema metadata pyarrow would store it twice.
-    sink = io.BytesIO()
-    with pq.ParquetWriter(sink, table.schema) as writer:
-        writer.write_table(table)
-        if metadata:
-            writer.add_key_value_metadata(metadata)
-    return sink.getvalue()
 
 
 def _prune(storage: Storage, current: str, keep: int, everything: bool = False) -> list[str]:
@@ -344,12 +159,12 @@ def _healthy(storage: Storage, digest: str, marker: str) -> bool:
 def uncovered_parts(listing: dict[str, str]) -> int:
     """Index parts in a listing beyond what its most complete checkpoint covers (by the count
     in the marker's name: nothing is read)."""
-    parts = sum(1 for name in listing if fmt.parse_index_part_name(name) is not None)
+    parts = len(index_parts(listing))
     found = markers(listing)
     return parts - (found[0][0] if found else 0)
 
 
-def after_commit(store: Store, shard: str, every: int, commits: int) -> None:
+def after_commit(storage: Storage, shard: str, every: int, commits: int) -> None:
     """Called by a writer after its ``commits``-th commit. Every ``every``-th commit of a writer,
     and any commit whose shard name hashes to 0 modulo ``every`` (so that writers of one shard
     each, like encode tasks, take part without coordination), lists the index and compacts it
@@ -358,8 +173,8 @@ def after_commit(store: Store, shard: str, every: int, commits: int) -> None:
     if every <= 0 or (commits % every and fmt.crc32c(shard.encode()) % every):
         return
     try:
-        if uncovered_parts(list_index(store.storage)) >= every:
-            compact_store(store.storage)
+        if uncovered_parts(list_index(storage)) >= every:
+            compact_store(storage)
     except (FeatstoreError, OSError) as exc:
-        warnings.warn(f"{store.url}: automatic index compaction after shard {shard!r} failed ({exc}); the shard is committed, "
-                      f"and `mmcache compact {store.url}` can be run at any time", CheckpointWarning, stacklevel=3)
+        warnings.warn(f"{storage.url}: automatic index compaction after shard {shard!r} failed ({exc}); the shard is committed, "
+                      f"and `mmcache compact {storage.url}` can be run at any time", CheckpointWarning, stacklevel=3)

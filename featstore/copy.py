@@ -38,7 +38,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmcache.featstore import format as fmt
+from mmcache.featstore import manifest as manifests
 from mmcache.featstore.errors import CorruptionError, NotAStoreError, SchemaError
+from mmcache.featstore.index import index_parts, parse_index_part
+from mmcache.featstore.prompts import list_parts, part_bytes, read_part
+from mmcache.featstore.reader import Store, open_store
+from mmcache.featstore.repair import rewritten_part
 from mmcache.featstore.storage import Storage, open_storage
 
 
@@ -103,72 +108,25 @@ def copy_store(
     destination that holds shards the source lacks is refused, unless ``merge``: then the
     source's shards are added, without the samples the destination already holds.
     ``progress(shards_done, shards_total, bytes_copied)`` is called after each shard."""
-    from mmcache.featstore.reader import open_store
-
     t0 = time.perf_counter()
     source = open_store(src, src_options)  # strict: a damaged index part fails the copy at once
     dest = open_storage(dst, dst_options)
     try:
         _put_manifest(source, dest)
-        at_dest = {}
-        for entry in dest.list_dir(fmt.INDEX_DIR):
-            parsed = fmt.parse_index_part_name(entry)
-            if parsed:
-                at_dest[parsed[0]] = entry
+        at_dest = {part.shard: part.entry for part in index_parts(dest.list_dir(fmt.INDEX_DIR))}
         if (foreign := sorted(set(at_dest) - set(source.shards))) and not merge:
             raise SchemaError(
                 f"{dest.url} already holds {len(foreign)} shard(s) that {source.url} lacks (e.g. {foreign[0]!r}): it is not an "
                 "earlier copy of it, and copying would mix two stores; copy into a new location, or pass --merge to add the "
                 "source's samples that the destination lacks"
             )
-        held = _held_at(dst, dst_options) if foreign else set()
-        todo, skipped, dropped = [], 0, 0
-        for name, info in source.shards.items():
-            mine = info.index_key.rsplit("/", 1)[-1]
-            if name in at_dest:
-                if at_dest[name] != mine or dest.read(f"{fmt.INDEX_DIR}/{at_dest[name]}") != source.storage.read(info.index_key):
-                    raise SchemaError(
-                        f"{dest.url}: shard {name!r} is committed there with other content; "
-                        "the destination holds another store: copy into a new location"
-                    )
-                skipped += 1
-                continue
-            # --merge: each (sample id, field) stays in one shard; the destination's copy wins.
-            rows = source._shard_rows[name]
-            drop = {source._ids[r] for r in rows if any((source._ids[r], f) in held for f in info.layouts)}
-            held.update((source._ids[r], f) for r in rows for f in info.layouts if source._ids[r] not in drop)
-            dropped += len(drop)
-            todo.append((info, drop))
+        todo, skipped, dropped = _plan_shards(source, dest, at_dest, _held_at(dst, dst_options) if foreign else set())
         prompts, prompts_dropped = _plan_prompts(source, dest, merge)
         for key, raw in prompts:  # small objects, each created only if absent
             if not dest.write_new(key, raw):
                 raise SchemaError(f"{dest.url}/{key} was written with other content meanwhile; run the copy again")
-        counts = {"objects_copied": 0, "objects_kept": 0, "bytes_copied": 0}
-        lock = threading.Lock()
-        budget = _ByteBudget(max_inflight_bytes)
-
-        def copy_one(key: str, expected: dict[str, int]) -> None:
-            copied = _copy_object(source.storage, dest, key, expected, budget)
-            with lock:
-                counts["objects_copied" if copied else "objects_kept"] += 1
-                counts["bytes_copied"] += copied
-
-        with ThreadPoolExecutor(max(1, workers), thread_name_prefix="featstore-copy") as pool:
-            plan: list[tuple[Any, set[str], list[Future]]] = [
-                (info, drop, [pool.submit(copy_one, key, expected) for key, expected in info.objects.items()]) for info, drop in todo
-            ]
-            try:
-                for done, (info, drop, futures) in enumerate(plan, 1):
-                    for future in futures:
-                        future.result()
-                    _commit_shard(source.storage, dest, info, drop)
-                    if progress:
-                        progress(done + skipped, len(source.shards), counts["bytes_copied"])
-            except BaseException:
-                for _, _, futures in plan:
-                    for future in futures:
-                        future.cancel()
-                raise
+        report = None if progress is None else lambda done, copied: progress(done + skipped, len(source.shards), copied)
+        counts = _copy_shards(source.storage, dest, todo, workers, _ByteBudget(max_inflight_bytes), report)
         return CopySummary(
             src=source.url, dst=dest.url, shards=len(source.shards), shards_copied=len(todo), shards_skipped=skipped,
             seconds=time.perf_counter() - t0, samples_dropped=dropped, prompts_copied=len(prompts), prompts_dropped=prompts_dropped, **counts,
@@ -176,6 +134,61 @@ def copy_store(
     finally:
         source.close()
         dest.close()
+
+
+def _plan_shards(source: Store, dest: Storage, at_dest: dict[str, str], held: set[tuple[str, str]]) -> tuple[list[tuple[Any, set[str]]], int, int]:
+    """(shards to copy with the sample ids each leaves out, shards already there, samples left
+    out). ``held``: the (sample id, field) pairs the destination holds (--merge)."""
+    todo, skipped, dropped = [], 0, 0
+    for name, info in source.shards.items():
+        mine = info.index_key.rsplit("/", 1)[-1]
+        if name in at_dest:
+            if at_dest[name] != mine or dest.read(f"{fmt.INDEX_DIR}/{at_dest[name]}") != source.storage.read(info.index_key):
+                raise SchemaError(
+                    f"{dest.url}: shard {name!r} is committed there with other content; "
+                    "the destination holds another store: copy into a new location"
+                )
+            skipped += 1
+            continue
+        # --merge: each (sample id, field) stays in one shard; the destination's copy wins.
+        rows = source._shard_rows[name]
+        drop = {source._ids[r] for r in rows if any((source._ids[r], f) in held for f in info.layouts)}
+        held.update((source._ids[r], f) for r in rows for f in info.layouts if source._ids[r] not in drop)
+        dropped += len(drop)
+        todo.append((info, drop))
+    return todo, skipped, dropped
+
+
+def _copy_shards(src: Storage, dest: Storage, todo: list[tuple[Any, set[str]]], workers: int, budget: _ByteBudget,
+                 progress: Callable[[int, int], None] | None) -> dict[str, int]:
+    """Copy each shard's objects (``workers`` at a time, within ``budget`` bytes in flight), then
+    commit it at the destination, in order; ``progress(shards_done, bytes_copied)`` after each."""
+    counts = {"objects_copied": 0, "objects_kept": 0, "bytes_copied": 0}
+    lock = threading.Lock()
+
+    def copy_one(key: str, expected: dict[str, int]) -> None:
+        copied = _copy_object(src, dest, key, expected, budget)
+        with lock:
+            counts["objects_copied" if copied else "objects_kept"] += 1
+            counts["bytes_copied"] += copied
+
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="featstore-copy") as pool:
+        plan: list[tuple[Any, set[str], list[Future]]] = [
+            (info, drop, [pool.submit(copy_one, key, expected) for key, expected in info.objects.items()]) for info, drop in todo
+        ]
+        try:
+            for done, (info, drop, futures) in enumerate(plan, 1):
+                for future in futures:
+                    future.result()
+                _commit_shard(src, dest, info, drop)
+                if progress:
+                    progress(done, counts["bytes_copied"])
+        except BaseException:
+            for _, _, futures in plan:
+                for future in futures:
+                    future.cancel()
+            raise
+    return counts
 
 
 def _put_manifest(source: Any, dest: Storage) -> None:
@@ -189,8 +202,6 @@ def _put_manifest(source: Any, dest: Storage) -> None:
         if not dest.is_empty():
             raise NotAStoreError(f"{dest.url} exists, is not empty and is not a feature store; copy into a new location")
     elif existing != raw:
-        from mmcache.featstore import manifest as manifests
-
         theirs = manifests.merged(dest, fmt.parse_root_group(existing, dest.url))
         # The same store, if its fields are the source's (or some of them: fields added since).
         same_fields = all(manifest["fields"].get(n, {}).get("dtype") == f["dtype"] for n, f in theirs["fields"].items())
@@ -206,8 +217,6 @@ def _put_manifest(source: Any, dest: Storage) -> None:
 def _plan_prompts(source: Any, dest: Storage, merge: bool) -> tuple[list[tuple[str, bytes]], int]:
     """The prompt-embedding objects to create at ``dest`` (key, bytes), and how many embeddings
     ``merge`` left out. Every object on both sides is read and checked; a damaged one is an error."""
-    from mmcache.featstore.prompts import list_parts, part_bytes, read_part
-
     # What the destination held before this copy: (field, digest, prompt) -> embedding. (The
     # source is compared with it only: a source whose own objects differ on a prompt, e.g. encoded
     # on two devices, is copied as it is.)
@@ -249,7 +258,6 @@ def _plan_prompts(source: Any, dest: Storage, merge: bool) -> tuple[list[tuple[s
 
 def _held_at(url: str | os.PathLike[str], options: dict[str, Any] | None) -> set[tuple[str, str]]:
     """Every (sample id, field) the destination's readers see."""
-    from mmcache.featstore.reader import open_store
 
     with open_store(url, options) as store:
         return {(sample_id, field) for sample_id in store.sample_ids() for field in store.fields_of(sample_id)}
@@ -279,9 +287,6 @@ def _copy_object(src: Storage, dest: Storage, key: str, expected: dict[str, int]
 
 
 def _commit_shard(src: Storage, dest: Storage, info: Any, drop: set[str]) -> None:
-    from mmcache.featstore.repair import rewritten_part
-    from mmcache.featstore.snapshot import parse_index_part
-
     raw = src.read(info.index_key)
     parse_index_part(raw, info.name, info.index_key, src.url, fmt.parse_index_part_name(info.index_key.rsplit("/", 1)[-1])[1])
     key = info.index_key

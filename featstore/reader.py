@@ -30,9 +30,12 @@ from mmcache.featstore import manifest as manifests
 from mmcache.featstore.errors import CorruptionError, MissingFieldError, NotAStoreError, ReadOnlyError, SchemaError
 from mmcache.featstore.sample import Sample
 from mmcache.featstore.scan import DEFAULT_READAHEAD_BYTES, scan_samples
-from mmcache.featstore.snapshot import ShardInfo, load_snapshot
+from mmcache.featstore.index import ShardInfo, index_parts, parse_index_part, read_parts
+from mmcache.featstore.snapshot import load_snapshot
 from mmcache.featstore.storage import Storage, open_storage
 from mmcache.featstore.tensors import in_format
+from mmcache.featstore.writer import StoreWriter
+from mmcache.featstore.cache import CachingStorage
 
 
 class Store:
@@ -145,7 +148,7 @@ class Store:
     def _load_index(self, list_parts: bool = True, only: Sequence[str] | None = None) -> None:
         snap = load_snapshot(self.storage, list(self.fields), strict=self.strict, list_parts=list_parts, only=only)
         self.damaged.update(snap.damaged)
-        # The index checkpoint the snapshot used (featstore.compact), and how many parts it covered.
+        # The index checkpoint the snapshot used (featstore.checkpoints), and how many parts it covered.
         self.checkpoint, self.checkpoint_covered = snap.checkpoint, snap.covered
         self.shards: dict[str, ShardInfo] = snap.shards
         # Committed objects never change: a caching layer may key its entries on their checksums.
@@ -172,19 +175,12 @@ class Store:
         and note their samples, so that a writer's duplicate checks see them. Only a shard's ids
         and fields are kept: the read snapshot itself does not change. Returns the name of every
         shard committed now (one listing answers both questions)."""
-        from mmcache.featstore.snapshot import _read_parts, parse_index_part
-
-        committed, new = set(), []
-        for entry in self.storage.list_dir(fmt.INDEX_DIR):
-            parsed = fmt.parse_index_part_name(entry)
-            if parsed is None:
-                continue
-            committed.add(parsed[0])
-            if parsed[0] not in self.shards and parsed[0] not in self._rechecked:
-                new.append((f"{fmt.INDEX_DIR}/{entry}", parsed))
-        for (key, parsed), raw in zip(new, _read_parts(self.storage, [k for k, _ in new]), strict=True):
-            table, info = parse_index_part(raw, parsed[0], key, self.url, parsed[1])
+        parts = index_parts(self.storage.list_dir(fmt.INDEX_DIR))
+        new = [p for p in parts if p.shard not in self.shards and p.shard not in self._rechecked]
+        for part, raw in zip(new, read_parts(self.storage, [p.key for p in new]), strict=True):
+            table, info = parse_index_part(raw, part.shard, part.key, self.url, part.crc)
             self.note_committed(info.name, table.column("id").to_pylist(), list(info.layouts))
+        committed = {p.shard for p in parts}
         return committed
 
     def note_committed(self, shard: str, sample_ids: list[str], fields: Sequence[str] | None = None) -> None:
@@ -501,8 +497,6 @@ class Store:
         """A ``StoreWriter`` adding shards to this store (needs ``mode="a"``)."""
         if self.mode != "a":
             raise ReadOnlyError(f"{self.url} is opened read-only; open it with mode='a' (or featstore.append) to add samples")
-        from mmcache.featstore.writer import StoreWriter
-
         return StoreWriter(self, **kwargs)
 
     def close(self) -> None:
@@ -527,8 +521,6 @@ def open_store(url: str | os.PathLike[str], storage_options: dict[str, Any] | No
     matter: a first commit re-reads the manifest to fix a field's ndim."""
     storage = open_storage(url, storage_options)
     if cache_dir is not None and storage.is_remote:
-        from mmcache.featstore.cache import CachingStorage
-
         storage = CachingStorage(storage, cache_dir, cache_bytes)
     if manifest is not None:
         return Store(storage, copy.deepcopy(manifest), mode=mode, verify_reads=verify_reads, strict=strict, load_index=load_index, shards=shards, merge_declarations=False)

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 from mmcache.featstore import format as fmt
 from mmcache.featstore.errors import CorruptionError
 from mmcache.featstore.reader import Store
-from mmcache.featstore.snapshot import ShardInfo
+from mmcache.featstore.index import ShardInfo
 from mmcache.featstore.writer import index_part_bytes
 
 

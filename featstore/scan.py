@@ -41,15 +41,16 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from mmcache.featstore import format as fmt
 from mmcache.featstore.errors import CorruptionError
 
-if TYPE_CHECKING:
-    from mmcache.featstore.reader import Store
+# ``store`` below is the reader's ``Store`` (its snapshot arrays and storage). It is not imported:
+# the reader imports this module, and dependencies here run one way.
+Store = Any
 
 # Large enough that per-read costs vanish (and an object store's per-request latency), small
 # enough that a remote block in memory and a checked-but-unconsumed run stay modest.

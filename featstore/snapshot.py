@@ -3,7 +3,7 @@ checked and concatenated, and where each field of each sample is.
 
 Index parts are listed once and each is checked against the CRC-32C sealed in it (versions 1-2:
 in its name); the rows of the parts an index checkpoint covers come from it instead, in one read
-(featstore.compact). Their rows are concatenated in commit order (each shard's rows are one range). A sample's row is its first; in
+(featstore.checkpoints). Their rows are concatenated in commit order (each shard's rows are one range). A sample's row is its first; in
 a store whose fields were added after some samples were written, a field of a sample may live in
 a later shard, under the same id, and ``holder[field][row]`` points there. A (sample id, field)
 that racing writers both committed is read from the earliest commit; the others are listed in
@@ -12,85 +12,17 @@ that racing writers both committed is read from the earliest commit; the others 
 
 from __future__ import annotations
 
-import io
-import json
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from mmcache.featstore import format as fmt
-from mmcache.featstore.errors import CorruptionError, FormatVersionError, SnapshotError
+from mmcache.featstore.checkpoints import find_checkpoint
+from mmcache.featstore.errors import CorruptionError, SnapshotError
+from mmcache.featstore.index import IndexPart, ShardInfo, index_parts, list_index, parse_index_part_record, read_parts, shard_info
 from mmcache.featstore.storage import Storage
-
-# Arrow's thread pools can abort the interpreter at exit (apache/arrow#34314); index parts are
-# small, so every Parquet read here is single-threaded.
-
-
-# Read-only by convention, not frozen: an open from an index checkpoint builds thousands, and a
-# frozen dataclass's __init__ (an object.__setattr__ per field) cost four times as much.
-@dataclass(slots=True)
-class ShardInfo:
-    name: str
-    num_samples: int
-    num_rejected: int
-    layouts: Mapping[str, fmt.ChunkLayout]
-    objects: Mapping[str, Mapping[str, int]]
-    index_key: str
-    index_nbytes: int
-    data_root: str = ""        # where its objects live (version 3: per writer; before: shards/<name>)
-    rejects_key: str = ""
-    committed_at: float = 0.0  # by the writer's clock; 0 for versions 1-2
-
-    def data_key(self, field: str) -> str:
-        return f"{self.data_root}/{field}/c/0"
-
-
-class RecordMapping(Mapping[str, Any]):
-    """A shard's layouts (``part="fields"``) or objects from its commit record, decoded on first
-    use. A checkpoint holds the records of thousands of shards, and an open needs only their
-    names, sizes and fields: decoding every record there was most of its cost. ``keys`` (the
-    field names) answers ``in`` and iteration without decoding."""
-
-    __slots__ = ("_record", "_row", "_part", "_keys", "_data")
-
-    def __init__(self, record: Callable[[int], str], row: int, part: str, keys: Sequence[str] | None = None) -> None:
-        self._record, self._row, self._part, self._keys = record, row, part, keys
-        self._data: dict[str, Any] | None = None
-
-    def _decoded(self) -> dict[str, Any]:
-        if self._data is None:
-            # (Each of a shard's two mappings decodes the record once, when first used.)
-            doc = json.loads(self._record(self._row))[self._part]
-            self._data = {f: fmt.ChunkLayout(v["elements"], v["chunk_elements"], v["num_chunks"]) for f, v in doc.items()} if self._part == "fields" else doc
-        return self._data
-
-    def __getitem__(self, key: str) -> Any:
-        return self._decoded()[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._keys if self._keys is not None else self._decoded())
-
-    def __len__(self) -> int:
-        return len(self._keys if self._keys is not None else self._decoded())
-
-    def __contains__(self, key: object) -> bool:
-        return key in (self._keys if self._keys is not None else self._decoded())
-
-    def __repr__(self) -> str:
-        return repr(dict(self.items()))
-
-
-def recorded_shard_info(name: str, key: str, nbytes: int, num_samples: int, num_rejected: int, committed_at: float,
-                        data_root: str, rejects_key: str, fields: Sequence[str], record: Callable[[int], str], row: int) -> ShardInfo:
-    """A ``ShardInfo`` from a checkpoint: the scalars as given, layouts and objects decoded from
-    the commit record's JSON (``record(row)``) when first read."""
-    return ShardInfo(name, num_samples, num_rejected, RecordMapping(record, row, "fields", fields), RecordMapping(record, row, "objects"),
-                     key, nbytes, data_root, rejects_key, committed_at)
 
 
 @dataclass
@@ -121,7 +53,7 @@ class GatheredParts:
     table: pa.Table                         # their rows in that order, plus a "shard" column
     records: dict[str, Any]                 # file name -> commit record (a dict; from a checkpoint, its CoveredPart)
     damaged: dict[str, str]
-    checkpoint: Any = None                  # the featstore.compact.Checkpoint used, if any
+    checkpoint: Any = None                  # the featstore.checkpoints.Checkpoint used, if any
     covered: set[str] = field(default_factory=set)  # parts whose rows came from it
 
 
@@ -131,51 +63,61 @@ def gather_parts(storage: Storage, *, strict: bool, list_parts: bool = True, onl
     rows of those a checkpoint covers from it (one read), the others from their own parts. A part
     is taken from the checkpoint only while it is listed with the fingerprint the checkpoint
     recorded, so the result is exactly what reading every listed part gives."""
-    from mmcache.featstore import compact
-
-    url = storage.url
-    listing = compact.list_index(storage) if list_parts else {}
+    listing = list_index(storage) if list_parts else {}
     wanted = None if only is None else set(only)
-    checkpoint = compact.find_checkpoint(storage, listing, checkpoint_problems) if use_checkpoint and listing else None
+    checkpoint = find_checkpoint(storage, listing, checkpoint_problems) if use_checkpoint and listing else None
     covered = {} if checkpoint is None else {
         entry: part for entry, part in checkpoint.parts.items()
         if listing.get(entry) == part.listed and (wanted is None or part.info.name in wanted)
     }
-    shards: dict[str, ShardInfo] = {part.info.name: part.info for part in covered.values()}
-    records: dict[str, Any] = {entry: part for entry, part in covered.items()}  # a covered part's: decoded when needed
-    entries = {part.info.name: entry for entry, part in covered.items()}
-    parts = []
-    for entry in listing:
-        parsed = None if entry in covered else fmt.parse_index_part_name(entry)
-        if parsed is None:
-            continue  # a temporary file of a commit in progress, a checkpoint marker, or foreign
-        if wanted is not None and parsed[0] not in wanted:
-            continue  # committed after the snapshot was taken
-        parts.append((entry, *parsed))
-    tables, damaged = {}, {}
-    for (entry, name, crc), raw in zip(parts, _read_parts(storage, [f"{fmt.INDEX_DIR}/{p[0]}" for p in parts]), strict=True):
-        key = f"{fmt.INDEX_DIR}/{entry}"
-        try:
-            if name in shards:
-                # Only a version-1/2 writer (whose part names carried their CRC) could do this.
-                raise CorruptionError(f"{url}: shard {name!r} has two index parts")
-            table, record = parse_index_part_record(raw, name, key, url, crc)
-        except CorruptionError as exc:
-            if strict:
-                raise CorruptionError(f"{exc}; run `mmcache verify {url}` for a full report") from None
-            damaged[name] = str(exc)
-            continue
-        shards[name], records[entry], entries[name] = shard_info(record, name, key, len(raw)), record, entry
-        tables[entry] = table.append_column("shard", pa.array([name] * table.num_rows, pa.string()))
+    found = _Found({part.info.name: part.info for part in covered.values()}, dict(covered), {part.info.name: entry for entry, part in covered.items()})
+    # Parts committed after the snapshot was taken (not ``wanted``) are left out.
+    parts = [p for p in index_parts(e for e in listing if e not in covered) if wanted is None or p.shard in wanted]
+    found.read(storage, parts, strict)
     # Commit order (then name): a sample field committed twice by racing writers is read from
     # the earliest commit, which is the one any reader that opened in between already saw.
-    order = sorted(((entries[info.name], info) for info in shards.values()), key=lambda p: (p[1].committed_at, p[1].name))
-    if wanted is not None and (gone := sorted(wanted - set(shards) - set(damaged))):
+    order = sorted(((found.entries[info.name], info) for info in found.shards.values()), key=lambda p: (p[1].committed_at, p[1].name))
+    if wanted is not None and (gone := sorted(wanted - set(found.shards) - set(found.damaged))):
         raise SnapshotError(
-            f"{url}: {len(gone)} shard(s) of the requested snapshot are not committed there, e.g. {gone[0]!r}; "
+            f"{storage.url}: {len(gone)} shard(s) of the requested snapshot are not committed there, e.g. {gone[0]!r}; "
             "the store was changed or is a different one"
         )
-    # The checkpoint's rows are in snapshot order too: consecutive covered parts are one slice.
+    table = _concat(order, covered, checkpoint, found.tables)
+    return GatheredParts(listing, order, table, found.records, found.damaged, checkpoint, set(covered))
+
+
+@dataclass
+class _Found:
+    """What ``gather_parts`` has found so far: shards, commit records and file names (of the parts
+    a checkpoint covers, to begin with), then the rows of the parts it reads itself."""
+
+    shards: dict[str, ShardInfo]
+    records: dict[str, Any]      # file name -> commit record (a covered part's: decoded when needed)
+    entries: dict[str, str]      # shard -> file name under index/
+    tables: dict[str, pa.Table] = field(default_factory=dict)
+    damaged: dict[str, str] = field(default_factory=dict)
+
+    def read(self, storage: Storage, parts: list[IndexPart], strict: bool) -> None:
+        url = storage.url
+        for part, raw in zip(parts, read_parts(storage, [p.key for p in parts]), strict=True):
+            try:
+                if part.shard in self.shards:
+                    # Only a version-1/2 writer (whose part names carried their CRC) could do this.
+                    raise CorruptionError(f"{url}: shard {part.shard!r} has two index parts")
+                table, record = parse_index_part_record(raw, part.shard, part.key, url, part.crc)
+            except CorruptionError as exc:
+                if strict:
+                    raise CorruptionError(f"{exc}; run `mmcache verify {url}` for a full report") from None
+                self.damaged[part.shard] = str(exc)
+                continue
+            self.shards[part.shard] = shard_info(record, part.shard, part.key, len(raw))
+            self.records[part.entry], self.entries[part.shard] = record, part.entry
+            self.tables[part.entry] = table.append_column("shard", pa.array([part.shard] * table.num_rows, pa.string()))
+
+
+def _concat(order: list[tuple[str, ShardInfo]], covered: dict[str, Any], checkpoint: Any, tables: dict[str, pa.Table]) -> pa.Table:
+    """Every part's rows in snapshot order. The checkpoint's rows are in snapshot order too:
+    consecutive covered parts are one slice of it."""
     pieces: list[pa.Table] = []
     run: list[int] = []
     rows = checkpoint.table if checkpoint is not None else pa.table({})
@@ -193,8 +135,7 @@ def gather_parts(storage: Storage, *, strict: bool, list_parts: bool = True, onl
         pieces.append(rows.slice(run[0], run[1] - run[0]))
     table = pa.concat_tables(pieces, promote_options="permissive") if pieces else pa.table({"id": pa.array([], pa.string()), "shard": pa.array([], pa.string())})
     # Each part's metadata is its own commit record: none of them describes the whole table.
-    table = table.replace_schema_metadata(None)
-    return GatheredParts(listing, order, table, records, damaged, checkpoint, set(covered))
+    return table.replace_schema_metadata(None)
 
 
 def load_snapshot(storage: Storage, fields: list[str], *, strict: bool, list_parts: bool = True, only: Sequence[str] | None = None) -> Snapshot:
@@ -244,17 +185,6 @@ def _locate_fields(ids: list[str], shards: dict[str, ShardInfo], shard_rows: dic
     return row_of, holder, False, duplicates
 
 
-def _read_parts(storage: Storage, keys: list[str]) -> Iterator[bytes]:
-    """Index parts in order; from an object store many at once (one request each)."""
-    if not storage.is_remote or len(keys) < 2:
-        return (storage.read(key) for key in keys)
-    pool = ThreadPoolExecutor(16, thread_name_prefix="featstore-index")
-    try:
-        return iter(list(pool.map(storage.read, keys)))
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-
-
 def _shapes(table: pa.Table, name: str) -> list[tuple[int, ...]]:
     """Each row's shape as a tuple (() where the row's shard lacks the field). From the list
     column's flat values and offsets: building them row by row through Python lists was the
@@ -277,40 +207,3 @@ def _column_numpy(table: pa.Table, name: str) -> np.ndarray:
     return (column.fill_null(0) if column.null_count else column).to_numpy()
 
 
-def parse_index_part(raw: bytes, name: str, key: str, url: str, crc: int | None) -> tuple[pa.Table, ShardInfo]:
-    """An index part's rows and commit record, checked against its CRC-32C: the one in its name
-    (``crc``, versions 1-2) or (version 3) the one sealed into its metadata."""
-    table, record = parse_index_part_record(raw, name, key, url, crc)
-    return table, shard_info(record, name, key, len(raw))
-
-
-def parse_index_part_record(raw: bytes, name: str, key: str, url: str, crc: int | None) -> tuple[pa.Table, dict[str, Any]]:
-    """``parse_index_part``, with the commit record as stored (a dict) instead of a ``ShardInfo``."""
-    where = f"{url}/{key}"
-    if crc is not None and fmt.crc32c(raw) != crc:
-        raise CorruptionError(f"{where}: index part of shard {name!r} fails its checksum")
-    try:
-        parquet = pq.ParquetFile(io.BytesIO(raw))
-        table = parquet.read(use_threads=False)
-        metadata = table.schema.metadata or {}
-        # The sealed CRC is in the Parquet footer's key/value metadata; the Arrow schema stored
-        # beside it still holds the placeholder.
-        sealed = (parquet.metadata.metadata or {})[fmt.COMMIT_CRC_METADATA_KEY] if crc is None else None
-        info = json.loads(metadata[fmt.COMMIT_METADATA_KEY])
-    except (pa.ArrowException, KeyError, OSError, ValueError) as exc:
-        raise CorruptionError(f"{where}: index part of shard {name!r} is not a valid index part ({exc})") from None
-    if sealed is not None and not fmt.index_part_seal_ok(raw, sealed):
-        raise CorruptionError(f"{where}: index part of shard {name!r} fails its checksum")
-    if info.get("format_version", 0) > fmt.FORMAT_VERSION:
-        raise FormatVersionError(f"{where} was written by a newer format version ({info['format_version']})")
-    if table.num_rows != info["num_samples"]:
-        raise CorruptionError(f"{where}: {table.num_rows} rows but the commit record says {info['num_samples']}")
-    return table, info
-
-
-def shard_info(info: dict[str, Any], name: str, key: str, nbytes: int) -> ShardInfo:
-    """A shard's ``ShardInfo`` from its commit record (as its index part, or a checkpoint, holds it)."""
-    layouts = {f: fmt.ChunkLayout(v["elements"], v["chunk_elements"], v["num_chunks"]) for f, v in info["fields"].items()}
-    root = info.get("data") or f"{fmt.SHARDS_DIR}/{name}"
-    rejects = info.get("rejects") or f"{fmt.REJECTS_DIR}/{name}.parquet"
-    return ShardInfo(name, info["num_samples"], info["num_rejected"], layouts, info["objects"], key, nbytes, root, rejects, float(info.get("committed_at") or 0.0))

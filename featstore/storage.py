@@ -18,6 +18,7 @@ each retried on their own, so a commit costs a few round trips whatever its numb
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 import mmap
@@ -45,14 +46,23 @@ log = logging.getLogger("mmcache.featstore.storage")
 ReadRequest = tuple[str, Sequence[tuple[int, int]], np.ndarray]
 
 
-class Storage:
-    """Keys are '/'-separated paths relative to the store root."""
+class Storage(abc.ABC):
+    """Where a store's objects live. Keys are '/'-separated paths relative to the store root.
+
+    A backend implements the abstract methods; the others have plain defaults that a backend
+    overrides where it can do better (batched or concurrent requests, memory maps). What a
+    backend can do is asked through its capability properties and methods (``is_remote``,
+    ``map_object``, ``page_cache_visible``, ``local_cache``), never through its type. Every
+    backend passes one conformance suite (tests/featstore/storage_conformance.py).
+    """
 
     url: str
 
+    @abc.abstractmethod
     def read(self, key: str) -> bytes:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def read_ranges(self, key: str, ranges: Sequence[tuple[int, int]], out: np.ndarray) -> None:
         """Fill ``out`` (a flat uint8 buffer) with the concatenation of the byte ranges."""
         raise NotImplementedError
@@ -78,10 +88,12 @@ class Storage:
         the OS page cache, or None where objects cannot be mapped (then callers read ranges)."""
         return None
 
+    @abc.abstractmethod
     def write_atomic(self, key: str, data: bytes) -> None:
         """Publish ``data`` under ``key`` so that readers see all of it or nothing."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def write_parts(self, key: str, parts: Iterable[Any]) -> None:
         """Write a large object from buffers without joining them first (need not be atomic)."""
         raise NotImplementedError
@@ -93,6 +105,7 @@ class Storage:
         for key, parts in objects:
             self.write_parts(key, parts)
 
+    @abc.abstractmethod
     def write_new(self, key: str, data: bytes) -> bool:
         """Create ``key`` holding ``data`` only if it does not exist yet, atomically: of writers
         racing on one key exactly one wins, and nobody's bytes are replaced. Returns False when
@@ -100,16 +113,20 @@ class Storage:
         request whose first answer was lost)."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def delete(self, key: str) -> None:
         """Remove an object (missing is fine): only ever objects this writer made and lost."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def exists(self, key: str) -> bool:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def size(self, key: str) -> int:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def list_dir(self, prefix: str) -> list[str]:
         """Names (not paths) directly under ``prefix``; empty if it does not exist."""
         raise NotImplementedError
@@ -117,6 +134,16 @@ class Storage:
     def list_names(self, prefix: str, start: str) -> list[str]:
         """Names directly under ``prefix`` that begin with ``start``."""
         return [name for name in self.list_dir(prefix) if name.startswith(start)]
+
+    def list_fingerprints(self, prefix: str) -> dict[str, str]:
+        """Names directly under ``prefix`` -> a fingerprint of each object that changes when it is
+        rewritten (size plus mtime, inode or ETag), from one listing. '' where the backend gives
+        no such thing (then a reader cannot tell a rewritten object from the one it knew)."""
+        return {name: "" for name in self.list_dir(prefix)}
+
+    def get_file(self, key: str, local_path: str) -> None:
+        """Copy a whole object to a local file (backends stream it, not held in memory)."""
+        Path(local_path).write_bytes(self.read(key))
 
     def is_empty(self) -> bool:
         return not self.list_dir("")
@@ -127,7 +154,14 @@ class Storage:
 
     @property
     def is_remote(self) -> bool:
+        """Objects are behind a network (requests cost milliseconds: batch and overlap them)."""
         return False
+
+    @property
+    def local_cache(self) -> Any:
+        """The read-through cache (``featstore.cache.CachingStorage``) this storage reads through,
+        or None: the trainer reports its hit rates and sizes its read-ahead by it."""
+        return None
 
     def close(self) -> None:
         pass
@@ -301,6 +335,21 @@ class LocalStorage(Storage):
             return sorted(os.listdir(self._path(prefix)))
         except (FileNotFoundError, NotADirectoryError):
             return []
+
+    def list_fingerprints(self, prefix: str) -> dict[str, str]:
+        out = {}
+        try:
+            with os.scandir(self._path(prefix)) as entries:
+                for entry in entries:
+                    try:
+                        st = entry.stat()
+                    except FileNotFoundError:
+                        continue  # a temporary file that went away meanwhile
+                    # A name recreated after a delete gets a new inode or mtime, whatever its size.
+                    out[entry.name] = f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        return out
 
     def close(self) -> None:
         _close_descriptors(self._fds, self._lock)
@@ -582,6 +631,9 @@ class FsspecStorage(Storage):
 
         return self._call("list", prefix, listing)
 
+    def list_fingerprints(self, prefix: str) -> dict[str, str]:
+        return {e["name"].rstrip("/").rsplit("/", 1)[-1]: _fingerprint(e) for e in self.list_entries(prefix) if e.get("type") != "directory"}
+
     def list_dir(self, prefix: str) -> list[str]:
         return sorted({e["name"].rstrip("/").rsplit("/", 1)[-1] for e in self.list_entries(prefix)})
 
@@ -616,3 +668,9 @@ def _joined_range(views: list[memoryview], start: int, end: int) -> bytes:
         if pos >= end:
             break
     return b"".join(out)
+
+
+def _fingerprint(entry: dict[str, Any]) -> str:
+    # S3 and GCS give a content hash (the ETag of a single PUT is its MD5); others a time stamp.
+    tag = next((entry[k] for k in ("ETag", "etag", "md5Hash", "crc32c", "mtime", "LastModified", "created") if entry.get(k) is not None), "")
+    return f"{entry.get('size')}:{tag}"

@@ -19,11 +19,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from mmcache.featstore import compact
+from mmcache.featstore import checkpoints
 from mmcache.featstore import format as fmt
 from mmcache.featstore.errors import CorruptionError, FormatVersionError
+from mmcache.featstore.index import list_index, parse_index_part_record
+from mmcache.featstore.prompts import PROMPTS_DIR, parse_part_name, read_part
 from mmcache.featstore.reader import Store
-from mmcache.featstore.snapshot import parse_index_part_record
 from mmcache.featstore.storage import Storage
 
 
@@ -55,7 +56,7 @@ def store_info(store: Store) -> dict[str, Any]:
         "num_rejected": store.num_rejected(),
         "rejects_by_reason": dict(reasons.most_common()),
         "attrs": store.attrs,
-        # The index checkpoint the open used (featstore.compact), and how many parts it covered.
+        # The index checkpoint the open used (featstore.checkpoints), and how many parts it covered.
         "checkpoint": {"key": store.checkpoint, "covered": store.checkpoint_covered},
     }
 
@@ -102,8 +103,6 @@ def _verify_prompts(store: Store, report: VerifyReport) -> None:
     manifest declares in that field's dtype. Embeddings of another encoder than the field's
     current one, and a prompt whose embedding differs between two objects, are warnings: readers
     ignore the former and take the first object in name order for the latter."""
-    from mmcache.featstore.prompts import PROMPTS_DIR, parse_part_name, read_part
-
     seen: dict[tuple[str, str, str], tuple[str, Any]] = {}  # (field, digest, prompt) -> (first key, embedding)
     for name in store.storage.list_dir(PROMPTS_DIR):
         key = f"{PROMPTS_DIR}/{name}"
@@ -139,16 +138,16 @@ def check_checkpoints(storage: Storage, problems: list[str], notes: list[str]) -
     """``mmcache verify``: every checkpoint listed must be intact, and agree with each index part
     it covers that is still listed as it was (commit record and rows; the part's own CRC-32C is
     checked too, since readers no longer read it). Returns the number of parts compared."""
-    listing = compact.list_index(storage)
+    listing = list_index(storage)
     parsed: dict[str, tuple[pa.Table, dict[str, Any]] | None] = {}
     compared = 0
-    published = {digest for _, digest, _ in compact.markers(listing)}
-    for name in storage.list_dir(compact.CHECKPOINT_DIR):
+    published = {digest for _, digest, _ in checkpoints.markers(listing)}
+    for name in storage.list_dir(checkpoints.CHECKPOINT_DIR):
         if name.split(".", 1)[0] not in published:
-            notes.append(f"{compact.CHECKPOINT_DIR}/{name} has no marker in {fmt.INDEX_DIR}/ (a compaction stopped before publishing it, or a concurrent one is); it is ignored")
-    for _, digest, marker in compact.markers(listing):
+            notes.append(f"{checkpoints.CHECKPOINT_DIR}/{name} has no marker in {fmt.INDEX_DIR}/ (a compaction stopped before publishing it, or a concurrent one is); it is ignored")
+    for _, digest, marker in checkpoints.markers(listing):
         try:
-            checkpoint = compact.read_checkpoint(storage, digest, marker)
+            checkpoint = checkpoints.read_checkpoint(storage, digest, marker)
         except FileNotFoundError:
             notes.append(f"{fmt.INDEX_DIR}/{marker} names a checkpoint whose objects are gone (pruned, or deleted by hand); readers skip it, `mmcache compact` removes it")
             continue

@@ -8,26 +8,27 @@ or duplicated.
 
 from __future__ import annotations
 
-import io
 import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from mmcache.featstore import compact
 from mmcache.featstore import format as fmt
 from mmcache.featstore.compact import DEFAULT_COMPACT_EVERY
 from mmcache.featstore.errors import DuplicateSampleError, SchemaError, ShardCommittedError
+from mmcache.featstore.index import parquet_bytes
 from mmcache.featstore.storage import Storage
 from mmcache.featstore.tensors import as_array
 
-if TYPE_CHECKING:
-    from mmcache.featstore.reader import Store
+# ``store`` below is the reader's ``Store``, opened for append (its fields, storage and the ids
+# committed so far). It is not imported: the reader imports this module (``Store.writer``), and
+# dependencies here run one way.
+Store = Any
 
 DEFAULT_SHARD_BYTES = 256 << 20
 
@@ -191,7 +192,7 @@ class StoreWriter:
             )
         self._store.note_committed(name, ids, self.fields)
         self.committed.append(name)
-        compact.after_commit(self._store, name, self.compact_every, len(self.committed))
+        compact.after_commit(self._store.storage, name, self.compact_every, len(self.committed))
         return name
 
     def _drop_committed_elsewhere(self) -> None:
@@ -240,7 +241,7 @@ class StoreWriter:
         rejects_key = None
         if self._rejects:
             rejects_key = f"{fmt.REJECTS_DIR}/{root.rsplit('/', 1)[-1]}.parquet"
-            _add_small(batch, objects, rejects_key, _parquet_bytes(pa.Table.from_pylist(self._rejects)))
+            _add_small(batch, objects, rejects_key, parquet_bytes(pa.Table.from_pylist(self._rejects)))
         for key in sorted({k for p in self._pending for k in p.meta}):
             columns[key] = _meta_column(key, [p.meta.get(key) for p in self._pending])
         table = _table(columns, self.fields if self._pending else [])
@@ -337,10 +338,6 @@ def _table(columns: dict[str, Any], fields: list[str]) -> pa.Table:
 def index_part_bytes(table: pa.Table, commit_info: dict[str, Any]) -> bytes:
     """A version-3 index part: the rows, the commit record, and its own CRC-32C (sealed in)."""
     metadata = {fmt.COMMIT_METADATA_KEY: json.dumps(commit_info).encode(), fmt.COMMIT_CRC_METADATA_KEY: fmt.CRC_PLACEHOLDER}
-    return fmt.seal_index_part(_parquet_bytes(table.replace_schema_metadata(metadata)))
+    return fmt.seal_index_part(parquet_bytes(table.replace_schema_metadata(metadata)))
 
 
-def _parquet_bytes(table: pa.Table) -> bytes:
-    sink = io.BytesIO()
-    pq.write_table(table, sink)
-    return sink.getvalue()

@@ -24,7 +24,6 @@ import torch
 
 from mmcache import featstore
 from mmcache.featstore.errors import ConfigError, FingerprintMismatchError
-from mmcache.featstore.cache import CachingStorage
 from mmcache.train.balance import MicroBatch, imbalance, plan_global_batch
 from mmcache.train.order import EpochOrder, shard_positions
 from mmcache.train.packing import SAMPLE_ID
@@ -203,7 +202,7 @@ class FeatureStream:
         self.extra = [tuple(f for f in optional if store.has_field(i, f)) for i in ids] if optional else None
         # window: shards per window of the epoch order (None: a global shuffle), see train.order.
         self.order = EpochOrder(seed, self._shard_of(store), window)
-        self.cache = store.storage if isinstance(store.storage, CachingStorage) else None
+        self.cache = store.storage.local_cache
 
     def _shard_of(self, store: featstore.Store) -> np.ndarray:
         """Each sample's shard number for the epoch order; samples absent from the store go in

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mmcache import featstore
-from mmcache.featstore.cache import LOW_WATER, CachingStorage
+from mmcache.featstore.cache import LOW_WATER
 from mmcache.featstore.errors import ConfigError
 
 
@@ -130,7 +130,7 @@ def plan_order(store: featstore.Store, fields: Sequence[str], data, recorded: di
     in_flight = (data.prefetch + 1) * data.global_batch * store_bytes / max(len(store), 1)
     window = resolve_window(data.shuffle_window, data.cache_bytes, shard_bytes, recorded, in_flight)
     warnings = []
-    cache = store.storage if isinstance(store.storage, CachingStorage) else None
+    cache = store.storage.local_cache
     if cache is not None:
         room = LOW_WATER * cache.max_bytes
         mean_shard = store_bytes / max(1, sum(1 for b in shard_bytes if b))

@@ -20,10 +20,12 @@ import pytest
 from click.testing import CliRunner
 
 from mmcache import featstore
-from mmcache.featstore import compact
+from mmcache.featstore import checkpoints
 from mmcache.featstore import format as fmt
 from mmcache.featstore.cli import cli
-from mmcache.featstore.compact import CheckpointWarning, compact_store
+from mmcache.featstore.checkpoints import CheckpointWarning
+from mmcache.featstore.compact import compact_store
+from mmcache.featstore.index import list_index, parquet_bytes
 from mmcache.featstore.reader import open_store
 from mmcache.featstore.verify import verify_store
 from tests.featstore.conformance import FIELDS, assert_same, ragged_samples
@@ -92,7 +94,7 @@ def without_checkpoints(url: str) -> dict:
     makes a checkpoint visible; nothing else changes)."""
     store = featstore.open(url)
     for name in store.storage.list_dir(fmt.INDEX_DIR):
-        if compact.parse_marker(name):
+        if checkpoints.parse_marker(name):
             store.storage.delete(f"{fmt.INDEX_DIR}/{name}")
     plain = featstore.open(url)
     assert plain.checkpoint is None
@@ -152,7 +154,7 @@ class Hooked(Interleave):
 
 def _checkpoint_objects(url: str) -> list[str]:
     storage = featstore.open(url).storage
-    return sorted(f"{compact.CHECKPOINT_DIR}/{n}" for n in storage.list_dir(compact.CHECKPOINT_DIR))
+    return sorted(f"{checkpoints.CHECKPOINT_DIR}/{n}" for n in storage.list_dir(checkpoints.CHECKPOINT_DIR))
 
 
 @pytest.mark.parametrize("crash_at", ["objects", "marker"])
@@ -161,7 +163,7 @@ def test_a_crash_while_writing_a_checkpoint_loses_nothing(tmp_path, crash_at):
     build(url)
     expected = view(featstore.open(url))
     store = open_store(url, load_index=False)
-    prefix = compact.CHECKPOINT_DIR if crash_at == "objects" else f"{fmt.INDEX_DIR}/_checkpoint"
+    prefix = checkpoints.CHECKPOINT_DIR if crash_at == "objects" else f"{fmt.INDEX_DIR}/_checkpoint"
     crashing = Hooked(store.storage, "write_new", prefix, crash=OSError("killed"), nth=1)
     with pytest.raises(OSError):
         compact_store(crashing)  # type: ignore[arg-type]
@@ -201,7 +203,7 @@ def test_a_damaged_checkpoint_is_ignored_with_a_warning_and_replaced(tmp_path):
     report = verify_store(featstore.open(url, strict=False))
     assert report.ok and any("objects are gone" in w for w in report.warnings)
     compact_store(gone.storage)
-    assert len(compact.markers(compact.list_index(gone.storage))) == 1
+    assert len(checkpoints.markers(list_index(gone.storage))) == 1
 
 
 @pytest.mark.parametrize("url", ["local", "memory"], indirect=True)
@@ -209,7 +211,7 @@ def test_verify_catches_a_checkpoint_that_disagrees_with_the_parts(url):
     build(url)
     store = featstore.open(url)
     compact_store(store.storage)
-    good = compact.find_checkpoint(store.storage, compact.list_index(store.storage))
+    good = checkpoints.find_checkpoint(store.storage, list_index(store.storage))
     assert good is not None
     # A well-formed checkpoint (its name is its hash) with one wrong CRC, as a buggy tool could
     # write: it names more parts, so readers prefer it.
@@ -217,15 +219,15 @@ def test_verify_catches_a_checkpoint_that_disagrees_with_the_parts(url):
     column[0] = (column[0] or 0) ^ 1
     bad_rows = good.table.set_column(good.table.column_names.index("text.crc32c"), "text.crc32c", pa.array(column, pa.uint32()))
     parts_raw = store.storage.read(f"{good.key}.parts.parquet")
-    rows_raw = compact._parquet_bytes(bad_rows, {})
-    digest = compact.digest_of(parts_raw, rows_raw)
-    store.storage.write_new(f"{compact.CHECKPOINT_DIR}/{digest}.parts.parquet", parts_raw)
-    store.storage.write_new(f"{compact.CHECKPOINT_DIR}/{digest}.rows.parquet", rows_raw)
-    store.storage.write_new(f"{fmt.INDEX_DIR}/{compact.marker_name(len(good.parts) + 1, digest)}", b"{}")
-    assert featstore.open(url).checkpoint == f"{compact.CHECKPOINT_DIR}/{digest}"
+    rows_raw = parquet_bytes(bad_rows, {})
+    digest = checkpoints.digest_of(parts_raw, rows_raw)
+    store.storage.write_new(f"{checkpoints.CHECKPOINT_DIR}/{digest}.parts.parquet", parts_raw)
+    store.storage.write_new(f"{checkpoints.CHECKPOINT_DIR}/{digest}.rows.parquet", rows_raw)
+    store.storage.write_new(f"{fmt.INDEX_DIR}/{checkpoints.marker_name(len(good.parts) + 1, digest)}", b"{}")
+    assert featstore.open(url).checkpoint == f"{checkpoints.CHECKPOINT_DIR}/{digest}"
     result = CliRunner().invoke(cli, ["verify", url])
     assert result.exit_code == 1, result.output
-    assert f"index checkpoint {compact.CHECKPOINT_DIR}/{digest} disagrees with index/" in result.output and "column 'text.crc32c' differs" in result.output
+    assert f"index checkpoint {checkpoints.CHECKPOINT_DIR}/{digest} disagrees with index/" in result.output and "column 'text.crc32c' differs" in result.output
     assert "compact --rebuild" in result.output
     result = CliRunner().invoke(cli, ["compact", "--rebuild", url])
     assert result.exit_code == 0 and "pruned" in result.output, result.output
@@ -252,7 +254,7 @@ def test_compaction_beside_writers_and_other_compactors(tmp_path):
         compact_store(open_store(url, load_index=False).storage)
 
     store = open_store(url, load_index=False)
-    first = Hooked(store.storage, "write_new", compact.CHECKPOINT_DIR, before=writer_commits(0), nth=1)
+    first = Hooked(store.storage, "write_new", checkpoints.CHECKPOINT_DIR, before=writer_commits(0), nth=1)
     first_summary = compact_store(first)  # type: ignore[arg-type]
     assert "mid-0" in featstore.open(url)
     racing = Hooked(open_store(url, load_index=False).storage, "write_new", f"{fmt.INDEX_DIR}/_checkpoint", before=second_compactor)
@@ -274,7 +276,7 @@ def test_writers_compact_every_k_commits(tmp_path):
             writer.commit()
     store = featstore.open(url)
     assert store.checkpoint is not None and store.checkpoint_covered == 12
-    assert len(compact.markers(compact.list_index(store.storage))) <= compact.KEEP  # older ones pruned
+    assert len(checkpoints.markers(list_index(store.storage))) <= checkpoints.KEEP  # older ones pruned
     # The default (64) leaves a small store as it was: nothing but its parts.
     other = str(tmp_path / "small")
     with featstore.create(other, fields=FIELDS) as writer:

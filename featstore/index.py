@@ -1,0 +1,173 @@
+"""The index of a store: listing ``index/`` and parsing its parts (each a shard's rows and its
+commit record, docs/FORMAT.md). The one home of both: the snapshot, the writer's duplicate
+checks, checkpoints, copy and verify all list and parse parts through here.
+
+Arrow's thread pools can abort the interpreter at exit (apache/arrow#34314); index parts are
+small, so every Parquet read here is single-threaded.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from mmcache.featstore import format as fmt
+from mmcache.featstore.errors import CorruptionError, FormatVersionError
+from mmcache.featstore.storage import Storage
+
+
+class IndexPart(NamedTuple):
+    """A committed index part, from its file name under ``index/``."""
+
+    entry: str        # file name under index/
+    shard: str
+    crc: int | None   # the CRC-32C in its name (versions 1-2), else None
+
+    @property
+    def key(self) -> str:
+        return f"{fmt.INDEX_DIR}/{self.entry}"
+
+
+def index_parts(names: Iterable[str]) -> list[IndexPart]:
+    """The committed index parts among the names of a listing of ``index/``, in listing order;
+    temporary files of commits in progress, checkpoint markers and foreign names are skipped."""
+    return [IndexPart(name, *parsed) for name in names if (parsed := fmt.parse_index_part_name(name)) is not None]
+
+
+# Read-only by convention, not frozen: an open from an index checkpoint builds thousands, and a
+# frozen dataclass's __init__ (an object.__setattr__ per field) cost four times as much.
+@dataclass(slots=True)
+class ShardInfo:
+    name: str
+    num_samples: int
+    num_rejected: int
+    layouts: Mapping[str, fmt.ChunkLayout]
+    objects: Mapping[str, Mapping[str, int]]
+    index_key: str
+    index_nbytes: int
+    data_root: str = ""        # where its objects live (version 3: per writer; before: shards/<name>)
+    rejects_key: str = ""
+    committed_at: float = 0.0  # by the writer's clock; 0 for versions 1-2
+
+    def data_key(self, field: str) -> str:
+        return f"{self.data_root}/{field}/c/0"
+
+
+class RecordMapping(Mapping[str, Any]):
+    """A shard's layouts (``part="fields"``) or objects from its commit record, decoded on first
+    use. A checkpoint holds the records of thousands of shards, and an open needs only their
+    names, sizes and fields: decoding every record there was most of its cost. ``keys`` (the
+    field names) answers ``in`` and iteration without decoding."""
+
+    __slots__ = ("_record", "_row", "_part", "_keys", "_data")
+
+    def __init__(self, record: Callable[[int], str], row: int, part: str, keys: Sequence[str] | None = None) -> None:
+        self._record, self._row, self._part, self._keys = record, row, part, keys
+        self._data: dict[str, Any] | None = None
+
+    def _decoded(self) -> dict[str, Any]:
+        if self._data is None:
+            # (Each of a shard's two mappings decodes the record once, when first used.)
+            doc = json.loads(self._record(self._row))[self._part]
+            self._data = {f: fmt.ChunkLayout(v["elements"], v["chunk_elements"], v["num_chunks"]) for f, v in doc.items()} if self._part == "fields" else doc
+        return self._data
+
+    def __getitem__(self, key: str) -> Any:
+        return self._decoded()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys if self._keys is not None else self._decoded())
+
+    def __len__(self) -> int:
+        return len(self._keys if self._keys is not None else self._decoded())
+
+    def __contains__(self, key: object) -> bool:
+        return key in (self._keys if self._keys is not None else self._decoded())
+
+    def __repr__(self) -> str:
+        return repr(dict(self.items()))
+
+
+def recorded_shard_info(name: str, key: str, nbytes: int, num_samples: int, num_rejected: int, committed_at: float,
+                        data_root: str, rejects_key: str, fields: Sequence[str], record: Callable[[int], str], row: int) -> ShardInfo:
+    """A ``ShardInfo`` from a checkpoint: the scalars as given, layouts and objects decoded from
+    the commit record's JSON (``record(row)``) when first read."""
+    return ShardInfo(name, num_samples, num_rejected, RecordMapping(record, row, "fields", fields), RecordMapping(record, row, "objects"),
+                     key, nbytes, data_root, rejects_key, committed_at)
+
+
+
+# ---- the listing ----------------------------------------------------------------------------
+def list_index(storage: Storage) -> dict[str, str]:
+    """Names directly under ``index/`` -> a fingerprint of the object (its size and what the
+    backend says changes when it is rewritten), from one listing: what tells a reader that a part
+    is the very one a checkpoint covers, without reading it."""
+    return storage.list_fingerprints(fmt.INDEX_DIR)
+
+
+def read_parts(storage: Storage, keys: list[str]) -> Iterator[bytes]:
+    """Index parts in order; from an object store many at once (one request each)."""
+    if not storage.is_remote or len(keys) < 2:
+        return (storage.read(key) for key in keys)
+    pool = ThreadPoolExecutor(16, thread_name_prefix="featstore-index")
+    try:
+        return iter(list(pool.map(storage.read, keys)))
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def parse_index_part(raw: bytes, name: str, key: str, url: str, crc: int | None) -> tuple[pa.Table, ShardInfo]:
+    """An index part's rows and commit record, checked against its CRC-32C: the one in its name
+    (``crc``, versions 1-2) or (version 3) the one sealed into its metadata."""
+    table, record = parse_index_part_record(raw, name, key, url, crc)
+    return table, shard_info(record, name, key, len(raw))
+
+
+def parse_index_part_record(raw: bytes, name: str, key: str, url: str, crc: int | None) -> tuple[pa.Table, dict[str, Any]]:
+    """``parse_index_part``, with the commit record as stored (a dict) instead of a ``ShardInfo``."""
+    where = f"{url}/{key}"
+    if crc is not None and fmt.crc32c(raw) != crc:
+        raise CorruptionError(f"{where}: index part of shard {name!r} fails its checksum")
+    try:
+        parquet = pq.ParquetFile(io.BytesIO(raw))
+        table = parquet.read(use_threads=False)
+        metadata = table.schema.metadata or {}
+        # The sealed CRC is in the Parquet footer's key/value metadata; the Arrow schema stored
+        # beside it still holds the placeholder.
+        sealed = (parquet.metadata.metadata or {})[fmt.COMMIT_CRC_METADATA_KEY] if crc is None else None
+        info = json.loads(metadata[fmt.COMMIT_METADATA_KEY])
+    except (pa.ArrowException, KeyError, OSError, ValueError) as exc:
+        raise CorruptionError(f"{where}: index part of shard {name!r} is not a valid index part ({exc})") from None
+    if sealed is not None and not fmt.index_part_seal_ok(raw, sealed):
+        raise CorruptionError(f"{where}: index part of shard {name!r} fails its checksum")
+    if info.get("format_version", 0) > fmt.FORMAT_VERSION:
+        raise FormatVersionError(f"{where} was written by a newer format version ({info['format_version']})")
+    if table.num_rows != info["num_samples"]:
+        raise CorruptionError(f"{where}: {table.num_rows} rows but the commit record says {info['num_samples']}")
+    return table, info
+
+
+def shard_info(info: dict[str, Any], name: str, key: str, nbytes: int) -> ShardInfo:
+    """A shard's ``ShardInfo`` from its commit record (as its index part, or a checkpoint, holds it)."""
+    layouts = {f: fmt.ChunkLayout(v["elements"], v["chunk_elements"], v["num_chunks"]) for f, v in info["fields"].items()}
+    root = info.get("data") or f"{fmt.SHARDS_DIR}/{name}"
+    rejects = info.get("rejects") or f"{fmt.REJECTS_DIR}/{name}.parquet"
+    return ShardInfo(name, info["num_samples"], info["num_rejected"], layouts, info["objects"], key, nbytes, root, rejects, float(info.get("committed_at") or 0.0))
+
+
+def parquet_bytes(table: pa.Table, footer_metadata: dict[bytes, bytes] | None = None) -> bytes:
+    """``table`` as one Parquet object (index parts, checkpoints, rejects). ``footer_metadata``
+    goes into the footer's key/value metadata only: as schema metadata pyarrow would store it twice."""
+    sink = io.BytesIO()
+    with pq.ParquetWriter(sink, table.schema) as writer:
+        writer.write_table(table)
+        if footer_metadata:
+            writer.add_key_value_metadata(footer_metadata)
+    return sink.getvalue()
