@@ -99,6 +99,8 @@ def recorded_shard_info(name: str, key: str, nbytes: int, num_samples: int, num_
                         data_root: str, rejects_key: str, fields: Sequence[str], record: Callable[[int], str], row: int) -> ShardInfo:
     """A ``ShardInfo`` from a checkpoint: the scalars as given, layouts and objects decoded from
     the commit record's JSON (``record(row)``) when first read."""
+    if why := fmt.recorded_names_problem(name, data_root, rejects_key, fields):
+        raise CorruptionError(f"{key}: {why}")
     return ShardInfo(name, num_samples, num_rejected, RecordMapping(record, row, "fields", fields), RecordMapping(record, row, "objects"),
                      key, nbytes, data_root, rejects_key, committed_at)
 
@@ -155,11 +157,30 @@ def parse_index_part_record(raw: bytes, name: str, key: str, url: str, crc: int 
 
 
 def shard_info(info: dict[str, Any], name: str, key: str, nbytes: int) -> ShardInfo:
-    """A shard's ``ShardInfo`` from its commit record (as its index part, or a checkpoint, holds it)."""
-    layouts = {f: fmt.ChunkLayout(v["elements"], v["chunk_elements"], v["num_chunks"]) for f, v in info["fields"].items()}
+    """A shard's ``ShardInfo`` from its commit record (as its index part, or a checkpoint, holds
+    it); CorruptionError naming ``key`` when the record is not this format's."""
     root = info.get("data") or f"{fmt.SHARDS_DIR}/{name}"
     rejects = info.get("rejects") or f"{fmt.REJECTS_DIR}/{name}.parquet"
-    return ShardInfo(name, info["num_samples"], info["num_rejected"], layouts, info["objects"], key, nbytes, root, rejects, float(info.get("committed_at") or 0.0))
+    try:
+        layouts = {f: fmt.ChunkLayout(*_counts(v["elements"], v["chunk_elements"], v["num_chunks"])) for f, v in info["fields"].items()}
+        counts = _counts(info["num_samples"], info["num_rejected"])
+        objects = info["objects"]
+        for obj in objects.values():
+            _counts(obj["nbytes"], obj["crc32c"])
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CorruptionError(f"{key}: the commit record of shard {name!r} is not this format's ({exc!r})") from None
+    if why := fmt.recorded_names_problem(name, root, rejects, list(layouts)):
+        raise CorruptionError(f"{key}: {why}")
+    if stray := [k for k in objects if not (k == rejects or (k.startswith(root + "/") and ".." not in k.split("/")))]:
+        raise CorruptionError(f"{key}: shard {name!r} lists an object {stray[0]!r} outside its data directory {root}")
+    return ShardInfo(name, counts[0], counts[1], layouts, objects, key, nbytes, root, rejects, float(info.get("committed_at") or 0.0))
+
+
+def _counts(*values: Any) -> tuple[int, ...]:
+    """Non-negative integers below 2^63, or ValueError: sizes from a store bound what is allocated."""
+    if not all(type(v) is int and 0 <= v < 1 << 63 for v in values):
+        raise ValueError(f"not sizes: {values}")
+    return values
 
 
 def parquet_bytes(table: pa.Table, footer_metadata: dict[bytes, bytes] | None = None) -> bytes:

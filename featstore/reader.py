@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 import operator
 import os
 import threading
@@ -378,8 +379,7 @@ class Store:
             row = self._holder_row(first, name)
             spec = specs[name]
             shard = self._shard_of[row]
-            shape = self._shapes[name][row]
-            array = np.empty(shape, dtype=spec.numpy_dtype)
+            array = np.empty(self._checked_shape(name, row), dtype=spec.numpy_dtype)
             count = array.size
             if count:
                 ranges = self._ranges(shard, spec, int(self._offsets[name][row]), count)
@@ -405,7 +405,7 @@ class Store:
             for name, row in sample_rows.items():
                 spec = specs[name]
                 shard = self._shard_of[row]
-                array = np.empty(self._shapes[name][row], dtype=spec.numpy_dtype)
+                array = np.empty(self._checked_shape(name, row), dtype=spec.numpy_dtype)
                 if array.size:
                     ranges = self._ranges(shard, spec, int(self._offsets[name][row]), array.size)
                     requests.append((self.shards[shard].data_key(name), ranges, array.reshape(-1).view(np.uint8)))
@@ -449,6 +449,16 @@ class Store:
         for sample_id, arrays in scan_samples(self, list(self.shards), fields, whole=True, readahead_bytes=readahead_bytes):
             arrays = in_format(arrays, format)
             yield sample_id, (Sample(sample_id, arrays, self._meta_of(self._row_of[sample_id])) if with_meta else arrays)
+
+    def _checked_shape(self, name: str, row: int) -> tuple[int, ...]:
+        """Row ``row``'s shape of field ``name``, checked against its shard's data before anything
+        is allocated for it: the index is the store's word, and a store is input."""
+        shape, shard = self._shapes[name][row], self._shard_of[row]
+        offset, elements = int(self._offsets[name][row]), self.shards[shard].layouts[name].elements
+        if any(d < 0 for d in shape) or offset < 0 or offset + math.prod(shape) > elements:
+            raise CorruptionError(f"{self.url}: sample {self._ids[row]!r} field {name!r} in shard {shard!r}: its index row points "
+                                  f"past the end of the data (shape {shape}); run `mmcache verify {self.url}`")
+        return shape
 
     def _ranges(self, shard: str, spec: fmt.FieldSpec, start: int, count: int) -> list[tuple[int, int]]:
         layout = self.shards[shard].layouts[spec.name]

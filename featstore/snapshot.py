@@ -105,12 +105,13 @@ class _Found:
                     # Only a version-1/2 writer (whose part names carried their CRC) could do this.
                     raise CorruptionError(f"{url}: shard {part.shard!r} has two index parts")
                 table, record = parse_index_part_record(raw, part.shard, part.key, url, part.crc)
+                info = shard_info(record, part.shard, part.key, len(raw))
             except CorruptionError as exc:
                 if strict:
                     raise CorruptionError(f"{exc}; run `mmcache verify {url}` for a full report") from None
                 self.damaged[part.shard] = str(exc)
                 continue
-            self.shards[part.shard] = shard_info(record, part.shard, part.key, len(raw))
+            self.shards[part.shard] = info
             self.records[part.entry], self.entries[part.shard] = record, part.entry
             self.tables[part.entry] = table.append_column("shard", pa.array([part.shard] * table.num_rows, pa.string()))
 

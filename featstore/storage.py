@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import errno
 import logging
 import mmap
 import os
+import stat
 import threading
 import uuid
 import weakref
@@ -167,6 +169,15 @@ class Storage(abc.ABC):
         pass
 
 
+def check_key(key: str, url: str) -> str:
+    """``key`` if it names an object inside the store: relative, '/'-separated, no empty, '.' or
+    '..' component, no NUL. Keys come from the store itself (commit records, checkpoints), and a
+    shared store is untrusted: a key that could resolve outside it is corruption, never a path."""
+    if not isinstance(key, str) or key.startswith("/") or "\0" in key or "\\" in key or any(part in ("", ".", "..") for part in key.split("/")):
+        raise CorruptionError(f"{url}: the store names an object {key!r} outside itself: it is damaged or hostile (run `mmcache verify {url}`)")
+    return key
+
+
 def open_storage(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Storage:
     text = os.fspath(url)
     if "://" not in text or text.startswith("file://"):
@@ -183,13 +194,38 @@ class LocalStorage(Storage):
         self.root = Path(path).expanduser().resolve()
         self.url = str(self.root)
         self._fds: OrderedDict[str, list] = OrderedDict()
+        self._inside: set[Path] = set()  # directories checked to resolve inside the root
         self._lock = threading.Lock()
         # Raw descriptors are not closed by the interpreter: without this, a store opened and
         # dropped without close() kept up to MAX_OPEN_FILES of them for the life of the process.
         weakref.finalize(self, _close_descriptors, self._fds, self._lock)
 
     def _path(self, key: str) -> Path:
-        return self.root / key if key else self.root
+        return self.root / check_key(key, self.url) if key else self.root
+
+    def _open_object(self, key: str) -> int:
+        """A read-only descriptor of ``key``, which must be a regular file inside the store: a
+        shared store is untrusted input, and a FIFO or device in it would block or never end a
+        read, a symbolic link would reach outside it. O_NONBLOCK keeps the open itself of a FIFO
+        from blocking; it changes nothing for a regular file."""
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise CorruptionError(f"{path} is a symbolic link: a store holds only regular files (run `mmcache verify {self.url}`)") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise CorruptionError(f"{path} is not a regular file: a store holds only regular files (run `mmcache verify {self.url}`)")
+            if path.parent != self.root and path.parent not in self._inside:
+                if not os.path.realpath(path.parent).startswith(str(self.root) + os.sep):
+                    raise CorruptionError(f"{path} lies outside the store through a symbolic link (run `mmcache verify {self.url}`)")
+                self._inside.add(path.parent)  # directories of committed objects are not replaced
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def _acquire(self, key: str) -> list:
         """An open descriptor entry ``[fd, users, evicted]`` for ``key``. Eviction never closes a
@@ -197,7 +233,7 @@ class LocalStorage(Storage):
         with self._lock:
             entry = self._fds.get(key)
             if entry is None:
-                entry = self._fds[key] = [os.open(self._path(key), os.O_RDONLY), 0, False]
+                entry = self._fds[key] = [self._open_object(key), 0, False]
                 while len(self._fds) > self.MAX_OPEN_FILES:
                     self._retire(self._fds.popitem(last=False)[1])
             else:
@@ -218,7 +254,12 @@ class LocalStorage(Storage):
             os.close(entry[0])
 
     def read(self, key: str) -> bytes:
-        return self._path(key).read_bytes()
+        fd = self._open_object(key)
+        try:
+            with os.fdopen(fd, "rb", closefd=False) as fh:
+                return fh.read()
+        finally:
+            os.close(fd)
 
     def read_ranges(self, key: str, ranges: Sequence[tuple[int, int]], out: np.ndarray) -> None:
         entry = self._acquire(key)
@@ -399,7 +440,7 @@ class FsspecStorage(Storage):
         return True
 
     def _path(self, key: str) -> str:
-        return f"{self.root}/{key}" if key else self.root
+        return f"{self.root}/{check_key(key, self.url)}" if key else self.root
 
     def _where(self, key: str) -> str:
         return f"{self.url}/{key}" if key else self.url

@@ -203,14 +203,17 @@ def _rows_differ(mine: pa.Table, theirs: pa.Table, shard: str) -> str:
     return ""
 
 
-def _fetch(store: Store, keys: list[str]) -> list[bytes | None]:
-    """Whole objects (None for a missing one); from an object store several at once."""
+def _fetch(store: Store, keys: list[str]) -> list[bytes | CorruptionError | None]:
+    """Whole objects (None for a missing one, the error for one that is no object of a store:
+    a FIFO, a link, ...); from an object store several at once."""
 
-    def get(key: str) -> bytes | None:
+    def get(key: str) -> bytes | CorruptionError | None:
         try:
             return store.storage.read(key)
         except FileNotFoundError:
             return None
+        except CorruptionError as exc:
+            return exc
 
     if not store.storage.is_remote or len(keys) < 2:
         return [get(key) for key in keys]
@@ -223,6 +226,9 @@ def _verify_shard(store: Store, name: str, info: Any, report: VerifyReport) -> N
     for (key, expected), blob in zip(info.objects.items(), _fetch(store, list(info.objects)), strict=True):
         if blob is None:
             report.problems.append(f"shard {name!r}: object {key} is missing")
+            continue
+        if isinstance(blob, CorruptionError):
+            report.problems.append(f"shard {name!r}: {blob}")
             continue
         report.bytes_checked += len(blob)
         if len(blob) != expected["nbytes"]:
