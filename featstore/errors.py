@@ -14,6 +14,11 @@ class SchemaError(FeatstoreError):
     """A sample does not match the store's schema (missing field, wrong dtype or ndim)."""
 
 
+class NonFiniteError(SchemaError):
+    """A sample's float field holds NaN or infinity: a writer refuses it unless the field is
+    allowed them (``StoreWriter(allow_nonfinite=...)``), so nothing trains on it unknowingly."""
+
+
 class MissingFieldError(SchemaError, KeyError):
     """A sample does not have a field the store holds (it was added to the store after the
     sample was written, and not yet encoded for it)."""

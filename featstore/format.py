@@ -85,6 +85,21 @@ _SAFE_FIELD = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
 RESERVED_COLUMNS = frozenset({"id", "shard", "row"})
 
 
+# Non-finite half floats have every exponent bit set: their 16-bit pattern without the sign is at
+# least this. Comparing bits runs at memory speed (a ufunc on bfloat16 is ~10x slower).
+_HALF_NONFINITE = {"bfloat16": 0x7F80, "float16": 0x7C00}
+
+
+def all_finite(array: np.ndarray, dtype: str) -> bool:
+    """True unless a float array holds NaN or infinity (integers and bools always are)."""
+    if array.size == 0 or not dtype.startswith(("float", "bfloat")):
+        return True
+    if dtype in _HALF_NONFINITE:
+        bits = array.reshape(-1).view(np.uint16)
+        return int(np.bitwise_and(bits, 0x7FFF).max()) < _HALF_NONFINITE[dtype]
+    return bool(np.isfinite(array).all())
+
+
 def check_name(kind: str, name: Any) -> str:
     if not isinstance(name, str) or not _SAFE_NAME.match(name) or ".." in name:
         raise SchemaError(

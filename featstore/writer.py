@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ import pyarrow as pa
 from mmcache.featstore import compact
 from mmcache.featstore import format as fmt
 from mmcache.featstore.compact import DEFAULT_COMPACT_EVERY
-from mmcache.featstore.errors import DuplicateSampleError, SchemaError, ShardCommittedError
+from mmcache.featstore.errors import DuplicateSampleError, NonFiniteError, SchemaError, ShardCommittedError
 from mmcache.featstore.index import parquet_bytes
 from mmcache.featstore.storage import Storage
 from mmcache.featstore.tensors import as_array
@@ -49,7 +50,7 @@ class StoreWriter:
     """
 
     def __init__(self, store: Store, *, shard_bytes: int = DEFAULT_SHARD_BYTES, shard_prefix: str | None = None, fields: list[str] | None = None,
-                 compact_every: int = DEFAULT_COMPACT_EVERY) -> None:
+                 compact_every: int = DEFAULT_COMPACT_EVERY, allow_nonfinite: bool | Collection[str] = False) -> None:
         self._store = store
         self._storage: Storage = store.storage
         # fields: the store's fields this writer's shards hold (default all). A subset adds fields
@@ -62,6 +63,8 @@ class StoreWriter:
         self.shard_bytes = shard_bytes
         # Index checkpoints (featstore.compact) once this many commits are not covered; 0: never.
         self.compact_every = compact_every
+        # Float fields that may hold NaN or infinity (True: all); others refuse such a sample.
+        self.allow_nonfinite = set(self.fields) if allow_nonfinite is True else set(allow_nonfinite or ())
         self.shard_prefix = fmt.check_name("shard prefix", shard_prefix or uuid.uuid4().hex[:12])
         self._seq = 0
         self._pending: list[_Pending] = []
@@ -127,7 +130,11 @@ class StoreWriter:
             raise SchemaError(
                 f"sample {sample_id!r} field {spec.name!r}: {array.ndim} dimensions {array.shape}, expected {ndim}"
             )
-        return np.ascontiguousarray(array)
+        array = np.ascontiguousarray(array)
+        if spec.name not in self.allow_nonfinite and not fmt.all_finite(array, spec.dtype):
+            raise NonFiniteError(f"sample {sample_id!r} field {spec.name!r} holds NaN or infinity; not written "
+                                 "(StoreWriter(allow_nonfinite=[...]) for a field whose values mean it)")
+        return array
 
     # ---- committing ---------------------------------------------------------------------
     def commit(self, name: str | None = None) -> str | None:
