@@ -379,10 +379,12 @@ class Store:
             row = self._holder_row(first, name)
             spec = specs[name]
             shard = self._shard_of[row]
-            array = np.empty(self._checked_shape(name, row), dtype=spec.numpy_dtype)
-            count = array.size
+            shape = self._shapes[name][row]
+            count = math.prod(shape)
+            # The ranges first: they bound the index row's shape by the shard's data before anything is allocated.
+            ranges = self._ranges(shard, spec, int(self._offsets[name][row]), count) if count else []
+            array = np.empty(shape, dtype=spec.numpy_dtype)
             if count:
-                ranges = self._ranges(shard, spec, int(self._offsets[name][row]), count)
                 self.storage.read_ranges(self.shards[shard].data_key(name), ranges, array.reshape(-1).view(np.uint8))
             if self.verify_reads and fmt.crc32c(array) != int(self._crcs[name][row]):
                 raise CorruptionError(f"{self.url}: sample {self._ids[row]!r} field {name!r} in shard {shard!r} fails its checksum")
@@ -405,9 +407,11 @@ class Store:
             for name, row in sample_rows.items():
                 spec = specs[name]
                 shard = self._shard_of[row]
-                array = np.empty(self._checked_shape(name, row), dtype=spec.numpy_dtype)
-                if array.size:
-                    ranges = self._ranges(shard, spec, int(self._offsets[name][row]), array.size)
+                shape = self._shapes[name][row]
+                count = math.prod(shape)
+                ranges = self._ranges(shard, spec, int(self._offsets[name][row]), count) if count else []
+                array = np.empty(shape, dtype=spec.numpy_dtype)
+                if count:
                     requests.append((self.shards[shard].data_key(name), ranges, array.reshape(-1).view(np.uint8)))
                 sample[name] = array
             samples.append(sample)
@@ -450,21 +454,12 @@ class Store:
             arrays = in_format(arrays, format)
             yield sample_id, (Sample(sample_id, arrays, self._meta_of(self._row_of[sample_id])) if with_meta else arrays)
 
-    def _checked_shape(self, name: str, row: int) -> tuple[int, ...]:
-        """Row ``row``'s shape of field ``name``, checked against its shard's data before anything
-        is allocated for it: the index is the store's word, and a store is input."""
-        shape, shard = self._shapes[name][row], self._shard_of[row]
-        offset, elements = int(self._offsets[name][row]), self.shards[shard].layouts[name].elements
-        if any(d < 0 for d in shape) or offset < 0 or offset + math.prod(shape) > elements:
-            raise CorruptionError(f"{self.url}: sample {self._ids[row]!r} field {name!r} in shard {shard!r}: its index row points "
-                                  f"past the end of the data (shape {shape}); run `mmcache verify {self.url}`")
-        return shape
-
     def _ranges(self, shard: str, spec: fmt.FieldSpec, start: int, count: int) -> list[tuple[int, int]]:
         layout = self.shards[shard].layouts[spec.name]
         itemsize = np.dtype(spec.zarr_dtype).itemsize
-        if start + count > layout.elements:
-            raise CorruptionError(f"{self.url}: shard {shard!r} field {spec.name!r}: index points past the end of the data")
+        if start < 0 or count < 0 or start + count > layout.elements:
+            raise CorruptionError(f"{self.url}: shard {shard!r} field {spec.name!r}: the index points past the end of the data "
+                                  f"(run `mmcache verify {self.url}`)")
         return fmt.byte_ranges(self._shard_chunks(shard, spec.name), layout, start, count, itemsize)
 
     def _load_chunk_indexes(self, pairs: set[tuple[str, str]]) -> None:
