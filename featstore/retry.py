@@ -150,6 +150,12 @@ async def with_retries_async(fn: Callable[[], Awaitable[T]], what: str | Callabl
             await asyncio.sleep(_backoff(exc, attempt, start, what, op, policy))
 
 
+def _no_such_bucket(exc: BaseException) -> bool:
+    # s3fs turns S3's NoSuchBucket into FileNotFoundError("The specified bucket does not exist").
+    text = f"{exc} {exc.__cause__ or ''}".lower()
+    return "nosuchbucket" in text or ("bucket" in text and "does not exist" in text)
+
+
 def _backoff(exc: Exception, attempt: int, start: float, what: str | Callable[[], str], op: str, policy: RetryPolicy) -> float:
     """Seconds to wait before trying again after ``exc`` (the ``attempt``-th failure), or raise
     what the caller should see when there is no retrying it."""
@@ -160,6 +166,8 @@ def _backoff(exc: Exception, attempt: int, start: float, what: str | Callable[[]
     if isinstance(exc, (FeatstoreError, IsADirectoryError, NotADirectoryError, FileExistsError)):
         raise exc
     if isinstance(exc, FileNotFoundError):
+        if _no_such_bucket(exc):  # the object store's own answer, not a missing object of a store
+            raise StorageError(f"{name()}: {op} failed: the bucket does not exist; create it first, or check the URL") from None
         raise FileNotFoundError(errno.ENOENT, f"{op}: no such object", name()) from None
     if isinstance(exc, PermissionError):
         raise StorageError(f"{name()}: {op} was denied ({describe(exc)}); check the credentials and the bucket's permissions") from None

@@ -7,6 +7,7 @@ featstore's retry layer is the only one, so its attempts and deadline are what h
 from __future__ import annotations
 
 import json
+import os
 import time
 import traceback
 
@@ -162,3 +163,10 @@ def test_redaction():
     featstore.secrets.register({"client_kwargs": {"aws_secret_access_key": "hush-hush-123"}, "anon": False})
     assert redact(f"failed at {signed} with hush-hush-123") == "failed at https://bucket.s3.amazonaws.com/a/b.png?*** with ***"
     assert "hush" not in repr(featstore.secrets.RedactedOptions({"secret": "hush-hush-123"}))
+
+
+def test_a_bucket_that_does_not_exist_is_named_as_such(s3_server):
+    missing = f"s3://no-such-bucket-{os.getpid()}/ds"
+    for attempt in (lambda: featstore.create(missing, fields={"x": "float32"}), lambda: featstore.open(missing)):
+        with pytest.raises(featstore.StorageError, match="the bucket does not exist"):
+            attempt()
