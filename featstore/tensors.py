@@ -54,6 +54,17 @@ def numpy_to_tensor(array: np.ndarray) -> Any:
     return torch.from_numpy(array)
 
 
+def as_tensor(value: Any) -> Any:
+    """A torch tensor for ``value``: a tensor as it is; an array shared without a copy (bfloat16
+    kept), copied only when read-only (torch may write to what it gets, and warns) or strided."""
+    if is_torch_tensor(value):
+        return value
+    array = np.asarray(value)
+    if not array.flags.writeable:
+        array = array.copy()
+    return numpy_to_tensor(np.ascontiguousarray(array))
+
+
 def in_format(sample: dict[str, np.ndarray], format: str) -> dict[str, Any]:
     if format == "numpy":
         return sample

@@ -23,7 +23,8 @@ from mmcache.featstore.config import load_config
 from mmcache.featstore.errors import ConfigError
 from tests.s3_server import FaultProxy
 from mmcache.train.balance import BalanceConfig, CostModel
-from mmcache.train.data import FeatureStream, LatentTextData
+from mmcache.train.data import FeatureStream
+from mmcache.train.models.dit_data import LatentTextData
 from mmcache.train.config import DataSection, TrainConfig
 from mmcache.train.order import auto_window, plan_order, resolve_window, shard_positions, shard_read_bytes
 from mmcache.train.packing import SAMPLE_ID

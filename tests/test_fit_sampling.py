@@ -63,7 +63,8 @@ def test_held_out_samples_are_never_trained_on(setup):
     from mmcache import featstore
     from mmcache.featstore.errors import ConfigError
     from mmcache.train.balance import BalanceConfig
-    from mmcache.train.data import FeatureStream, LatentTextData
+    from mmcache.train.data import FeatureStream
+    from mmcache.train.models.dit_data import LatentTextData
     from mmcache.train.models import DiTConfig
     from mmcache.train.packing import SAMPLE_ID
     from mmcache.train.sample.during_fit import validation_ids

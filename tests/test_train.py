@@ -275,7 +275,8 @@ def test_caption_dropout_is_the_same_at_any_world_size(tmp_path):
     the ranks of 2-way data parallelism drop exactly the captions one process drops, and each
     dropped sample gets the stored empty caption's embedding."""
     from mmcache.train.balance import BalanceConfig, CostModel
-    from mmcache.train.data import FeatureStream, LatentTextData
+    from mmcache.train.data import FeatureStream
+    from mmcache.train.models.dit_data import LatentTextData
     from mmcache.train.live.dropout import CaptionDropout
     from mmcache.train.packing import SAMPLE_ID
 

@@ -61,7 +61,7 @@ class FlowMatchingConfig:
 
 
 class LatentTextInputs(Protocol):
-    """What the flow-matching loss reads from a batch (``mmcache.train.models.dit.LatentTextBatch``)."""
+    """What the flow-matching loss reads from a batch (``mmcache.train.models.dit_data.LatentTextBatch``)."""
 
     latents: torch.Tensor  # [B, C, T, H, W], the clean latents x0
     text: torch.Tensor  # [B, L, D] padded text embeddings

@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmcache.featstore.tensors import as_tensor  # numpy bfloat16 -> torch without a float32 copy
+
 IGNORE = -100
 SAMPLE_ID = "@id"  # key of the sample id in a sample dict (never a field name: fields are [a-z0-9_])
 
@@ -158,8 +160,6 @@ def pack(samples: Sequence[Expanded], max_tokens: int, *, pad_id: int = 0) -> Pa
                 images.append(s.image)
             at = span.stop
         names.append([samples[i].sample_id for i in row])
-    from mmcache.train.models.dit import as_tensor  # numpy bfloat16 -> torch without a float32 copy
-
     images = [as_tensor(x) if as_tensor(x).dim() == 3 else as_tensor(x)[None] for x in images]
     return PackedBatch(
         input_ids=torch.from_numpy(input_ids), labels=torch.from_numpy(labels), image_mask=torch.from_numpy(image_mask),

@@ -26,7 +26,8 @@ from mmcache.featstore.config import to_dict
 from mmcache.featstore.errors import ConfigError
 from mmcache.train.checkpoint import export_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint
 from mmcache.train.config import TrainConfig
-from mmcache.train.data import FeatureStream, check_fingerprints, latent_normalisation, open_features, snapshot_digest
+from mmcache.train.data import FeatureStream, check_fingerprints, open_features, snapshot_digest
+from mmcache.train.models.dit_data import latent_normalisation
 from mmcache.train.live.dropout import CaptionDropout
 from mmcache.train.live.joint import JointEncoders
 from mmcache.train.live.manifest import TrainingManifest, manifest_line

@@ -22,7 +22,8 @@ from mmcache.train.models.registry import (
 )
 from mmcache.train.objective import LossTerms
 from mmcache.train.models import dit  # noqa: E402,F401  (registers "dit")
-from mmcache.train.models.dit import DiT, DiTConfig, LatentTextBatch, pad_text
+from mmcache.train.models.dit import DiT, DiTConfig
+from mmcache.train.models.dit_data import LatentTextBatch, pad_text
 from mmcache.train.models import vlm  # noqa: E402,F401  (registers "vlm")
 from mmcache.train.models.vlm import VLM, VLMConfig
 

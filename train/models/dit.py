@@ -34,9 +34,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -51,7 +50,7 @@ from mmcache.train.models.layers import (
     rope_tables,
 )
 from mmcache.train.models.registry import InputShapeError, ModelConfigError, register_model
-from mmcache.train.data import LatentTextData
+from mmcache.train.models.dit_data import LatentTextData
 from mmcache.train.objective import FlowMatchingConfig, flow_matching_loss, flow_matching_validation_loss
 
 
@@ -308,77 +307,3 @@ class DiT(nn.Module):
             raise InputShapeError(f"text must be [{batch}, L, {self.text_dim}], got {tuple(text.shape)}")
         if text_mask.shape != text.shape[:2]:
             raise InputShapeError(f"text_mask must be {tuple(text.shape[:2])}, got {tuple(text_mask.shape)}")
-
-
-# ---- batches: what the data loader hands the DiT --------------------------------------------
-
-
-def as_tensor(array: Any) -> torch.Tensor:
-    """A torch tensor sharing memory with ``array``; numpy bfloat16 (ml_dtypes, what the store
-    returns) has no torch equivalent in ``from_numpy``, so it goes through its 16-bit pattern."""
-    if isinstance(array, torch.Tensor):
-        return array
-    array = np.asarray(array)
-    if not array.flags.writeable:  # a view of read-only bytes: from_numpy would warn, and torch may write to what it gets
-        array = array.copy()
-    if array.dtype.name == "bfloat16":
-        return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(array))
-
-
-def pad_text(
-    texts: Sequence[Any], *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Variable-length text embeddings (each [L_i, D]) -> (padded [B, max L, D], mask [B, max L]).
-
-    Padding is zeros and the mask is True on real tokens. At least one position is kept even when
-    every caption is empty, so attention shapes stay valid.
-    """
-    tensors = [as_tensor(t) for t in texts]
-    if not tensors:
-        raise InputShapeError("pad_text needs at least one text embedding")
-    if any(t.dim() != 2 or t.shape[1] != tensors[0].shape[1] for t in tensors):
-        raise InputShapeError(f"text embeddings must all be [L, D] with one D, got {[tuple(t.shape) for t in tensors]}")
-    dtype = dtype or tensors[0].dtype
-    longest = max(1, max(t.shape[0] for t in tensors))
-    padded = torch.zeros(len(tensors), longest, tensors[0].shape[1], dtype=dtype, device=device)
-    mask = torch.zeros(len(tensors), longest, dtype=torch.bool, device=device)
-    for row, t in enumerate(tensors):
-        padded[row, : t.shape[0]] = t.to(device=device, dtype=dtype)
-        mask[row, : t.shape[0]] = True
-    return padded, mask
-
-
-@dataclasses.dataclass(kw_only=True)
-class LatentTextBatch:
-    """A shape-homogeneous micro-batch for the DiT (the trainer's ``batch`` for ``training_loss``)."""
-
-    latents: torch.Tensor  # [B, C, T, H, W]
-    text: torch.Tensor  # [B, L, D], zero-padded
-    text_mask: torch.Tensor  # [B, L] bool
-
-    @classmethod
-    def from_samples(
-        cls,
-        latents: Sequence[Any],
-        texts: Sequence[Any],
-        *,
-        device: torch.device | str | None = None,
-        text_dtype: torch.dtype | None = None,
-    ) -> LatentTextBatch:
-        """Stack same-shape latents ([C, T, H, W] each; never padded) and pad the texts."""
-        stacked = [as_tensor(x) for x in latents]
-        if len(stacked) != len(texts):
-            raise InputShapeError(f"{len(stacked)} latents but {len(texts)} texts")
-        if len({tuple(x.shape) for x in stacked}) != 1:
-            raise InputShapeError(
-                f"a micro-batch needs latents of one shape, got {sorted({tuple(x.shape) for x in stacked})}; "
-                "group samples with train.balance.plan_micro_batches"
-            )
-        text, mask = pad_text(texts, dtype=text_dtype, device=device)
-        return cls(latents=torch.stack(stacked).to(device), text=text, text_mask=mask)
-
-    def to(self, device: torch.device | str) -> LatentTextBatch:
-        return LatentTextBatch(
-            latents=self.latents.to(device), text=self.text.to(device), text_mask=self.text_mask.to(device)
-        )

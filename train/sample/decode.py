@@ -31,7 +31,7 @@ Decode = Callable[[torch.Tensor], np.ndarray]
 
 
 def to_store_space(latent: torch.Tensor, normalisation: tuple[list[float], list[float]] | None) -> torch.Tensor:
-    """Undo ``mmcache.train.data.latent_normalisation``'s ``(x - shift) * scale`` on ``[C, ...]``."""
+    """Undo ``mmcache.train.models.dit_data.latent_normalisation``'s ``(x - shift) * scale`` on ``[C, ...]``."""
     if normalisation is None:
         return latent
     shift, scale = (torch.tensor(v, dtype=latent.dtype).view(-1, *([1] * (latent.dim() - 1))) for v in normalisation)

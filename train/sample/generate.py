@@ -15,7 +15,8 @@ import torch
 
 from mmcache.featstore.errors import ConfigError
 from mmcache.featstore.prompts import EMPTY_PROMPT, MissingPromptError, read_prompts
-from mmcache.train.data import latent_normalisation
+from mmcache.featstore.tensors import as_tensor
+from mmcache.train.models.dit_data import latent_normalisation
 from mmcache.train.sample.decode import Decode, to_store_space
 from mmcache.train.sample.output import sample_name, write_frames, write_grid, write_index, write_latents
 from mmcache.train.sample.sampler import SamplerConfig, sample_batch
@@ -89,8 +90,6 @@ def store_prompt_embeddings(store: Any, text_field: str, fingerprint_digest: str
 
 
 def as_float_tensor(array: np.ndarray) -> torch.Tensor:
-    from mmcache.train.models.dit import as_tensor
-
     return as_tensor(np.array(array)).float()  # a copy: store arrays are read-only
 
 

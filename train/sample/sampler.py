@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from mmcache.featstore.errors import ConfigError
+from mmcache.train.models.dit_data import pad_text
 
 
 class SamplerConfigError(ConfigError):
@@ -118,8 +119,6 @@ def sample_batch(model: torch.nn.Module, shape: Sequence[int], seeds: Sequence[i
     all of them (what sampling during fit uses: far fewer, larger forwards). Deterministic for a
     given set of pairs; a pair's result can differ from ``sample_one``'s by float rounding (other
     batch shapes can take other kernels). ``empty`` is the empty prompt's embedding (guidance)."""
-    from mmcache.train.models.dit import pad_text
-
     device = torch.device(device)
     text, mask = pad_text([t.float() for t in texts], dtype=torch.float32, device=device)
     uncond = None

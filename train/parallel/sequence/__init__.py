@@ -29,15 +29,15 @@ from .ulysses import (
     heads_to_sequence,
     replicate_kv_heads,
     sequence_to_heads,
-    ulysses_attention,
 )
 from .usp import (
     SequenceLayout,
+    build_document_plan,
     gather_sequence,
     layout_for_groups,
-    build_document_plan,
     make_sequence_layout,
     shard_sequence,
+    ulysses_attention,
     usp_attention,
 )
 

@@ -169,37 +169,9 @@ def gather_sequence_mask(
     return recv.t().bool()
 
 
-def ulysses_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    group: ProcessGroup | None,
-    causal: bool = False,
-    key_padding_mask: torch.Tensor | None = None,
-    split_sizes: Sequence[int] | None = None,
-    scale: float | None = None,
-    backend: str = "auto",
-) -> torch.Tensor:
-    """Exact attention over the Ulysses group's concatenated sequence shards.
-
-    q: ``[B, S_local, H, D]``; k, v: ``[B, S_local, H_kv, D]``; returns ``[B, S_local, H, D]``.
-    Shards are contiguous pieces of the sequence in rank order (so ``causal`` is plain
-    causal over the concatenation). ``split_sizes`` for uneven shards.
-    """
-    from .usp import usp_attention  # Ulysses alone is USP with a ring of one
-
-    return usp_attention(
-        q, k, v, ulysses_group=group, ring_group=None, causal=causal,
-        key_padding_mask=key_padding_mask, ulysses_split_sizes=split_sizes,
-        scale=scale, backend=backend,
-    )
-
-
 __all__ = [
     "gather_sequence_mask",
     "heads_to_sequence",
     "replicate_kv_heads",
     "sequence_to_heads",
-    "ulysses_attention",
 ]

@@ -313,3 +313,29 @@ def _check_layout_matches(layout: SequenceLayout, q: torch.Tensor, causal: bool,
         raise SequenceParallelConfigError(
             "causal attention over a ring needs a zigzag layout: build it with causal=True"
         )
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: ProcessGroup | None,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    split_sizes: Sequence[int] | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Exact attention over the Ulysses group's concatenated sequence shards.
+
+    q: ``[B, S_local, H, D]``; k, v: ``[B, S_local, H_kv, D]``; returns ``[B, S_local, H, D]``.
+    Shards are contiguous pieces of the sequence in rank order (so ``causal`` is plain
+    causal over the concatenation). ``split_sizes`` for uneven shards.
+    """
+    # Ulysses alone is USP with a ring of one.
+    return usp_attention(
+        q, k, v, ulysses_group=group, ring_group=None, causal=causal,
+        key_padding_mask=key_padding_mask, ulysses_split_sizes=split_sizes,
+        scale=scale, backend=backend,
+    )
