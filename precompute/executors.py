@@ -29,7 +29,8 @@ from typing import Any
 
 from mmcache.precompute.config import EncodeConfig
 from mmcache.precompute.devices import resolve_device, worker_device
-from mmcache.precompute.tasks import PROCESS_ENCODERS, DaemonPool, EncoderSpec, describe_encoders, encode_task, loaded_encoders
+from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec, encoder_specs, takes_text_only
+from mmcache.precompute.tasks import PROCESS_ENCODERS, DaemonPool, describe_encoders, encode_task, loaded_encoders
 
 # Dask settings for the workers of a LocalCluster (jobs/ sets the same for external clusters):
 # - the nanny's MALLOC_TRIM_THRESHOLD_ turns off glibc's adaptive mmap threshold, so every large
@@ -144,7 +145,8 @@ class ThreadExecutor:
 
         return encode_and_store_prompts(loaded_encoders(specs, self.device, self.placement.threads, PROCESS_ENCODERS), store, sections, prompts)
 
-    def submit_task(self, task, output_url, storage_options, specs, requested, settings, known) -> Future:
+    def submit_task(self, task: TaskSpec, output_url: str, storage_options: dict[str, Any] | None, specs: list[EncoderSpec],
+                    settings: TaskSettings, known: Any) -> Future:
         return self.client.submit(
             encode_task, task, store_url=output_url, storage_options=storage_options, specs=specs, device=self.device,
             threads=self.placement.threads, settings=settings, known_shards=known, cache=PROCESS_ENCODERS, retries=3,
@@ -199,13 +201,14 @@ class DaskExecutor:
         self.client.replicate([future])
         return future
 
-    def submit_task(self, task, output_url, storage_options, specs, requested, settings, known) -> Any:
+    def submit_task(self, task: TaskSpec, output_url: str, storage_options: dict[str, Any] | None, specs: list[EncoderSpec],
+                    settings: TaskSettings, known: Any) -> Any:
         # No placement hints: the scheduler spreads the tasks, and a task whose worker died (an OOM
         # kill) runs on whichever worker is alive, the nanny's restart of it included. A task pinned
         # to the dead worker's address would wait for it forever. Dask gives up on a task that kills
         # its worker repeatedly (distributed.scheduler.allowed-failures) and the job fails saying so.
         return self.client.submit(
-            _run_on_worker, task, output_url, storage_options, specs, requested, self.placement.threads, settings, known,
+            _run_on_worker, task, output_url, storage_options, specs, self.placement.threads, settings, known,
             key=f"encode-{task.shard}", retries=3, pure=False,
         )
 
@@ -329,8 +332,6 @@ def _describe_on_worker(specs, requested, threads):
 def _specs_on_worker(config, cache_dir):
     from pathlib import Path
 
-    from mmcache.precompute.pipeline import encoder_specs, takes_text_only
-
     specs = encoder_specs(config, Path(cache_dir))
     return specs, takes_text_only(specs)
 
@@ -349,8 +350,8 @@ def _prompts_on_worker(specs, requested, threads, sections, prompts, output_url,
         store.close()
 
 
-def _run_on_worker(task, output_url, storage_options, specs, requested, threads, settings, known):
+def _run_on_worker(task, output_url, storage_options, specs, threads, settings: TaskSettings, known):
     from mmcache.precompute.worker_plugin import worker_cache
 
-    return encode_task(task, store_url=output_url, storage_options=storage_options, specs=specs, device=_device_here(requested),
+    return encode_task(task, store_url=output_url, storage_options=storage_options, specs=specs, device=_device_here(settings.device),
                        threads=threads, settings=settings, known_shards=known, cache=worker_cache())

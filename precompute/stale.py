@@ -57,13 +57,12 @@ def stale_samples(rows: list[InputRow], store: featstore.Store, *, client=None, 
 
 def changed_contents(items: list[tuple[str, str, str]], storage_options: dict[str, Any] | None) -> dict[str, str]:
     """(sample id, uri, recorded sha256) -> the ids whose input now differs (run on a worker)."""
-    from mmcache.precompute.media import MediaError
-    from mmcache.precompute.tasks import read_input_bytes
+    from mmcache.precompute.media import MediaError, read_source
 
     changed = {}
     for sample_id, uri, recorded in items:
         try:
-            digest = hashlib.sha256(read_input_bytes(uri, storage_options)).hexdigest()
+            digest = hashlib.sha256(read_source(uri, storage_options)).hexdigest()
         except MediaError as exc:
             changed[sample_id] = f"input unreadable now ({exc.reason})"
             continue

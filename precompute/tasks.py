@@ -26,7 +26,10 @@ from mmcache.featstore.errors import ShardCommittedError
 from mmcache.featstore.reader import open_store
 from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.commit_ahead import commit_ahead
+from mmcache.precompute.encoder_inputs import GEOMETRY, encoder_input, prepare_sections, size_rule_for, text_input
 from mmcache.precompute.inputs import InputRow
+from mmcache.precompute.media import read_source
+from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec
 
 # Models load from local folders only, without progress bars or hub look-ups cluttering the
 # job's output. Set in the client (inherited by local workers) and again in every worker.
@@ -44,27 +47,6 @@ def quiet_offline_env() -> None:
     """Set the QUIET_OFFLINE_ENV variables that are not set yet (a user's own setting wins)."""
     for key, value in QUIET_OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
-
-@dataclass(frozen=True, kw_only=True)
-class EncoderSpec:
-    section: str         # "vae" | "vit" | "text"
-    name: str            # registry name
-    options: dict[str, Any]
-
-    @property
-    def key(self) -> str:
-        import json
-
-        return json.dumps([self.section, self.name, self.options], sort_keys=True)
-
-
-@dataclass(kw_only=True)
-class TaskSpec:
-    shard: str
-    rows: list[InputRow]
-    fields: list[str]  # the fields this task writes (an encoder runs only if it makes one of them)
-    new_samples: bool = True  # False: adding fields to committed samples (their media were checked then)
-
 
 @dataclass(kw_only=True)
 class TaskResult:
@@ -185,7 +167,7 @@ def encode_task(
     specs: list[EncoderSpec],
     device: str,
     threads: int,
-    settings: dict[str, Any],
+    settings: TaskSettings,
     known_shards: list[str] | None = None,
     cache: EncoderCache | None = None,
 ) -> dict[str, Any]:
@@ -197,7 +179,7 @@ def encode_task(
     result = TaskResult(shard=task.shard)
     # The client planned disjoint tasks from its snapshot; a task only adds one shard. It opens
     # the store from the manifest the client planned with (no request).
-    store = open_store(store_url, storage_options, mode="a", load_index=False, manifest=settings.get("store_manifest"))
+    store = open_store(store_url, storage_options, mode="a", load_index=False, manifest=settings.store_manifest)
     try:
         # Whether this shard is committed already (by an earlier try of this task, or a concurrent
         # run of the same plan) is found by the commit's own check, which refuses the name: no
@@ -216,7 +198,7 @@ def encode_task(
             if arrays is not None:
                 writer.add(row.sample_id, arrays, meta)
         # The worker may start its next task while this one commits (precompute.commit_ahead).
-        with commit_ahead(writer.pending_bytes, int(settings.get("commit_ahead_bytes", 0))):
+        with commit_ahead(writer.pending_bytes, settings.commit_ahead_bytes):
             try:
                 writer.commit(task.shard)
             except ShardCommittedError:
@@ -232,15 +214,14 @@ def encode_task(
         store.close()
 
 
-def _encode_rows(task: TaskSpec, store, specs, device, threads, settings, result: TaskResult, cache: EncoderCache | None = None) -> list:
+def _encode_rows(task: TaskSpec, store, specs, device, threads, settings: TaskSettings, result: TaskResult,
+                 cache: EncoderCache | None = None) -> list:
     """(row, arrays or None, meta) for each row that was not rejected; rejects go to ``result``."""
-    from mmcache.precompute.media import FrameSampling, MediaError, ResizeConfig
+    from mmcache.precompute.media import MediaError
 
     configured = loaded_encoders(specs, device, threads, cache)
     # Only the encoders of the fields this task writes run (a field added to committed samples).
     encoders = {section: encoder for section, encoder in configured.items() if set(encoder.fields()) & set(task.fields)}
-    resize = ResizeConfig(**settings["resize"])
-    frames = FrameSampling(**settings["frames"])
 
     def reject(row: InputRow, reason: str) -> None:
         result.rejects.append((row, reason))
@@ -249,43 +230,39 @@ def _encode_rows(task: TaskSpec, store, specs, device, threads, settings, result
     # Each visual encoder gets the pixel size its own rule gives (a VAE: any multiple of its
     # patch; a ViT: often one fixed size), the same whichever of them runs in this task, so a
     # field added later sees the input it would have had in the first run.
-    rules = {section: size_rule_for(configured[section], settings["size_multiple"]) for section in ("vae", "vit") if section in encoders}
+    rules = {section: size_rule_for(configured[section], settings.size_multiple) for section in ("vae", "vit") if section in encoders}
     # The config's first visual encoder owns the plain provenance columns (crop_*, width, height);
     # another with a different input gets them prefixed with its section ("vit_width", ...).
     primary = next((section for section in ("vae", "vit") if section in configured), None)
-
-    def prepare(row: InputRow) -> dict[str, Any] | None:
-        if row.modality == "text":
-            return None  # a text-only row: no media to read (its task writes text fields only)
-        if not rules and not task.new_samples:
-            return None  # only a text field added to committed samples: their media need no reading
-        data = read_input_bytes(row.uri, settings.get("input_storage_options"), settings.get("max_input_bytes"))
-        if not rules:
-            return None
-        from mmcache.precompute.media import prepare as prepare_media
-
-        prepared: dict[str, Any] = {}
-        for section, rule in rules.items():
-            same = next((p for s, p in prepared.items() if rules[s] == rule), None)
-            # Provenance and messages get the URL without a signature or token, never the credential.
-            prepared[section] = same or prepare_media(data, redact_url(row.uri), modality=row.modality, resize=resize, rule=rule, sampling=frames)
-        return prepared
-
     done: list[tuple[InputRow, dict[str, np.ndarray], dict[str, Any]]] = []
-    timeout = settings.get("task_timeout") or None
+    timeout = settings.task_timeout or None
     deadline = None if timeout is None else time.monotonic() + timeout
     # Decoding runs ahead on CPU threads (Pillow and PyAV release the GIL) while the encoder works
     # on the batches already formed. A thread stuck on an input (a hung read) must not keep the
     # task, nor the process, from finishing once the deadline turned it into a reject.
-    pool = DaemonPool(settings["decode_threads"], "decode")
+    pool = DaemonPool(settings.decode_threads, "decode")
     try:
-        futures = [(row, pool.submit(prepare, row)) for row in task.rows]
-        for batch in _bucketed(futures, settings["batch_size"], reject, MediaError, deadline, timeout):
+        futures = [(row, pool.submit(_prepare_row, row, rules, task.new_samples, settings)) for row in task.rows]
+        for batch in _bucketed(futures, settings.batch_size, reject, MediaError, deadline, timeout):
             _encode_batch(batch, encoders, reject, done, primary)
     finally:
         pool.shutdown()
-    _encode_text(done, encoders.get("text"), settings["batch_size"], reject)
+    _encode_text(done, encoders.get("text"), settings.batch_size, reject)
     return done
+
+
+def _prepare_row(row: InputRow, rules: dict[str, Any], new_sample: bool, settings: TaskSettings) -> dict[str, Any] | None:
+    """A row's media prepared for each visual section this task runs (None: no media to prepare)."""
+    if row.modality == "text":
+        return None  # a text-only row: no media to read (its task writes text fields only)
+    if not rules and not new_sample:
+        return None  # only a text field added to committed samples: their media need no reading
+    # Read even when no visual encoder runs: a new sample's media must exist and be readable.
+    data = read_source(row.uri, settings.input_storage_options, settings.max_input_bytes)
+    if not rules:
+        return None
+    # Provenance and messages get the URL without a signature or token, never the credential.
+    return prepare_sections(data, redact_url(row.uri), row.modality, rules, resize=settings.resize, frames=settings.frames)
 
 
 class DaemonPool:
@@ -327,25 +304,6 @@ class DaemonPool:
             self._queue.put(None)
 
 
-def read_input_bytes(uri: str, storage_options: dict[str, Any] | None, max_bytes: int | None = None) -> bytes:
-    """A source file's bytes (see ``mmcache.precompute.media.read_source``: regular files only, size-capped)."""
-    from mmcache.precompute.media import read_source
-
-    return read_source(uri, storage_options, max_bytes)
-
-
-
-def size_rule_for(encoder: Any, size_multiple: int):
-    """The encoder's size rule, its free sizes also multiples of ``size_multiple`` (the trainer's patch)."""
-    import dataclasses
-    import math
-
-    rule = encoder.size_rule()
-    if rule.fixed_size is None:
-        rule = dataclasses.replace(rule, spatial_multiple=math.lcm(rule.spatial_multiple, size_multiple))
-    return rule
-
-
 def _bucketed(futures, batch_size: int, reject, media_error, deadline: float | None = None, timeout: float | None = None) -> Iterator[list[tuple[InputRow, Any]]]:
     """Prepared inputs grouped by shape (the encoder stacks a batch), in batches of batch_size.
     An input not read and decoded by ``deadline`` (monotonic) is rejected."""
@@ -371,7 +329,6 @@ def _bucketed(futures, batch_size: int, reject, media_error, deadline: float | N
 
 
 _TILES = ("tiles", "tile_rows", "tile_cols")
-_GEOMETRY = ("crop_left", "crop_top", "crop_width", "crop_height", "width", "height")
 
 
 def _meta(row: InputRow, prepared: dict[str, Any] | None, primary: str | None) -> dict[str, Any]:
@@ -389,8 +346,8 @@ def _meta(row: InputRow, prepared: dict[str, Any] | None, primary: str | None) -
         if section == primary:
             meta.update(provenance)
         else:
-            meta.update({k: v for k, v in provenance.items() if k not in _GEOMETRY})  # source, hash, frames: shared
-            meta.update({f"{section}_{k}": provenance[k] for k in _GEOMETRY})
+            meta.update({k: v for k, v in provenance.items() if k not in GEOMETRY})  # source, hash, frames: shared
+            meta.update({f"{section}_{k}": provenance[k] for k in GEOMETRY})
         if section == "vit":  # the VLM contract: the tile grid of every ViT feature, 1x1 untiled
             meta.update({f"vit_{k}": media.provenance.get(k, 1) for k in _TILES})
     return meta
@@ -426,25 +383,6 @@ def _encode_batch(batch, encoders: dict[str, Any], reject, done: list, primary: 
         if "__rejected__" in out:
             continue
         done.append((row, out, _meta(row, prepared, primary)))
-
-
-def encoder_input(section: str, modality: str, pixels: np.ndarray) -> np.ndarray:
-    """Prepared pixels -> what the section's encoder takes (also what a live encoder is fed)."""
-    if section == "vae" and modality == "image":
-        return pixels[None]  # an image is a one-frame video: latents are C x 1 x h x w
-    if section == "vit" and modality == "video":
-        return pixels[0]  # a ViT sees the first frame
-    return pixels
-
-
-def text_input(encoder: Any, caption: str, conversations: Any, modality: str) -> Any:
-    """A sample's text as the text encoder takes it: the caption, or a ``TextSample``."""
-    if encoder.text_input == "caption":
-        return caption
-    from mmcache.precompute.encoders import TextSample
-
-    # A tokenizer checks the image placeholders against the images the sample really has.
-    return TextSample(caption=caption, conversations=conversations, images=int(modality in ("image", "video")))
 
 
 def _encode_text(done: list, encoder: Any, batch_size: int, reject) -> None:

@@ -47,12 +47,20 @@ import numpy as np
 import torch
 
 from mmcache import featstore
-from mmcache.featstore.config import from_dict
 from mmcache.featstore.errors import ConfigError, FingerprintMismatchError
+from mmcache.precompute.encoder_inputs import (
+    GEOMETRY,
+    planned_input_shape,
+    section_input,
+    size_rule_for,
+    text_input,
+    transform_from_record,
+)
+from mmcache.precompute.inputs import conversations_digest, modality_of
+from mmcache.precompute.media import MediaError, read_source
 
 # Written into an exported (finetuned) encoder folder: the cache it was trained from is stale for it.
 EXPORT_RECORD = "mmcache_export.json"
-_GEOMETRY = ("crop_left", "crop_top", "crop_width", "crop_height", "width", "height")
 
 
 class ReattachError(ConfigError):
@@ -133,7 +141,6 @@ def reattach_encoder(
     match. ``media_root``: the folder the manifest's relative paths are under now. ``resize``
     overrides recorded resize settings (what the drift check uses to show a changed rule)."""
     from mmcache.precompute.encoders import UnknownEncoderError, build_encoder
-    from mmcache.precompute.media import FrameSampling, ResizeConfig
     from mmcache.precompute.tasks import quiet_offline_env
 
     record = encoder_record(store, field_name, rebuild)
@@ -156,14 +163,15 @@ def reattach_encoder(
         raise EncoderRecordError(f"field {field_name!r} of {store.url}: the recorded encoder config does not build: {exc}") from None
     encoder.load(device)
     transform = record.get("transform") or {}
+    resize_config, frames, size_multiple = transform_from_record(transform, resize)
     live = LiveEncoder(
         field=field_name,
         section=meta.get("section", "text" if encoder.modality == "text" else "vae"),
         encoder=encoder,
         recorded=meta.get("fingerprint", {}),
-        resize=from_dict(ResizeConfig, {**transform.get("resize", {}), **dict(resize or {})}, where="resize"),
-        frames=from_dict(FrameSampling, transform.get("frames", {}), where="frames"),
-        size_multiple=int(transform.get("size_multiple", 1)),
+        resize=resize_config,
+        frames=frames,
+        size_multiple=size_multiple,
         recorded_transform=transform,
         media_root=media_root,
         storage_options=storage_options,
@@ -295,9 +303,6 @@ class LiveEncoder:
         """The caption, or for a tokenizer the ``TextSample``: caption or conversation and whether
         the sample has an image. The store keeps a conversation's sha256 only (``conversations_sha256``),
         so the turns come from the training manifest (``data.manifest``) and must hash to it."""
-        from mmcache.precompute.inputs import conversations_digest
-        from mmcache.precompute.tasks import text_input
-
         caption, modality = str(row.get("caption") or ""), str(row.get("modality"))
         if self.encoder.text_input == "caption":
             return text_input(self.encoder, caption, None, modality)
@@ -319,8 +324,6 @@ class LiveEncoder:
 
     def _source(self, row: Mapping[str, Any]) -> tuple[str, bytes]:
         """(where it is now, its bytes) of a sample's media, checked against the recorded content hash."""
-        from mmcache.precompute.media import MediaError, read_source
-
         url = self.locate(row)
         sid = row.get("id")
         try:
@@ -341,51 +344,39 @@ class LiveEncoder:
         return url, data
 
     def _pixels(self, row: Mapping[str, Any]) -> np.ndarray:
-        from mmcache.precompute.tasks import encoder_input
-
         url, data = self._source(row)
-        modality = str(row.get("modality"))
-        prepared = self._prepare(data, url, modality, f"sample {row.get('id')!r}")
+        prepared, pixels = self._prepare(data, url, str(row.get("modality")), f"sample {row.get('id')!r}")
         self._check_geometry(row, prepared.provenance)
-        return encoder_input(self.section, modality, prepared.pixels)
+        return pixels
 
     def planned_shape(self, row: Mapping[str, Any]) -> tuple[int, ...]:
         """The shape this field will have for a sample the store does not hold, without encoding it:
         a text field's from its text (a tokenizer is cheap; it is asked only where a model family
         sizes samples by it), a visual one's from the media's headers (the prepared size and frame
         count) and one encoder pass on zeros per distinct input shape."""
-        from mmcache.precompute.media import MediaError, prepared_shape
-        from mmcache.precompute.tasks import encoder_input
-
         if self.is_text:
             return tuple(self.encode_rows([row])[0].shape)
         url, data = self._source(row)
-        modality = str(row.get("modality"))
         try:
-            pixels = prepared_shape(data, url, modality=modality, resize=self.resize, rule=self._size_rule(), sampling=self.frames)  # type: ignore[arg-type]
+            shape = planned_input_shape(self.section, data, url, str(row.get("modality")), rule=self._size_rule(),  # type: ignore[arg-type]
+                                        resize=self.resize, frames=self.frames)
         except MediaError as exc:
             raise LiveInputError(f"sample {row.get('id')!r}: {exc}") from None
-        shape = encoder_input(self.section, modality, np.broadcast_to(np.zeros((), np.uint8), pixels)).shape
         if shape not in self._out_shapes:
             self._out_shapes[shape] = tuple(self.encode_inputs([np.zeros(shape, np.uint8)])[0].shape)
         return self._out_shapes[shape]
 
-    def _prepare(self, data: bytes, url: str, modality: str, what: str) -> Any:
-        """Decoded media, resized and framed by the recorded rule (``mmcache encode``'s code)."""
-        from mmcache.precompute.media import MediaError, prepare
-
+    def _prepare(self, data: bytes, url: str, modality: str, what: str) -> tuple[Any, np.ndarray]:
+        """(the prepared media, the encoder's input): decoded, resized and framed by the recorded
+        rule with ``mmcache encode``'s own code (``precompute.encoder_inputs``)."""
         try:
-            return prepare(data, url, modality=modality, resize=self.resize, rule=self._size_rule(), sampling=self.frames)  # type: ignore[arg-type]
+            return section_input(self.section, data, url, modality, rule=self._size_rule(), resize=self.resize, frames=self.frames)  # type: ignore[arg-type]
         except MediaError as exc:
             raise LiveInputError(f"{what}: {exc}") from None
 
     def encode_files(self, paths: Sequence[str]) -> list[np.ndarray]:
         """Media that are in no store (the images a VLM is asked about) -> features, prepared as
         ``mmcache encode`` prepares a sample's media with this field's recorded settings."""
-        from mmcache.precompute.inputs import modality_of
-        from mmcache.precompute.media import MediaError, read_source
-        from mmcache.precompute.tasks import encoder_input
-
         if self.is_text:
             raise LiveInputError(f"field {self.field!r} is made by a text encoder, not from media")
         inputs = []
@@ -397,12 +388,10 @@ class LiveEncoder:
                 data = read_source(path, self.storage_options)
             except MediaError as exc:
                 raise LiveInputError(f"{path}: {exc}") from None
-            inputs.append(encoder_input(self.section, modality, self._prepare(data, path, modality, path).pixels))
+            inputs.append(self._prepare(data, path, modality, path)[1])
         return self.encode_inputs(inputs)
 
     def _size_rule(self) -> Any:
-        from mmcache.precompute.tasks import size_rule_for
-
         if self._rule is None:
             self._rule = size_rule_for(self.encoder, self.size_multiple)
         return self._rule
@@ -410,7 +399,7 @@ class LiveEncoder:
     def _check_geometry(self, row: Mapping[str, Any], provenance: Mapping[str, Any]) -> None:
         # The primary visual section's geometry is under the plain names, another's prefixed.
         prefix = f"{self.section}_" if f"{self.section}_width" in row and row.get(f"{self.section}_width") is not None else ""
-        want = {k: row.get(prefix + k) for k in _GEOMETRY}
+        want = {k: row.get(prefix + k) for k in GEOMETRY}
         if row.get("frame_indices") is not None:
             want["frame_indices"] = list(row["frame_indices"])
         have = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in provenance.items() if k in want}
