@@ -25,12 +25,16 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import as_completed as futures_as_completed
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from mmcache.precompute.config import EncodeConfig
+from mmcache.featstore.reader import open_store
+from mmcache.precompute.config import EncodeConfig, default_cache_dir
 from mmcache.precompute.devices import resolve_device, worker_device
+from mmcache.precompute.prompts import encode_and_store_prompts
 from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec, encoder_specs, takes_text_only
-from mmcache.precompute.tasks import PROCESS_ENCODERS, DaemonPool, describe_encoders, encode_task, loaded_encoders
+from mmcache.precompute.daemon_pool import DaemonPool
+from mmcache.precompute.tasks import PROCESS_ENCODERS, describe_encoders, encode_task, loaded_encoders
 
 # Dask settings for the workers of a LocalCluster (jobs/ sets the same for external clusters):
 # - the nanny's MALLOC_TRIM_THRESHOLD_ turns off glibc's adaptive mmap threshold, so every large
@@ -127,13 +131,8 @@ class ThreadExecutor:
 
     def load_encoders(self, specs: list[EncoderSpec], requested: str) -> Future:
         """Loads in the background (the caller opens the store meanwhile); -> {fields, loaded}."""
-        def load() -> dict[str, Any]:
-            before = PROCESS_ENCODERS.loads
-            described = describe_encoders(specs, self.device, self.placement.threads, PROCESS_ENCODERS)
-            return {**described, "loaded": PROCESS_ENCODERS.loads - before}
-
         loader = DaemonPool(1, "load-encoders")
-        future = loader.submit(load)
+        future = loader.submit(describe_encoders, specs, self.device, self.placement.threads, PROCESS_ENCODERS)
         loader.shutdown(cancel_pending=False)  # its thread ends after the load
         return future
 
@@ -141,8 +140,6 @@ class ThreadExecutor:
         return value  # one process: every task sees the same object
 
     def store_prompts(self, specs, requested, sections, prompts, store, output_url, storage_options) -> int:
-        from mmcache.precompute.prompts import encode_and_store_prompts
-
         return encode_and_store_prompts(loaded_encoders(specs, self.device, self.placement.threads, PROCESS_ENCODERS), store, sections, prompts)
 
     def submit_task(self, task: TaskSpec, output_url: str, storage_options: dict[str, Any] | None, specs: list[EncoderSpec],
@@ -176,8 +173,6 @@ class DaskExecutor:
         by a worker: the encoder classes that check the options import torch, which the client of
         an external cluster need not (a worker has it already). ``path: tiny`` is built, by that
         worker, where this process would have built it (its MMCACHE_CACHE)."""
-        from mmcache.precompute.config import default_cache_dir
-
         return self.client.submit(_specs_on_worker, config, str(default_cache_dir()), pure=False).result()
 
     def load_encoders(self, specs: list[EncoderSpec], requested: str) -> Any:
@@ -321,24 +316,18 @@ def _device_here(requested: str) -> str:
 
 
 def _describe_on_worker(specs, requested, threads):
+    # worker_plugin imports distributed: imported where a Dask worker runs, not by every client.
     from mmcache.precompute.worker_plugin import worker_cache
 
-    cache = worker_cache()
-    before = cache.loads
-    described = describe_encoders(specs, _device_here(requested), threads, cache)
-    return {**described, "loaded": cache.loads - before}
+    return describe_encoders(specs, _device_here(requested), threads, worker_cache())
 
 
 def _specs_on_worker(config, cache_dir):
-    from pathlib import Path
-
     specs = encoder_specs(config, Path(cache_dir))
     return specs, takes_text_only(specs)
 
 
 def _prompts_on_worker(specs, requested, threads, sections, prompts, output_url, storage_options, manifest):
-    from mmcache.featstore.reader import open_store
-    from mmcache.precompute.prompts import encode_and_store_prompts
     from mmcache.precompute.worker_plugin import worker_cache
 
     encoders = loaded_encoders(specs, _device_here(requested), threads, worker_cache())

@@ -17,6 +17,7 @@ from typing import Any
 
 from mmcache import featstore
 from mmcache.precompute.inputs import InputRow
+from mmcache.precompute.media import MediaError, read_source
 
 # Inputs hashed per Dask task: enough to amortise a task, few enough to spread over workers.
 HASH_BATCH = 64
@@ -57,8 +58,6 @@ def stale_samples(rows: list[InputRow], store: featstore.Store, *, client=None, 
 
 def changed_contents(items: list[tuple[str, str, str]], storage_options: dict[str, Any] | None) -> dict[str, str]:
     """(sample id, uri, recorded sha256) -> the ids whose input now differs (run on a worker)."""
-    from mmcache.precompute.media import MediaError, read_source
-
     changed = {}
     for sample_id, uri, recorded in items:
         try:

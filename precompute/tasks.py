@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import Future
+from collections.abc import Callable, Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -26,9 +24,10 @@ from mmcache.featstore.errors import ShardCommittedError
 from mmcache.featstore.reader import open_store
 from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.commit_ahead import commit_ahead
+from mmcache.precompute.daemon_pool import DaemonPool
 from mmcache.precompute.encoder_inputs import GEOMETRY, encoder_input, prepare_sections, size_rule_for, text_input
 from mmcache.precompute.inputs import InputRow
-from mmcache.precompute.media import read_source
+from mmcache.precompute.media import MediaError, read_source
 from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec
 
 # Models load from local folders only, without progress bars or hub look-ups cluttering the
@@ -136,7 +135,10 @@ def loaded_encoders(specs: list[EncoderSpec], device: str, threads: int, cache: 
 
 def describe_encoders(specs: list[EncoderSpec], device: str, threads: int, cache: EncoderCache | None = None) -> dict[str, Any]:
     """Fields, fingerprints and field metadata of the configured encoders (run where the tasks
-    run: a worker, or this process with the in-process executor), loading them if need be."""
+    run: a worker, or this process with the in-process executor), loading them if need be:
+    ``{"fields": {name: {dtype, ndim, meta}}, "loaded": models loaded for it}``."""
+    cache = cache or PROCESS_ENCODERS
+    before = cache.loads
     encoders = loaded_encoders(specs, device, threads, cache)
     import torch
 
@@ -156,7 +158,7 @@ def describe_encoders(specs: list[EncoderSpec], device: str, threads: int, cache
                 "meta": {"section": section, "modality": spec.modality, "fingerprint": encoder.fingerprint(),
                          "encoder": {**encoder.config_record(), "threads": used}, **metadata.get(name, {})},
             }
-    return {"fields": fields}
+    return {"fields": fields, "loaded": cache.loads - before}
 
 
 def encode_task(
@@ -217,8 +219,6 @@ def encode_task(
 def _encode_rows(task: TaskSpec, store, specs, device, threads, settings: TaskSettings, result: TaskResult,
                  cache: EncoderCache | None = None) -> list:
     """(row, arrays or None, meta) for each row that was not rejected; rejects go to ``result``."""
-    from mmcache.precompute.media import MediaError
-
     configured = loaded_encoders(specs, device, threads, cache)
     # Only the encoders of the fields this task writes run (a field added to committed samples).
     encoders = {section: encoder for section, encoder in configured.items() if set(encoder.fields()) & set(task.fields)}
@@ -263,45 +263,6 @@ def _prepare_row(row: InputRow, rules: dict[str, Any], new_sample: bool, setting
         return None
     # Provenance and messages get the URL without a signature or token, never the credential.
     return prepare_sections(data, redact_url(row.uri), row.modality, rules, resize=settings.resize, frames=settings.frames)
-
-
-class DaemonPool:
-    """A few daemon threads running submitted calls, with concurrent.futures Futures. Unlike a
-    ThreadPoolExecutor's threads, which the interpreter joins at exit, one stuck on an input that
-    never arrives cannot keep the process from exiting after its task gave up on it: with the
-    in-process executor, that process is the user's command."""
-
-    def __init__(self, threads: int, name: str) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = threads
-        for i in range(threads):
-            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
-
-    def submit(self, fn, *args) -> Future:
-        future: Future = Future()
-        self._queue.put((future, fn, args))
-        return future
-
-    def _work(self) -> None:
-        while (item := self._queue.get()) is not None:
-            future, fn, args = item
-            if not future.set_running_or_notify_cancel():
-                continue  # cancelled before it started
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
-                future.set_exception(exc)
-
-    def shutdown(self, *, cancel_pending: bool = True) -> None:
-        """Each thread ends after the calls submitted (``cancel_pending``: after the call it is in,
-        if that ever returns; the others are cancelled)."""
-        with contextlib.suppress(queue.Empty):
-            while cancel_pending:
-                item = self._queue.get_nowait()
-                if item is not None:
-                    item[0].cancel()
-        for _ in range(self._threads):
-            self._queue.put(None)
 
 
 def _bucketed(futures, batch_size: int, reject, media_error, deadline: float | None = None, timeout: float | None = None) -> Iterator[list[tuple[InputRow, Any]]]:
@@ -353,28 +314,35 @@ def _meta(row: InputRow, prepared: dict[str, Any] | None, primary: str | None) -
     return meta
 
 
-def _encode_batch(batch, encoders: dict[str, Any], reject, done: list, primary: str | None) -> None:
+def _encode_isolating(encoder: Any, items: list, why: Callable[[Exception], str]) -> list[dict[str, np.ndarray] | str]:
+    """``encoder.encode(items)``; where the batch fails on a bad input (or a NaN output), each
+    item again on its own, so only the bad one fails: its reason (``why(error)``) in its place."""
     from mmcache.precompute.encoders import EncoderInputError, EncoderOutputError
 
-    outputs: list[dict[str, np.ndarray]] = [{} for _ in batch]
+    try:
+        return list(encoder.encode(items))
+    except (EncoderInputError, EncoderOutputError):
+        pass
+    out: list[dict[str, np.ndarray] | str] = []
+    for item in items:
+        try:
+            out.extend(encoder.encode([item]))
+        except (EncoderInputError, EncoderOutputError) as exc:
+            out.append(why(exc))
+    return out
+
+
+def _encode_batch(batch, encoders: dict[str, Any], reject, done: list, primary: str | None) -> None:
+    outputs: list[dict[str, Any]] = [{} for _ in batch]
     for section in ("vae", "vit"):
         encoder = encoders.get(section)
         if encoder is None:
             continue
         items = [encoder_input(section, row.modality, prepared[section].pixels) for row, prepared in batch]
-        try:
-            encoded = encoder.encode(items)
-        except (EncoderInputError, EncoderOutputError):
-            # One bad item poisons the stacked batch: retry one by one to find it.
-            encoded = []
-            for (row, _), item in zip(batch, items, strict=True):
-                try:
-                    encoded.extend(encoder.encode([item]))
-                except (EncoderInputError, EncoderOutputError) as exc:
-                    reject(row, f"encoder rejected input: {exc}")
-                    encoded.append(None)
-        for out, features in zip(outputs, encoded, strict=True):
-            if features is None:
+        encoded = _encode_isolating(encoder, items, lambda exc: f"encoder rejected input: {exc}")
+        for (row, _), out, features in zip(batch, outputs, encoded, strict=True):
+            if isinstance(features, str):
+                reject(row, features)
                 out.clear()
                 out["__rejected__"] = True
             elif "__rejected__" not in out:
@@ -385,28 +353,24 @@ def _encode_batch(batch, encoders: dict[str, Any], reject, done: list, primary: 
         done.append((row, out, _meta(row, prepared, primary)))
 
 
+def _text_failure(exc: Exception) -> str:
+    from mmcache.precompute.encoders import EncoderOutputError
+
+    if isinstance(exc, EncoderOutputError):
+        return "text encoder produced NaN/inf for the caption"
+    return f"text encoder rejected input: {exc}"
+
+
 def _encode_text(done: list, encoder: Any, batch_size: int, reject) -> None:
     if encoder is None or not done:
         return
-    from mmcache.precompute.encoders import EncoderInputError, EncoderOutputError
-
     items = [text_input(encoder, row.caption, row.conversations, row.modality) for row, _, _ in done]
     # Identical texts are encoded once for the whole task, not once per batch.
     distinct = list(dict.fromkeys(items))
     encoded: dict[Any, dict[str, np.ndarray] | str] = {}
     for start in range(0, len(distinct), batch_size * 4):
         chunk = distinct[start : start + batch_size * 4]
-        try:
-            encoded.update(zip(chunk, encoder.encode(chunk), strict=True))
-        except (EncoderInputError, EncoderOutputError):
-            # One bad text fails the chunk: one by one, so only it is rejected, with its reason.
-            for text in chunk:
-                try:
-                    encoded[text] = encoder.encode([text])[0]
-                except EncoderOutputError:
-                    encoded[text] = "text encoder produced NaN/inf for the caption"
-                except EncoderInputError as exc:
-                    encoded[text] = f"text encoder rejected input: {exc}"
+        encoded.update(zip(chunk, _encode_isolating(encoder, chunk, _text_failure), strict=True))
     for index, ((row, arrays, meta), text) in enumerate(zip(done, items, strict=True)):
         result = encoded[text]
         if isinstance(result, str):

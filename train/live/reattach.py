@@ -457,12 +457,12 @@ _PINNED_LOCK = threading.Lock()
 
 
 def _pinned_thread(threads: int) -> Any:
-    """A thread (``mmcache.precompute.tasks.DaemonPool``) whose intra-op thread count is ``threads``, set
+    """A thread (``mmcache.precompute.daemon_pool.DaemonPool``) whose intra-op thread count is ``threads``, set
     once when it starts. Switching the count around each call instead would cost every thread of
     the process: ``torch.set_num_threads`` also empties oneDNN's process-wide primitive cache, so
     the training step's oneDNN kernels are created again after each live encode (measured on the
     tiny DiT with live fields: median steps up to ~5x slower)."""
-    from mmcache.precompute.tasks import DaemonPool
+    from mmcache.precompute.daemon_pool import DaemonPool
 
     with _PINNED_LOCK:
         pool = _PINNED.get(threads)
