@@ -191,29 +191,35 @@ def encode_task(
         # shards committed since (by a concurrent run) are.
         store.assume_checked(known_shards or ())
         done = _encode_rows(task, store, specs, device, threads, settings, result, cache)
-        writer = store.writer(shard_prefix=task.shard[:60], shard_bytes=1 << 62, fields=task.fields)
-        # One task is one shard, whatever its size: an automatic mid-task commit would get a name
-        # a retried task could collide with.
-        for row, reason in result.rejects:
-            writer.reject(row.source, reason, id=row.sample_id)
-        for row, arrays, meta in done:
-            if arrays is not None:
-                writer.add(row.sample_id, arrays, meta)
-        # The worker may start its next task while this one commits (precompute.commit_ahead).
-        with commit_ahead(writer.pending_bytes, settings.commit_ahead_bytes):
-            try:
-                writer.commit(task.shard)
-            except ShardCommittedError:
-                # An earlier try of this task, a zombie of it (its worker was presumed dead) or a
-                # concurrent run of the same plan committed it first: theirs is kept, ours discarded.
-                result.skipped = True
-                return result.summary()
-        result.samples = sum(1 for _, arrays, _ in done if arrays is not None) - len(writer.dropped)
-        result.dropped = len(writer.dropped)
-        result.seconds = time.perf_counter() - start
+        _write_shard(task, store, done, result, settings.commit_ahead_bytes)
+        if not result.skipped:  # a shard another writer committed first took this task no time
+            result.seconds = time.perf_counter() - start
         return result.summary()
     finally:
         store.close()
+
+
+def _write_shard(task: TaskSpec, store: Any, done: list, result: TaskResult, commit_ahead_bytes: int) -> None:
+    """The task's samples and rejects committed as its one shard (``result`` says what came of it)."""
+    writer = store.writer(shard_prefix=task.shard[:60], shard_bytes=1 << 62, fields=task.fields)
+    # One task is one shard, whatever its size: an automatic mid-task commit would get a name
+    # a retried task could collide with.
+    for row, reason in result.rejects:
+        writer.reject(row.source, reason, id=row.sample_id)
+    for row, arrays, meta in done:
+        if arrays is not None:
+            writer.add(row.sample_id, arrays, meta)
+    # The worker may start its next task while this one commits (precompute.commit_ahead).
+    with commit_ahead(writer.pending_bytes, commit_ahead_bytes):
+        try:
+            writer.commit(task.shard)
+        except ShardCommittedError:
+            # An earlier try of this task, a zombie of it (its worker was presumed dead) or a
+            # concurrent run of the same plan committed it first: theirs is kept, ours discarded.
+            result.skipped = True
+            return
+    result.samples = sum(1 for _, arrays, _ in done if arrays is not None) - len(writer.dropped)
+    result.dropped = len(writer.dropped)
 
 
 def _encode_rows(task: TaskSpec, store, specs, device, threads, settings: TaskSettings, result: TaskResult,

@@ -55,9 +55,13 @@ from mmcache.precompute.encoder_inputs import (
     size_rule_for,
     text_input,
     transform_from_record,
+    transform_record,
 )
+from mmcache.precompute.encoders import UnknownEncoderError, build_encoder
+from mmcache.precompute.encoders.base import torch_dtype
 from mmcache.precompute.inputs import conversations_digest, modality_of
 from mmcache.precompute.media import MediaError, read_source
+from mmcache.precompute.tasks import quiet_offline_env
 
 # Written into an exported (finetuned) encoder folder: the cache it was trained from is stale for it.
 EXPORT_RECORD = "mmcache_export.json"
@@ -140,27 +144,9 @@ def reattach_encoder(
     ``weights_path`` replaces the recorded model folder (weights move); the fingerprint must still
     match. ``media_root``: the folder the manifest's relative paths are under now. ``resize``
     overrides recorded resize settings (what the drift check uses to show a changed rule)."""
-    from mmcache.precompute.encoders import UnknownEncoderError, build_encoder
-    from mmcache.precompute.tasks import quiet_offline_env
-
     record = encoder_record(store, field_name, rebuild)
     meta = store.fields[field_name].meta
-    options = dict(record["config"])
-    if weights_path is not None:
-        options["path"] = str(Path(weights_path).expanduser().resolve())
-    path = options.get("path")
-    if path is not None and not Path(path).exists():
-        raise EncoderRecordError(
-            f"field {field_name!r}: the encoder's model folder {path} (recorded when {store.url} was encoded) does not exist; "
-            f"pass where it is now (--set encoders.{field_name}.path=DIR)"
-        )
-    quiet_offline_env()  # models load from local folders only
-    try:
-        encoder = build_encoder(record["encoder"], options)
-    except UnknownEncoderError as exc:
-        raise EncoderRecordError(f"field {field_name!r} of {store.url} cannot be rebuilt: {exc}") from None
-    except ConfigError as exc:
-        raise EncoderRecordError(f"field {field_name!r} of {store.url}: the recorded encoder config does not build: {exc}") from None
+    encoder = _rebuild(store, field_name, record, weights_path)
     encoder.load(device)
     transform = record.get("transform") or {}
     resize_config, frames, size_multiple = transform_from_record(transform, resize)
@@ -181,6 +167,26 @@ def reattach_encoder(
     if check_fingerprint:
         live.check_fingerprint()
     return live
+
+
+def _rebuild(store: featstore.Store, field_name: str, record: Mapping[str, Any], weights_path: str | None) -> Any:
+    """The recorded encoder built again (not loaded), from ``weights_path`` when given."""
+    options = dict(record["config"])
+    if weights_path is not None:
+        options["path"] = str(Path(weights_path).expanduser().resolve())
+    path = options.get("path")
+    if path is not None and not Path(path).exists():
+        raise EncoderRecordError(
+            f"field {field_name!r}: the encoder's model folder {path} (recorded when {store.url} was encoded) does not exist; "
+            f"pass where it is now (--set encoders.{field_name}.path=DIR)"
+        )
+    quiet_offline_env()  # models load from local folders only
+    try:
+        return build_encoder(record["encoder"], options)
+    except UnknownEncoderError as exc:
+        raise EncoderRecordError(f"field {field_name!r} of {store.url} cannot be rebuilt: {exc}") from None
+    except ConfigError as exc:
+        raise EncoderRecordError(f"field {field_name!r} of {store.url}: the recorded encoder config does not build: {exc}") from None
 
 
 def reattach_field(
@@ -245,11 +251,10 @@ class LiveEncoder:
         """Input-preparation settings (``resize.*``, ``frames.*``) that differ from the recorded ones."""
         if self.is_text:
             return {}
-        from dataclasses import asdict
-
-        now = {"resize": asdict(self.resize), "frames": asdict(self.frames)}
+        now = transform_record(self.resize, self.frames, self.size_multiple)
         out = {}
-        for section, values in now.items():
+        for section in ("resize", "frames"):
+            values = now[section]
             recorded = self.recorded_transform.get(section, {})
             for key, value in values.items():
                 if key in recorded and recorded[key] != value:
@@ -443,8 +448,6 @@ class LiveEncoder:
         holds, up to the rounding of the step's thread count — a trained encoder runs on the training
         thread, whose autograd state it needs — and, for text, of one pass per batch) and returned in ``dtype``; gradients pass the
         rounding unchanged."""
-        from mmcache.precompute.encoders.base import torch_dtype
-
         stored = torch_dtype(self.dtype)
         return [_round_through(item[self.field], stored).to(dtype) for item in self.encoder.features(list(inputs))]
 
