@@ -16,6 +16,7 @@ A job killed at any moment loses nothing committed; running it again does only w
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -126,9 +127,9 @@ def run_encode(
                            input_storage_options=input_storage_options)
         for note in plan.notes:
             log(note)
-        counts = execute(plan, job.executor, progress=progress)
+        executed = execute(plan, job.executor, progress=progress)
         return EncodeSummary(store_url=store.url, seconds=time.perf_counter() - t0 - startup, samples_skipped=plan.samples_skipped,
-                             startup_seconds=startup, stale=len(stale), executor=job.placement.kind, **counts)
+                             startup_seconds=startup, stale=len(stale), executor=job.placement.kind, **dataclasses.asdict(executed))
 
 
 def _start(stack: contextlib.ExitStack, config: EncodeConfig, input_url: str, output_url: str, *, workers: int | None,
@@ -197,10 +198,19 @@ def _ready_line(job: _Started, loaded: int, startup: float) -> str:
             f"{placement.kind}: {placement.reason}), {models}")
 
 
-def execute(plan: EncodePlan, executor: Executor, *, progress: bool | None = None) -> dict[str, int]:
+@dataclass(kw_only=True)
+class Executed:
+    """What running a plan did (the counts of ``EncodeSummary``)."""
+
+    tasks: int
+    tasks_skipped: int = 0  # committed already (an earlier try, a concurrent run of the same plan)
+    samples_written: int = 0
+    rejected: int = 0  # by the manifest reader and by the tasks
+
+
+def execute(plan: EncodePlan, executor: Executor, *, progress: bool | None = None) -> Executed:
     """Run ``plan`` on ``executor``: record the manifest reader's rejects, then map the tasks over
-    the workers (each commits its shard). -> the counts of ``EncodeSummary``: tasks,
-    tasks_skipped, samples_written, rejected."""
+    the workers (each commits its shard)."""
     commit_plan_rejects(plan.store, plan.plan_rejects)
     # Every task is told which shards this plan saw, so that before committing it re-reads only
     # those committed since (by a concurrent run), not the whole index (see EncodePlan).
@@ -208,15 +218,15 @@ def execute(plan: EncodePlan, executor: Executor, *, progress: bool | None = Non
     meter = ProgressMeter(plan.samples, enabled=sys.stderr.isatty() if progress is None else progress)
     futures = [executor.submit_task(task, plan.output_url, plan.storage_options, plan.specs, plan.settings, known)
                for task in plan.tasks]
-    counts = {"tasks": len(plan.tasks), "tasks_skipped": 0, "samples_written": 0, "rejected": len(plan.plan_rejects)}
+    executed = Executed(tasks=len(plan.tasks), rejected=len(plan.plan_rejects))
     for future in executor.as_completed(futures):
-        result = future.result()
-        counts["tasks_skipped"] += result["skipped"]
-        counts["samples_written"] += result["samples"]
-        counts["rejected"] += result["rejected"]
+        result = future.result()  # a task's summary (precompute.tasks.TaskResult), as a dict off a worker
+        executed.tasks_skipped += result["skipped"]
+        executed.samples_written += result["samples"]
+        executed.rejected += result["rejected"]
         meter.update(result["samples"] + result["rejected"] + result["dropped"], result["rejected"])
     meter.close()
-    return counts
+    return executed
 
 
 class ProgressMeter:

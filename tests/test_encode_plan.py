@@ -19,7 +19,7 @@ from mmcache.precompute.demo_data import make_dataset
 from mmcache.precompute.executors import choose_placement, open_executor
 from mmcache.precompute.inputs import read_inputs
 from mmcache.precompute.output_store import open_or_create
-from mmcache.precompute.pipeline import execute, run_encode
+from mmcache.precompute.pipeline import Executed, execute, run_encode
 from mmcache.precompute.plan import plan_encode
 from mmcache.precompute.specs import TaskSettings, encoder_specs
 from mmcache.precompute.tasks import PROCESS_ENCODERS
@@ -77,8 +77,8 @@ def test_plan_is_pure_and_execute_gives_the_same_store(encoded, tmp_path):
             plan.settings.batch_size = 1  # type: ignore[misc]
         # What crosses to a Dask worker pickles to an equal value.
         assert pickle.loads(pickle.dumps((plan.settings, plan.tasks, plan.specs))) == (plan.settings, plan.tasks, plan.specs)
-        counts = execute(plan, executor, progress=False)
-    assert counts == {"tasks": len(plan.tasks), "tasks_skipped": 0, "samples_written": 6, "rejected": 0}
+        executed = execute(plan, executor, progress=False)
+    assert executed == Executed(tasks=len(plan.tasks), tasks_skipped=0, samples_written=6, rejected=0)
     planned = featstore.open(str(out))
     # The same tasks as run_encode's (their names hash rows and encoders), so the same shards.
     assert sorted(planned.shards) == sorted(reference.shards)
