@@ -27,10 +27,7 @@ import numpy as np
 if TYPE_CHECKING:
     from PIL import Image
 
-from mmcache.featstore.errors import ConfigError, StorageError
-from mmcache.featstore.retry import describe, is_transient, remote_filesystem, with_retries
-from mmcache.featstore.secrets import redact_url
-from mmcache.precompute.inputs import DEFAULT_MAX_INPUT_BYTES, InputFileError, read_local_file
+from mmcache.featstore.errors import ConfigError
 
 # Landscape and portrait variants of the usual photo/video aspect ratios (width / height).
 DEFAULT_ASPECT_RATIOS = (1.0, 5 / 4, 4 / 5, 4 / 3, 3 / 4, 3 / 2, 2 / 3, 16 / 9, 9 / 16, 2.0, 0.5, 21 / 9, 9 / 21)
@@ -131,54 +128,6 @@ class PreparedMedia:
     pixels: np.ndarray
     provenance: dict[str, Any]
     modality: Literal["image", "video"]
-
-
-# ----------------------------------------------------------------------------- reading sources
-
-
-def read_source(uri: str, storage_options: dict[str, Any] | None = None, max_bytes: int | None = None) -> bytes:
-    """A source file's bytes, at most ``max_bytes`` (``data.max_input_bytes``), checked before
-    anything decodes them. A local file must be a regular file (never a FIFO or a device: see
-    ``read_local_file``). Transient faults of an object store are retried; one that persists
-    fails the task (Dask retries it), never turning a readable input into a reject."""
-    import fsspec
-
-    limit = DEFAULT_MAX_INPUT_BYTES if max_bytes is None else max_bytes
-    shown = redact_url(uri)
-    protocol, path = fsspec.core.split_protocol(uri)
-
-    def fetch() -> bytes:
-        fs, remote_path = remote_filesystem(uri, storage_options)
-        with fs.open(remote_path, "rb") as fh:
-            return fh.read(limit + 1)
-
-    try:
-        data = read_local_file(path, limit) if protocol in (None, "file", "local") else with_retries(fetch, shown, "read")
-    except InputFileError as exc:
-        raise MediaError(exc.reason, shown) from None
-    except FileNotFoundError as exc:
-        if (cause := _transient_cause(exc)) is not None:
-            # fsspec's HTTP filesystem reports a refused connection or a timeout as a missing
-            # file: that input may well be there, so the task fails (and is retried) instead.
-            raise StorageError(f"{shown}: read failed with {describe(cause)}; the source is unreachable, try again later") from None
-        raise MediaError("missing file", shown) from None
-    except IsADirectoryError:
-        raise MediaError("is a directory, not a file", shown) from None
-    if len(data) > limit:
-        raise MediaError(f"file is larger than data.max_input_bytes ({limit:,} bytes); raise the limit to encode it", shown)
-    if not data:
-        raise MediaError("zero-byte file", shown)
-    return data
-
-
-def _transient_cause(exc: BaseException) -> BaseException | None:
-    """The transient fault (connection refused, timeout, 5xx) behind an exception, if any."""
-    seen = exc.__cause__ or exc.__context__
-    while seen is not None:
-        if is_transient(seen):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
 
 
 # ----------------------------------------------------------------------------- sizes and boxes

@@ -17,7 +17,8 @@ from typing import Any
 
 from mmcache import featstore
 from mmcache.precompute.inputs import InputRow
-from mmcache.precompute.media import MediaError, read_source
+from mmcache.precompute.media import MediaError
+from mmcache.precompute.sources import read_source
 
 # Inputs hashed per Dask task: enough to amortise a task, few enough to spread over workers.
 HASH_BATCH = 64

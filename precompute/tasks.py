@@ -27,7 +27,8 @@ from mmcache.precompute.commit_ahead import commit_ahead
 from mmcache.precompute.daemon_pool import DaemonPool
 from mmcache.precompute.encoder_inputs import GEOMETRY, encoder_input, prepare_sections, size_rule_for, text_input
 from mmcache.precompute.inputs import InputRow
-from mmcache.precompute.media import MediaError, read_source
+from mmcache.precompute.media import MediaError
+from mmcache.precompute.sources import read_source
 from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec
 
 # Models load from local folders only, without progress bars or hub look-ups cluttering the

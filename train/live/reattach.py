@@ -60,7 +60,8 @@ from mmcache.precompute.encoder_inputs import (
 from mmcache.precompute.encoders import UnknownEncoderError, build_encoder
 from mmcache.precompute.encoders.base import torch_dtype
 from mmcache.precompute.inputs import conversations_digest, modality_of
-from mmcache.precompute.media import MediaError, read_source
+from mmcache.precompute.media import MediaError
+from mmcache.precompute.sources import read_source
 from mmcache.precompute.tasks import quiet_offline_env
 
 # Written into an exported (finetuned) encoder folder: the cache it was trained from is stale for it.
