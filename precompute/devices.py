@@ -42,12 +42,14 @@ _ACCELERATORS = {
     "npu": (npu_count, "--device npu: torch_npu is not importable or reports no NPU (install mmcache[npu] and Ascend CANN)"),
     "cuda": (cuda_count, "--device cuda: torch reports no CUDA device"),
 }
+# What ``--device`` (and the config's ``device``) may name.
+DEVICES = ("auto", "cpu", *sorted(_ACCELERATORS))
 
 
 def resolve_device(requested: str) -> tuple[str, int]:
     """``auto|cpu|cuda|npu`` -> (device type, number of devices; 0 for cpu)."""
-    if requested not in ("auto", "cpu", *_ACCELERATORS):
-        raise ConfigError(f"--device must be auto, cpu, cuda or npu, got {requested!r}")
+    if requested not in DEVICES:
+        raise ConfigError(f"--device must be {', '.join(DEVICES[:-1])} or {DEVICES[-1]}, got {requested!r}")
     for kind, (device_count, missing) in _ACCELERATORS.items():
         if requested not in ("auto", kind):
             continue
