@@ -36,7 +36,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import posixpath
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
@@ -63,6 +62,7 @@ from mmcache.precompute.inputs import conversations_digest, modality_of
 from mmcache.precompute.media import MediaError
 from mmcache.precompute.sources import read_source
 from mmcache.precompute.tasks import quiet_offline_env
+from mmcache.train.live.reproduce import pinned_thread, round_through
 
 # Written into an exported (finetuned) encoder folder: the cache it was trained from is stale for it.
 EXPORT_RECORD = "mmcache_export.json"
@@ -424,11 +424,11 @@ class LiveEncoder:
         input gives other low bits at another count, and the calling thread's count is whatever
         the process left it at (the trainer's, torchrun's OMP_NUM_THREADS, or what an in-process
         encode set). A calling thread at another count hands the call to a thread kept at the
-        recorded one (``_pinned_thread``)."""
+        recorded one (``mmcache.train.live.reproduce.pinned_thread``)."""
         want, device = self.threads, self.encoder.device
         if not want or device is None or device.type != "cpu" or torch.get_num_threads() == want:
             return fn(*args)
-        return _pinned_thread(want).submit(fn, *args).result()
+        return pinned_thread(want).submit(fn, *args).result()
 
     def encode_texts(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Captions -> features exactly as ``mmcache encode`` stores them (unpadded, stored dtype)."""
@@ -450,62 +450,10 @@ class LiveEncoder:
         thread, whose autograd state it needs — and, for text, of one pass per batch) and returned in ``dtype``; gradients pass the
         rounding unchanged."""
         stored = torch_dtype(self.dtype)
-        return [_round_through(item[self.field], stored).to(dtype) for item in self.encoder.features(list(inputs))]
+        return [round_through(item[self.field], stored).to(dtype) for item in self.encoder.features(list(inputs))]
 
     def module(self) -> torch.nn.Module:
         return self.encoder.trainable_module()
-
-
-_PINNED: dict[int, Any] = {}
-_PINNED_LOCK = threading.Lock()
-
-
-def _pinned_thread(threads: int) -> Any:
-    """A thread (``mmcache.precompute.daemon_pool.DaemonPool``) whose intra-op thread count is ``threads``, set
-    once when it starts. Switching the count around each call instead would cost every thread of
-    the process: ``torch.set_num_threads`` also empties oneDNN's process-wide primitive cache, so
-    the training step's oneDNN kernels are created again after each live encode (measured on the
-    tiny DiT with live fields: median steps up to ~5x slower)."""
-    from mmcache.precompute.daemon_pool import DaemonPool
-
-    with _PINNED_LOCK:
-        pool = _PINNED.get(threads)
-        if pool is None:
-            caller = torch.get_num_threads()
-            pool = DaemonPool(1, f"live-encoder-{threads}-threads")
-            pinned = pool.submit(_pin, threads).result()
-            assert pinned == threads, (pinned, threads)
-            # set_num_threads also set the count that threads started later begin with: the caller's again.
-            torch.set_num_threads(caller)
-            _PINNED[threads] = pool
-        return pool
-
-
-def _pin(threads: int) -> int:
-    # torch sets a thread's count lazily, from the process default, on its first parallel op:
-    # take that first, so the default put back afterwards cannot replace this thread's count.
-    torch.get_num_threads()
-    torch.set_num_threads(threads)
-    return torch.get_num_threads()
-
-
-class _RoundThrough(torch.autograd.Function):
-    """Round to a lower precision in forward; pass the gradient through unchanged (straight-through),
-    so training a live encoder sees the cached values but is not stopped by the cast."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[override]
-        return x.to(dtype).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return grad, None
-
-
-def _round_through(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if x.dtype == dtype:
-        return x
-    return _RoundThrough.apply(x, dtype)
 
 
 def _recorded_root(row: Mapping[str, Any]) -> str | None:
