@@ -43,7 +43,7 @@ from mmcache.precompute.prompts import store_prompt_embeddings
 from mmcache.precompute.specs import EncoderSpec, TaskSettings, encoder_specs, takes_text_only, with_client_paths
 from mmcache.precompute.stale import describe as describe_stale
 from mmcache.precompute.stale import stale_samples
-from mmcache.precompute.tasks import quiet_offline_env
+from mmcache.precompute.tasks import TaskResult, quiet_offline_env
 
 Executor = ThreadExecutor | DaskExecutor
 
@@ -220,11 +220,11 @@ def execute(plan: EncodePlan, executor: Executor, *, progress: bool | None = Non
                for task in plan.tasks]
     executed = Executed(tasks=len(plan.tasks), rejected=len(plan.plan_rejects))
     for future in executor.as_completed(futures):
-        result = future.result()  # a task's summary (precompute.tasks.TaskResult), as a dict off a worker
-        executed.tasks_skipped += result["skipped"]
-        executed.samples_written += result["samples"]
-        executed.rejected += result["rejected"]
-        meter.update(result["samples"] + result["rejected"] + result["dropped"], result["rejected"])
+        result: TaskResult = future.result()  # a task's summary (its rejects stay in its shard)
+        executed.tasks_skipped += result.skipped
+        executed.samples_written += result.samples
+        executed.rejected += result.rejected
+        meter.update(result.samples + result.rejected + result.dropped, result.rejected)
     meter.close()
     return executed
 

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -58,10 +58,9 @@ class TaskResult:
     seconds: float = 0.0
     rejects: list = field(default_factory=list, repr=False)  # (row, reason); not sent back
 
-    def summary(self) -> dict[str, Any]:
-        out = asdict(self)
-        del out["rejects"]
-        return out
+    def summary(self) -> TaskResult:
+        """What goes back to the client: the counts, without the rejected rows (in the shard)."""
+        return replace(self, rejects=[])
 
 
 class EncoderCache:
@@ -173,7 +172,7 @@ def encode_task(
     settings: TaskSettings,
     known_shards: list[str] | None = None,
     cache: EncoderCache | None = None,
-) -> dict[str, Any]:
+) -> TaskResult:
     """Encode one task into one committed shard; idempotent (a committed shard is skipped, and so
     is one another writer commits first). ``known_shards``: the shards the client planned from,
     and the names of its sibling tasks (which hold none of this task's rows)."""
