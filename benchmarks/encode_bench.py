@@ -82,7 +82,8 @@ from mmcache.precompute.inputs import sample_id_for  # noqa: E402
 from mmcache.precompute.encoders import build_encoder  # noqa: E402
 from mmcache.precompute.media import prepare as prepare_media  # noqa: E402
 from mmcache.precompute.executors import local_cluster  # noqa: E402
-from mmcache.precompute.pipeline import encoder_specs, run_encode  # noqa: E402
+from mmcache.precompute.pipeline import run_encode  # noqa: E402
+from mmcache.precompute.specs import encoder_specs  # noqa: E402
 
 SHARED = REPO.parent / "shared"
 CORES = os.cpu_count() or 1
@@ -493,7 +494,7 @@ def planning_seconds(manifest: Path, per_task: int) -> float:
     """What planning this job costs (manifest read and checked, tasks named), timed here, imports
     done: the part of a job's start-up that grows with the job and is not start-up overhead."""
     from mmcache.precompute.inputs import read_inputs
-    from mmcache.precompute.pipeline import plan_tasks
+    from mmcache.precompute.plan import plan_tasks
 
     t0 = time.perf_counter()
     rows, _ = read_inputs(str(manifest))

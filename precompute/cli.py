@@ -8,6 +8,7 @@ import click
 
 from mmcache.featstore.cli import cli, parse_storage_options, storage_options_option
 from mmcache.featstore.user_errors import check_output_location
+from mmcache.precompute.devices import DEVICES
 
 
 @cli.command()
@@ -16,7 +17,7 @@ from mmcache.featstore.user_errors import check_output_location
 @click.option("--output", "output_url", required=True, help="Store URL: a path, file://, s3://, memory://.")
 @click.option("--workers", type=int, default=None, help="Local Dask workers (default: one per device, or per CPU core up to 4).")
 @click.option("--scheduler", default=None, help="Address of an existing Dask scheduler (instead of a local cluster).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "npu"]), default=None, help="Overrides the config's device.")
+@click.option("--device", type=click.Choice(DEVICES), default=None, help="Overrides the config's device.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value, e.g. --set vae.path=DIR (repeatable).")
 @storage_options_option
 @click.option("--input-storage-options", default=None, metavar="JSON", help="fsspec options for the input URLs.")

@@ -36,22 +36,27 @@ def cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+# The accelerators ``auto`` looks for, in this order (the first with a device wins): each kind's
+# device count, and what ``--device KIND`` says when it has none.
+_ACCELERATORS = {
+    "npu": (npu_count, "--device npu: torch_npu is not importable or reports no NPU (install mmcache[npu] and Ascend CANN)"),
+    "cuda": (cuda_count, "--device cuda: torch reports no CUDA device"),
+}
+# What ``--device`` (and the config's ``device``) may name.
+DEVICES = ("auto", "cpu", *sorted(_ACCELERATORS))
+
+
 def resolve_device(requested: str) -> tuple[str, int]:
     """``auto|cpu|cuda|npu`` -> (device type, number of devices; 0 for cpu)."""
-    if requested not in ("auto", "cpu", "cuda", "npu"):
-        raise ConfigError(f"--device must be auto, cpu, cuda or npu, got {requested!r}")
-    if requested in ("auto", "npu"):
-        count = npu_count()
-        if count:
-            return "npu", count
-        if requested == "npu":
-            raise ConfigError("--device npu: torch_npu is not importable or reports no NPU (install mmcache[npu] and Ascend CANN)")
-    if requested in ("auto", "cuda"):
-        count = cuda_count()
-        if count:
-            return "cuda", count
-        if requested == "cuda":
-            raise ConfigError("--device cuda: torch reports no CUDA device")
+    if requested not in DEVICES:
+        raise ConfigError(f"--device must be {', '.join(DEVICES[:-1])} or {DEVICES[-1]}, got {requested!r}")
+    for kind, (device_count, missing) in _ACCELERATORS.items():
+        if requested not in ("auto", kind):
+            continue
+        if count := device_count():
+            return kind, count
+        if requested == kind:
+            raise ConfigError(missing)
     return "cpu", 0
 
 

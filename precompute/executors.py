@@ -25,11 +25,16 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import as_completed as futures_as_completed
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from mmcache.precompute.config import EncodeConfig
+from mmcache.featstore.reader import open_store
+from mmcache.precompute.config import EncodeConfig, default_cache_dir
 from mmcache.precompute.devices import resolve_device, worker_device
-from mmcache.precompute.tasks import PROCESS_ENCODERS, DaemonPool, EncoderSpec, describe_encoders, encode_task, loaded_encoders
+from mmcache.precompute.prompts import encode_and_store_prompts
+from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec, encoder_specs, takes_text_only
+from mmcache.precompute.daemon_pool import DaemonPool
+from mmcache.precompute.tasks import PROCESS_ENCODERS, describe_encoders, encode_task, loaded_encoders
 
 # Dask settings for the workers of a LocalCluster (jobs/ sets the same for external clusters):
 # - the nanny's MALLOC_TRIM_THRESHOLD_ turns off glibc's adaptive mmap threshold, so every large
@@ -126,13 +131,8 @@ class ThreadExecutor:
 
     def load_encoders(self, specs: list[EncoderSpec], requested: str) -> Future:
         """Loads in the background (the caller opens the store meanwhile); -> {fields, loaded}."""
-        def load() -> dict[str, Any]:
-            before = PROCESS_ENCODERS.loads
-            described = describe_encoders(specs, self.device, self.placement.threads, PROCESS_ENCODERS)
-            return {**described, "loaded": PROCESS_ENCODERS.loads - before}
-
         loader = DaemonPool(1, "load-encoders")
-        future = loader.submit(load)
+        future = loader.submit(describe_encoders, specs, self.device, self.placement.threads, PROCESS_ENCODERS)
         loader.shutdown(cancel_pending=False)  # its thread ends after the load
         return future
 
@@ -140,11 +140,10 @@ class ThreadExecutor:
         return value  # one process: every task sees the same object
 
     def store_prompts(self, specs, requested, sections, prompts, store, output_url, storage_options) -> int:
-        from mmcache.precompute.prompts import encode_and_store_prompts
-
         return encode_and_store_prompts(loaded_encoders(specs, self.device, self.placement.threads, PROCESS_ENCODERS), store, sections, prompts)
 
-    def submit_task(self, task, output_url, storage_options, specs, requested, settings, known) -> Future:
+    def submit_task(self, task: TaskSpec, output_url: str, storage_options: dict[str, Any] | None, specs: list[EncoderSpec],
+                    settings: TaskSettings, known: Any) -> Future:
         return self.client.submit(
             encode_task, task, store_url=output_url, storage_options=storage_options, specs=specs, device=self.device,
             threads=self.placement.threads, settings=settings, known_shards=known, cache=PROCESS_ENCODERS, retries=3,
@@ -174,8 +173,6 @@ class DaskExecutor:
         by a worker: the encoder classes that check the options import torch, which the client of
         an external cluster need not (a worker has it already). ``path: tiny`` is built, by that
         worker, where this process would have built it (its MMCACHE_CACHE)."""
-        from mmcache.precompute.config import default_cache_dir
-
         return self.client.submit(_specs_on_worker, config, str(default_cache_dir()), pure=False).result()
 
     def load_encoders(self, specs: list[EncoderSpec], requested: str) -> Any:
@@ -199,13 +196,14 @@ class DaskExecutor:
         self.client.replicate([future])
         return future
 
-    def submit_task(self, task, output_url, storage_options, specs, requested, settings, known) -> Any:
+    def submit_task(self, task: TaskSpec, output_url: str, storage_options: dict[str, Any] | None, specs: list[EncoderSpec],
+                    settings: TaskSettings, known: Any) -> Any:
         # No placement hints: the scheduler spreads the tasks, and a task whose worker died (an OOM
         # kill) runs on whichever worker is alive, the nanny's restart of it included. A task pinned
         # to the dead worker's address would wait for it forever. Dask gives up on a task that kills
         # its worker repeatedly (distributed.scheduler.allowed-failures) and the job fails saying so.
         return self.client.submit(
-            _run_on_worker, task, output_url, storage_options, specs, requested, self.placement.threads, settings, known,
+            _run_on_worker, task, output_url, storage_options, specs, self.placement.threads, settings, known,
             key=f"encode-{task.shard}", retries=3, pure=False,
         )
 
@@ -318,26 +316,18 @@ def _device_here(requested: str) -> str:
 
 
 def _describe_on_worker(specs, requested, threads):
+    # worker_plugin imports distributed: imported where a Dask worker runs, not by every client.
     from mmcache.precompute.worker_plugin import worker_cache
 
-    cache = worker_cache()
-    before = cache.loads
-    described = describe_encoders(specs, _device_here(requested), threads, cache)
-    return {**described, "loaded": cache.loads - before}
+    return describe_encoders(specs, _device_here(requested), threads, worker_cache())
 
 
 def _specs_on_worker(config, cache_dir):
-    from pathlib import Path
-
-    from mmcache.precompute.pipeline import encoder_specs, takes_text_only
-
     specs = encoder_specs(config, Path(cache_dir))
     return specs, takes_text_only(specs)
 
 
 def _prompts_on_worker(specs, requested, threads, sections, prompts, output_url, storage_options, manifest):
-    from mmcache.featstore.reader import open_store
-    from mmcache.precompute.prompts import encode_and_store_prompts
     from mmcache.precompute.worker_plugin import worker_cache
 
     encoders = loaded_encoders(specs, _device_here(requested), threads, worker_cache())
@@ -349,8 +339,8 @@ def _prompts_on_worker(specs, requested, threads, sections, prompts, output_url,
         store.close()
 
 
-def _run_on_worker(task, output_url, storage_options, specs, requested, threads, settings, known):
+def _run_on_worker(task, output_url, storage_options, specs, threads, settings: TaskSettings, known):
     from mmcache.precompute.worker_plugin import worker_cache
 
-    return encode_task(task, store_url=output_url, storage_options=storage_options, specs=specs, device=_device_here(requested),
+    return encode_task(task, store_url=output_url, storage_options=storage_options, specs=specs, device=_device_here(settings.device),
                        threads=threads, settings=settings, known_shards=known, cache=worker_cache())

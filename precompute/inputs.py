@@ -27,7 +27,6 @@ import json
 import os
 import posixpath
 import re
-import stat
 import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,10 +35,10 @@ from mmcache.featstore.errors import ConfigError, SchemaError
 from mmcache.featstore.format import check_name
 from mmcache.featstore.retry import remote_filesystem, with_retries
 from mmcache.featstore.secrets import redact_url
+from mmcache.precompute.sources import DEFAULT_MAX_INPUT_BYTES, InputFileError, read_local_file, stat_problem
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 VIDEO_SUFFIXES = {".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v"}
-DEFAULT_MAX_INPUT_BYTES = 1 << 30  # 1 GiB: any photo or clip; not a disk image by mistake
 MAX_CAPTION_BYTES = 1 << 20
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:=+-]")
 _LOCAL_PROTOCOLS = ("file", "local")
@@ -52,14 +51,6 @@ class ManifestError(ConfigError):
 
 class EmptyInputError(ManifestError):
     """The input holds no rows at all (an empty folder or manifest)."""
-
-
-class InputFileError(ValueError):
-    """A local input file must not be read (not a regular file, too large); ``reason`` is short."""
-
-    def __init__(self, reason: str, path: str = ""):
-        super().__init__(f"{path}: {reason}" if path else reason)
-        self.reason = reason
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -267,52 +258,11 @@ def local_file_problem(path: str, rules: _Rules) -> str | None:
     if not rules.allow_outside_root and not _under(os.path.realpath(path), rules.real_root):
         return "path resolves outside the input root (a symlink?); set data.allow_outside_root: true to allow it"
     try:
-        return _stat_problem(os.stat(path), rules.max_input_bytes)
+        return stat_problem(os.stat(path), rules.max_input_bytes)
     except FileNotFoundError:
         return None
     except OSError as exc:
         return f"cannot stat the file ({exc.strerror})"
-
-
-def read_local_file(path: str, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> bytes:
-    """The bytes of a regular local file of at most ``max_bytes``, raising ``InputFileError``
-    otherwise. The type is checked before opening, and the open itself does not block (a FIFO
-    swapped in after the check): only then is the open file checked again and read."""
-    problem = _stat_problem(os.stat(path), max_bytes)
-    if problem:
-        raise InputFileError(problem, path)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        problem = _stat_problem(os.fstat(fd), max_bytes)
-        if problem:
-            raise InputFileError(problem, path)
-        chunks, total = [], 0
-        while chunk := os.read(fd, min(8 << 20, max_bytes + 1 - total)):
-            chunks.append(chunk)
-            total += len(chunk)
-            if total > max_bytes:  # grew after the check
-                raise InputFileError(_too_large(total, max_bytes), path)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
-def _stat_problem(st: os.stat_result, max_bytes: int) -> str | None:
-    if not stat.S_ISREG(st.st_mode):
-        return f"not a regular file ({_file_kind(st.st_mode)}); only regular files are read"
-    if st.st_size > max_bytes:
-        return _too_large(st.st_size, max_bytes)
-    return None
-
-
-def _too_large(size: int, max_bytes: int) -> str:
-    return f"file is larger than data.max_input_bytes ({size:,} > {max_bytes:,} bytes); raise the limit to encode it"
-
-
-def _file_kind(mode: int) -> str:
-    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
-             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-    return next((name for test, name in kinds if test(mode)), "not a plain file")
 
 
 def _under(path: str, root: str | None) -> bool:

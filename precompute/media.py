@@ -27,10 +27,8 @@ import numpy as np
 if TYPE_CHECKING:
     from PIL import Image
 
-from mmcache.featstore.errors import ConfigError, StorageError
-from mmcache.featstore.retry import describe, is_transient, remote_filesystem, with_retries
-from mmcache.featstore.secrets import redact_url
-from mmcache.precompute.inputs import DEFAULT_MAX_INPUT_BYTES, InputFileError, read_local_file
+from mmcache.featstore.errors import ConfigError
+from mmcache.precompute.sizing import bucket_sizes, center_crop_box, crop_and_resize, size_for_aspect
 
 # Landscape and portrait variants of the usual photo/video aspect ratios (width / height).
 DEFAULT_ASPECT_RATIOS = (1.0, 5 / 4, 4 / 5, 4 / 3, 3 / 4, 3 / 2, 2 / 3, 16 / 9, 9 / 16, 2.0, 0.5, 21 / 9, 9 / 21)
@@ -133,104 +131,16 @@ class PreparedMedia:
     modality: Literal["image", "video"]
 
 
-# ----------------------------------------------------------------------------- reading sources
-
-
-def read_source(uri: str, storage_options: dict[str, Any] | None = None, max_bytes: int | None = None) -> bytes:
-    """A source file's bytes, at most ``max_bytes`` (``data.max_input_bytes``), checked before
-    anything decodes them. A local file must be a regular file (never a FIFO or a device: see
-    ``read_local_file``). Transient faults of an object store are retried; one that persists
-    fails the task (Dask retries it), never turning a readable input into a reject."""
-    import fsspec
-
-    limit = DEFAULT_MAX_INPUT_BYTES if max_bytes is None else max_bytes
-    shown = redact_url(uri)
-    protocol, path = fsspec.core.split_protocol(uri)
-
-    def fetch() -> bytes:
-        fs, remote_path = remote_filesystem(uri, storage_options)
-        with fs.open(remote_path, "rb") as fh:
-            return fh.read(limit + 1)
-
-    try:
-        data = read_local_file(path, limit) if protocol in (None, "file", "local") else with_retries(fetch, shown, "read")
-    except InputFileError as exc:
-        raise MediaError(exc.reason, shown) from None
-    except FileNotFoundError as exc:
-        if (cause := _transient_cause(exc)) is not None:
-            # fsspec's HTTP filesystem reports a refused connection or a timeout as a missing
-            # file: that input may well be there, so the task fails (and is retried) instead.
-            raise StorageError(f"{shown}: read failed with {describe(cause)}; the source is unreachable, try again later") from None
-        raise MediaError("missing file", shown) from None
-    except IsADirectoryError:
-        raise MediaError("is a directory, not a file", shown) from None
-    if len(data) > limit:
-        raise MediaError(f"file is larger than data.max_input_bytes ({limit:,} bytes); raise the limit to encode it", shown)
-    if not data:
-        raise MediaError("zero-byte file", shown)
-    return data
-
-
-def _transient_cause(exc: BaseException) -> BaseException | None:
-    """The transient fault (connection refused, timeout, 5xx) behind an exception, if any."""
-    seen = exc.__cause__ or exc.__context__
-    while seen is not None:
-        if is_transient(seen):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
-# ----------------------------------------------------------------------------- sizes and boxes
-
-
-def bucket_sizes(target_area: int, multiple: int, aspect_ratios: list[float] | tuple[float, ...]) -> list[tuple[int, int]]:
-    """(width, height) per aspect ratio, each side a multiple of ``multiple``, area ~ target_area."""
-    sizes = {_size_for_aspect(target_area, multiple, ratio) for ratio in aspect_ratios}
-    return sorted(sizes)
-
-
 def choose_size(orig_width: int, orig_height: int, *, resize: ResizeConfig, rule: SizeRule) -> tuple[int, int]:
     """The (width, height) a source of this size is resized to: the bucket nearest its aspect."""
     if rule.fixed_size is not None:
         return rule.fixed_size
     source_aspect = orig_width / orig_height
     if not resize.aspect_ratios:
-        return _size_for_aspect(resize.target_area, rule.spatial_multiple, source_aspect)
+        return size_for_aspect(resize.target_area, rule.spatial_multiple, source_aspect)
     candidates = bucket_sizes(resize.target_area, rule.spatial_multiple, resize.aspect_ratios)
     # Distance in log-aspect so 2:1 and 1:2 are equally far from 1:1; ties go to the smaller size.
     return min(candidates, key=lambda wh: (abs(math.log(wh[0] / wh[1]) - math.log(source_aspect)), wh))
-
-
-def center_crop_box(orig_width: int, orig_height: int, width: int, height: int) -> tuple[int, int, int, int]:
-    """(left, top, crop_width, crop_height): the largest centred box with the target's aspect."""
-    target_aspect = width / height
-    if orig_width / orig_height > target_aspect:  # source is wider: keep full height
-        crop_height = orig_height
-        crop_width = min(orig_width, max(1, round(orig_height * target_aspect)))
-    else:
-        crop_width = orig_width
-        crop_height = min(orig_height, max(1, round(orig_width / target_aspect)))
-    return (orig_width - crop_width) // 2, (orig_height - crop_height) // 2, crop_width, crop_height
-
-
-def crop_and_resize(image: Image.Image, box: tuple[int, int, int, int], size: tuple[int, int], resample: str) -> Image.Image:
-    """Crop first, then resize: Pillow's ``resize(box=...)`` may sample pixels outside the box,
-    which would break the "source cropped to box then resized" contract."""
-    from PIL import Image
-
-    left, top, crop_width, crop_height = box
-    cropped = image.crop((left, top, left + crop_width, top + crop_height))
-    if cropped.size == size:
-        return cropped
-    filters = {"bicubic": Image.Resampling.BICUBIC, "lanczos": Image.Resampling.LANCZOS}
-    return cropped.resize(size, resample=filters[resample])
-
-
-def _size_for_aspect(target_area: int, multiple: int, aspect: float) -> tuple[int, int]:
-    width = max(multiple, round(math.sqrt(target_area * aspect) / multiple) * multiple)
-    height = max(multiple, round(math.sqrt(target_area / aspect) / multiple) * multiple)
-    return width, height
 
 
 def _provenance(uri: str, data: bytes, orig: tuple[int, int], box: tuple[int, int, int, int], size: tuple[int, int]) -> dict[str, Any]:

@@ -17,6 +17,8 @@ from typing import Any
 
 from mmcache import featstore
 from mmcache.precompute.inputs import InputRow
+from mmcache.precompute.media import MediaError
+from mmcache.precompute.sources import read_source
 
 # Inputs hashed per Dask task: enough to amortise a task, few enough to spread over workers.
 HASH_BATCH = 64
@@ -57,13 +59,10 @@ def stale_samples(rows: list[InputRow], store: featstore.Store, *, client=None, 
 
 def changed_contents(items: list[tuple[str, str, str]], storage_options: dict[str, Any] | None) -> dict[str, str]:
     """(sample id, uri, recorded sha256) -> the ids whose input now differs (run on a worker)."""
-    from mmcache.precompute.media import MediaError
-    from mmcache.precompute.tasks import read_input_bytes
-
     changed = {}
     for sample_id, uri, recorded in items:
         try:
-            digest = hashlib.sha256(read_input_bytes(uri, storage_options)).hexdigest()
+            digest = hashlib.sha256(read_source(uri, storage_options)).hexdigest()
         except MediaError as exc:
             changed[sample_id] = f"input unreadable now ({exc.reason})"
             continue

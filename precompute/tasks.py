@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import Future
+from collections.abc import Callable, Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -26,7 +24,12 @@ from mmcache.featstore.errors import ShardCommittedError
 from mmcache.featstore.reader import open_store
 from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.commit_ahead import commit_ahead
+from mmcache.precompute.daemon_pool import DaemonPool
+from mmcache.precompute.encoder_inputs import GEOMETRY, encoder_input, prepare_sections, size_rule_for, text_input
 from mmcache.precompute.inputs import InputRow
+from mmcache.precompute.media import MediaError
+from mmcache.precompute.sources import read_source
+from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec
 
 # Models load from local folders only, without progress bars or hub look-ups cluttering the
 # job's output. Set in the client (inherited by local workers) and again in every worker.
@@ -45,27 +48,6 @@ def quiet_offline_env() -> None:
     for key, value in QUIET_OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
 
-@dataclass(frozen=True, kw_only=True)
-class EncoderSpec:
-    section: str         # "vae" | "vit" | "text"
-    name: str            # registry name
-    options: dict[str, Any]
-
-    @property
-    def key(self) -> str:
-        import json
-
-        return json.dumps([self.section, self.name, self.options], sort_keys=True)
-
-
-@dataclass(kw_only=True)
-class TaskSpec:
-    shard: str
-    rows: list[InputRow]
-    fields: list[str]  # the fields this task writes (an encoder runs only if it makes one of them)
-    new_samples: bool = True  # False: adding fields to committed samples (their media were checked then)
-
-
 @dataclass(kw_only=True)
 class TaskResult:
     shard: str
@@ -76,10 +58,9 @@ class TaskResult:
     seconds: float = 0.0
     rejects: list = field(default_factory=list, repr=False)  # (row, reason); not sent back
 
-    def summary(self) -> dict[str, Any]:
-        out = asdict(self)
-        del out["rejects"]
-        return out
+    def summary(self) -> TaskResult:
+        """What goes back to the client: the counts, without the rejected rows (in the shard)."""
+        return replace(self, rejects=[])
 
 
 class EncoderCache:
@@ -154,7 +135,10 @@ def loaded_encoders(specs: list[EncoderSpec], device: str, threads: int, cache: 
 
 def describe_encoders(specs: list[EncoderSpec], device: str, threads: int, cache: EncoderCache | None = None) -> dict[str, Any]:
     """Fields, fingerprints and field metadata of the configured encoders (run where the tasks
-    run: a worker, or this process with the in-process executor), loading them if need be."""
+    run: a worker, or this process with the in-process executor), loading them if need be:
+    ``{"fields": {name: {dtype, ndim, meta}}, "loaded": models loaded for it}``."""
+    cache = cache or PROCESS_ENCODERS
+    before = cache.loads
     encoders = loaded_encoders(specs, device, threads, cache)
     import torch
 
@@ -174,7 +158,7 @@ def describe_encoders(specs: list[EncoderSpec], device: str, threads: int, cache
                 "meta": {"section": section, "modality": spec.modality, "fingerprint": encoder.fingerprint(),
                          "encoder": {**encoder.config_record(), "threads": used}, **metadata.get(name, {})},
             }
-    return {"fields": fields}
+    return {"fields": fields, "loaded": cache.loads - before}
 
 
 def encode_task(
@@ -185,10 +169,10 @@ def encode_task(
     specs: list[EncoderSpec],
     device: str,
     threads: int,
-    settings: dict[str, Any],
+    settings: TaskSettings,
     known_shards: list[str] | None = None,
     cache: EncoderCache | None = None,
-) -> dict[str, Any]:
+) -> TaskResult:
     """Encode one task into one committed shard; idempotent (a committed shard is skipped, and so
     is one another writer commits first). ``known_shards``: the shards the client planned from,
     and the names of its sibling tasks (which hold none of this task's rows)."""
@@ -197,7 +181,7 @@ def encode_task(
     result = TaskResult(shard=task.shard)
     # The client planned disjoint tasks from its snapshot; a task only adds one shard. It opens
     # the store from the manifest the client planned with (no request).
-    store = open_store(store_url, storage_options, mode="a", load_index=False, manifest=settings.get("store_manifest"))
+    store = open_store(store_url, storage_options, mode="a", load_index=False, manifest=settings.store_manifest)
     try:
         # Whether this shard is committed already (by an earlier try of this task, or a concurrent
         # run of the same plan) is found by the commit's own check, which refuses the name: no
@@ -207,40 +191,43 @@ def encode_task(
         # shards committed since (by a concurrent run) are.
         store.assume_checked(known_shards or ())
         done = _encode_rows(task, store, specs, device, threads, settings, result, cache)
-        writer = store.writer(shard_prefix=task.shard[:60], shard_bytes=1 << 62, fields=task.fields)
-        # One task is one shard, whatever its size: an automatic mid-task commit would get a name
-        # a retried task could collide with.
-        for row, reason in result.rejects:
-            writer.reject(row.source, reason, id=row.sample_id)
-        for row, arrays, meta in done:
-            if arrays is not None:
-                writer.add(row.sample_id, arrays, meta)
-        # The worker may start its next task while this one commits (precompute.commit_ahead).
-        with commit_ahead(writer.pending_bytes, int(settings.get("commit_ahead_bytes", 0))):
-            try:
-                writer.commit(task.shard)
-            except ShardCommittedError:
-                # An earlier try of this task, a zombie of it (its worker was presumed dead) or a
-                # concurrent run of the same plan committed it first: theirs is kept, ours discarded.
-                result.skipped = True
-                return result.summary()
-        result.samples = sum(1 for _, arrays, _ in done if arrays is not None) - len(writer.dropped)
-        result.dropped = len(writer.dropped)
-        result.seconds = time.perf_counter() - start
+        _write_shard(task, store, done, result, settings.commit_ahead_bytes)
+        if not result.skipped:  # a shard another writer committed first took this task no time
+            result.seconds = time.perf_counter() - start
         return result.summary()
     finally:
         store.close()
 
 
-def _encode_rows(task: TaskSpec, store, specs, device, threads, settings, result: TaskResult, cache: EncoderCache | None = None) -> list:
-    """(row, arrays or None, meta) for each row that was not rejected; rejects go to ``result``."""
-    from mmcache.precompute.media import FrameSampling, MediaError, ResizeConfig
+def _write_shard(task: TaskSpec, store: Any, done: list, result: TaskResult, commit_ahead_bytes: int) -> None:
+    """The task's samples and rejects committed as its one shard (``result`` says what came of it)."""
+    writer = store.writer(shard_prefix=task.shard[:60], shard_bytes=1 << 62, fields=task.fields)
+    # One task is one shard, whatever its size: an automatic mid-task commit would get a name
+    # a retried task could collide with.
+    for row, reason in result.rejects:
+        writer.reject(row.source, reason, id=row.sample_id)
+    for row, arrays, meta in done:
+        if arrays is not None:
+            writer.add(row.sample_id, arrays, meta)
+    # The worker may start its next task while this one commits (precompute.commit_ahead).
+    with commit_ahead(writer.pending_bytes, commit_ahead_bytes):
+        try:
+            writer.commit(task.shard)
+        except ShardCommittedError:
+            # An earlier try of this task, a zombie of it (its worker was presumed dead) or a
+            # concurrent run of the same plan committed it first: theirs is kept, ours discarded.
+            result.skipped = True
+            return
+    result.samples = sum(1 for _, arrays, _ in done if arrays is not None) - len(writer.dropped)
+    result.dropped = len(writer.dropped)
 
+
+def _encode_rows(task: TaskSpec, store, specs, device, threads, settings: TaskSettings, result: TaskResult,
+                 cache: EncoderCache | None = None) -> list:
+    """(row, arrays or None, meta) for each row that was not rejected; rejects go to ``result``."""
     configured = loaded_encoders(specs, device, threads, cache)
     # Only the encoders of the fields this task writes run (a field added to committed samples).
     encoders = {section: encoder for section, encoder in configured.items() if set(encoder.fields()) & set(task.fields)}
-    resize = ResizeConfig(**settings["resize"])
-    frames = FrameSampling(**settings["frames"])
 
     def reject(row: InputRow, reason: str) -> None:
         result.rejects.append((row, reason))
@@ -249,101 +236,39 @@ def _encode_rows(task: TaskSpec, store, specs, device, threads, settings, result
     # Each visual encoder gets the pixel size its own rule gives (a VAE: any multiple of its
     # patch; a ViT: often one fixed size), the same whichever of them runs in this task, so a
     # field added later sees the input it would have had in the first run.
-    rules = {section: size_rule_for(configured[section], settings["size_multiple"]) for section in ("vae", "vit") if section in encoders}
+    rules = {section: size_rule_for(configured[section], settings.size_multiple) for section in ("vae", "vit") if section in encoders}
     # The config's first visual encoder owns the plain provenance columns (crop_*, width, height);
     # another with a different input gets them prefixed with its section ("vit_width", ...).
     primary = next((section for section in ("vae", "vit") if section in configured), None)
-
-    def prepare(row: InputRow) -> dict[str, Any] | None:
-        if row.modality == "text":
-            return None  # a text-only row: no media to read (its task writes text fields only)
-        if not rules and not task.new_samples:
-            return None  # only a text field added to committed samples: their media need no reading
-        data = read_input_bytes(row.uri, settings.get("input_storage_options"), settings.get("max_input_bytes"))
-        if not rules:
-            return None
-        from mmcache.precompute.media import prepare as prepare_media
-
-        prepared: dict[str, Any] = {}
-        for section, rule in rules.items():
-            same = next((p for s, p in prepared.items() if rules[s] == rule), None)
-            # Provenance and messages get the URL without a signature or token, never the credential.
-            prepared[section] = same or prepare_media(data, redact_url(row.uri), modality=row.modality, resize=resize, rule=rule, sampling=frames)
-        return prepared
-
     done: list[tuple[InputRow, dict[str, np.ndarray], dict[str, Any]]] = []
-    timeout = settings.get("task_timeout") or None
+    timeout = settings.task_timeout or None
     deadline = None if timeout is None else time.monotonic() + timeout
     # Decoding runs ahead on CPU threads (Pillow and PyAV release the GIL) while the encoder works
     # on the batches already formed. A thread stuck on an input (a hung read) must not keep the
     # task, nor the process, from finishing once the deadline turned it into a reject.
-    pool = DaemonPool(settings["decode_threads"], "decode")
+    pool = DaemonPool(settings.decode_threads, "decode")
     try:
-        futures = [(row, pool.submit(prepare, row)) for row in task.rows]
-        for batch in _bucketed(futures, settings["batch_size"], reject, MediaError, deadline, timeout):
+        futures = [(row, pool.submit(_prepare_row, row, rules, task.new_samples, settings)) for row in task.rows]
+        for batch in _bucketed(futures, settings.batch_size, reject, MediaError, deadline, timeout):
             _encode_batch(batch, encoders, reject, done, primary)
     finally:
         pool.shutdown()
-    _encode_text(done, encoders.get("text"), settings["batch_size"], reject)
+    _encode_text(done, encoders.get("text"), settings.batch_size, reject)
     return done
 
 
-class DaemonPool:
-    """A few daemon threads running submitted calls, with concurrent.futures Futures. Unlike a
-    ThreadPoolExecutor's threads, which the interpreter joins at exit, one stuck on an input that
-    never arrives cannot keep the process from exiting after its task gave up on it: with the
-    in-process executor, that process is the user's command."""
-
-    def __init__(self, threads: int, name: str) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = threads
-        for i in range(threads):
-            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
-
-    def submit(self, fn, *args) -> Future:
-        future: Future = Future()
-        self._queue.put((future, fn, args))
-        return future
-
-    def _work(self) -> None:
-        while (item := self._queue.get()) is not None:
-            future, fn, args = item
-            if not future.set_running_or_notify_cancel():
-                continue  # cancelled before it started
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
-                future.set_exception(exc)
-
-    def shutdown(self, *, cancel_pending: bool = True) -> None:
-        """Each thread ends after the calls submitted (``cancel_pending``: after the call it is in,
-        if that ever returns; the others are cancelled)."""
-        with contextlib.suppress(queue.Empty):
-            while cancel_pending:
-                item = self._queue.get_nowait()
-                if item is not None:
-                    item[0].cancel()
-        for _ in range(self._threads):
-            self._queue.put(None)
-
-
-def read_input_bytes(uri: str, storage_options: dict[str, Any] | None, max_bytes: int | None = None) -> bytes:
-    """A source file's bytes (see ``mmcache.precompute.media.read_source``: regular files only, size-capped)."""
-    from mmcache.precompute.media import read_source
-
-    return read_source(uri, storage_options, max_bytes)
-
-
-
-def size_rule_for(encoder: Any, size_multiple: int):
-    """The encoder's size rule, its free sizes also multiples of ``size_multiple`` (the trainer's patch)."""
-    import dataclasses
-    import math
-
-    rule = encoder.size_rule()
-    if rule.fixed_size is None:
-        rule = dataclasses.replace(rule, spatial_multiple=math.lcm(rule.spatial_multiple, size_multiple))
-    return rule
+def _prepare_row(row: InputRow, rules: dict[str, Any], new_sample: bool, settings: TaskSettings) -> dict[str, Any] | None:
+    """A row's media prepared for each visual section this task runs (None: no media to prepare)."""
+    if row.modality == "text":
+        return None  # a text-only row: no media to read (its task writes text fields only)
+    if not rules and not new_sample:
+        return None  # only a text field added to committed samples: their media need no reading
+    # Read even when no visual encoder runs: a new sample's media must exist and be readable.
+    data = read_source(row.uri, settings.input_storage_options, settings.max_input_bytes)
+    if not rules:
+        return None
+    # Provenance and messages get the URL without a signature or token, never the credential.
+    return prepare_sections(data, redact_url(row.uri), row.modality, rules, resize=settings.resize, frames=settings.frames)
 
 
 def _bucketed(futures, batch_size: int, reject, media_error, deadline: float | None = None, timeout: float | None = None) -> Iterator[list[tuple[InputRow, Any]]]:
@@ -371,7 +296,6 @@ def _bucketed(futures, batch_size: int, reject, media_error, deadline: float | N
 
 
 _TILES = ("tiles", "tile_rows", "tile_cols")
-_GEOMETRY = ("crop_left", "crop_top", "crop_width", "crop_height", "width", "height")
 
 
 def _meta(row: InputRow, prepared: dict[str, Any] | None, primary: str | None) -> dict[str, Any]:
@@ -389,35 +313,42 @@ def _meta(row: InputRow, prepared: dict[str, Any] | None, primary: str | None) -
         if section == primary:
             meta.update(provenance)
         else:
-            meta.update({k: v for k, v in provenance.items() if k not in _GEOMETRY})  # source, hash, frames: shared
-            meta.update({f"{section}_{k}": provenance[k] for k in _GEOMETRY})
+            meta.update({k: v for k, v in provenance.items() if k not in GEOMETRY})  # source, hash, frames: shared
+            meta.update({f"{section}_{k}": provenance[k] for k in GEOMETRY})
         if section == "vit":  # the VLM contract: the tile grid of every ViT feature, 1x1 untiled
             meta.update({f"vit_{k}": media.provenance.get(k, 1) for k in _TILES})
     return meta
 
 
-def _encode_batch(batch, encoders: dict[str, Any], reject, done: list, primary: str | None) -> None:
+def _encode_isolating(encoder: Any, items: list, why: Callable[[Exception], str]) -> list[dict[str, np.ndarray] | str]:
+    """``encoder.encode(items)``; where the batch fails on a bad input (or a NaN output), each
+    item again on its own, so only the bad one fails: its reason (``why(error)``) in its place."""
     from mmcache.precompute.encoders import EncoderInputError, EncoderOutputError
 
-    outputs: list[dict[str, np.ndarray]] = [{} for _ in batch]
+    try:
+        return list(encoder.encode(items))
+    except (EncoderInputError, EncoderOutputError):
+        pass
+    out: list[dict[str, np.ndarray] | str] = []
+    for item in items:
+        try:
+            out.extend(encoder.encode([item]))
+        except (EncoderInputError, EncoderOutputError) as exc:
+            out.append(why(exc))
+    return out
+
+
+def _encode_batch(batch, encoders: dict[str, Any], reject, done: list, primary: str | None) -> None:
+    outputs: list[dict[str, Any]] = [{} for _ in batch]
     for section in ("vae", "vit"):
         encoder = encoders.get(section)
         if encoder is None:
             continue
         items = [encoder_input(section, row.modality, prepared[section].pixels) for row, prepared in batch]
-        try:
-            encoded = encoder.encode(items)
-        except (EncoderInputError, EncoderOutputError):
-            # One bad item poisons the stacked batch: retry one by one to find it.
-            encoded = []
-            for (row, _), item in zip(batch, items, strict=True):
-                try:
-                    encoded.extend(encoder.encode([item]))
-                except (EncoderInputError, EncoderOutputError) as exc:
-                    reject(row, f"encoder rejected input: {exc}")
-                    encoded.append(None)
-        for out, features in zip(outputs, encoded, strict=True):
-            if features is None:
+        encoded = _encode_isolating(encoder, items, lambda exc: f"encoder rejected input: {exc}")
+        for (row, _), out, features in zip(batch, outputs, encoded, strict=True):
+            if isinstance(features, str):
+                reject(row, features)
                 out.clear()
                 out["__rejected__"] = True
             elif "__rejected__" not in out:
@@ -428,47 +359,24 @@ def _encode_batch(batch, encoders: dict[str, Any], reject, done: list, primary: 
         done.append((row, out, _meta(row, prepared, primary)))
 
 
-def encoder_input(section: str, modality: str, pixels: np.ndarray) -> np.ndarray:
-    """Prepared pixels -> what the section's encoder takes (also what a live encoder is fed)."""
-    if section == "vae" and modality == "image":
-        return pixels[None]  # an image is a one-frame video: latents are C x 1 x h x w
-    if section == "vit" and modality == "video":
-        return pixels[0]  # a ViT sees the first frame
-    return pixels
+def _text_failure(exc: Exception) -> str:
+    from mmcache.precompute.encoders import EncoderOutputError
 
-
-def text_input(encoder: Any, caption: str, conversations: Any, modality: str) -> Any:
-    """A sample's text as the text encoder takes it: the caption, or a ``TextSample``."""
-    if encoder.text_input == "caption":
-        return caption
-    from mmcache.precompute.encoders import TextSample
-
-    # A tokenizer checks the image placeholders against the images the sample really has.
-    return TextSample(caption=caption, conversations=conversations, images=int(modality in ("image", "video")))
+    if isinstance(exc, EncoderOutputError):
+        return "text encoder produced NaN/inf for the caption"
+    return f"text encoder rejected input: {exc}"
 
 
 def _encode_text(done: list, encoder: Any, batch_size: int, reject) -> None:
     if encoder is None or not done:
         return
-    from mmcache.precompute.encoders import EncoderInputError, EncoderOutputError
-
     items = [text_input(encoder, row.caption, row.conversations, row.modality) for row, _, _ in done]
     # Identical texts are encoded once for the whole task, not once per batch.
     distinct = list(dict.fromkeys(items))
     encoded: dict[Any, dict[str, np.ndarray] | str] = {}
     for start in range(0, len(distinct), batch_size * 4):
         chunk = distinct[start : start + batch_size * 4]
-        try:
-            encoded.update(zip(chunk, encoder.encode(chunk), strict=True))
-        except (EncoderInputError, EncoderOutputError):
-            # One bad text fails the chunk: one by one, so only it is rejected, with its reason.
-            for text in chunk:
-                try:
-                    encoded[text] = encoder.encode([text])[0]
-                except EncoderOutputError:
-                    encoded[text] = "text encoder produced NaN/inf for the caption"
-                except EncoderInputError as exc:
-                    encoded[text] = f"text encoder rejected input: {exc}"
+        encoded.update(zip(chunk, _encode_isolating(encoder, chunk, _text_failure), strict=True))
     for index, ((row, arrays, meta), text) in enumerate(zip(done, items, strict=True)):
         result = encoded[text]
         if isinstance(result, str):

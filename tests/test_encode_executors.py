@@ -19,7 +19,8 @@ from mmcache import featstore
 from mmcache.precompute.config import EncodeConfig
 from mmcache.precompute.demo_data import make_dataset
 from mmcache.precompute.executors import choose_placement, local_cluster
-from mmcache.precompute.pipeline import encoder_specs, run_encode
+from mmcache.precompute.pipeline import run_encode
+from mmcache.precompute.specs import encoder_specs
 from tests.client_probe import imported, not_in_the_client, probed_command
 from tests.test_encode import manifest_rows, tiny_config, write_manifest
 from tests.test_encode_faults import StallingServer
@@ -202,7 +203,7 @@ def test_the_executor_is_chosen_by_job_size_unless_asked(overrides, kw, samples,
 def test_model_folders_relative_to_the_client_are_resolved_by_it(tmp_path, monkeypatch):
     """An external cluster's worker resolves the specs (with_client_paths first): a folder named
     relative to the command's directory must reach it as that folder, not its own cwd's."""
-    from mmcache.precompute.pipeline import with_client_paths
+    from mmcache.precompute.specs import with_client_paths
 
     monkeypatch.chdir(tmp_path)
     config = with_client_paths(tiny_config("vae.path=models/vae"))

@@ -14,13 +14,12 @@ import pytest
 from PIL import Image
 
 from mmcache.featstore.errors import ConfigError
+from mmcache.precompute.sizing import bucket_sizes, center_crop_box
 from mmcache.precompute.media import (
     FrameSampling,
     MediaError,
     ResizeConfig,
     SizeRule,
-    bucket_sizes,
-    center_crop_box,
     decode_image,
     prepare_image,
     prepare_video,

@@ -15,24 +15,20 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Literal
 
-import ml_dtypes
 import numpy as np
 import torch
 
 from mmcache.featstore.config import from_dict
 from mmcache.featstore.errors import ConfigError
+from mmcache.featstore.tensors import tensor_to_numpy
 from mmcache.precompute.media import SizeRule
 
 FINGERPRINT_VERSION = 1
 Modality = Literal["image", "video", "text"]
 
-# Storage dtype name -> (torch dtype, numpy dtype). numpy has no bfloat16; ml_dtypes provides one
-# with the same bit layout, so the bits go to disk unchanged.
-_DTYPES: dict[str, tuple[torch.dtype, Any]] = {
-    "bfloat16": (torch.bfloat16, ml_dtypes.bfloat16),
-    "float16": (torch.float16, np.float16),
-    "float32": (torch.float32, np.float32),
-}
+# The dtypes an encoder stores its features in: each is torch's dtype of that name. Crossing to
+# numpy (bfloat16 through its bit pattern) is featstore.tensors' one conversion.
+_DTYPES = ("bfloat16", "float16", "float32")
 
 
 class UnknownEncoderError(ConfigError):
@@ -248,15 +244,13 @@ def architecture_config(config: Mapping[str, Any], ignore: Iterable[str] = ()) -
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    return _DTYPES[_check_dtype_name(name, "dtype")][0]
+    return getattr(torch, _check_dtype_name(name, "dtype"))
 
 
 def to_numpy(tensor: torch.Tensor, dtype: str) -> np.ndarray:
     """A torch tensor -> a fresh numpy array in storage dtype ``dtype`` (bf16 kept as bf16)."""
-    stored = tensor.detach().to(torch_dtype(dtype)).to("cpu").clone().contiguous()
-    if stored.dtype == torch.bfloat16:
-        return stored.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return stored.numpy()
+    # A clone: the array must own its memory, not view a batch's output (or a device's copy of it).
+    return tensor_to_numpy(tensor.detach().to(torch_dtype(dtype)).to("cpu").clone())
 
 
 def check_finite(values: torch.Tensor, what: str) -> None:

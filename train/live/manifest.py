@@ -50,17 +50,13 @@ class TrainingManifest:
     def read(cls, url: str, storage_options: dict[str, Any] | None, store: featstore.Store) -> TrainingManifest:
         """Parse ``url`` as ``mmcache encode`` would. Text-only rows (no path) are samples when the
         store's text field is an LLM tokenizer's (what makes ``mmcache encode`` take them)."""
-        from mmcache.precompute.encoders import encoder_class
+        # Imported here: a run without data.manifest never reads one.
+        from mmcache.precompute.encoder_inputs import text_only_rows_are_samples
         from mmcache.precompute.inputs import read_inputs
 
-        text_only = False
-        for spec in store.fields.values():
-            name = (spec.meta.get("encoder") or {}).get("encoder")
-            if name:
-                try:
-                    text_only |= encoder_class(name).text_input == "sample"
-                except ConfigError:
-                    pass  # an encoder this install lacks: re-attaching it says so, if the run needs it
+        names = [name for spec in store.fields.values() if (name := (spec.meta.get("encoder") or {}).get("encoder"))]
+        # An encoder this install lacks does not count: re-attaching it says so, if the run needs it.
+        text_only = text_only_rows_are_samples(names, unknown_ok=True)
         # Captions may be empty here: the store may hold samples encoded with allow_empty_caption,
         # and an absent sample with an empty caption is still a sample to train on.
         rows, rejects = read_inputs(url, storage_options=storage_options, allow_empty_caption=True, allow_text_only=text_only)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import posixpath
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
@@ -47,12 +46,26 @@ import numpy as np
 import torch
 
 from mmcache import featstore
-from mmcache.featstore.config import from_dict
 from mmcache.featstore.errors import ConfigError, FingerprintMismatchError
+from mmcache.precompute.encoder_inputs import (
+    GEOMETRY,
+    planned_input_shape,
+    section_input,
+    size_rule_for,
+    text_input,
+    transform_from_record,
+    transform_record,
+)
+from mmcache.precompute.encoders import UnknownEncoderError, build_encoder
+from mmcache.precompute.encoders.base import torch_dtype
+from mmcache.precompute.inputs import conversations_digest, modality_of
+from mmcache.precompute.media import MediaError
+from mmcache.precompute.sources import read_source
+from mmcache.precompute.tasks import quiet_offline_env
+from mmcache.train.live.reproduce import pinned_thread, round_through
 
 # Written into an exported (finetuned) encoder folder: the cache it was trained from is stale for it.
 EXPORT_RECORD = "mmcache_export.json"
-_GEOMETRY = ("crop_left", "crop_top", "crop_width", "crop_height", "width", "height")
 
 
 class ReattachError(ConfigError):
@@ -132,12 +145,33 @@ def reattach_encoder(
     ``weights_path`` replaces the recorded model folder (weights move); the fingerprint must still
     match. ``media_root``: the folder the manifest's relative paths are under now. ``resize``
     overrides recorded resize settings (what the drift check uses to show a changed rule)."""
-    from mmcache.precompute.encoders import UnknownEncoderError, build_encoder
-    from mmcache.precompute.media import FrameSampling, ResizeConfig
-    from mmcache.precompute.tasks import quiet_offline_env
-
     record = encoder_record(store, field_name, rebuild)
     meta = store.fields[field_name].meta
+    encoder = _rebuild(store, field_name, record, weights_path)
+    encoder.load(device)
+    transform = record.get("transform") or {}
+    resize_config, frames, size_multiple = transform_from_record(transform, resize)
+    live = LiveEncoder(
+        field=field_name,
+        section=meta.get("section", "text" if encoder.modality == "text" else "vae"),
+        encoder=encoder,
+        recorded=meta.get("fingerprint", {}),
+        resize=resize_config,
+        frames=frames,
+        size_multiple=size_multiple,
+        recorded_transform=transform,
+        media_root=media_root,
+        storage_options=storage_options,
+        weights_path=weights_path,
+        threads=record.get("threads"),
+    )
+    if check_fingerprint:
+        live.check_fingerprint()
+    return live
+
+
+def _rebuild(store: featstore.Store, field_name: str, record: Mapping[str, Any], weights_path: str | None) -> Any:
+    """The recorded encoder built again (not loaded), from ``weights_path`` when given."""
     options = dict(record["config"])
     if weights_path is not None:
         options["path"] = str(Path(weights_path).expanduser().resolve())
@@ -149,30 +183,11 @@ def reattach_encoder(
         )
     quiet_offline_env()  # models load from local folders only
     try:
-        encoder = build_encoder(record["encoder"], options)
+        return build_encoder(record["encoder"], options)
     except UnknownEncoderError as exc:
         raise EncoderRecordError(f"field {field_name!r} of {store.url} cannot be rebuilt: {exc}") from None
     except ConfigError as exc:
         raise EncoderRecordError(f"field {field_name!r} of {store.url}: the recorded encoder config does not build: {exc}") from None
-    encoder.load(device)
-    transform = record.get("transform") or {}
-    live = LiveEncoder(
-        field=field_name,
-        section=meta.get("section", "text" if encoder.modality == "text" else "vae"),
-        encoder=encoder,
-        recorded=meta.get("fingerprint", {}),
-        resize=from_dict(ResizeConfig, {**transform.get("resize", {}), **dict(resize or {})}, where="resize"),
-        frames=from_dict(FrameSampling, transform.get("frames", {}), where="frames"),
-        size_multiple=int(transform.get("size_multiple", 1)),
-        recorded_transform=transform,
-        media_root=media_root,
-        storage_options=storage_options,
-        weights_path=weights_path,
-        threads=record.get("threads"),
-    )
-    if check_fingerprint:
-        live.check_fingerprint()
-    return live
 
 
 def reattach_field(
@@ -237,11 +252,10 @@ class LiveEncoder:
         """Input-preparation settings (``resize.*``, ``frames.*``) that differ from the recorded ones."""
         if self.is_text:
             return {}
-        from dataclasses import asdict
-
-        now = {"resize": asdict(self.resize), "frames": asdict(self.frames)}
+        now = transform_record(self.resize, self.frames, self.size_multiple)
         out = {}
-        for section, values in now.items():
+        for section in ("resize", "frames"):
+            values = now[section]
             recorded = self.recorded_transform.get(section, {})
             for key, value in values.items():
                 if key in recorded and recorded[key] != value:
@@ -295,9 +309,6 @@ class LiveEncoder:
         """The caption, or for a tokenizer the ``TextSample``: caption or conversation and whether
         the sample has an image. The store keeps a conversation's sha256 only (``conversations_sha256``),
         so the turns come from the training manifest (``data.manifest``) and must hash to it."""
-        from mmcache.precompute.inputs import conversations_digest
-        from mmcache.precompute.tasks import text_input
-
         caption, modality = str(row.get("caption") or ""), str(row.get("modality"))
         if self.encoder.text_input == "caption":
             return text_input(self.encoder, caption, None, modality)
@@ -319,8 +330,6 @@ class LiveEncoder:
 
     def _source(self, row: Mapping[str, Any]) -> tuple[str, bytes]:
         """(where it is now, its bytes) of a sample's media, checked against the recorded content hash."""
-        from mmcache.precompute.media import MediaError, read_source
-
         url = self.locate(row)
         sid = row.get("id")
         try:
@@ -341,51 +350,39 @@ class LiveEncoder:
         return url, data
 
     def _pixels(self, row: Mapping[str, Any]) -> np.ndarray:
-        from mmcache.precompute.tasks import encoder_input
-
         url, data = self._source(row)
-        modality = str(row.get("modality"))
-        prepared = self._prepare(data, url, modality, f"sample {row.get('id')!r}")
+        prepared, pixels = self._prepare(data, url, str(row.get("modality")), f"sample {row.get('id')!r}")
         self._check_geometry(row, prepared.provenance)
-        return encoder_input(self.section, modality, prepared.pixels)
+        return pixels
 
     def planned_shape(self, row: Mapping[str, Any]) -> tuple[int, ...]:
         """The shape this field will have for a sample the store does not hold, without encoding it:
         a text field's from its text (a tokenizer is cheap; it is asked only where a model family
         sizes samples by it), a visual one's from the media's headers (the prepared size and frame
         count) and one encoder pass on zeros per distinct input shape."""
-        from mmcache.precompute.media import MediaError, prepared_shape
-        from mmcache.precompute.tasks import encoder_input
-
         if self.is_text:
             return tuple(self.encode_rows([row])[0].shape)
         url, data = self._source(row)
-        modality = str(row.get("modality"))
         try:
-            pixels = prepared_shape(data, url, modality=modality, resize=self.resize, rule=self._size_rule(), sampling=self.frames)  # type: ignore[arg-type]
+            shape = planned_input_shape(self.section, data, url, str(row.get("modality")), rule=self._size_rule(),  # type: ignore[arg-type]
+                                        resize=self.resize, frames=self.frames)
         except MediaError as exc:
             raise LiveInputError(f"sample {row.get('id')!r}: {exc}") from None
-        shape = encoder_input(self.section, modality, np.broadcast_to(np.zeros((), np.uint8), pixels)).shape
         if shape not in self._out_shapes:
             self._out_shapes[shape] = tuple(self.encode_inputs([np.zeros(shape, np.uint8)])[0].shape)
         return self._out_shapes[shape]
 
-    def _prepare(self, data: bytes, url: str, modality: str, what: str) -> Any:
-        """Decoded media, resized and framed by the recorded rule (``mmcache encode``'s code)."""
-        from mmcache.precompute.media import MediaError, prepare
-
+    def _prepare(self, data: bytes, url: str, modality: str, what: str) -> tuple[Any, np.ndarray]:
+        """(the prepared media, the encoder's input): decoded, resized and framed by the recorded
+        rule with ``mmcache encode``'s own code (``precompute.encoder_inputs``)."""
         try:
-            return prepare(data, url, modality=modality, resize=self.resize, rule=self._size_rule(), sampling=self.frames)  # type: ignore[arg-type]
+            return section_input(self.section, data, url, modality, rule=self._size_rule(), resize=self.resize, frames=self.frames)  # type: ignore[arg-type]
         except MediaError as exc:
             raise LiveInputError(f"{what}: {exc}") from None
 
     def encode_files(self, paths: Sequence[str]) -> list[np.ndarray]:
         """Media that are in no store (the images a VLM is asked about) -> features, prepared as
         ``mmcache encode`` prepares a sample's media with this field's recorded settings."""
-        from mmcache.precompute.inputs import modality_of
-        from mmcache.precompute.media import MediaError, read_source
-        from mmcache.precompute.tasks import encoder_input
-
         if self.is_text:
             raise LiveInputError(f"field {self.field!r} is made by a text encoder, not from media")
         inputs = []
@@ -397,12 +394,10 @@ class LiveEncoder:
                 data = read_source(path, self.storage_options)
             except MediaError as exc:
                 raise LiveInputError(f"{path}: {exc}") from None
-            inputs.append(encoder_input(self.section, modality, self._prepare(data, path, modality, path).pixels))
+            inputs.append(self._prepare(data, path, modality, path)[1])
         return self.encode_inputs(inputs)
 
     def _size_rule(self) -> Any:
-        from mmcache.precompute.tasks import size_rule_for
-
         if self._rule is None:
             self._rule = size_rule_for(self.encoder, self.size_multiple)
         return self._rule
@@ -410,7 +405,7 @@ class LiveEncoder:
     def _check_geometry(self, row: Mapping[str, Any], provenance: Mapping[str, Any]) -> None:
         # The primary visual section's geometry is under the plain names, another's prefixed.
         prefix = f"{self.section}_" if f"{self.section}_width" in row and row.get(f"{self.section}_width") is not None else ""
-        want = {k: row.get(prefix + k) for k in _GEOMETRY}
+        want = {k: row.get(prefix + k) for k in GEOMETRY}
         if row.get("frame_indices") is not None:
             want["frame_indices"] = list(row["frame_indices"])
         have = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in provenance.items() if k in want}
@@ -429,11 +424,11 @@ class LiveEncoder:
         input gives other low bits at another count, and the calling thread's count is whatever
         the process left it at (the trainer's, torchrun's OMP_NUM_THREADS, or what an in-process
         encode set). A calling thread at another count hands the call to a thread kept at the
-        recorded one (``_pinned_thread``)."""
+        recorded one (``mmcache.train.live.reproduce.pinned_thread``)."""
         want, device = self.threads, self.encoder.device
         if not want or device is None or device.type != "cpu" or torch.get_num_threads() == want:
             return fn(*args)
-        return _pinned_thread(want).submit(fn, *args).result()
+        return pinned_thread(want).submit(fn, *args).result()
 
     def encode_texts(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Captions -> features exactly as ``mmcache encode`` stores them (unpadded, stored dtype)."""
@@ -454,65 +449,11 @@ class LiveEncoder:
         holds, up to the rounding of the step's thread count — a trained encoder runs on the training
         thread, whose autograd state it needs — and, for text, of one pass per batch) and returned in ``dtype``; gradients pass the
         rounding unchanged."""
-        from mmcache.precompute.encoders.base import torch_dtype
-
         stored = torch_dtype(self.dtype)
-        return [_round_through(item[self.field], stored).to(dtype) for item in self.encoder.features(list(inputs))]
+        return [round_through(item[self.field], stored).to(dtype) for item in self.encoder.features(list(inputs))]
 
     def module(self) -> torch.nn.Module:
         return self.encoder.trainable_module()
-
-
-_PINNED: dict[int, Any] = {}
-_PINNED_LOCK = threading.Lock()
-
-
-def _pinned_thread(threads: int) -> Any:
-    """A thread (``mmcache.precompute.tasks.DaemonPool``) whose intra-op thread count is ``threads``, set
-    once when it starts. Switching the count around each call instead would cost every thread of
-    the process: ``torch.set_num_threads`` also empties oneDNN's process-wide primitive cache, so
-    the training step's oneDNN kernels are created again after each live encode (measured on the
-    tiny DiT with live fields: median steps up to ~5x slower)."""
-    from mmcache.precompute.tasks import DaemonPool
-
-    with _PINNED_LOCK:
-        pool = _PINNED.get(threads)
-        if pool is None:
-            caller = torch.get_num_threads()
-            pool = DaemonPool(1, f"live-encoder-{threads}-threads")
-            pinned = pool.submit(_pin, threads).result()
-            assert pinned == threads, (pinned, threads)
-            # set_num_threads also set the count that threads started later begin with: the caller's again.
-            torch.set_num_threads(caller)
-            _PINNED[threads] = pool
-        return pool
-
-
-def _pin(threads: int) -> int:
-    # torch sets a thread's count lazily, from the process default, on its first parallel op:
-    # take that first, so the default put back afterwards cannot replace this thread's count.
-    torch.get_num_threads()
-    torch.set_num_threads(threads)
-    return torch.get_num_threads()
-
-
-class _RoundThrough(torch.autograd.Function):
-    """Round to a lower precision in forward; pass the gradient through unchanged (straight-through),
-    so training a live encoder sees the cached values but is not stopped by the cast."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # type: ignore[override]
-        return x.to(dtype).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return grad, None
-
-
-def _round_through(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if x.dtype == dtype:
-        return x
-    return _RoundThrough.apply(x, dtype)
 
 
 def _recorded_root(row: Mapping[str, Any]) -> str | None:

@@ -1,0 +1,50 @@
+"""Daemon threads with futures, for work that may hang on an input (a FIFO, a stuck network
+read): an encode task's decoding threads, the in-process executor's task threads, a live
+encoder's pinned thread (``mmcache.train.live.reattach``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from concurrent.futures import Future
+
+
+class DaemonPool:
+    """A few daemon threads running submitted calls, with concurrent.futures Futures. Unlike a
+    ThreadPoolExecutor's threads, which the interpreter joins at exit, one stuck on an input that
+    never arrives cannot keep the process from exiting after its task gave up on it: with the
+    in-process executor, that process is the user's command."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = threads
+        for i in range(threads):
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue  # cancelled before it started
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(exc)
+
+    def shutdown(self, *, cancel_pending: bool = True) -> None:
+        """Each thread ends after the calls submitted (``cancel_pending``: after the call it is in,
+        if that ever returns; the others are cancelled)."""
+        with contextlib.suppress(queue.Empty):
+            while cancel_pending:
+                item = self._queue.get_nowait()
+                if item is not None:
+                    item[0].cancel()
+        for _ in range(self._threads):
+            self._queue.put(None)

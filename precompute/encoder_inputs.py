@@ -1,0 +1,110 @@
+"""One input row -> what an encoder takes: the media decoded, resized and framed by the encoder's
+size rule, then shaped for its section; the text as the text encoder reads it.
+
+The one home of that step: an encode task (``precompute.tasks``) prepares a sample's media here,
+and so does a live encoder in the trainer (``mmcache.train.live.reattach``), which must feed a
+re-attached encoder exactly what ``mmcache encode`` fed it for the cached features to be
+reproduced. Decoding itself is ``precompute.media``'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+import numpy as np
+
+from mmcache.featstore.config import from_dict
+from mmcache.featstore.errors import ConfigError
+from mmcache.precompute.media import FrameSampling, PreparedMedia, ResizeConfig, SizeRule, prepare, prepared_shape
+
+
+# The provenance columns of a prepared input's geometry (the crop box in the source, the size fed).
+GEOMETRY = ("crop_left", "crop_top", "crop_width", "crop_height", "width", "height")
+
+
+def transform_record(resize: ResizeConfig, frames: FrameSampling, size_multiple: int) -> dict[str, Any]:
+    """The input preparation as a store records it (its ``transform`` attribute, and each field's
+    ``meta.encoder.transform``): what a live encoder rebuilds it from (``transform_from_record``)."""
+    return {"resize": dataclasses.asdict(resize), "frames": dataclasses.asdict(frames), "size_multiple": size_multiple}
+
+
+def transform_from_record(record: Mapping[str, Any], resize: Mapping[str, Any] | None = None) -> tuple[ResizeConfig, FrameSampling, int]:
+    """(resize, frames, size_multiple) from a recorded transform (``resize``: settings that
+    override the recorded ones); a store recorded before a setting existed gets its default."""
+    return (
+        from_dict(ResizeConfig, {**record.get("resize", {}), **dict(resize or {})}, where="resize"),
+        from_dict(FrameSampling, record.get("frames", {}), where="frames"),
+        int(record.get("size_multiple", 1)),
+    )
+
+
+def size_rule_for(encoder: Any, size_multiple: int) -> SizeRule:
+    """The encoder's size rule, its free sizes also multiples of ``size_multiple`` (the trainer's patch)."""
+    rule = encoder.size_rule()
+    if rule.fixed_size is None:
+        rule = dataclasses.replace(rule, spatial_multiple=math.lcm(rule.spatial_multiple, size_multiple))
+    return rule
+
+
+def encoder_input(section: str, modality: str, pixels: np.ndarray) -> np.ndarray:
+    """Prepared pixels -> what the section's encoder takes (also what a live encoder is fed)."""
+    if section == "vae" and modality == "image":
+        return pixels[None]  # an image is a one-frame video: latents are C x 1 x h x w
+    if section == "vit" and modality == "video":
+        return pixels[0]  # a ViT sees the first frame
+    return pixels
+
+
+def text_input(encoder: Any, caption: str, conversations: Any, modality: str) -> Any:
+    """A sample's text as the text encoder takes it: the caption, or a ``TextSample``."""
+    if encoder.text_input == "caption":
+        return caption
+    # Imported here: the encoders import torch, and a caption-only text encoder never gets here.
+    from mmcache.precompute.encoders import TextSample
+
+    # A tokenizer checks the image placeholders against the images the sample really has.
+    return TextSample(caption=caption, conversations=conversations, images=int(modality in ("image", "video")))
+
+
+def prepare_sections(data: bytes, uri: str, modality: Literal["image", "video"], rules: Mapping[str, SizeRule], *,
+                     resize: ResizeConfig, frames: FrameSampling) -> dict[str, PreparedMedia]:
+    """One source's media prepared for each visual section by its own size rule; sections with
+    the same rule share one decode. ``uri`` is what provenance and messages show (redacted)."""
+    prepared: dict[str, PreparedMedia] = {}
+    for section, rule in rules.items():
+        same = next((p for s, p in prepared.items() if rules[s] == rule), None)
+        prepared[section] = same or prepare(data, uri, modality=modality, resize=resize, rule=rule, sampling=frames)
+    return prepared
+
+
+def section_input(section: str, data: bytes, uri: str, modality: Literal["image", "video"], *, rule: SizeRule,
+                  resize: ResizeConfig, frames: FrameSampling) -> tuple[PreparedMedia, np.ndarray]:
+    """(the prepared media, the encoder's input) of one source for one visual section."""
+    prepared = prepare_sections(data, uri, modality, {section: rule}, resize=resize, frames=frames)[section]
+    return prepared, encoder_input(section, modality, prepared.pixels)
+
+
+def planned_input_shape(section: str, data: bytes, uri: str, modality: Literal["image", "video"], *, rule: SizeRule,
+                        resize: ResizeConfig, frames: FrameSampling) -> tuple[int, ...]:
+    """The shape of ``section_input``'s encoder input, from the media's headers only (no decode)."""
+    pixels = prepared_shape(data, uri, modality=modality, resize=resize, rule=rule, sampling=frames)
+    return encoder_input(section, modality, np.broadcast_to(np.zeros((), np.uint8), pixels)).shape
+
+
+def text_only_rows_are_samples(encoder_names: Iterable[str], *, unknown_ok: bool = False) -> bool:
+    """Whether a row with text and no media is a sample: only for an LLM's tokenizer (a text
+    encoder that takes whole samples); a diffusion model has nothing to learn from a caption
+    without its image. ``unknown_ok``: an encoder this install lacks counts as not one."""
+    from mmcache.precompute.encoders import encoder_class  # torch: imported only when asked
+
+    for name in encoder_names:
+        try:
+            if encoder_class(name).text_input == "sample":
+                return True
+        except ConfigError:
+            if not unknown_ok:
+                raise
+    return False

@@ -1,0 +1,115 @@
+"""Reading a source file's bytes for ``mmcache encode`` (and for a live encoder in the trainer):
+a local file only if it is a regular file within ``data.max_input_bytes`` (a FIFO would block the
+encode forever, ``/dev/zero`` would fill memory), a remote one through fsspec with transient
+faults retried. The manifest reader (``precompute.inputs``) checks local files the same way
+before any task runs; a task reads them here, and a file that cannot be read becomes a reject
+(``MediaError``) with a short reason.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import Any
+
+from mmcache.featstore.errors import StorageError
+from mmcache.featstore.retry import describe, is_transient, remote_filesystem, with_retries
+from mmcache.featstore.secrets import redact_url
+from mmcache.precompute.media import MediaError
+
+DEFAULT_MAX_INPUT_BYTES = 1 << 30  # 1 GiB: any photo or clip; not a disk image by mistake
+
+
+class InputFileError(ValueError):
+    """A local input file must not be read (not a regular file, too large); ``reason`` is short."""
+
+    def __init__(self, reason: str, path: str = ""):
+        super().__init__(f"{path}: {reason}" if path else reason)
+        self.reason = reason
+
+
+def read_source(uri: str, storage_options: dict[str, Any] | None = None, max_bytes: int | None = None) -> bytes:
+    """A source file's bytes, at most ``max_bytes`` (``data.max_input_bytes``), checked before
+    anything decodes them. A local file must be a regular file (never a FIFO or a device: see
+    ``read_local_file``). Transient faults of an object store are retried; one that persists
+    fails the task (Dask retries it), never turning a readable input into a reject."""
+    import fsspec
+
+    limit = DEFAULT_MAX_INPUT_BYTES if max_bytes is None else max_bytes
+    shown = redact_url(uri)
+    protocol, path = fsspec.core.split_protocol(uri)
+
+    def fetch() -> bytes:
+        fs, remote_path = remote_filesystem(uri, storage_options)
+        with fs.open(remote_path, "rb") as fh:
+            return fh.read(limit + 1)
+
+    try:
+        data = read_local_file(path, limit) if protocol in (None, "file", "local") else with_retries(fetch, shown, "read")
+    except InputFileError as exc:
+        raise MediaError(exc.reason, shown) from None
+    except FileNotFoundError as exc:
+        if (cause := _transient_cause(exc)) is not None:
+            # fsspec's HTTP filesystem reports a refused connection or a timeout as a missing
+            # file: that input may well be there, so the task fails (and is retried) instead.
+            raise StorageError(f"{shown}: read failed with {describe(cause)}; the source is unreachable, try again later") from None
+        raise MediaError("missing file", shown) from None
+    except IsADirectoryError:
+        raise MediaError("is a directory, not a file", shown) from None
+    if len(data) > limit:
+        raise MediaError(f"file is larger than data.max_input_bytes ({limit:,} bytes); raise the limit to encode it", shown)
+    if not data:
+        raise MediaError("zero-byte file", shown)
+    return data
+
+
+def _transient_cause(exc: BaseException) -> BaseException | None:
+    """The transient fault (connection refused, timeout, 5xx) behind an exception, if any."""
+    seen = exc.__cause__ or exc.__context__
+    while seen is not None:
+        if is_transient(seen):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def read_local_file(path: str, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> bytes:
+    """The bytes of a regular local file of at most ``max_bytes``, raising ``InputFileError``
+    otherwise. The type is checked before opening, and the open itself does not block (a FIFO
+    swapped in after the check): only then is the open file checked again and read."""
+    problem = stat_problem(os.stat(path), max_bytes)
+    if problem:
+        raise InputFileError(problem, path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        problem = stat_problem(os.fstat(fd), max_bytes)
+        if problem:
+            raise InputFileError(problem, path)
+        chunks, total = [], 0
+        while chunk := os.read(fd, min(8 << 20, max_bytes + 1 - total)):
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > max_bytes:  # grew after the check
+                raise InputFileError(_too_large(total, max_bytes), path)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def stat_problem(st: os.stat_result, max_bytes: int) -> str | None:
+    """Why a file of this ``stat`` must not be read (not a regular file, over ``max_bytes``), or None."""
+    if not stat.S_ISREG(st.st_mode):
+        return f"not a regular file ({_file_kind(st.st_mode)}); only regular files are read"
+    if st.st_size > max_bytes:
+        return _too_large(st.st_size, max_bytes)
+    return None
+
+
+def _too_large(size: int, max_bytes: int) -> str:
+    return f"file is larger than data.max_input_bytes ({size:,} > {max_bytes:,} bytes); raise the limit to encode it"
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a plain file")

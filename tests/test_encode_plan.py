@@ -1,0 +1,96 @@
+"""``plan_encode`` is pure and complete: on a manifest and a store snapshot it returns the typed
+task settings and the task list without loading an encoder or writing anything, and
+``execute(plan, executor)`` then gives the store that ``run_encode`` gives (same shards, same
+samples, same features). In-process (threads) executor, tiny encoders: fast."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mmcache import featstore
+from mmcache.featstore.config import load_config
+from mmcache.precompute.config import EncodeConfig
+from mmcache.precompute.demo_data import make_dataset
+from mmcache.precompute.executors import choose_placement, open_executor
+from mmcache.precompute.inputs import read_inputs
+from mmcache.precompute.output_store import open_or_create
+from mmcache.precompute.pipeline import Executed, execute, run_encode
+from mmcache.precompute.plan import plan_encode
+from mmcache.precompute.specs import TaskSettings, encoder_specs
+from mmcache.precompute.tasks import PROCESS_ENCODERS
+
+
+def _config() -> EncodeConfig:
+    return load_config(EncodeConfig, "tiny", "encode", ["run.samples_per_task=3", "run.executor=threads"])
+
+
+def _files(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _fields_of(store: featstore.Store) -> dict:
+    """The encoders' description as the workers give it, read back from a store they made."""
+    return {name: {"dtype": f.dtype, "ndim": f.ndim, "meta": f.meta} for name, f in store.fields.items()}
+
+
+@pytest.fixture(scope="module")
+def encoded(tmp_path_factory):
+    """(manifest, a store ``run_encode`` made of it)."""
+    root = tmp_path_factory.mktemp("plan")
+    manifest = make_dataset(root / "data", num_images=5, num_videos=1)
+    out = root / "reference"
+    summary = run_encode(_config(), str(manifest), str(out), progress=False, log=lambda *_: None)
+    assert summary.samples_written == 6 and summary.executor == "threads"
+    return manifest, featstore.open(str(out))
+
+
+def _plan(config, manifest, store, workers):
+    rows, rejects = read_inputs(str(manifest), allow_empty_caption=config.data.allow_empty_caption)
+    return plan_encode(config, rows=rows, rejects=rejects, store=store, fields=_fields_of(store), specs=encoder_specs(config),
+                       workers=workers, output_url=store.url)
+
+
+def test_plan_is_pure_and_execute_gives_the_same_store(encoded, tmp_path):
+    manifest, reference = encoded
+    config = _config()
+    out = tmp_path / "planned"
+    fields = _fields_of(reference)
+    transform = TaskSettings.from_config(config, None).transform()
+    store = open_or_create(str(out), fields, None, transform, lambda *_: None, None)
+    placement = choose_placement(config, scheduler=None, workers=None, output_url=str(out), samples=lambda: 6)
+    with open_executor(placement) as executor:
+        before, loads = _files(out), PROCESS_ENCODERS.loads
+        plan = _plan(config, manifest, store, executor.workers)
+        # Pure: no model loaded, nothing written.
+        assert PROCESS_ENCODERS.loads == loads and _files(out) == before
+        # Complete: every row in one task, the typed settings every task needs.
+        assert sorted(r.sample_id for t in plan.tasks for r in t.rows) == sorted(reference.sample_ids())
+        assert plan.samples == 6 and plan.samples_skipped == 0 and not plan.plan_rejects
+        assert plan.settings == dataclasses.replace(TaskSettings.from_config(config, None), store_manifest=store.manifest)
+        assert plan.settings.transform() == reference.attrs["transform"]
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            plan.settings.batch_size = 1  # type: ignore[misc]
+        # What crosses to a Dask worker pickles to an equal value.
+        assert pickle.loads(pickle.dumps((plan.settings, plan.tasks, plan.specs))) == (plan.settings, plan.tasks, plan.specs)
+        executed = execute(plan, executor, progress=False)
+    assert executed == Executed(tasks=len(plan.tasks), tasks_skipped=0, samples_written=6, rejected=0)
+    planned = featstore.open(str(out))
+    # The same tasks as run_encode's (their names hash rows and encoders), so the same shards.
+    assert sorted(planned.shards) == sorted(reference.shards)
+    assert sorted(planned.sample_ids()) == sorted(reference.sample_ids())
+    for sid in reference.sample_ids():
+        want, got = reference.read(sid), planned.read(sid)
+        assert sorted(got) == sorted(want)
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name])
+
+
+def test_a_complete_store_plans_no_task(encoded):
+    manifest, reference = encoded
+    plan = _plan(_config(), manifest, reference, workers=1)
+    assert plan.tasks == [] and plan.samples_skipped == 6 and plan.settings.store_manifest is None
