@@ -6,33 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import ml_dtypes
-import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from mmcache import featstore
 from mmcache.train.cli import cli
+from tests import test_train
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory) -> str:
-    """A tiny DiT store: latents C x T x H x W and text embeddings L x D, fingerprinted."""
-    url = str(tmp_path_factory.mktemp("plan") / "store")
-    rng = np.random.default_rng(1)
-    fields = {
-        "latent": {"dtype": "bfloat16", "ndim": 4, "meta": {"fingerprint": {"digest": "vae0001"}, "latent_channels": 4, "scaling_factor": 1.0}},
-        "text_emb": {"dtype": "bfloat16", "ndim": 2, "meta": {"fingerprint": {"digest": "txt0001"}, "hidden_size": 16}},
-    }
-    with featstore.create(url, fields=fields) as writer:
-        for i in range(12):
-            writer.add(f"s{i:03d}", {
-                "latent": rng.standard_normal((4, 1, 4, 4), dtype=np.float32).astype(ml_dtypes.bfloat16),
-                "text_emb": rng.standard_normal((int(rng.integers(3, 8)), 16), dtype=np.float32).astype(ml_dtypes.bfloat16),
-            })
-    return url
-
-
+store = test_train.store  # the fixture: the trainer tests' real tiny DiT store
 SETS = ["data.global_batch=4", "data.prefetch=0", "log_every=1"]
 
 
@@ -64,6 +46,8 @@ def test_a_resumed_plan_names_its_checkpoint(store, tmp_path):
 
     run = tmp_path / "run"
     invoke("--features", store, "--out", str(run), "--steps", "1")
+    resumes = json.loads(invoke("--features", store, "--out", str(run), "--resume", "--dry-run"))["resumes"]
+    assert resumes is not None and Path(resumes).parent == run / "checkpoints"
     config = load_config(TrainConfig, "tiny-dit", "train", SETS)
     plan = plan_run(config, store, run_dir=run, resume=True)
     assert plan.resume_from is not None and Path(plan.resume_from).parent == run / "checkpoints"

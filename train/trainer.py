@@ -79,10 +79,11 @@ def lr_lambda(config: TrainConfig):
     return factor
 
 
-def dry_run(config: TrainConfig, features: str, storage_options: dict | None) -> dict[str, Any]:
+def dry_run(config: TrainConfig, features: str, storage_options: dict | None, *, run_dir: str | None = None,
+            resume: bool = False) -> dict[str, Any]:
     """The plan ``fit`` would execute, described (its live/train fields' encoders loaded on the
-    CPU to count what they cost; nothing else is allocated)."""
-    plan = plan_run(config, features, storage_options, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    CPU to count what they cost; nothing else is allocated, nothing written)."""
+    plan = plan_run(config, features, storage_options, world_size=int(os.environ.get("WORLD_SIZE", "1")), run_dir=run_dir, resume=resume)
     live = LiveFields.build(config, plan.store, plan.fields, optional=list(plan.adapter.optional_fields), manifest=plan.manifest,
                             storage_options=storage_options)
     live.set_trainable(config)
