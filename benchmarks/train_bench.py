@@ -143,10 +143,11 @@ def child(args: argparse.Namespace) -> None:
     from mmcache import featstore
     from mmcache.featstore.config import load_config
     from mmcache.train.config import TrainConfig
-    from mmcache.train.data import FeatureStream
+    from mmcache.train.data import FeatureStream, StreamOptions
     from mmcache.train.parallel.dims import ParallelDims
     from mmcache.train.parallel.fsdp import apply_fsdp
-    from mmcache.train.trainer import accumulate_gradients, init_distributed, input_sizes, lr_lambda, resolve_model
+    from mmcache.train.plan import input_sizes, resolve_model
+    from mmcache.train.trainer import accumulate_gradients, init_distributed, lr_lambda
 
     torch.set_num_threads(args.threads)
     rss_base = maxrss()
@@ -166,11 +167,11 @@ def child(args: argparse.Namespace) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
     fields = [config.data.latent_field, config.data.text_field]
     adapter = family.data(model_config, config.data, store)
-    stream = FeatureStream(
-        store, data=adapter, global_batch=config.data.global_batch, seed=config.seed,
+    stream = FeatureStream(store, data=adapter, options=StreamOptions(
+        global_batch=config.data.global_batch, seed=config.seed,
         dp_size=dims.dp_size, dp_rank=meshes.dp_rank, balance=config.balance, cost=config.balance.cost_model(getattr(model_config, "dim", 64)),
         tokens_per_sample=lambda shape: family.tokens_per_sample(model_config, shape),
-    )
+    ))
     plan0 = stream.plan(0)  # the batch every timed step trains on, and its micro-batch plan
     # The stream's sample positions index the samples holding both fields; their first index
     # rows carry the provenance (the live variant re-reads the media from it).

@@ -23,7 +23,7 @@ from mmcache.featstore.config import load_config
 from mmcache.featstore.errors import ConfigError
 from tests.s3_server import FaultProxy
 from mmcache.train.balance import BalanceConfig, CostModel
-from mmcache.train.data import FeatureStream
+from mmcache.train.data import FeatureStream, StreamOptions
 from mmcache.train.models.dit_data import LatentTextData
 from mmcache.train.config import DataSection, TrainConfig
 from mmcache.train.order import auto_window, plan_order, resolve_window, shard_positions, shard_read_bytes
@@ -62,8 +62,8 @@ def local_store(tmp_path_factory) -> str:
 
 def stream(store: featstore.Store, *, window: int | None, dp_size: int = 1, dp_rank: int = 0, seed: int = 3) -> FeatureStream:
     data = LatentTextData(store=store, latent_field="latent", text_field="text_emb")
-    return FeatureStream(store, data=data, global_batch=8, seed=seed, dp_size=dp_size, dp_rank=dp_rank, balance=BalanceConfig(),
-                         cost=CostModel(), tokens_per_sample=lambda shape: int(np.prod(shape[1:])), window=window)
+    return FeatureStream(store, data=data, options=StreamOptions(global_batch=8, seed=seed, dp_size=dp_size, dp_rank=dp_rank, balance=BalanceConfig(),
+                                                               cost=CostModel(), tokens_per_sample=lambda shape: int(np.prod(shape[1:])), window=window))
 
 
 def test_each_epoch_is_a_permutation_read_window_by_window(local_store):

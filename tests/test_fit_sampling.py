@@ -63,7 +63,7 @@ def test_held_out_samples_are_never_trained_on(setup):
     from mmcache import featstore
     from mmcache.featstore.errors import ConfigError
     from mmcache.train.balance import BalanceConfig
-    from mmcache.train.data import FeatureStream
+    from mmcache.train.data import FeatureStream, StreamOptions
     from mmcache.train.models.dit_data import LatentTextData
     from mmcache.train.models import DiTConfig
     from mmcache.train.packing import SAMPLE_ID
@@ -81,8 +81,9 @@ def test_held_out_samples_are_never_trained_on(setup):
     assert hashed - set(named) and hashed & set(named)  # the store's split falls on both halves
     assert set(validation_ids(store, required, 0.25, [], named=named)) == hashed & set(named)
     balance = BalanceConfig()
-    stream = FeatureStream(store, data=adapter, global_batch=4, seed=0, dp_size=1, dp_rank=0, balance=balance,
-                           cost=balance.cost_model(64), tokens_per_sample=DiTConfig().num_tokens, exclude=frozenset(held))
+    stream = FeatureStream(store, data=adapter, options=StreamOptions(global_batch=4, seed=0, dp_size=1, dp_rank=0, balance=balance,
+                                                                      cost=balance.cost_model(64), tokens_per_sample=DiTConfig().num_tokens,
+                                                                      exclude=frozenset(held)))
     seen = {s[SAMPLE_ID] for step in range(12) for _, samples in stream.plan(step).micro_batches for s in samples}
     assert seen == set(store.sample_ids()) - set(held)  # every other sample, none held out
     with pytest.raises(ConfigError, match="'nope' not in"):

@@ -275,7 +275,7 @@ def test_caption_dropout_is_the_same_at_any_world_size(tmp_path):
     the ranks of 2-way data parallelism drop exactly the captions one process drops, and each
     dropped sample gets the stored empty caption's embedding."""
     from mmcache.train.balance import BalanceConfig, CostModel
-    from mmcache.train.data import FeatureStream
+    from mmcache.train.data import FeatureStream, StreamOptions
     from mmcache.train.models.dit_data import LatentTextData
     from mmcache.train.live.dropout import CaptionDropout
     from mmcache.train.packing import SAMPLE_ID
@@ -295,9 +295,10 @@ def test_caption_dropout_is_the_same_at_any_world_size(tmp_path):
     def stream(dp_size: int, dp_rank: int) -> FeatureStream:
         # probability 0.3: the default is 0 (off); any value in (0, 1) shows which positions drop
         dropout = CaptionDropout(store, ["latent", "text_emb"], 0.3, seed=5, produced=set())
-        return FeatureStream(store, data=LatentTextData(store=store, latent_field="latent", text_field="text_emb"), global_batch=8,
-                             seed=5, dp_size=dp_size, dp_rank=dp_rank, balance=BalanceConfig(), cost=CostModel(),
-                             tokens_per_sample=lambda shape: int(np.prod(shape[1:])), caption_dropout=dropout)
+        options = StreamOptions(global_batch=8, seed=5, dp_size=dp_size, dp_rank=dp_rank, balance=BalanceConfig(), cost=CostModel(),
+                                tokens_per_sample=lambda shape: int(np.prod(shape[1:])))
+        return FeatureStream(store, data=LatentTextData(store=store, latent_field="latent", text_field="text_emb"), options=options,
+                             caption_dropout=dropout)
 
     def dropped_ids(data) -> set[str]:
         return {s[SAMPLE_ID] for _, samples in data.micro_batches for s in samples if np.array_equal(s["text_emb"], empty)}

@@ -26,7 +26,7 @@ def cli(debug: bool) -> None:
 @click.option("--steps", type=int, default=None, help="Stop after this step (the LR schedule still comes from the config).")
 @click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in --out (any world size).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value (repeatable).")
-@click.option("--dry-run", is_flag=True, help="Print the resolved config, mesh and parameter count; do not train.")
+@click.option("--dry-run", is_flag=True, help="Print the run's plan (resolved config, mesh, input sizes, fields and their modes, parameters per part, the checkpoint --resume goes on from); do not train.")
 @click.option("--cache-dir", default=None, metavar="DIR", help="Local read-through cache of a remote store (sets data.cache_dir; size: --set data.cache_bytes=50GiB).")
 @click.option("--media", "media_root", default=None, metavar="ROOT", help="Where the media of live/train fields are now: the folder the encode manifest's paths were relative to (sets data.media_root).")
 @storage_options_option
@@ -45,7 +45,7 @@ def fit(config_name, features, run_dir, steps, resume, overrides, dry_run, cache
     if dry_run:
         from mmcache.train.trainer import dry_run as describe
 
-        click.echo(json.dumps(describe(config, features, options), indent=2, default=str))
+        click.echo(json.dumps(describe(config, features, options, run_dir=run_dir, resume=resume), indent=2, default=str))
         return
     if not run_dir:
         raise click.UsageError("--out RUN_DIR is required to train")

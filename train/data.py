@@ -15,8 +15,8 @@ import json
 import queue
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,8 @@ import torch
 
 from mmcache import featstore
 from mmcache.featstore.errors import ConfigError, FingerprintMismatchError
-from mmcache.train.balance import MicroBatch, imbalance, plan_global_batch
+from mmcache.train.balance import BalanceConfig, CostModel, MicroBatch, imbalance, plan_global_batch
+from mmcache.train.live.manifest import describe_absent, planning_adapter
 from mmcache.train.order import EpochOrder, shard_positions
 from mmcache.train.packing import SAMPLE_ID
 
@@ -104,105 +105,155 @@ def check_fingerprints(store: featstore.Store, fields: list[str], expected: dict
     return found
 
 
+def run_fields(adapter, store: featstore.Store) -> list[str]:
+    """The fields a run reads: the one home of this rule (the plan, the stream, the held-out
+    split and the live fields all ask here). The adapter's required fields, and those of its
+    optional fields (e.g. a VLM's image) that the store holds at all."""
+    return list(adapter.required_fields) + [f for f in adapter.optional_fields if f in store.fields]
+
+
+def sample_reads(adapter, store: featstore.Store, sample_id: str, *, produced: Collection[str] = (),
+                 fillable: Collection[str] = ()) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """What one sample reads from the cache: (its required fields, its optional fields). A field
+    ``produced`` live is never read; one ``fillable`` (data.on_missing: live) is read where the
+    sample has it and encoded where it lacks it; an optional field only where the sample has it."""
+    required = tuple(f for f in adapter.required_fields if f not in produced and (f not in fillable or store.has_field(sample_id, f)))
+    optional = tuple(f for f in run_fields(adapter, store)[len(adapter.required_fields):]
+                     if f not in produced and store.has_field(sample_id, f))
+    return required, optional
+
+
+@dataclass(kw_only=True)
+class StreamOptions:
+    """How a ``FeatureStream`` cuts a store into steps (the config's data/balance sections and
+    this rank's place in the mesh, resolved)."""
+
+    global_batch: int
+    seed: int
+    dp_size: int = 1
+    dp_rank: int = 0
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+    cost: CostModel = field(default_factory=CostModel)
+    tokens_per_sample: Callable[[tuple], int]  # a sample's token count from its shape (the cost model's input)
+    repeat: bool = False  # allow a global batch larger than the samples (repeating them)
+    window: int | None = None  # shards per window of the epoch order (None: a global shuffle), see train.order
+    on_missing: str = "error"  # data.on_missing: what to do with samples lacking a field
+    exclude: frozenset[str] = frozenset()  # the held-out validation split, never trained on
+
+
+@dataclass(kw_only=True)
+class _Selection:
+    ids: list[str]  # the samples to train on, in order
+    named: int  # samples the run was asked to train on
+    absent_skipped: int  # of those, absent from the store and skipped (on_missing: skip)
+    skipped: int  # in the store but lacking a required field
+
+
+def select_samples(store: featstore.Store, required: list[str], cached: list[str], options: StreamOptions, manifest=None) -> _Selection:
+    """The samples to train on: those with every ``cached`` field (or all, as data.on_missing
+    says), in the manifest's order when there is one, less the held-out split."""
+    ids = store.sample_ids(with_fields=cached) if cached else store.sample_ids()
+    universe = store.sample_ids() if manifest is None else [i for i in manifest.sample_ids(store) if i in store]
+    if manifest is not None:
+        have = set(ids)
+        ids = [i for i in universe if i in have]
+    if options.on_missing == "error" and len(ids) < len(universe):
+        _refuse_lacking(store, universe, set(ids), cached)
+    absent = manifest.absent(store) if manifest is not None else []
+    named = len(universe) + len(absent)
+    if absent:
+        ids = _absent_samples(store, ids, absent, named, options.on_missing, manifest)
+    exclude = options.exclude
+    ids = [i for i in ids if i not in exclude]
+    if not ids:
+        counts = store.samples_per_field()
+        raise featstore.SchemaError(
+            f"{store.url} has no samples with all of {required} to train on "
+            f"(samples per field: {', '.join(f'{f}: {counts.get(f, 0)}' for f in required)})"
+        )
+    if options.global_batch > len(ids) and not options.repeat:
+        raise ConfigError(
+            f"data.global_batch={options.global_batch} is larger than the {len(ids)} samples of {store.url} that have "
+            f"all of {required}: each step would repeat samples. Lower data.global_batch to at "
+            f"most {len(ids)}, or --set data.repeat=true to repeat them on purpose"
+        )
+    if options.global_batch < options.dp_size:
+        raise featstore.SchemaError(f"data.global_batch={options.global_batch} is smaller than the {options.dp_size} data-parallel ranks; raise it")
+    return _Selection(ids=ids, named=named, absent_skipped=len(absent) if absent and options.on_missing == "skip" else 0,
+                      skipped=len(universe) - sum(1 for i in ids if i in store) - len(exclude & set(universe)))
+
+
+def _refuse_lacking(store: featstore.Store, universe: list[str], have: set[str], cached: list[str]) -> None:
+    lacking = [i for i in universe if i not in have]
+    counts = {f: sum(1 for i in lacking if not store.has_field(i, f)) for f in cached}
+    raise MissingSamplesError(
+        f"{len(lacking)} of the {len(universe)} samples of {store.url} lack a field this run reads from the cache "
+        f"({', '.join(f'{f}: {n} lack it' for f, n in counts.items() if n)}), "
+        f"e.g. {', '.join(lacking[:5])}; encode them (mmcache encode adds missing fields to committed samples), "
+        "or --set data.on_missing=skip to train on the rest, or data.on_missing=live to encode them live"
+    )
+
+
+def _absent_samples(store: featstore.Store, ids: list[str], absent: list[str], named: int, on_missing: str, manifest) -> list[str]:
+    """``ids`` given the manifest's samples absent from the store: refused (error), left out
+    (skip), or trained on with every field encoded live (live)."""
+    if on_missing == "error":
+        raise MissingSamplesError(
+            f"{describe_absent(absent, named, store, manifest)}; encode them (mmcache encode --input {manifest.url} "
+            f"--output {store.url} adds them), or --set data.on_missing=skip to train on the rest, or data.on_missing=live to encode them live"
+        )
+    if on_missing == "live":
+        if bad := [i for i in absent if i not in manifest.rows]:
+            raise MissingSamplesError(f"{describe_absent(bad, named, store, manifest)}: they cannot be encoded live; fix those rows, or --set data.on_missing=skip")
+        keep = set(ids) | set(absent)
+        return [i for i in manifest.sample_ids(store) if i in keep]
+    return ids
+
+
 class FeatureStream:
     """Balanced, deterministic global batches of a store, for one data-parallel rank.
 
     ``data`` is the model family's adapter (``ModelFamily.data``): it names the fields to read and
     gives each sample's shape (from the index) and micro-batch group. Each sample handed out is a
-    dict of its fields plus its id under ``mmcache.train.packing.SAMPLE_ID``, for error messages."""
+    dict of its fields plus its id under ``mmcache.train.packing.SAMPLE_ID``, for error messages.
+    ``live`` (train.live.fields.LiveFields): fields made live are not needed from the cache.
+    ``manifest`` (train.live.manifest.TrainingManifest): the samples to train on, in its order,
+    some perhaps absent from the store (on_missing live: every field made live)."""
 
-    def __init__(self, store: featstore.Store, *, data, global_batch: int, seed: int,
-                 dp_size: int, dp_rank: int, balance, cost, tokens_per_sample, repeat: bool = False,
-                 live=None, on_missing: str = "error", caption_dropout=None, exclude: frozenset[str] = frozenset(),
-                 window: int | None = None, manifest=None) -> None:
-        # A store may hold a field for only some samples (one added after they were encoded).
-        # ``live`` (train.live.fields.LiveFields): fields made live are not needed from the cache.
-        # ``exclude``: the held-out validation split, never trained on.
-        # ``manifest`` (train.live.manifest.TrainingManifest): the samples to train on, in its
-        # order, some perhaps absent from the store (on_missing live: every field made live).
+    def __init__(self, store: featstore.Store, *, data, options: StreamOptions, live=None, caption_dropout=None, manifest=None) -> None:
         required = list(data.required_fields)
         produced, fillable = (live.produced, live.fillable) if live else (set(), set())
-        cached = [f for f in required if f not in produced and f not in fillable]
-        ids = store.sample_ids(with_fields=cached) if cached else store.sample_ids()
-        universe = store.sample_ids() if manifest is None else [i for i in manifest.sample_ids(store) if i in store]
-        if manifest is not None:
-            have = set(ids)
-            ids = [i for i in universe if i in have]
-        if on_missing == "error" and len(ids) < len(universe):
-            have = set(ids)
-            lacking = [i for i in universe if i not in have]
-            counts = {f: sum(1 for i in lacking if not store.has_field(i, f)) for f in cached}
-            raise MissingSamplesError(
-                f"{len(lacking)} of the {len(universe)} samples of {store.url} lack a field this run reads from the cache "
-                f"({', '.join(f'{f}: {n} lack it' for f, n in counts.items() if n)}), "
-                f"e.g. {', '.join(lacking[:5])}; encode them (mmcache encode adds missing fields to committed samples), "
-                "or --set data.on_missing=skip to train on the rest, or data.on_missing=live to encode them live"
-            )
-        absent = manifest.absent(store) if manifest is not None else []
-        self.named = len(universe) + len(absent)  # samples the run was asked to train on
-        if absent:
-            from mmcache.train.live.manifest import describe_absent
-
-            if on_missing == "error":
-                raise MissingSamplesError(
-                    f"{describe_absent(absent, self.named, store, manifest)}; encode them (mmcache encode --input {manifest.url} "
-                    f"--output {store.url} adds them), or --set data.on_missing=skip to train on the rest, or data.on_missing=live to encode them live"
-                )
-            if on_missing == "live":
-                if bad := [i for i in absent if i not in manifest.rows]:
-                    raise MissingSamplesError(f"{describe_absent(bad, self.named, store, manifest)}: they cannot be encoded live; fix those rows, or --set data.on_missing=skip")
-                keep = set(ids) | set(absent)
-                ids = [i for i in manifest.sample_ids(store) if i in keep]
-        self.absent_skipped = len(absent) if absent and on_missing == "skip" else 0
-        ids = [i for i in ids if i not in exclude]
-        if not ids:
-            counts = store.samples_per_field()
-            raise featstore.SchemaError(
-                f"{store.url} has no samples with all of {required} to train on "
-                f"(samples per field: {', '.join(f'{f}: {counts.get(f, 0)}' for f in required)})"
-            )
-        if global_batch > len(ids) and not repeat:
-            raise ConfigError(
-                f"data.global_batch={global_batch} is larger than the {len(ids)} samples of {store.url} that have "
-                f"all of {required}: each step would repeat samples. Lower data.global_batch to at "
-                f"most {len(ids)}, or --set data.repeat=true to repeat them on purpose"
-            )
-        if global_batch < dp_size:
-            raise featstore.SchemaError(f"data.global_batch={global_batch} is smaller than the {dp_size} data-parallel ranks; raise it")
-        self.store, self.data = store, data
-        self.global_batch, self.seed = global_batch, seed
-        self.dp_size, self.dp_rank = dp_size, dp_rank
-        self.balance, self.cost = balance, cost
-        self.ids = ids
-        self.num_samples = len(ids)
-        # Samples lacking one of the required fields (the store's; those it lacks entirely: absent_skipped).
-        self.skipped = len(universe) - sum(1 for i in ids if i in store) - len(exclude & set(universe))
-        self.rows = np.array([store.row(i) if i in store else -1 for i in ids], dtype=np.int64)  # -1: absent from the store
+        chosen = select_samples(store, required, [f for f in required if f not in produced and f not in fillable], options, manifest)
+        self.store, self.data, self.options = store, data, options
+        self.global_batch, self.seed = options.global_batch, options.seed
+        self.dp_size, self.dp_rank = options.dp_size, options.dp_rank
+        self.balance, self.cost = options.balance, options.cost
+        self.ids, self.num_samples = chosen.ids, len(chosen.ids)
+        self.named, self.absent_skipped, self.skipped = chosen.named, chosen.absent_skipped, chosen.skipped
+        self.rows = np.array([store.row(i) if i in store else -1 for i in self.ids], dtype=np.int64)  # -1: absent from the store
         self.live = live if live else None
         self.dropout = caption_dropout  # train.live.dropout.CaptionDropout or None
-        # Per sample, the required fields read from the cache (the rest are made live) and
-        # whether any of its fields is made live (what metrics.jsonl counts as live_samples).
-        reads = [tuple(f for f in required if f not in produced and (f not in fillable or store.has_field(i, f))) for i in ids]
-        self.cached_fields = reads
+        # Per sample, the fields read from the cache (the rest are made live), and whether any of
+        # its fields is made live (what metrics.jsonl counts as live_samples; an optional field
+        # made live is encoded for the samples that have it, not read).
+        reads = [sample_reads(data, store, i, produced=produced, fillable=fillable) for i in self.ids]
+        self.reads = [r + o for r, o in reads]
         live_optional = [f for f in data.optional_fields if f in produced and f in store.fields]
         self.is_live = np.array([len(r) < len(required) or any(store.has_field(i, f) for f in live_optional)
-                                 for r, i in zip(reads, ids, strict=True)], dtype=bool)
-        planner = data
-        if live:
-            from mmcache.train.live.manifest import planning_adapter
+                                 for (r, _), i in zip(reads, self.ids, strict=True)], dtype=bool)
+        self._size_samples(data, store, options.tokens_per_sample)
+        self.order = EpochOrder(options.seed, self._shard_of(store), options.window)
+        self.cache = store.storage.local_cache
 
-            planner = planning_adapter(data, store, live)  # sizes what samples lack by its live encoding
-        self.shapes = [self._shape(planner, i) for i in ids]
+    def _size_samples(self, data, store: featstore.Store, tokens_per_sample) -> None:
+        """Each sample's shape, micro-batch group and token count, from the index alone."""
+        planner = data
+        if self.live:
+            planner = planning_adapter(data, store, self.live)  # sizes what samples lack by its live encoding
+        self.shapes = [self._shape(planner, i) for i in self.ids]
         self.groups = [data.group_key(s) for s in self.shapes]
         self.tokens = [int(tokens_per_sample(s)) for s in self.shapes]
-        data.check_tokens(ids, self.tokens)  # fail before training, naming the samples
-        # (An optional field made live is encoded for the samples that have it, not read.)
-        optional = [f for f in data.optional_fields if f in store.fields and f not in produced]
-        # Which optional fields each sample has (e.g. an image): read exactly those.
-        self.extra = [tuple(f for f in optional if store.has_field(i, f)) for i in ids] if optional else None
-        # window: shards per window of the epoch order (None: a global shuffle), see train.order.
-        self.order = EpochOrder(seed, self._shard_of(store), window)
-        self.cache = store.storage.local_cache
+        data.check_tokens(self.ids, self.tokens)  # fail before training, naming the samples
 
     def _shard_of(self, store: featstore.Store) -> np.ndarray:
         """Each sample's shard number for the epoch order; samples absent from the store go in
@@ -281,7 +332,7 @@ class FeatureStream:
         dropped = self.dropout.fields if self.dropout else ()
         by_fields: dict[tuple[str, ...], list[int]] = {}
         for k, position in enumerate(positions):
-            fields = self.cached_fields[position] + (self.extra[position] if self.extra else ())
+            fields = self.reads[position]
             if blank and blank[k]:
                 fields = tuple(f for f in fields if f not in dropped)
             by_fields.setdefault(fields, []).append(k)

@@ -5,6 +5,10 @@ exists (a 1-rank gloo group when not launched by torchrun), the model is sharded
 the mesh's FSDP dims, and each rank trains on its part of a balanced global batch. Losses are
 sums over elements, gradients are summed across ranks, and both are divided by the global element
 count of the step, so the update equals the full-batch gradient at any world size.
+
+``fit`` is plan, build, run: ``train.plan.plan_run`` settles the run (the same plan ``--dry-run``
+prints), ``Trainer.build`` makes the model, optimizer and data stream from it, and
+``Trainer.run`` loops over ``train_step``, ``evaluate``, ``log`` and ``save``.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ import dataclasses
 import json
 import math
 import os
-import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -21,24 +24,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mmcache import featstore
-from mmcache.featstore.config import to_dict
 from mmcache.featstore.errors import ConfigError
-from mmcache.train.checkpoint import export_safetensors, latest_checkpoint, load_checkpoint, save_checkpoint
+from mmcache.train.checkpoint import export_safetensors, load_checkpoint, save_checkpoint
 from mmcache.train.config import TrainConfig
-from mmcache.train.data import FeatureStream, check_fingerprints, open_features, snapshot_digest
-from mmcache.train.models.dit_data import latent_normalisation
+from mmcache.train.data import FeatureStream, StreamOptions, snapshot_digest
 from mmcache.train.live.dropout import CaptionDropout
+from mmcache.train.live.fields import LiveFields
 from mmcache.train.live.joint import JointEncoders
-from mmcache.train.live.manifest import TrainingManifest, manifest_line
-from mmcache.train.live.manifest import check_resume as check_manifest_resume
-from mmcache.train.models import count_parameters, export_model, get_model_family
+from mmcache.train.live.manifest import manifest_line
+from mmcache.train.models import export_model
 from mmcache.train.objective import sample_generators
 from mmcache.train.order import plan_order
-from mmcache.train.parallel.dims import MESH_DIMS, ParallelDims, device_and_backend
-from mmcache.train.parallel.fsdp import apply_fsdp, local_state_bytes, reshard
-from mmcache.train.parallel.sequence_parallel import apply_sequence_parallel
+from mmcache.train.parallel.dims import ParallelMeshes, device_and_backend
+from mmcache.train.parallel.fsdp import reshard
+from mmcache.train.parallel.parallelize import parallelize
+from mmcache.train.plan import RunPlan, plan_run
+from mmcache.train.run_files import EpochCacheStats, peak_memory, tensorboard, update_run_json, write_run_json
 from mmcache.train.sample.during_fit import FitSampler, Validator, due, validation_ids
+
+# The scalars of a step's record that go to TensorBoard.
+BOARD_KEYS = ("loss", "lr", "step_time_s", "data_wait_s", "imbalance", "val_loss")
 
 
 def init_distributed() -> tuple[torch.device, str]:
@@ -60,28 +65,6 @@ def init_distributed() -> tuple[torch.device, str]:
     return device, backend
 
 
-def resolve_model(config: TrainConfig):
-    family = get_model_family(config.model.name)
-    model_config = family.resolve_config(config.model.preset)
-    if config.model.args:
-        model_config = family.resolve_config({**dataclasses.asdict(model_config), **config.model.args})
-    return family, model_config
-
-
-def input_sizes(store: featstore.Store, config: TrainConfig) -> dict[str, int]:
-    """The model's input sizes from the store's schema (the family's data adapter knows which)."""
-    family, model_config = resolve_model(config)
-    return family.data(model_config, config.data, store).input_sizes()
-
-
-def model_parts(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
-    """Parameter count of each part of the model and whether it trains (a family with freeze
-    switches names its parts with ``model.parts()``; otherwise the model is one part)."""
-    parts = model.parts() if hasattr(model, "parts") else {"model": model}
-    return {name: {"parameters": sum(p.numel() for p in part.parameters()), "trains": any(p.requires_grad for p in part.parameters())}
-            for name, part in parts.items()}
-
-
 def lr_lambda(config: TrainConfig):
     o = config.optim
 
@@ -96,244 +79,275 @@ def lr_lambda(config: TrainConfig):
     return factor
 
 
-def dry_run(config: TrainConfig, features: str, storage_options: dict | None) -> dict[str, Any]:
-    store = featstore.open(features, storage_options)
-    family, model_config = resolve_model(config)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    dims = ParallelDims.from_config(config.parallel, world)
-    sizes = input_sizes(store, config)
-    with torch.device("meta"):  # sized, not allocated: works for any model size
-        model = family.builder(model_config, **sizes)
-    return {
-        "config": to_dict(config),
-        "mesh": dict(zip(MESH_DIMS, dims.shape)),
-        "world_size": world,
-        "input_sizes": sizes,
-        "parameters": count_parameters(family.name, model_config, **sizes),
-        "parts": model_parts(model),
-        "store": {"url": store.url, "samples": len(store)},
-        "encoders": _describe_encoders(config, store, family.data(model_config, config.data, store), storage_options),
-    }
-
-
-def _describe_encoders(config: TrainConfig, store: featstore.Store, adapter, storage_options: dict | None = None) -> dict[str, Any]:
-    """Per field the run reads: its mode and, for live/train fields, the re-attached encoder's
-    parameter count and which parameters train (what memory and speed the mix costs)."""
-    from mmcache.train.live.fields import LiveFields
-
-    fields = list(adapter.required_fields) + [f for f in adapter.optional_fields if f in store.fields]
-    manifest = TrainingManifest.from_config(config.data, storage_options, store)
-    live = LiveFields.build(config, store, fields, optional=list(adapter.optional_fields), manifest=manifest)
+def dry_run(config: TrainConfig, features: str, storage_options: dict | None, *, run_dir: str | None = None,
+            resume: bool = False) -> dict[str, Any]:
+    """The plan ``fit`` would execute, described (its live/train fields' encoders loaded on the
+    CPU to count what they cost; nothing else is allocated, nothing written)."""
+    plan = plan_run(config, features, storage_options, world_size=int(os.environ.get("WORLD_SIZE", "1")), run_dir=run_dir, resume=resume)
+    live = LiveFields.build(config, plan.store, plan.fields, optional=list(plan.adapter.optional_fields), manifest=plan.manifest,
+                            storage_options=storage_options)
     live.set_trainable(config)
-    described = live.describe()
-    return {name: described.get(name, {"mode": "cached", "parameters": None}) for name in fields}
+    return plan.describe(live.describe())
 
 
 def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None = None, resume: bool = False,
         storage_options: dict | None = None, log=print) -> dict[str, Any]:
-    device, backend = init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    device, _ = init_distributed()
     run = Path(run_dir)
-    if rank == 0:
+    if dist.get_rank() == 0:
         run.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     torch.manual_seed(config.seed)
+    plan = plan_run(config, features, storage_options, world_size=dist.get_world_size(), run_dir=run, resume=resume)
+    trainer = Trainer.build(plan, run=run, device=device, steps=steps, storage_options=storage_options, log=log)
+    return trainer.run()
 
-    previous = run / "run.json"
-    before = json.loads(previous.read_text()) if resume and previous.exists() else None
-    if before is not None:
-        # The data order is a function of these: a resumed run that changed them is another run.
-        for section, key in (("data", "global_batch"), (None, "seed")):
-            was = before["config"][section][key] if section else before["config"][key]
-            now = getattr(getattr(config, section), key) if section else getattr(config, key)
-            if was != now:
-                raise ConfigError(f"--resume: {'.'.join(filter(None, (section, key)))} was {was} in {run}, now {now}; keep it, or train into a new --out")
-    # One snapshot of committed shards for the whole run, the same on every rank: a resumed run
-    # reopens the one its run.json lists, so its data order goes on even if the store has grown.
-    store = open_features(features, storage_options, cache_dir=config.data.cache_dir, cache_bytes=config.data.cache_bytes,
-                          shards=(before or {}).get("store", {}).get("shards"))
-    if rank == 0:
+
+@dataclasses.dataclass(kw_only=True)
+class Trainer:
+    """A built run: ``run`` loops over its steps (torchtitan's loop, split the same way)."""
+
+    plan: RunPlan
+    run_dir: Path
+    device: torch.device
+    meshes: ParallelMeshes
+    joint: JointEncoders  # the live/train fields' encoders (joint finetuning)
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    objective: Any
+    stream: FeatureStream
+    collate: Any  # samples -> the model's batch (the family's, with the live fields' encoding)
+    start: int
+    stop: int
+    recorded: dict[str, Any]  # run.json's entries beyond the plan's description
+    echo: Any  # prints a line (the CLI's click.echo)
+    validator: Validator | None = None
+    fit_sampler: FitSampler | None = None
+    epoch_cache: EpochCacheStats | None = None
+    losses: list[float] = dataclasses.field(default_factory=list)
+    metrics_file: Any = None  # rank 0's metrics.jsonl
+    board: Any = None  # rank 0's TensorBoard writer, when tensorboard is installed
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    # -- build --------------------------------------------------------------------------------
+    @classmethod
+    def build(cls, plan: RunPlan, *, run: Path, device: torch.device, steps: int | None, storage_options: dict | None, log) -> Trainer:
+        config, store = plan.config, plan.store
+        say = log if dist.get_rank() == 0 else (lambda *_: None)
         cached = f", cached in {config.data.cache_dir}" if config.data.cache_dir and store.storage.is_remote else ""
-        log(f"features: {store.url}: {len(store)} samples in {len(store.shards)} shard(s), snapshot {snapshot_digest(list(store.shards))}{cached}")
-    family, model_config = resolve_model(config)
-    data_adapter = family.data(model_config, config.data, store)
-    fields = list(data_adapter.required_fields) + [f for f in data_adapter.optional_fields if f in store.fields]
-    expected = dict(config.data.expect_fingerprints)
-    if before is not None:
-        # A resumed run must see the features it started with.
-        expected = {**{k: v.get("digest") for k, v in before["fingerprints"].items()}, **expected}
-    fingerprints = check_fingerprints(store, fields, expected, config.data.allow_fingerprint_mismatch)
-    manifest = TrainingManifest.from_config(config.data, storage_options, store)
-    check_manifest_resume(before, manifest, str(run))
+        say(f"features: {store.url}: {len(store)} samples in {len(store.shards)} shard(s), snapshot {snapshot_digest(list(store.shards))}{cached}")
+        meshes = plan.dims.build_meshes(device.type)
+        # Encoders re-attached for live/train fields (joint finetuning), checked against the cache
+        # before step 1; nothing is loaded when every field is cached.
+        joint = JointEncoders.setup(config, store, plan.fields, device=device, meshes=meshes, storage_options=storage_options,
+                                    lr_lambda=lr_lambda(config), log=say, optional=list(plan.adapter.optional_fields), manifest=plan.manifest)
+        if plan.family.advice is not None:
+            for warning in plan.family.advice(plan.model_config, **plan.input_sizes):
+                say(f"warning: {warning}")
+        model = parallelize(plan.family.builder(plan.model_config, **plan.input_sizes).to(device), meshes, config)
+        o = config.optim
+        # Frozen parts (model.args.train) have requires_grad False and stay out of the optimizer.
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
+        start = _resume(plan, run, model, optimizer, scheduler, joint, log)
+        stream, recorded = _stream(plan, meshes, joint, say, log)
+        store_bytes = recorded.pop("store_bytes")  # the epoch cache's yardstick, not run.json's
+        trainer = cls(plan=plan, run_dir=run, device=device, meshes=meshes, joint=joint, model=model, optimizer=optimizer,
+                      scheduler=scheduler, objective=plan.family.resolve_objective(config.objective or None), stream=stream,
+                      start=start, stop=steps if steps is not None else o.total_steps, recorded=recorded, echo=log,
+                      collate=joint.live.wrap_collate(plan.adapter.collate))
+        # One rank per sequence-parallel group counts what the group reads (its ranks read alike).
+        sp_leader = all(c == 0 for c in meshes.sp.get_coordinate() or ())
+        if stream.cache is not None:
+            trainer.epoch_cache = EpochCacheStats(stream, store_bytes=store_bytes, device=device, counts_reads=sp_leader)
+        trainer._add_evaluators(say)
+        trainer._open_metrics()
+        return trainer
 
-    dims = ParallelDims.from_config(config.parallel, world)
-    meshes = dims.build_meshes(device.type)
-    # Encoders re-attached for live/train fields (joint finetuning), checked against the cache
-    # before step 1; nothing is loaded when every field is cached.
-    joint = JointEncoders.setup(config, store, fields, device=device, meshes=meshes, storage_options=storage_options,
-                                lr_lambda=lr_lambda(config), log=log if rank == 0 else (lambda *_: None),
-                                optional=list(data_adapter.optional_fields), manifest=manifest)
-    sizes = data_adapter.input_sizes()
-    if rank == 0 and family.advice is not None:
-        for warning in family.advice(model_config, **sizes):
-            log(f"warning: {warning}")
-    model = family.builder(model_config, **sizes).to(device)
-    dims.check_heads(getattr(model, "attention_heads", getattr(model_config, "heads", 1)))
-    num_params = sum(p.numel() for p in model.parameters())
-    apply_sequence_parallel(model, meshes)
-    if meshes.fsdp.size() > 1:
-        apply_fsdp(model, meshes.fsdp, zero=config.zero)
-    # else: one rank holds everything anyway, and FSDP's hooks would only cost time.
-    objective = family.resolve_objective(config.objective or None)
-    o = config.optim
-    # Frozen parts (model.args.train) have requires_grad False and stay out of the optimizer.
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
+    def _add_evaluators(self, say) -> None:
+        """The validation loss on the held-out split and the samples drawn while training."""
+        plan, config = self.plan, self.plan.config
+        held_out = sorted(self.stream.options.exclude)
+        if held_out and config.sample.every:
+            say(f"validation: {len(held_out)} held-out sample(s), val_loss every {config.sample.every} steps")
+            self.validator = Validator(plan.store, held_out, plan.adapter, plan.family, self.objective, dp_rank=self.meshes.dp_rank,
+                                       dp_size=plan.dims.dp_size, dp_group=self.meshes.dp.get_group(), device=self.device,
+                                       dtype=self.dtype, live=self.joint.live)
+        if config.sample.prompts and config.sample.every:
+            if "in_channels" not in plan.input_sizes:
+                raise ConfigError(f"sample.prompts: sampling pictures is for DiT runs; model {plan.family.name!r} has no latents to sample")
+            self.fit_sampler = FitSampler(config.sample, plan.store, config.data, plan.model_config, plan.input_sizes, self.rank,
+                                          self.device, self.echo)
 
-    start = 0
-    if resume:
-        found = latest_checkpoint(run)
-        if found is None:
-            if rank == 0:
-                log(f"--resume: no checkpoint in {run / 'checkpoints'}; starting at step 0")
-        else:
-            progress = load_checkpoint(found[1], model, optimizer, scheduler, extra=joint.extra)
-            start = progress["step"]
-            if progress["scheduler"] == "replayed":
-                log(f"{found[1]} predates saved LR-scheduler state: the schedule was replayed to step {start}")
-            log(f"resumed from {found[1]} at step {start} (world size {world})")
-    stop = steps if steps is not None else o.total_steps
-    dim = getattr(model_config, "dim", 64)
-    held_out = validation_ids(store, list(data_adapter.required_fields), config.data.validation_fraction, config.data.validation_ids,
-                              named=manifest.sample_ids(store) if manifest is not None else None)
-    # The epoch order, from the config and the snapshot alone (never the world size).
-    order = plan_order(store, fields, config.data, None if before is None else before.get("data_order", {}))
-    stream = FeatureStream(
-        store, data=data_adapter, global_batch=config.data.global_batch, seed=config.seed,
-        dp_size=dims.dp_size, dp_rank=meshes.dp_rank, balance=config.balance, cost=config.balance.cost_model(dim),
-        tokens_per_sample=lambda shape: family.tokens_per_sample(model_config, shape), repeat=config.data.repeat, window=order.window,
-        live=joint.live, on_missing=config.data.on_missing,
-        caption_dropout=CaptionDropout(store, fields, config.data.caption_dropout, config.seed, joint.live.produced) if config.data.caption_dropout else None,
-        exclude=frozenset(held_out), manifest=manifest,
-    )
-    run_record = RunRecord(config=config, dims=dims, store=store, fingerprints=fingerprints, input_sizes=sizes, parameters=num_params,
-                           data_order={"shuffle_window": order.window, "shards": stream.order.num_shards},
-                           encoders=joint.describe(), drift=joint.drift, manifest=manifest.record(store) if manifest else None)
-    if rank == 0:
-        log(order.describe(stream.order.num_shards))
-        for warning in order.warnings:
-            log(f"warning: {warning}")
-    # One rank per sequence-parallel group counts what the group reads (its ranks read alike).
-    sp_leader = all(c == 0 for c in meshes.sp.get_coordinate() or ())
-    epoch_cache = EpochCacheStats(stream, store_bytes=order.store_bytes, device=device, counts_reads=sp_leader) if stream.cache is not None else None
-    if stream.skipped:
-        log(f"training on {stream.num_samples} of the {stream.named} samples: {stream.skipped} lack {' or '.join(map(repr, data_adapter.required_fields))}")
-    if rank == 0 and manifest is not None:
-        log(manifest_line(manifest, store, stream, config.data.on_missing))
-    if rank == 0 and joint.live.fillable and stream.is_live.any():
-        log(f"data.on_missing=live: {int(stream.is_live.sum())} of the {stream.num_samples} samples lack {' or '.join(map(repr, sorted(joint.live.fillable)))} and are encoded live")
-    collate = joint.live.wrap_collate(data_adapter.collate)
-    dtype = torch.float32
-    validator = fit_sampler = None
-    if held_out and config.sample.every:
-        if rank == 0:
-            log(f"validation: {len(held_out)} held-out sample(s), val_loss every {config.sample.every} steps")
-        validator = Validator(store, held_out, data_adapter, family, objective, dp_rank=meshes.dp_rank, dp_size=dims.dp_size,
-                              dp_group=meshes.dp.get_group(), device=device, dtype=dtype, live=joint.live)
-    if config.sample.prompts and config.sample.every:
-        if "in_channels" not in sizes:
-            raise ConfigError(f"sample.prompts: sampling pictures is for DiT runs; model {family.name!r} has no latents to sample")
-        fit_sampler = FitSampler(config.sample, store, config.data, model_config, sizes, rank, device, log)
-    if rank == 0 and start and (run / "metrics.jsonl").exists():
-        # Steps after the checkpoint we resumed from are trained again: drop their old records.
-        kept = [line for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip() and json.loads(line)["step"] <= start]
-        (run / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
-    metrics_file = open(run / "metrics.jsonl", "a") if rank == 0 else None  # noqa: SIM115
-    board = _tensorboard(run) if rank == 0 else None
-    losses = []
+    def _open_metrics(self) -> None:
+        if self.rank != 0:
+            return
+        metrics = self.run_dir / "metrics.jsonl"
+        if self.start and metrics.exists():
+            # Steps after the checkpoint we resumed from are trained again: drop their old records.
+            kept = [line for line in metrics.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= self.start]
+            metrics.write_text("".join(line + "\n" for line in kept))
+        self.metrics_file = open(metrics, "a")  # noqa: SIM115 (closed by run)
+        self.board = tensorboard(self.run_dir)
 
-    def evaluate(step: int) -> dict[str, Any]:
+    # -- the loop -----------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        try:
+            if self.start == 0 and (extra := self.evaluate(0)) and self.metrics_file:
+                self.metrics_file.write(json.dumps({"step": 0, **extra}) + "\n")
+                self.metrics_file.flush()
+            for data in self.stream.steps(self.start, self.stop, self.plan.config.data.prefetch):
+                record = self.train_step(data)
+                record.update(self.evaluate(record["step"]))
+                if self.epoch_cache is not None:
+                    record.update(self.epoch_cache.add(data, record["step_time_s"]))
+                self.log(record)
+                self.save(record["step"])
+            if self.stop > self.start:
+                self.export()
+        finally:
+            if self.metrics_file:
+                self.metrics_file.close()
+            if self.board is not None:
+                self.board.close()
+        # What this rank encoded of the run's batches per live/train field (under sequence
+        # parallelism its share), and its trained encoders' runs on no sample of its own.
+        return {"run_dir": str(self.run_dir), "start": self.start, "stop": self.stop, "losses": self.losses, "rank": self.rank,
+                "encoded": dict(self.joint.live.encoded), "idle_encoder_runs": dict(self.joint.live.idle_runs)}
+
+    def train_step(self, data) -> dict[str, Any]:
+        """One optimizer step on ``data``; its metrics record."""
+        config = self.plan.config
+        t0 = time.perf_counter()
+        loss_sum, count = accumulate_gradients(self.model, self.plan.family, self.objective, data, seed=config.seed,
+                                               collate=self.collate, device=self.device,
+                                               dtype=self.dtype, dp_group=self.meshes.dp.get_group(), grad_clip=config.optim.grad_clip,
+                                               extra_params=self.joint.parameters())
+        encoder_grads = self.joint.grad_norms()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        step = data.step + 1
+        if step == self.start + 1:  # after the first step: optimizer state and gradients exist
+            write_run_json(self.run_dir, self.plan.describe(self.joint.describe()), self.recorded, self.plan.store,
+                           self.model, self.optimizer, self.rank)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.joint.step()
+        loss = loss_sum / max(count, 1)
+        self.losses.append(loss)
+        return {
+            "step": step, "loss": loss, "lr": lr, "samples": data.samples, "tokens": data.tokens,
+            "step_time_s": time.perf_counter() - t0 + data.wait_s, "data_wait_s": data.wait_s,
+            "peak_mem_bytes": peak_memory(self.device), "imbalance": data.imbalance, "live_samples": data.live_samples,
+            **({"captions_dropped": data.captions_dropped} if config.data.caption_dropout else {}),
+            **encoder_grads,
+        }
+
+    def evaluate(self, step: int) -> dict[str, Any]:
         """val_loss and samples after ``step``, when due (every rank calls it: both run collectives)."""
         extra: dict[str, Any] = {}
-        if not due(config.sample, step, start, stop):
+        if not due(self.plan.config.sample, step, self.start, self.stop):
             return extra
-        if validator is not None:
+        if self.validator is not None:
             t0 = time.perf_counter()
-            extra["val_loss"] = validator.loss(model)
+            extra["val_loss"] = self.validator.loss(self.model)
             extra["val_time_s"] = time.perf_counter() - t0
-        if fit_sampler is not None:
-            extra["sample_time_s"] = fit_sampler.run(model, run, step, device, board)
-        reshard(model, *(module for module, _, _ in joint.extra.values()))
+        if self.fit_sampler is not None:
+            extra["sample_time_s"] = self.fit_sampler.run(self.model, self.run_dir, step, self.device, self.board)
+        reshard(self.model, *(module for module, _, _ in self.joint.extra.values()))
         return extra
 
-    try:
-        if start == 0 and (extra := evaluate(0)) and metrics_file:
-            metrics_file.write(json.dumps({"step": 0, **extra}) + "\n")
-            metrics_file.flush()
-        for data in stream.steps(start, stop, config.data.prefetch):
-            t0 = time.perf_counter()
-            loss_sum, count = accumulate_gradients(model, family, objective, data, seed=config.seed, collate=collate, device=device,
-                                                   dtype=dtype, dp_group=meshes.dp.get_group(), grad_clip=o.grad_clip,
-                                                   extra_params=joint.parameters())
-            encoder_grads = joint.grad_norms()
-            lr = optimizer.param_groups[0]["lr"]
-            optimizer.step()
-            step = data.step + 1
-            if step == start + 1:  # after the first step: optimizer state and gradients exist
-                _write_run_json(run, run_record, model, optimizer, rank)
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            joint.step()
-            loss = loss_sum / max(count, 1)
-            losses.append(loss)
-            record = {
-                "step": step, "loss": loss, "lr": lr, "samples": data.samples, "tokens": data.tokens,
-                "step_time_s": time.perf_counter() - t0 + data.wait_s, "data_wait_s": data.wait_s,
-                "peak_mem_bytes": _peak_memory(device), "imbalance": data.imbalance, "live_samples": data.live_samples,
-                **({"captions_dropped": data.captions_dropped} if config.data.caption_dropout else {}),
-                **encoder_grads,
-                **evaluate(step),
-            }
-            if epoch_cache is not None:
-                record.update(epoch_cache.add(data, record["step_time_s"]))
-            if metrics_file:
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
-                if board is not None:
-                    for key in ("loss", "lr", "step_time_s", "data_wait_s", "imbalance", "val_loss"):
-                        if key in record:
-                            board.add_scalar(key, record[key], step)
-                if step % config.log_every == 0 or step == stop or "val_loss" in record:
-                    val = f"  val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
-                    log(f"step {step:5d}  loss {loss:.4f}{val}  lr {lr:.2e}  {record['step_time_s'] * 1000:6.0f} ms  wait {data.wait_s * 1000:4.0f} ms  imbalance {data.imbalance:.2f}")
-                if "epoch_cache" in record:
-                    e = record["epoch_cache"]
-                    log(f"epoch {e['epoch']}: downloaded {e['bytes_downloaded'] / 2**20:.1f} MiB = {e['download_ratio']:.2f}x the {e['store_bytes'] / 2**20:.1f} MiB read, "
-                        f"cache hit rate {e['hit_rate']:.1%}, data wait {e['data_wait_share']:.2%} of step time ({e['steps']} steps)")
-            if config.checkpoint.every and step % config.checkpoint.every == 0 and step != stop:
-                save_checkpoint(run, step, model, optimizer, scheduler, config.checkpoint.keep, extra=joint.extra)
-        if stop > start:
-            save_checkpoint(run, stop, model, optimizer, scheduler, config.checkpoint.keep, extra=joint.extra)
-            full = export_safetensors(model, run / "model.safetensors")
-            if family.export is not None:  # the family's own format too (the VLM: an HF folder)
-                if full is not None:
-                    written = export_model(family.name, model_config, full, run / "export", **sizes)
-                    log(f"exported {', '.join(str(p) for p in written)}")
-                dist.barrier()
-            stale = joint.export(run, store, stop)
-            if stale and rank == 0:
-                _update_run_json(run, {"stale_fields": stale})
-                for name, record in stale.items():
-                    log(f"exported the trained encoder of {name!r} to {record['export']}; the cached {name!r} is stale for it: {record['reencode']}")
-    finally:
-        if metrics_file:
-            metrics_file.close()
-        if board is not None:
-            board.close()
-    # What this rank encoded of the run's batches per live/train field (under sequence parallelism
-    # its share), and its trained encoders' runs on no sample of its own.
-    return {"run_dir": str(run), "start": start, "stop": stop, "losses": losses, "rank": rank,
-            "encoded": dict(joint.live.encoded), "idle_encoder_runs": dict(joint.live.idle_runs)}
+    def log(self, record: dict[str, Any]) -> None:
+        """A step's record into metrics.jsonl and TensorBoard, and its line (rank 0 only)."""
+        if not self.metrics_file:
+            return
+        step = record["step"]
+        self.metrics_file.write(json.dumps(record) + "\n")
+        self.metrics_file.flush()
+        if self.board is not None:
+            for key in BOARD_KEYS:
+                if key in record:
+                    self.board.add_scalar(key, record[key], step)
+        if step % self.plan.config.log_every == 0 or step == self.stop or "val_loss" in record:
+            val = f"  val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
+            self.echo(f"step {step:5d}  loss {record['loss']:.4f}{val}  lr {record['lr']:.2e}  {record['step_time_s'] * 1000:6.0f} ms  "
+                      f"wait {record['data_wait_s'] * 1000:4.0f} ms  imbalance {record['imbalance']:.2f}")
+        if "epoch_cache" in record:
+            e = record["epoch_cache"]
+            self.echo(f"epoch {e['epoch']}: downloaded {e['bytes_downloaded'] / 2**20:.1f} MiB = {e['download_ratio']:.2f}x the {e['store_bytes'] / 2**20:.1f} MiB read, "
+                      f"cache hit rate {e['hit_rate']:.1%}, data wait {e['data_wait_share']:.2%} of step time ({e['steps']} steps)")
+
+    def save(self, step: int) -> None:
+        """A checkpoint every checkpoint.every steps (the last step's is ``export``'s)."""
+        every = self.plan.config.checkpoint.every
+        if every and step % every == 0 and step != self.stop:
+            save_checkpoint(self.run_dir, step, self.model, self.optimizer, self.scheduler, self.plan.config.checkpoint.keep, extra=self.joint.extra)
+
+    def export(self) -> None:
+        """After the last step: its checkpoint, model.safetensors, the family's own format and the
+        trained encoders (collectives: every rank calls it)."""
+        plan, run = self.plan, self.run_dir
+        save_checkpoint(run, self.stop, self.model, self.optimizer, self.scheduler, plan.config.checkpoint.keep, extra=self.joint.extra)
+        full = export_safetensors(self.model, run / "model.safetensors")
+        if plan.family.export is not None:  # the family's own format too (the VLM: an HF folder)
+            if full is not None:
+                written = export_model(plan.family.name, plan.model_config, full, run / "export", **plan.input_sizes)
+                self.echo(f"exported {', '.join(str(p) for p in written)}")
+            dist.barrier()
+        stale = self.joint.export(run, plan.store, self.stop)
+        if stale and self.rank == 0:
+            update_run_json(run, {"stale_fields": stale})
+            for name, record in stale.items():
+                self.echo(f"exported the trained encoder of {name!r} to {record['export']}; the cached {name!r} is stale for it: {record['reencode']}")
+
+
+def _resume(plan: RunPlan, run: Path, model, optimizer, scheduler, joint: JointEncoders, log) -> int:
+    """The step to start at: the plan's checkpoint loaded into the model and optimizers, or 0."""
+    if plan.resume_from is None:
+        if plan.resume and dist.get_rank() == 0:
+            log(f"--resume: no checkpoint in {run / 'checkpoints'}; starting at step 0")
+        return 0
+    progress = load_checkpoint(plan.resume_from, model, optimizer, scheduler, extra=joint.extra)
+    start = progress["step"]
+    if progress["scheduler"] == "replayed":
+        log(f"{plan.resume_from} predates saved LR-scheduler state: the schedule was replayed to step {start}")
+    log(f"resumed from {plan.resume_from} at step {start} (world size {plan.dims.world_size})")
+    return start
+
+
+def _stream(plan: RunPlan, meshes: ParallelMeshes, joint: JointEncoders, say, log) -> tuple[FeatureStream, dict[str, Any]]:
+    """This rank's feature stream, less the held-out split; and what run.json records of it."""
+    config, store, adapter = plan.config, plan.store, plan.adapter
+    family, model_config = plan.family, plan.model_config
+    held_out = validation_ids(store, list(adapter.required_fields), config.data.validation_fraction, config.data.validation_ids,
+                              named=plan.manifest.sample_ids(store) if plan.manifest is not None else None)
+    # The epoch order, from the config and the snapshot alone (never the world size).
+    order = plan_order(store, plan.fields, config.data, None if plan.before is None else plan.before.get("data_order", {}))
+    options = StreamOptions(global_batch=config.data.global_batch, seed=config.seed, dp_size=plan.dims.dp_size, dp_rank=meshes.dp_rank,
+                            balance=config.balance, cost=config.balance.cost_model(getattr(model_config, "dim", 64)),
+                            tokens_per_sample=lambda shape: family.tokens_per_sample(model_config, shape), repeat=config.data.repeat,
+                            window=order.window, on_missing=config.data.on_missing, exclude=frozenset(held_out))
+    dropout = CaptionDropout(store, plan.fields, config.data.caption_dropout, config.seed, joint.live.produced) if config.data.caption_dropout else None
+    stream = FeatureStream(store, data=adapter, options=options, live=joint.live, caption_dropout=dropout, manifest=plan.manifest)
+    say(order.describe(stream.order.num_shards))
+    for warning in order.warnings:
+        say(f"warning: {warning}")
+    if stream.skipped:
+        log(f"training on {stream.num_samples} of the {stream.named} samples: {stream.skipped} lack {' or '.join(map(repr, adapter.required_fields))}")
+    if plan.manifest is not None:
+        say(manifest_line(plan.manifest, store, stream, config.data.on_missing))
+    if joint.live.fillable and stream.is_live.any():
+        say(f"data.on_missing=live: {int(stream.is_live.sum())} of the {stream.num_samples} samples lack "
+            f"{' or '.join(map(repr, sorted(joint.live.fillable)))} and are encoded live")
+    recorded = {"data_order": {"shuffle_window": order.window, "shards": stream.order.num_shards}, "fingerprints": plan.fingerprints,
+                "drift": joint.drift, "store_bytes": order.store_bytes,
+                **({"manifest": plan.manifest.record(store)} if plan.manifest is not None else {})}
+    return stream, recorded
 
 
 def accumulate_gradients(model, family, objective, data, *, seed: int, collate, device: torch.device, dtype: torch.dtype,
@@ -365,136 +379,3 @@ def accumulate_gradients(model, family, objective, data, *, seed: int, collate, 
     return loss_sum, count
 
 
-def _tensorboard(run: Path):
-    """A TensorBoard writer in RUN_DIR/tensorboard when the tensorboard package is installed."""
-    import importlib.util
-
-    if importlib.util.find_spec("tensorboard") is None:
-        return None
-    from torch.utils.tensorboard import SummaryWriter
-
-    return SummaryWriter(str(run / "tensorboard"))
-
-
-def _peak_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
-
-
-class EpochCacheStats:
-    """What the local cache cost per epoch, summed over the ranks (a step's reads are counted by
-    the reader thread as it makes them, so prefetching ahead does not shift them between steps).
-    Every rank calls ``add`` at every step; the step that finishes an epoch sums the counters over
-    all ranks (one small all-reduce per epoch) and returns the ``epoch_cache`` record.
-
-    The ranks of one sequence-parallel group read the same samples (each slices its tokens from
-    the whole sample), so ``bytes_read`` counts one rank per group (``counts_reads``): it is what
-    the data-parallel ranks read, about the store once per epoch at any SP degree. Downloads,
-    requests and hits are every rank's: what the caches really did (SP peers that share a node's
-    cache download an object once and hit it after)."""
-
-    KEYS = ("requests", "hits", "bytes_downloaded", "bytes_read")
-
-    def __init__(self, stream: FeatureStream, *, store_bytes: int, device: torch.device, counts_reads: bool = True) -> None:
-        self.stream, self.store_bytes, self.device = stream, store_bytes, device
-        self.counts_reads = counts_reads
-        self.totals = dict.fromkeys(self.KEYS, 0.0)
-        self.wait_s = self.step_s = 0.0
-        self.steps = 0
-
-    def add(self, data, step_time_s: float) -> dict[str, Any]:
-        for key in self.KEYS:
-            if key != "bytes_read" or self.counts_reads:
-                self.totals[key] += (data.cache or {}).get(key, 0)
-        self.wait_s += data.wait_s
-        self.step_s += step_time_s
-        self.steps += 1
-        out: dict[str, Any] = {"cache_bytes_downloaded": int((data.cache or {}).get("bytes_downloaded", 0))}
-        epoch, finished = self.stream.epoch_of(data.step)
-        if not finished:
-            return out
-        mine = torch.tensor([self.totals[k] for k in self.KEYS] + [self.wait_s, self.step_s], dtype=torch.float64, device=self.device)
-        dist.all_reduce(mine)
-        summed = dict(zip(self.KEYS, mine.cpu().tolist()[: len(self.KEYS)]))
-        wait, step_s = (float(v) for v in mine.cpu().tolist()[len(self.KEYS):])
-        out["epoch_cache"] = {
-            "epoch": epoch, "steps": self.steps, "store_bytes": self.store_bytes,
-            "bytes_downloaded": int(summed["bytes_downloaded"]), "bytes_read": int(summed["bytes_read"]),
-            "download_ratio": summed["bytes_downloaded"] / max(self.store_bytes, 1),
-            "hit_rate": summed["hits"] / summed["requests"] if summed["requests"] else 0.0,
-            "data_wait_share": wait / step_s if step_s > 0 else 0.0,
-        }
-        self.totals = dict.fromkeys(self.KEYS, 0.0)
-        self.wait_s = self.step_s = 0.0
-        self.steps = 0
-        return out
-
-
-@dataclasses.dataclass(kw_only=True)
-class RunRecord:
-    """What run.json records of a run that is settled before step 1 (``_write_run_json`` adds
-    what each rank holds after it)."""
-
-    config: TrainConfig
-    dims: ParallelDims
-    store: featstore.Store  # the run's snapshot
-    fingerprints: dict[str, Any]  # of the fields the run reads
-    input_sizes: dict[str, int]
-    parameters: int
-    data_order: dict[str, Any]  # the epoch order's window (None: global shuffle) and shard count
-    encoders: dict[str, Any]  # per field: its mode and encoder (train.live.joint)
-    drift: list[dict[str, Any]]  # the drift check before step 1
-    manifest: dict[str, Any] | None  # data.manifest's record (--resume checks its digest)
-
-
-def _write_run_json(run: Path, record: RunRecord, model, optimizer, rank: int) -> None:
-    store, config = record.store, record.config
-    held = local_state_bytes(model, optimizer)
-    grads = sum((p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).numel() * p.element_size() for p in model.parameters() if p.grad is not None)
-    snapshot = snapshot_digest(list(store.shards))
-    device = next(model.parameters()).device  # nccl/hccl gather device tensors
-    mine = torch.tensor([held["params"], grads, held["optimizer"], int(snapshot[:15], 16)], dtype=torch.int64, device=device)
-    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    everyone = [t.cpu() for t in everyone]
-    if len({int(t[3]) for t in everyone}) != 1:  # cannot happen: open_features hands out one snapshot
-        raise RuntimeError(f"ranks train on different snapshots of {store.url}: {[f'{int(t[3]):015x}' for t in everyone]}")
-    if rank != 0:
-        return
-    latent = store.fields.get(config.data.latent_field)  # a DiT store: record its normalisation
-    doc = {
-        "config": to_dict(config),
-        "mesh": dict(zip(MESH_DIMS, record.dims.shape)),
-        "world_size": record.dims.world_size,
-        # The snapshot the run trains on; --resume reopens exactly these shards.
-        "store": {"url": store.url, "samples": len(store), "shards": sorted(store.shards), "snapshot": snapshot},
-        # The epoch order's window (None: global shuffle); --resume keeps it.
-        "data_order": record.data_order,
-        "fingerprints": record.fingerprints,
-        # The trained fields' metadata (normalisation, VAE compression...): what sampling and
-        # export need to turn the model's output back into pictures, even without the store.
-        "fields": {name: store.fields[name].meta for name in record.fingerprints if name in store.fields},
-        "input_sizes": record.input_sizes,
-        "parameters": record.parameters,
-        "ranks": [{"rank": r, "param_bytes": int(t[0]), "grad_bytes": int(t[1]), "optim_bytes": int(t[2])} for r, t in enumerate(everyone)],
-        "encoders": record.encoders,
-        "drift": record.drift,
-        **({"manifest": record.manifest} if record.manifest is not None else {}),
-    }
-    if latent is not None:
-        doc["latent_normalisation"] = {
-            "recorded": {k: v for k, v in latent.meta.items() if k in ("scaling_factor", "shift_factor", "latents_mean", "latents_std")},
-            "applied_shift_scale": latent_normalisation(latent.meta),
-        }
-    _replace_json(run / "run.json", doc)
-
-
-def _update_run_json(run: Path, entries: dict[str, Any]) -> None:
-    _replace_json(run / "run.json", {**json.loads((run / "run.json").read_text()), **entries})
-
-
-def _replace_json(path: Path, doc: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2, default=str))
-    tmp.replace(path)

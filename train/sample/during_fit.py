@@ -27,7 +27,9 @@ import torch.distributed as dist
 
 from mmcache import featstore
 from mmcache.featstore.errors import ConfigError
+from mmcache.train.data import sample_reads
 from mmcache.train.objective import sample_generators
+from mmcache.train.packing import SAMPLE_ID
 from mmcache.train.sample.decode import load_decoder
 from mmcache.train.sample.generate import SampleJob, default_size, generate, latent_shape, parse_size, store_prompt_embeddings
 from mmcache.train.sample.sampler import SamplerConfig
@@ -62,14 +64,11 @@ def read_held_out(store, sample_ids: list[str], data_adapter, live=None) -> list
     the cached fields (the required ones, and the optional ones each sample has, e.g. a VLM's
     image), then what the run's live/train fields add (``live.complete``: a train field's prepared
     inputs, which ``Validator`` encodes with the encoder as it is at each evaluation)."""
-    from mmcache.train.packing import SAMPLE_ID
-
     produced, fillable = (live.produced, live.fillable) if live else (set(), set())
     by_fields: dict[tuple[str, ...], list[int]] = {}
     for k, sid in enumerate(sample_ids):
-        fields = [f for f in data_adapter.required_fields if f not in produced and (f not in fillable or store.has_field(sid, f))]
-        fields += [f for f in data_adapter.optional_fields if f in store.fields and f not in produced and store.has_field(sid, f)]
-        by_fields.setdefault(tuple(fields), []).append(k)
+        required, optional = sample_reads(data_adapter, store, sid, produced=produced, fillable=fillable)
+        by_fields.setdefault(required + optional, []).append(k)
     out: list[dict] = [{} for _ in sample_ids]
     for fields, members in by_fields.items():
         read = store.read_rows([store.row(sample_ids[k]) for k in members], list(fields)) if fields else [{} for _ in members]

@@ -1,0 +1,135 @@
+"""What a run will do, settled before anything trains: ``plan_run`` -> ``RunPlan``.
+
+``mmtrain fit --dry-run`` prints the plan and ``mmtrain fit`` executes it; both come from
+``plan_run``, so what the dry run shows is what the run does (run.json records the same
+description). The plan opens the store's snapshot, resolves the model, checks the fields'
+fingerprints and sizes the model on the meta device; it allocates nothing and writes nothing.
+The live/train fields' encoders are not loaded here: ``describe`` takes their description from
+whoever loaded them (the dry run on the CPU, fit through ``JointEncoders``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmcache import featstore
+from mmcache.featstore.config import to_dict
+from mmcache.featstore.errors import ConfigError
+from mmcache.train.checkpoint import latest_checkpoint
+from mmcache.train.config import TrainConfig
+from mmcache.train.data import check_fingerprints, open_features, run_fields
+from mmcache.train.live.manifest import TrainingManifest
+from mmcache.train.live.manifest import check_resume as check_manifest_resume
+from mmcache.train.models import get_model_family
+from mmcache.train.parallel.dims import MESH_DIMS, ParallelDims
+
+
+def resolve_model(config: TrainConfig):
+    """The model family and its resolved config (the preset, then ``model.args`` over it)."""
+    family = get_model_family(config.model.name)
+    model_config = family.resolve_config(config.model.preset)
+    if config.model.args:
+        model_config = family.resolve_config({**dataclasses.asdict(model_config), **config.model.args})
+    return family, model_config
+
+
+def input_sizes(store: featstore.Store, config: TrainConfig) -> dict[str, int]:
+    """The model's input sizes from the store's schema (the family's data adapter knows which)."""
+    family, model_config = resolve_model(config)
+    return family.data(model_config, config.data, store).input_sizes()
+
+
+def model_parts(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    """Parameter count of each part of the model and whether it trains (a family with freeze
+    switches names its parts with ``model.parts()``; otherwise the model is one part)."""
+    parts = model.parts() if hasattr(model, "parts") else {"model": model}
+    return {name: {"parameters": sum(p.numel() for p in part.parameters()), "trains": any(p.requires_grad for p in part.parameters())}
+            for name, part in parts.items()}
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunPlan:
+    """A run, resolved: everything ``fit`` needs to decide before it builds anything."""
+
+    config: TrainConfig
+    family: Any  # train.models.registry.ModelFamily
+    model_config: Any
+    store: featstore.Store  # the run's snapshot of committed shards
+    adapter: Any  # the family's data adapter (train.models.registry.DataAdapter)
+    fields: list[str]  # the fields the run reads (train.data.run_fields)
+    fingerprints: dict[str, Any]  # of those fields, checked against what the run expects
+    manifest: TrainingManifest | None
+    dims: ParallelDims
+    input_sizes: dict[str, int]
+    parameters: int
+    parts: dict[str, dict[str, Any]]
+    resume: bool  # --resume: go on from the newest checkpoint, if there is one
+    before: dict[str, Any] | None  # the run.json of the run this one resumes
+    resume_from: Path | None  # the checkpoint it resumes from (None: step 0)
+
+    def describe(self, encoders: dict[str, Any]) -> dict[str, Any]:
+        """What --dry-run prints and run.json records. ``encoders``: the live/train fields'
+        description (``LiveFields.describe``); every other field the run reads is cached."""
+        return {
+            "config": to_dict(self.config),
+            "mesh": dict(zip(MESH_DIMS, self.dims.shape)),
+            "world_size": self.dims.world_size,
+            "input_sizes": self.input_sizes,
+            "parameters": self.parameters,
+            "parts": self.parts,
+            "store": {"url": self.store.url, "samples": len(self.store)},
+            "encoders": {name: encoders.get(name, {"mode": "cached", "parameters": None}) for name in self.fields},
+            "resumes": None if self.resume_from is None else str(self.resume_from),
+        }
+
+
+def plan_run(config: TrainConfig, features: str, storage_options: dict | None = None, *, world_size: int = 1,
+             run_dir: str | Path | None = None, resume: bool = False) -> RunPlan:
+    """The plan of a run of ``config`` on ``features`` over ``world_size`` ranks (into ``run_dir``,
+    resuming its newest checkpoint with ``resume``). Raises on a config the run would refuse."""
+    run = Path(run_dir) if run_dir is not None else None
+    before = _previous_run(config, run) if resume and run is not None else None
+    # One snapshot of committed shards for the whole run, the same on every rank: a resumed run
+    # reopens the one its run.json lists, so its data order goes on even if the store has grown.
+    store = open_features(features, storage_options, cache_dir=config.data.cache_dir, cache_bytes=config.data.cache_bytes,
+                          shards=(before or {}).get("store", {}).get("shards"))
+    family, model_config = resolve_model(config)
+    adapter = family.data(model_config, config.data, store)
+    fields = run_fields(adapter, store)
+    expected = dict(config.data.expect_fingerprints)
+    if before is not None:
+        # A resumed run must see the features it started with.
+        expected = {**{k: v.get("digest") for k, v in before["fingerprints"].items()}, **expected}
+    fingerprints = check_fingerprints(store, fields, expected, config.data.allow_fingerprint_mismatch)
+    manifest = TrainingManifest.from_config(config.data, storage_options, store)
+    check_manifest_resume(before, manifest, str(run))
+    dims = ParallelDims.from_config(config.parallel, world_size)
+    sizes = adapter.input_sizes()
+    with torch.device("meta"):  # sized, not allocated: works for any model size
+        model = family.builder(model_config, **sizes)
+    dims.check_heads(getattr(model, "attention_heads", getattr(model_config, "heads", 1)))
+    found = latest_checkpoint(run) if resume and run is not None else None
+    return RunPlan(config=config, family=family, model_config=model_config, store=store, adapter=adapter, fields=fields,
+                   fingerprints=fingerprints, manifest=manifest, dims=dims, input_sizes=sizes,
+                   parameters=sum(p.numel() for p in model.parameters()), parts=model_parts(model), resume=resume, before=before,
+                   resume_from=None if found is None else found[1])
+
+
+def _previous_run(config: TrainConfig, run: Path) -> dict[str, Any] | None:
+    """The run.json of the run being resumed (None: there is none); refuses a config whose data
+    order differs from it (the order is a function of these: a run that changed them is another)."""
+    previous = run / "run.json"
+    if not previous.exists():
+        return None
+    before = json.loads(previous.read_text())
+    for section, key in (("data", "global_batch"), (None, "seed")):
+        was = before["config"][section][key] if section else before["config"][key]
+        now = getattr(getattr(config, section), key) if section else getattr(config, key)
+        if was != now:
+            raise ConfigError(f"--resume: {'.'.join(filter(None, (section, key)))} was {was} in {run}, now {now}; keep it, or train into a new --out")
+    return before
