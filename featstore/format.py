@@ -231,21 +231,30 @@ def _seal_position(raw: bytes, value: bytes) -> int | None:
     return at if at >= 0 else None
 
 
+_DATA_ROOT = re.compile(rf"{SHARDS_DIR}/[A-Za-z0-9][A-Za-z0-9._:=+-]{{0,199}}")
+_REJECTS_KEY = re.compile(rf"{REJECTS_DIR}/[A-Za-z0-9][A-Za-z0-9._:=+-]{{0,199}}\.parquet")
+
+
 def recorded_names_problem(shard: str, data_root: Any, rejects_key: Any, fields: Any) -> str | None:
     """Why the names a commit record gives are not this format's (None when they are): the data
     directory ``shards/<safe name>``, the rejects object ``rejects/<safe name>.parquet``, field names
     of the field grammar. Stores are shared between teams: a name from a store is input, checked
-    before any use, so no record can point a reader outside the store."""
-    def safe(name: Any) -> bool:
-        return isinstance(name, str) and bool(_SAFE_NAME.match(name)) and ".." not in name
-
-    if not (isinstance(data_root, str) and data_root.startswith(f"{SHARDS_DIR}/") and safe(data_root[len(SHARDS_DIR) + 1 :])):
+    before any use, so no record can point a reader outside the store. (Run per shard at every
+    open: compiled patterns, and each set of field names checked once.)"""
+    if not (isinstance(data_root, str) and _DATA_ROOT.fullmatch(data_root) and ".." not in data_root):
         return f"shard {shard!r} names its data directory {data_root!r}, not {SHARDS_DIR}/<name>"
-    if not (isinstance(rejects_key, str) and rejects_key.startswith(f"{REJECTS_DIR}/") and rejects_key.endswith(".parquet")
-            and safe(rejects_key[len(REJECTS_DIR) + 1 : -len(".parquet")])):
+    if not (isinstance(rejects_key, str) and _REJECTS_KEY.fullmatch(rejects_key) and ".." not in rejects_key):
         return f"shard {shard!r} names its rejects {rejects_key!r}, not {REJECTS_DIR}/<name>.parquet"
-    bad = [f for f in fields if not (isinstance(f, str) and _SAFE_FIELD.match(f))]
-    return f"shard {shard!r} holds a field named {bad[0]!r}, not a field name" if bad else None
+    names = tuple(fields)
+    if not all(type(f) is str for f in names):
+        return f"shard {shard!r} holds a field named {next(f for f in names if type(f) is not str)!r}, not a field name"
+    bad = _bad_field_name(names)
+    return f"shard {shard!r} holds a field named {bad!r}, not a field name" if bad is not None else None
+
+
+@functools.lru_cache(maxsize=256)
+def _bad_field_name(names: tuple[str, ...]) -> str | None:
+    return next((f for f in names if not _SAFE_FIELD.fullmatch(f)), None)
 
 
 def check_shard_name(name: Any) -> str:

@@ -176,8 +176,11 @@ class DaskExecutor:
         return self.client.submit(_specs_on_worker, config, str(default_cache_dir()), pure=False).result()
 
     def load_encoders(self, specs: list[EncoderSpec], requested: str) -> Any:
-        """Every worker loads its encoders now, in parallel, rather than inside its first task."""
-        loads = [self.client.submit(_describe_on_worker, specs, requested, self.placement.threads, workers=[a], pure=False)
+        """Every worker loads its encoders now, in parallel, rather than inside its first task. Each
+        load asks for its worker but may run on any (allow_other_workers): pinned to a worker that
+        died meanwhile (a nanny restarts it under a new address), it would wait forever."""
+        loads = [self.client.submit(_describe_on_worker, specs, requested, self.placement.threads, workers=[a],
+                                    allow_other_workers=True, pure=False)
                  for a in self.addresses]
         return _AllOf(loads)
 
@@ -185,7 +188,8 @@ class DaskExecutor:
         """Encoded and written by the first worker, with the encoders it has loaded: the client
         never loads a model, nor handles an embedding (a bfloat16 one would import ml_dtypes)."""
         return self.client.submit(_prompts_on_worker, specs, requested, self.placement.threads, sections, prompts, output_url,
-                                  storage_options, store.manifest, workers=[self.addresses[0]], pure=False).result()
+                                  storage_options, store.manifest, workers=[self.addresses[0]], allow_other_workers=True,
+                                  pure=False).result()
 
     def share(self, value: Any) -> Any:
         # A task's result, not scattered data: if the worker holding it dies, it is recomputed.

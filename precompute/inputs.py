@@ -155,13 +155,12 @@ def _row(record: dict[str, Any], rules: _Rules, allow_empty_caption: bool, seen:
     # A signed URL is fetched as given, but only shown (ids, rejects, provenance) without
     # its signature: the credential must not end up in the store.
     source = redact_url(raw) if "://" in raw else raw
-    caption = record.get("caption")
-    caption = "" if caption is None else str(caption)
+    caption, bad_caption = caption_text(record.get("caption"))
     sample_id = str(record["id"]) if record.get("id") not in (None, "") else sample_id_for(source)
     uri = _resolve(raw, rules)
     conversations, bad_conversations = _conversations(record.get("conversations"))
     # A row with conversations needs no caption: its text is the turns.
-    reason = (record.get(WALK_PROBLEM) or bad_conversations
+    reason = (record.get(WALK_PROBLEM) or bad_caption or bad_conversations
               or _row_problem(uri, source, caption, sample_id, rules, allow_empty_caption or conversations is not None, seen))
     modality = modality_of(source)
     if reason or uri is None or modality is None:
@@ -171,14 +170,14 @@ def _row(record: dict[str, Any], rules: _Rules, allow_empty_caption: bool, seen:
 
 def _text_row(record: dict[str, Any], seen: set[str]) -> InputRow | Reject:
     """A row without media: a caption or conversations for the LLM alone."""
-    caption = "" if record.get("caption") is None else str(record["caption"])
+    caption, bad_caption = caption_text(record.get("caption"))
     conversations, bad_conversations = _conversations(record.get("conversations"))
     text = json.dumps([caption, [list(t) for t in conversations or ()]], ensure_ascii=False)
     given = record.get("id") not in (None, "")
     sample_id = str(record["id"]) if given else f"text-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
     source = f"text:{sample_id}"  # what rejects and re-runs know the row by
-    reason = bad_conversations
-    if reason is None and conversations is None and not caption.strip():
+    reason = bad_caption or bad_conversations
+    if reason is None and conversations is None and not has_visible_text(caption):
         reason = "row has no path and no text (a text-only row needs a caption or conversations)"
     reason = reason or caption_problem(caption)
     if reason is None and sample_id in seen:
@@ -195,8 +194,8 @@ def _row_problem(uri: str | None, source: str, caption: str, sample_id: str, rul
         return "path escapes the input root (set data.allow_outside_root: true to allow it)"
     if rules.real_root is not None and "://" not in uri and (problem := local_file_problem(uri, rules)):
         return problem  # first: what a file is decides before anything about the row
-    if not caption.strip() and not allow_empty_caption:
-        return "empty caption (set data.allow_empty_caption: true to allow it)"
+    if not has_visible_text(caption) and not allow_empty_caption:
+        return "empty caption: no visible text (set data.allow_empty_caption: true to allow it)"
     if (problem := caption_problem(caption)) is not None:
         return problem
     if sample_id in seen:
@@ -206,6 +205,20 @@ def _row_problem(uri: str | None, source: str, caption: str, sample_id: str, rul
     if not _safe_id(sample_id):
         return f"id {sample_id!r} is not a safe name (A-Z a-z 0-9 . _ : = + -)"
     return None
+
+
+def caption_text(value: Any) -> tuple[str, str | None]:
+    """(the caption, why it is not one): a caption is a string, or absent. A number, list or
+    dict is refused rather than encoded from its Python repr (``['a', 'list']``)."""
+    if value is None or isinstance(value, str):
+        return value or "", None
+    return "", f"caption {str(value)[:40]!r} is not text but {type(value).__name__}: write captions as strings"
+
+
+def has_visible_text(caption: str) -> bool:
+    """Whether a caption has a character a reader would see: whitespace, zero-width and other
+    format characters (U+200B, U+FEFF, ...) alone are an empty caption."""
+    return any(not char.isspace() and unicodedata.category(char) not in ("Cc", "Cf", "Zs", "Zl", "Zp") for char in caption)
 
 
 def caption_problem(caption: str) -> str | None:

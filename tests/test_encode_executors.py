@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -234,3 +235,28 @@ def test_a_new_store_on_s3_costs_five_requests_besides_its_shards(dataset, clust
                             ("PUT", next(k for k in [r.key.removeprefix("store/") for r in requests] if k.startswith("prompts/")))]), fixed
     # Per shard: its group and two fields' (zarr.json, chunk), one check of index/, its index part.
     assert len(store.shards) == summary.tasks and len(per_shard) == summary.tasks * (5 + 1 + 1), sorted((r.method, r.key, r.query) for r in per_shard)
+
+
+def test_a_worker_dead_before_its_encoders_load_hangs_nothing(tmp_path, dataset):
+    """The loads (one asked of each worker) and the prompts' task (asked of the first) run on a
+    live worker when the one they name was killed after the job listed the workers: pinned to
+    the dead address, they waited forever."""
+    from distributed import Client
+
+    from mmcache.precompute.executors import DaskExecutor
+
+    config = tiny_config()
+    placement = choose_placement(config, scheduler=None, workers=2, output_url=str(tmp_path / "s"), samples=lambda: 0)
+    with local_cluster(2) as local, Client(local) as client:
+        executor = DaskExecutor(client, placement, 2)
+        first = executor.addresses[0]
+        os.kill(client.run(os.getpid, workers=[first])[first], signal.SIGKILL)
+        specs, _ = executor.resolve_specs(config)
+        start = time.monotonic()
+        loaded = executor.load_encoders(specs, "cpu").result()
+        assert {"latent", "text_emb"} <= set(loaded["fields"]) and time.monotonic() - start < 120
+        # And a whole job on that cluster, prompts included, finishes exactly once.
+        quiet(config, dataset, tmp_path / "store", scheduler=local.scheduler_address, prompts=["a red fox"])
+    store = featstore.open(str(tmp_path / "store"))
+    assert len(store) == len(manifest_rows(dataset)) and store.num_rejected() == 0
+    assert set(featstore.read_prompts(store, "text_emb")) == {"", "a red fox"}

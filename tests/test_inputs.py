@@ -159,6 +159,20 @@ def test_control_characters_in_captions_are_rejected(root):
     assert "U+001B" in got["esc"]
 
 
+def test_captions_must_be_strings_with_visible_text(root):
+    rows = [{"path": "good.png", "caption": "a cat", "id": "ok"},
+            {"path": "good.png", "caption": ["a", "list"], "id": "list"},
+            {"path": "good.png", "caption": 42, "id": "number"},
+            {"path": "good.png", "caption": {"text": "a dict"}, "id": "dict"},
+            {"path": "good.png", "caption": "\u200b\u200b \ufeff", "id": "invisible"}]
+    good, rejects = read_inputs(str(write_jsonl(root / "m.jsonl", rows)))
+    assert [r.sample_id for r in good] == ["ok"]
+    got = {r.sample_id: r.reason for r in rejects}
+    assert got["list"] == "caption \"['a', 'list']\" is not text but list: write captions as strings"
+    assert "is not text but int" in got["number"] and "is not text but dict" in got["dict"]
+    assert got["invisible"].startswith("empty caption: no visible text")
+
+
 def test_ids_that_would_collide_after_sanitising_are_distinct(root):
     (root / "a").mkdir()
     (root / "a" / "b.png").write_bytes(PNG)

@@ -23,14 +23,15 @@ def cli(debug: bool) -> None:
 @click.option("--config", "config_name", required=True, help="YAML file or preset name (configs/train/NAME.yaml), e.g. tiny-dit.")
 @click.option("--features", required=True, help="Feature store URL (a path, s3://, memory://...).")
 @click.option("--out", "run_dir", default=None, help="Run folder: metrics.jsonl, run.json, checkpoints/, model.safetensors.")
-@click.option("--steps", type=int, default=None, help="Stop after this step (the LR schedule still comes from the config).")
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="Stop after this step (the LR schedule still comes from the config).")
 @click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in --out (any world size).")
+@click.option("--overwrite", is_flag=True, help="Replace the run already in --out (its checkpoints, metrics and model are deleted).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value (repeatable).")
 @click.option("--dry-run", is_flag=True, help="Print the run's plan (resolved config, mesh, input sizes, fields and their modes, parameters per part, the checkpoint --resume goes on from); do not train.")
 @click.option("--cache-dir", default=None, metavar="DIR", help="Local read-through cache of a remote store (sets data.cache_dir; size: --set data.cache_bytes=50GiB).")
 @click.option("--media", "media_root", default=None, metavar="ROOT", help="Where the media of live/train fields are now: the folder the encode manifest's paths were relative to (sets data.media_root).")
 @storage_options_option
-def fit(config_name, features, run_dir, steps, resume, overrides, dry_run, cache_dir, media_root, storage_options) -> None:
+def fit(config_name, features, run_dir, steps, resume, overwrite, overrides, dry_run, cache_dir, media_root, storage_options) -> None:
     """Train on the features at --features. ``--resume`` loads the checkpoint's torch DCP metadata,
     which is pickled: resume only run folders you trust."""
     from mmcache.featstore.config import load_config
@@ -55,7 +56,7 @@ def fit(config_name, features, run_dir, steps, resume, overrides, dry_run, cache
     import torch.distributed as dist
 
     try:
-        result = run_fit(config, features, run_dir, steps=steps, resume=resume, storage_options=options, log=click.echo)
+        result = run_fit(config, features, run_dir, steps=steps, resume=resume, overwrite=overwrite, storage_options=options, log=click.echo)
     finally:
         # An undestroyed process group can abort the interpreter at exit (its threads are
         # torn down while still joinable).

@@ -28,6 +28,7 @@ from mmcache.featstore.errors import ConfigError
 from mmcache.train.checkpoint import export_safetensors, load_checkpoint, save_checkpoint
 from mmcache.train.config import TrainConfig
 from mmcache.train.data import FeatureStream, StreamOptions, snapshot_digest
+from mmcache.train.run_dir import claim_run_dir
 from mmcache.train.live.dropout import CaptionDropout
 from mmcache.train.live.fields import LiveFields
 from mmcache.train.live.joint import JointEncoders
@@ -91,16 +92,15 @@ def dry_run(config: TrainConfig, features: str, storage_options: dict | None, *,
 
 
 def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None = None, resume: bool = False,
-        storage_options: dict | None = None, log=print) -> dict[str, Any]:
+        overwrite: bool = False, storage_options: dict | None = None, log=print) -> dict[str, Any]:
     device, _ = init_distributed()
     run = Path(run_dir)
-    if dist.get_rank() == 0:
-        run.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    torch.manual_seed(config.seed)
-    plan = plan_run(config, features, storage_options, world_size=dist.get_world_size(), run_dir=run, resume=resume)
-    trainer = Trainer.build(plan, run=run, device=device, steps=steps, storage_options=storage_options, log=log)
-    return trainer.run()
+    # The folder is this run's (locked) before anything is read or written: see train.run_dir.
+    with claim_run_dir(run, resume=resume, overwrite=overwrite):
+        torch.manual_seed(config.seed)
+        plan = plan_run(config, features, storage_options, world_size=dist.get_world_size(), run_dir=run, resume=resume)
+        trainer = Trainer.build(plan, run=run, device=device, steps=steps, storage_options=storage_options, log=log)
+        return trainer.run()
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -199,7 +199,7 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         try:
             if self.start == 0 and (extra := self.evaluate(0)) and self.metrics_file:
-                self.metrics_file.write(json.dumps({"step": 0, **extra}) + "\n")
+                self.metrics_file.write(json.dumps(_finite({"step": 0, **extra}), allow_nan=False) + "\n")
                 self.metrics_file.flush()
             for data in self.stream.steps(self.start, self.stop, self.plan.config.data.prefetch):
                 record = self.train_step(data)
@@ -224,14 +224,16 @@ class Trainer:
         """One optimizer step on ``data``; its metrics record."""
         config = self.plan.config
         t0 = time.perf_counter()
-        loss_sum, count = accumulate_gradients(self.model, self.plan.family, self.objective, data, seed=config.seed,
+        loss_sum, count, grad_norm = accumulate_gradients(self.model, self.plan.family, self.objective, data, seed=config.seed,
                                                collate=self.collate, device=self.device,
                                                dtype=self.dtype, dp_group=self.meshes.dp.get_group(), grad_clip=config.optim.grad_clip,
                                                extra_params=self.joint.parameters())
+        step = data.step + 1
+        if not math.isfinite(loss_sum) or (grad_norm is not None and not math.isfinite(grad_norm)):
+            raise NonFiniteLossError(self._non_finite(step, data, loss_sum, grad_norm))  # on every rank: both are global
         encoder_grads = self.joint.grad_norms()
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
-        step = data.step + 1
         if step == self.start + 1:  # after the first step: optimizer state and gradients exist
             write_run_json(self.run_dir, self.plan.describe(self.joint.describe()), self.recorded, self.plan.store,
                            self.model, self.optimizer, self.rank)
@@ -247,6 +249,14 @@ class Trainer:
             **({"captions_dropped": data.captions_dropped} if config.data.caption_dropout else {}),
             **encoder_grads,
         }
+
+    def _non_finite(self, step: int, data, loss_sum: float, grad_norm: float | None) -> str:
+        what = f"the loss is {loss_sum}" if not math.isfinite(loss_sum) else f"the gradient norm is {grad_norm}"
+        ids = [self.stream.ids[i] for i in data.global_indices]
+        shown = ", ".join(ids[:6]) + (f" and {len(ids) - 6} more" if len(ids) > 6 else "")
+        return (f"step {step}: {what} (samples {shown}); stopped before the optimizer step, so no weights changed and nothing "
+                f"non-finite was written: the checkpoints in {self.run_dir / 'checkpoints'} are as they were. Check those samples "
+                f"(mmcache verify; a store written with allow_nonfinite) or lower optim.lr")
 
     def evaluate(self, step: int) -> dict[str, Any]:
         """val_loss and samples after ``step``, when due (every rank calls it: both run collectives)."""
@@ -267,7 +277,7 @@ class Trainer:
         if not self.metrics_file:
             return
         step = record["step"]
-        self.metrics_file.write(json.dumps(record) + "\n")
+        self.metrics_file.write(json.dumps(_finite(record), allow_nan=False) + "\n")  # strict JSON: no bare NaN
         self.metrics_file.flush()
         if self.board is not None:
             for key in BOARD_KEYS:
@@ -351,10 +361,11 @@ def _stream(plan: RunPlan, meshes: ParallelMeshes, joint: JointEncoders, say, lo
 
 
 def accumulate_gradients(model, family, objective, data, *, seed: int, collate, device: torch.device, dtype: torch.dtype,
-                         dp_group, grad_clip: float, extra_params=()) -> tuple[float, int]:
+                         dp_group, grad_clip: float, extra_params=()) -> tuple[float, int, float | None]:
     """Forward/backward every micro-batch of this rank's share of a step, then turn the summed
     gradients into the gradient of the global mean (and clip). Returns the global loss sum and
-    the global loss-element count (all-reduced: a VLM's label tokens are known only from data)."""
+    the global loss-element count (all-reduced: a VLM's label tokens are known only from data),
+    and the gradients' global norm before clipping (None without clipping)."""
     # [loss sum, element count], on the device: nccl/hccl reduce device tensors
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     for micro_batch, samples in data.micro_batches:
@@ -374,8 +385,17 @@ def accumulate_gradients(model, family, objective, data, *, seed: int, collate, 
     for p in params:
         if p.grad is not None:
             p.grad.div_(max(count, 1))
+    norm = None
     if grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    return loss_sum, count
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a replicated DTensor
+    return loss_sum, count, norm
 
 
+class NonFiniteLossError(ValueError):
+    """A step's loss or gradient norm is NaN or infinite: fit stops before the optimizer step."""
+
+
+def _finite(record: dict[str, Any]) -> dict[str, Any]:
+    """A metrics record with any non-finite number as null (metrics.jsonl stays strict JSON)."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else _finite(v) if isinstance(v, dict) else v) for k, v in record.items()}
