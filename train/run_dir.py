@@ -28,8 +28,11 @@ from mmcache.featstore.errors import ConfigError
 from mmcache.train.data import broadcast_json
 
 LOCK_NAME = ".mmtrain.lock"
-# What a run writes into its folder (train.run_files, checkpoint, sample.during_fit, export).
+# What a run writes into its folder (train.run_files, checkpoint, sample.during_fit, export):
+# --overwrite removes these. A run's first step writes run.json: with it, a checkpoint or a
+# model, the folder holds a run (before that a failed start left nothing worth keeping).
 RUN_FILES = ("run.json", "metrics.jsonl", "model.safetensors", "checkpoints", "samples", "export", "tensorboard")
+RUN_MARKERS = ("run.json", "checkpoints", "model.safetensors")
 
 
 @contextlib.contextmanager
@@ -56,7 +59,7 @@ def claim_run_dir(run: Path, *, resume: bool, overwrite: bool) -> Iterator[None]
 def existing_run_problem(run: Path, *, resume: bool, overwrite: bool) -> str | None:
     if resume and overwrite:
         return "--resume continues the run in --out and --overwrite replaces it: give one of them"
-    held = [name for name in RUN_FILES if (run / name).exists()]
+    held = [name for name in RUN_MARKERS if (run / name).exists()]
     if resume or overwrite or not held:
         return None
     return (f"{run} holds a run already ({', '.join(held)}): pass --resume to continue it, --overwrite to replace it "
