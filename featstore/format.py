@@ -29,7 +29,7 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
-from mmcache.featstore.errors import FormatVersionError, NotAStoreError, SchemaError
+from mmcache.featstore.errors import CorruptionError, FormatVersionError, NotAStoreError, SchemaError
 
 FORMAT_NAME = "mmcache-featstore"
 # The newest version this code reads. A store is written as version 1 (every shard holds every
@@ -282,8 +282,6 @@ def root_group_json(manifest: dict[str, Any]) -> bytes:
 
 
 def parse_root_group(raw: bytes, where: str) -> dict[str, Any]:
-    from mmcache.featstore.errors import CorruptionError
-
     try:
         doc = json.loads(raw)
         manifest = doc["attributes"]["mmcache"]
@@ -380,8 +378,6 @@ def index_nbytes(num_chunks: int) -> int:
 
 def parse_shard_index(tail: bytes, num_chunks: int, where: str) -> np.ndarray:
     """Decode the shard index at the end of a shard object into an (num_chunks, 2) array."""
-    from mmcache.featstore.errors import CorruptionError
-
     if len(tail) != index_nbytes(num_chunks):
         raise CorruptionError(f"{where}: shard index is truncated")
     body, crc = tail[:-4], int.from_bytes(tail[-4:], "little")

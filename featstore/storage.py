@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from mmcache.featstore import secrets
-from mmcache.featstore.errors import CorruptionError
+from mmcache.featstore.errors import ConfigError, CorruptionError
 from mmcache.featstore.retry import RetryPolicy, describe, is_transient, remote_filesystem, with_retries, with_retries_async
 
 __all__ = ["FsspecStorage", "LocalStorage", "RetryPolicy", "Storage", "UploadPolicy", "open_storage", "with_retries"]
@@ -431,8 +431,6 @@ class FsspecStorage(Storage):
             # featstore's retries are the only ones: s3fs's and botocore's are set to one attempt.
             self.fs, root = remote_filesystem(url, storage_options, self.retry)
         except (ImportError, ValueError) as exc:
-            from mmcache.featstore.errors import ConfigError
-
             raise ConfigError(f"cannot open {secrets.redact_url(url)}: {describe(exc)}") from None
         self.root = root.rstrip("/")
         # s3fs: its async internals (listing without a probe of the parent, multipart calls)

@@ -7,8 +7,11 @@ from __future__ import annotations
 import click
 
 from mmcache.featstore.cli import cli, parse_storage_options, storage_options_option
+from mmcache.featstore.config import load_config
 from mmcache.featstore.user_errors import check_output_location
+from mmcache.precompute.config import EncodeConfig
 from mmcache.precompute.devices import DEVICES
+from mmcache.precompute.prompts import load_prompt_file
 
 
 @cli.command()
@@ -28,10 +31,8 @@ def encode(config_name, input_url, output_url, workers, scheduler, device, overr
     """Run frozen encoders over INPUT once and write their features to the store at OUTPUT."""
     if workers is not None and scheduler:
         raise click.UsageError("--workers and --scheduler exclude each other")
-    from mmcache.featstore.config import load_config
-    from mmcache.precompute.config import EncodeConfig
+    # lazy: the encode pipeline is imported only by `encode`, so `mmcache --help`/`info` stay fast
     from mmcache.precompute.pipeline import run_encode
-    from mmcache.precompute.prompts import load_prompt_file
 
     config = load_config(EncodeConfig, config_name, "encode", overrides)
     prompts = load_prompt_file(prompts_file) if prompts_file else None

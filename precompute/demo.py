@@ -25,6 +25,7 @@ def main() -> None:
     out = Path(args.out).resolve()
     bindir = Path(sys.executable).parent
 
+    # lazy: demo_data imports PIL, needed only when the demo makes its data
     from mmcache.precompute.demo_data import make_dataset
 
     manifest = out / "data" / "manifest.jsonl"

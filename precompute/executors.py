@@ -157,6 +157,7 @@ class DaskExecutor:
     """Tasks on a Dask cluster: a LocalCluster of worker processes, or an external one."""
 
     def __init__(self, client: Any, placement: Placement, wait_for: int) -> None:
+        # lazy: worker_plugin imports distributed, only once a Dask client exists
         from mmcache.precompute.worker_plugin import EncoderPlugin
 
         self.client, self.placement, self.kind = client, placement, placement.kind
@@ -332,6 +333,7 @@ def _specs_on_worker(config, cache_dir):
 
 
 def _prompts_on_worker(specs, requested, threads, sections, prompts, output_url, storage_options, manifest):
+    # lazy: worker_plugin imports distributed; this runs on a Dask worker
     from mmcache.precompute.worker_plugin import worker_cache
 
     encoders = loaded_encoders(specs, _device_here(requested), threads, worker_cache())
@@ -344,6 +346,7 @@ def _prompts_on_worker(specs, requested, threads, sections, prompts, output_url,
 
 
 def _run_on_worker(task, output_url, storage_options, specs, threads, settings: TaskSettings, known):
+    # lazy: worker_plugin imports distributed; this runs on a Dask worker
     from mmcache.precompute.worker_plugin import worker_cache
 
     return encode_task(task, store_url=output_url, storage_options=storage_options, specs=specs, device=_device_here(settings.device),

@@ -13,6 +13,7 @@ from typing import Any
 
 from mmcache import featstore
 from mmcache.featstore.errors import FingerprintMismatchError
+from mmcache.featstore.reader import create_store
 from mmcache.precompute.inputs import Reject
 
 
@@ -30,8 +31,6 @@ def open_or_create(url: str, fields: dict[str, Any], storage_options: dict[str, 
     against them (fail closed). Configured fields it lacks are added to it, so a new encoder (or a
     changed one under a new field name) extends a store in place."""
     if store is None:
-        from mmcache.featstore.reader import create_store
-
         return create_store(url, fields, storage_options=storage_options, attrs={"transform": transform})
     if store.attrs.get("transform") != json.loads(json.dumps(transform)):
         raise FingerprintMismatchError(

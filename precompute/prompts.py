@@ -18,13 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from mmcache.featstore.prompts import EMPTY_PROMPT, part_key, read_prompt_file, write_prompts
+from mmcache.featstore.prompts import EMPTY_PROMPT, PromptFileError, part_key, read_prompt_file, write_prompts
 
 
 def load_prompt_file(path: str) -> list[str]:
     """The prompts of ``path`` (one per line; a blank line is an error naming the line)."""
-    from mmcache.featstore.prompts import PromptFileError
-
     file = Path(path)
     try:
         text = file.read_text(encoding="utf-8")

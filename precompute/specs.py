@@ -99,6 +99,7 @@ def encoder_specs(config: EncodeConfig, cache_dir: Path | None = None) -> list[E
         name = options.pop("encoder")
         cls = encoder_class(name)
         if options.get("path") == TINY_PATH:
+            # lazy: encoders.tiny imports torch
             from mmcache.precompute.encoders.tiny import ensure_tiny_models
 
             options["path"] = str(ensure_tiny_models((cache_dir or default_cache_dir()) / "tiny", [name])[name])

@@ -78,6 +78,7 @@ class EncoderCache:
 
     def get(self, specs: list[EncoderSpec], device: str) -> dict[str, Any]:
         """Section -> loaded encoder for ``specs`` on ``device``, loading only what is missing or stale."""
+        # lazy: the encoders import torch; importing tasks stays torch-free
         from mmcache.precompute.encoders import build_encoder
 
         with self._lock:
@@ -323,6 +324,7 @@ def _meta(row: InputRow, prepared: dict[str, Any] | None, primary: str | None) -
 def _encode_isolating(encoder: Any, items: list, why: Callable[[Exception], str]) -> list[dict[str, np.ndarray] | str]:
     """``encoder.encode(items)``; where the batch fails on a bad input (or a NaN output), each
     item again on its own, so only the bad one fails: its reason (``why(error)``) in its place."""
+    # lazy: the encoders import torch; importing tasks stays torch-free
     from mmcache.precompute.encoders import EncoderInputError, EncoderOutputError
 
     try:
@@ -360,6 +362,7 @@ def _encode_batch(batch, encoders: dict[str, Any], reject, done: list, primary: 
 
 
 def _text_failure(exc: Exception) -> str:
+    # lazy: the encoders import torch; importing tasks stays torch-free
     from mmcache.precompute.encoders import EncoderOutputError
 
     if isinstance(exc, EncoderOutputError):

@@ -8,8 +8,11 @@ import sys
 
 import click
 
+from mmcache import featstore
 from mmcache.featstore.cli import parse_storage_options, storage_options_option
+from mmcache.featstore.config import load_config
 from mmcache.featstore.user_errors import UserErrorGroup, check_output_location, debug_option
+from mmcache.train.live.manifest import TrainingManifest
 
 
 @click.group(cls=UserErrorGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -34,7 +37,7 @@ def cli(debug: bool) -> None:
 def fit(config_name, features, run_dir, steps, resume, overwrite, overrides, dry_run, cache_dir, media_root, storage_options) -> None:
     """Train on the features at --features. ``--resume`` loads the checkpoint's torch DCP metadata,
     which is pickled: resume only run folders you trust."""
-    from mmcache.featstore.config import load_config
+    # lazy: keeps `mmtrain --help` from importing torch
     from mmcache.train.config import TrainConfig
 
     config = load_config(TrainConfig, config_name, "train", overrides)
@@ -44,6 +47,7 @@ def fit(config_name, features, run_dir, steps, resume, overwrite, overrides, dry
         config.data.media_root = media_root
     options = parse_storage_options(storage_options)
     if dry_run:
+        # lazy: keeps `mmtrain --help` from importing torch
         from mmcache.train.trainer import dry_run as describe
 
         click.echo(json.dumps(describe(config, features, options, run_dir=run_dir, resume=resume), indent=2, default=str))
@@ -51,6 +55,7 @@ def fit(config_name, features, run_dir, steps, resume, overwrite, overrides, dry
     if not run_dir:
         raise click.UsageError("--out RUN_DIR is required to train")
     check_output_location(run_dir, "--out")
+    # lazy: keeps `mmtrain --help` from importing torch
     from mmcache.train.trainer import fit as run_fit
 
     import torch.distributed as dist
@@ -90,8 +95,7 @@ def drift(features, field_names, samples, seed, media_root, tolerance, config_na
     relative L2 error, cosine). Exit code 1 when a field differs by more than the tolerance."""
     import sys
 
-    from mmcache import featstore
-    from mmcache.featstore.config import load_config
+    # lazy: keeps `mmtrain --help` from importing torch
     from mmcache.train.config import TrainConfig
     from mmcache.train.live.drift import measure_drift, pick_samples
     from mmcache.train.live.reattach import reattach_field
@@ -104,8 +108,6 @@ def drift(features, field_names, samples, seed, media_root, tolerance, config_na
     names = [n.strip() for n in field_names.split(",") if n.strip()] if field_names else [n for n, f in store.fields.items() if "encoder" in f.meta]
     if not names:
         raise click.UsageError(f"{store.url} records no encoder for any field; name them with --fields (and --set encoders.<field>.rebuild...)")
-    from mmcache.train.live.manifest import TrainingManifest
-
     manifest = TrainingManifest.from_config(config.data, options, store)  # the conversations a tokenizer field was encoded from
     reports = []
     for name in names:
@@ -151,6 +153,7 @@ def sample(run, checkpoint, prompt, prompts_file, out, seeds, steps, guidance, s
     samples.json. From a VLM: answers about each --image (to each --prompt, or a caption without
     one), or to each --prompt alone without --image, in answers.jsonl. Same run, input, seed and
     device -> the same bytes."""
+    # lazy: keeps `mmtrain --help` from importing torch
     from mmcache.train.sample.command import sample_command
 
     check_output_location(out, "--out")
@@ -168,6 +171,7 @@ def sample(run, checkpoint, prompt, prompts_file, out, seeds, steps, guidance, s
 @click.option("--checkpoint", type=int, default=None, metavar="STEP", help="A checkpoint's step (default: the final weights, else the newest checkpoint).")
 def export(run_dir, out, checkpoint) -> None:
     """Write a run's model (safetensors + config.json, or the family's own format) from any checkpoint."""
+    # lazy: keeps `mmtrain --help` from importing torch
     from mmcache.train.sample.source import export_run
 
     check_output_location(out, "--out")

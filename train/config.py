@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from mmcache.featstore.cache import parse_size
 from mmcache.featstore.errors import ConfigError
 from mmcache.train.balance import BalanceConfig
 from mmcache.train.parallel.dims import ParallelConfig
@@ -77,8 +78,6 @@ class DataSection:
         if not 0.0 <= self.validation_fraction < 1.0:
             raise ConfigError(f"data.validation_fraction must be in [0, 1), got {self.validation_fraction}")
         if self.cache_bytes is not None:
-            from mmcache.featstore.cache import parse_size
-
             self.cache_bytes = parse_size(self.cache_bytes, "data.cache_bytes")
 
 

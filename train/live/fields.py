@@ -36,6 +36,8 @@ from torch import nn
 
 from mmcache import featstore
 from mmcache.featstore.errors import ConfigError
+from mmcache.featstore.format import dtype_info
+from mmcache.train.live.manifest import has_media
 from mmcache.train.live.reattach import LiveEncoder, LiveInputError, reattach_field, sample_rows
 
 RAW = "__live_input__:"  # sample-dict key prefix of a train field's prepared encoder input
@@ -132,8 +134,6 @@ class LiveFields:
         store lacks gets every text field, and the visual ones when its row has media."""
         if sample_id in self.store:
             return self.store.has_field(sample_id, name)
-        from mmcache.train.live.manifest import has_media
-
         live = self.fields.get(name)
         assert self.manifest is not None, f"sample {sample_id!r} is neither in the store nor in a manifest"
         return live is not None and (live.encoder.is_text or has_media(self.manifest.row(sample_id)))
@@ -237,8 +237,6 @@ class LiveFields:
         raise instead of leaving them waiting in a gather for its share."""
         if pending is None:
             return
-        from mmcache.featstore.format import dtype_info
-
         assert self.split is not None
         self.split.agree([(name, owners) for name, _, owners, _ in pending.fields], pending.error, "encoders")
         for name, targets, owners, arrays in pending.fields:

@@ -26,6 +26,8 @@ from mmcache.train.checkpoint import Extra, full_state_dict
 from mmcache.train.live.drift import check_before_training
 from mmcache.train.live.fields import LiveFields, repeated_blocks
 from mmcache.train.live.reattach import EXPORT_RECORD
+from mmcache.train.parallel.encoders import apply_encoder_sequence_parallel
+from mmcache.train.parallel.fsdp import apply_fsdp
 
 
 @dataclass(kw_only=True)
@@ -53,16 +55,12 @@ class JointEncoders:
                 log(f"drift check: {report.line()}")
         live.set_trainable(config)
         if meshes is not None:
-            from mmcache.train.parallel.encoders import apply_encoder_sequence_parallel
-
             apply_encoder_sequence_parallel(live, meshes)
         fsdp_mesh = meshes.fsdp if meshes is not None else None
         o = config.optim
         for name, trained in live.trained().items():
             module = trained.encoder.module()
             if fsdp_mesh is not None and fsdp_mesh.size() > 1:
-                from mmcache.train.parallel.fsdp import apply_fsdp
-
                 _, blocks = repeated_blocks(module)
                 apply_fsdp(module, fsdp_mesh, zero=config.zero, units=list(blocks) if blocks is not None else [])
             params = [p for p in module.parameters() if p.requires_grad]

@@ -29,6 +29,8 @@ from typing import Any
 
 from mmcache import featstore
 from mmcache.featstore.errors import ConfigError
+from mmcache.precompute.encoder_inputs import text_only_rows_are_samples
+from mmcache.precompute.inputs import read_inputs
 
 
 class ManifestResumeError(ConfigError):
@@ -50,10 +52,6 @@ class TrainingManifest:
     def read(cls, url: str, storage_options: dict[str, Any] | None, store: featstore.Store) -> TrainingManifest:
         """Parse ``url`` as ``mmcache encode`` would. Text-only rows (no path) are samples when the
         store's text field is an LLM tokenizer's (what makes ``mmcache encode`` take them)."""
-        # Imported here: a run without data.manifest never reads one.
-        from mmcache.precompute.encoder_inputs import text_only_rows_are_samples
-        from mmcache.precompute.inputs import read_inputs
-
         names = [name for spec in store.fields.values() if (name := (spec.meta.get("encoder") or {}).get("encoder"))]
         # An encoder this install lacks does not count: re-attaching it says so, if the run needs it.
         text_only = text_only_rows_are_samples(names, unknown_ok=True)

@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmcache.train.models.hf import decoder_config_from_hf, load_hf_weights, read_hf_config
+from mmcache.train.live.reattach import EXPORT_RECORD  # marks a trained encoder's folder
+from mmcache.train.models.hf import decoder_config_from_hf, load_hf_weights, read_hf_config, save_hf
 from mmcache.train.models.llm import Decoder, DecoderConfig
 from mmcache.train.models.registry import InputShapeError, ModelConfigError, register_model
 from mmcache.train.models.vlm_data import PackedVLMData
@@ -158,8 +159,6 @@ def export_vlm(model: VLM, out: Path) -> list[Path]:
     that folder next to ``llm`` to ship a complete model."""
     from safetensors.torch import save_file
 
-    from mmcache.train.models.hf import save_hf
-
     out = Path(out)
     staging = out.with_name(out.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
@@ -177,8 +176,6 @@ def export_vlm(model: VLM, out: Path) -> list[Path]:
         "norm_eps": model.projector.norm.eps,
     }
     (projector / "config.json").write_text(json.dumps(spec, indent=2))
-    from mmcache.train.live.reattach import EXPORT_RECORD  # marks a trained encoder's folder
-
     if out.is_dir():
         for entry in out.iterdir():
             if entry.is_dir() and (entry / EXPORT_RECORD).is_file() and entry.name not in ("llm", "projector"):

@@ -32,8 +32,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmcache import featstore
 from mmcache.featstore.errors import ConfigError
 from mmcache.train.models.llm import KVCache
+from mmcache.train.packing import expand_sample, pack
+from mmcache.train.sample.source import reattach_trained
 
 
 class AnswerConfigError(ConfigError):
@@ -89,8 +92,6 @@ def prefill(model: torch.nn.Module, prompt_ids: np.ndarray, image: np.ndarray | 
     """The forward of one prompt (token ids, with the image placeholder when ``image``: its
     stored-dtype ViT features, as the cache holds them; None: a text-only question), on the
     model's device."""
-    from mmcache.train.packing import expand_sample, pack
-
     pad = int(ids_meta.get("pad_token_id") or 0)
     expanded = expand_sample("answer", prompt_ids, np.zeros(len(prompt_ids), dtype=np.uint8), image, image_token_id=ids_meta.get("image_token_id"),
                              image_tokens=model.config.image_tokens, vocab_size=int(ids_meta["vocab_size"]), pad_id=pad)
@@ -126,9 +127,6 @@ def answer_vlm(trained, *, images: Sequence[str], prompts: Sequence[str | None],
                features: str | None, storage_options: dict | None, device: torch.device | str = "cpu") -> dict[str, Any]:
     """``mmtrain sample`` for a VLM run or export: ``out/answers.jsonl``; returns its rows. Each
     prompt (about each image) is decoded once; its seeds continue from that."""
-    from mmcache import featstore
-    from mmcache.train.sample.source import reattach_trained
-
     if not images and None in prompts:
         raise AnswerConfigError("this is a VLM run: give the images to answer about with --image PATH (repeatable), "
                                 "or a question with --prompt TEXT (without --image: answered from the text alone)")

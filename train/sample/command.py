@@ -9,7 +9,11 @@ import torch
 
 from mmcache import featstore
 from mmcache.featstore.errors import ConfigError
-from mmcache.featstore.prompts import MissingPromptError, read_prompt_file
+from mmcache.featstore.prompts import EMPTY_PROMPT, MissingPromptError, read_prompt_file
+from mmcache.precompute.prompts import load_prompt_file
+from mmcache.train.live.reattach import ReattachError, reattach_encoder
+from mmcache.train.parallel.dims import pick_device
+from mmcache.train.sample.answer import AnswerConfig, AnswerConfigError, answer_vlm
 from mmcache.train.sample.decode import NoDecoderError, load_decoder, no_decoder_message
 from mmcache.train.sample.generate import SampleJob, default_size, generate, latent_shape, parse_size, store_prompt_embeddings
 from mmcache.train.sample.sampler import SamplerConfig
@@ -20,8 +24,6 @@ def read_prompts_arg(prompt: tuple[str, ...], prompts_file: str | None) -> list[
     if bool(prompt) == bool(prompts_file):
         raise ConfigError("give the prompts with --prompt TEXT (repeatable) or --prompts FILE (one per line), one of the two")
     if prompts_file:
-        from mmcache.precompute.prompts import load_prompt_file
-
         return load_prompt_file(prompts_file)
     for text in prompt:
         if not text.strip():
@@ -33,9 +35,6 @@ def live_prompt_embeddings(store, text_field: str, text_digest: str | None, prom
                            device: torch.device | str = "cpu") -> dict[str, Any]:
     """The prompts (and the empty prompt) encoded now by the run's text encoder, re-attached from
     the store's record (``mmcache.train.live.reattach``, as joint finetuning does; fingerprint-checked)."""
-    from mmcache.featstore.prompts import EMPTY_PROMPT
-    from mmcache.train.live.reattach import ReattachError, reattach_encoder
-
     if store is None:
         raise MissingPromptError(why)
     try:
@@ -87,14 +86,10 @@ def sample_command(run: str, *, checkpoint: int | None, prompt: tuple[str, ...],
                    steps: int, guidance: float, shift: float, size: str | None, frames: int, fps: float, vae: str | None,
                    latents_only: bool, features: str | None, storage_options: dict | None, images: tuple[str, ...],
                    temperature: float = 0.0, top_p: float = 1.0, max_new_tokens: int = 64, device: str = "cpu") -> dict[str, Any]:
-    from mmcache.train.parallel.dims import pick_device
-
     where = pick_device(device)
     trained = load_trained(run, checkpoint)
     trained.model.to(where)  # float32, as loaded: the bytes of an answer or a picture depend on nothing else
     if trained.family.name == "vlm":
-        from mmcache.train.sample.answer import AnswerConfig, AnswerConfigError, answer_vlm
-
         config = AnswerConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
         if seeds and config.greedy:
             raise AnswerConfigError("--seed applies when sampling: give --temperature > 0 with it (greedy answers need no seed)")

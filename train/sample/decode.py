@@ -21,6 +21,10 @@ import numpy as np
 import torch
 
 from mmcache.featstore.errors import ConfigError, FingerprintMismatchError
+from mmcache.precompute.config import default_cache_dir
+from mmcache.precompute.encoders import build_encoder
+from mmcache.precompute.encoders.tiny import TINY_VERSION
+from mmcache.precompute.tasks import quiet_offline_env
 
 
 class NoDecoderError(ConfigError):
@@ -81,9 +85,6 @@ DECODERS: dict[str, Callable[[Any], Decode]] = {"taef2": _taef2, "autoencoder_kl
 def _candidates(name: str, vae_path: str | None) -> list[Path]:
     if vae_path:
         return [Path(vae_path).expanduser()]
-    from mmcache.precompute.config import default_cache_dir
-    from mmcache.precompute.encoders.tiny import TINY_VERSION
-
     tiny = default_cache_dir() / "tiny" / f"{name}-v{TINY_VERSION}"
     return [tiny] if tiny.is_dir() else []
 
@@ -92,9 +93,6 @@ def load_decoder(latent_meta: dict[str, Any], vae_path: str | None, device: str 
     """The decoder of the VAE that made a latent field (its field meta), or None when none is at
     hand (no ``vae_path`` and no matching tiny model here). A ``vae_path`` holding other weights
     is an error."""
-    from mmcache.precompute.encoders import build_encoder
-    from mmcache.precompute.tasks import quiet_offline_env
-
     quiet_offline_env()  # local folders only, no hub look-ups or banners
     fingerprint = latent_meta.get("fingerprint") or {}
     name = fingerprint.get("encoder")

@@ -23,8 +23,10 @@ from typing import Any
 
 import torch
 
+from mmcache import featstore
 from mmcache.featstore.errors import ConfigError
 from mmcache.train.checkpoint import checkpoints
+from mmcache.train.live.reattach import EncoderMismatchError, reattach_encoder
 from mmcache.train.models.registry import EXPORT_FORMAT, ModelFamily, get_model_family
 
 
@@ -153,8 +155,6 @@ def reattach_trained(trained: Trained, store: Any, field: str, storage_options: 
     on ``device``: as the store records it, checked against its fingerprint, or, for a field the
     run trained, with the run's weights in place of the recorded ones (then only the weights may
     differ)."""
-    from mmcache.train.live.reattach import EncoderMismatchError, reattach_encoder
-
     recorded = (trained.fields.get(field, {}).get("fingerprint") or {}).get("digest")
     in_store = (store.fields[field].meta.get("fingerprint") or {}).get("digest") if field in store.fields else None
     if recorded is not None and in_store != recorded:
@@ -182,8 +182,6 @@ def reattach_trained(trained: Trained, store: Any, field: str, storage_options: 
 def encoder_from_checkpoint(trained: Trained, store: Any, field: str, out: Path, storage_options: dict[str, Any] | None = None) -> None:
     """The state of the encoder of ``field`` in the run's checkpoint, written as a from_pretrained
     folder ``out`` through the encoder the store records (which it is a finetune of)."""
-    from mmcache.train.live.reattach import reattach_encoder
-
     assert trained.checkpoint is not None
     live = reattach_encoder(store, field, storage_options=storage_options)
     _load_dcp(live.module(), trained.checkpoint, f"extra.encoder.{field}")
@@ -211,8 +209,6 @@ def _export_trained_encoders(trained: Trained, out_dir: Path) -> list[str]:
     """Each encoder the run trained, as ``out_dir/encoders/<field>`` (a from_pretrained folder):
     the run's final export copied, or a checkpoint's state written through the re-attached encoder."""
     import shutil
-
-    from mmcache import featstore
 
     for name in trained.trained_encoders:
         target = out_dir / "encoders" / name
