@@ -239,3 +239,16 @@ def test_bad_videos_are_rejected_with_a_reason(tmp_path, ramp_video):
             prepare_video(data, "mem://bad.mp4", resize=resize, sampling=sampling, rule=RULE8)
         assert info.value.reason.startswith(reason), (reason, info.value.reason)
     assert math.isclose(prepare_video(short, "m", resize=resize, sampling=FrameSampling(), rule=RULE8).provenance["fps"], 24.0)
+
+
+def test_sixteen_bit_samples_scale_exactly_as_before_without_float64():
+    from mmcache.precompute.media import sixteen_to_eight
+
+    rng = np.random.default_rng(0)
+    values = np.concatenate([np.arange(65536), rng.integers(-5, 70000, 10000)]).astype(np.int64)
+    expected = np.clip(np.rint(values.astype(np.float64) / 257.0), 0, 255).astype(np.uint8)  # the former float64 path
+    for dtype in (np.uint16, np.int32):
+        grid = values if dtype is np.int32 else np.clip(values, 0, 65535)
+        want = expected if dtype is np.int32 else np.clip(np.rint(grid / 257.0), 0, 255).astype(np.uint8)
+        got = sixteen_to_eight(grid.astype(dtype).reshape(-1, 16))
+        assert got.dtype == np.uint8 and np.array_equal(got.reshape(-1), want)
