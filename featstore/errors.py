@@ -18,10 +18,6 @@ class NonFiniteError(SchemaError):
     """A sample's float field holds NaN or infinity: a writer refuses it unless the field is
     allowed them (``StoreWriter(allow_nonfinite=...)``), so nothing trains on it unknowingly."""
 
-    def __init__(self, message: str, *, field: str) -> None:
-        super().__init__(message)
-        self.field = field
-
 
 class MissingFieldError(SchemaError, KeyError):
     """A sample does not have a field the store holds (it was added to the store after the

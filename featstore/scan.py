@@ -88,15 +88,15 @@ def plan_blocks(store: Store, shard: str, fields: Sequence[str] | None, block_by
     sizes = {f: [math.prod(s) for s in store._shapes[f][rows.start : rows.stop]] for f in names}
     offsets = {f: store._offsets[f][rows.start : rows.stop].tolist() for f in names}
     itemsize = {f: np.dtype(specs[f].zarr_dtype).itemsize for f in names}
-    for f in names:  # the index rows are the store's word: bounded by the data before any allocation
-        if sizes[f] and (min(offsets[f]) < 0 or max(o + n for o, n in zip(offsets[f], sizes[f])) > held[f].elements):
-            raise CorruptionError(f"{store.url}: shard {shard!r} field {f!r}: the index points past the end of the data (run `mmcache verify {store.url}`)")
     start, nbytes = 0, 0
     for i in range(len(rows)):
         nbytes += sum(sizes[f][i] * itemsize[f] for f in names)
         if nbytes >= block_bytes or i == len(rows) - 1:
             span = range(start, i + 1)
             ranges = {f: (min(offsets[f][j] for j in span), max(offsets[f][j] + sizes[f][j] for j in span)) for f in names}
+            # The index rows are the store's word: each block's range is bounded by the data before it is allocated.
+            if bad := next((f for f, (lo, hi) in ranges.items() if lo < 0 or hi > held[f].elements), None):
+                raise CorruptionError(f"{store.url}: shard {shard!r} field {bad!r}: the index points past the end of the data (run `mmcache verify {store.url}`)")
             yield _Block(shard, range(rows.start + start, rows.start + i + 1), ranges, nbytes, {f: sizes[f][start : i + 1] for f in names})
             start, nbytes = i + 1, 0
 

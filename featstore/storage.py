@@ -194,7 +194,6 @@ class LocalStorage(Storage):
         self.root = Path(path).expanduser().resolve()
         self.url = str(self.root)
         self._fds: OrderedDict[str, list] = OrderedDict()
-        self._root = str(self.root)
         self._inside: set[str] = set()  # folders (keys) checked to resolve inside the root
         self._lock = threading.Lock()
         # Raw descriptors are not closed by the interpreter: without this, a store opened and
@@ -210,7 +209,7 @@ class LocalStorage(Storage):
         end a read, a symbolic link would reach outside it. O_NONBLOCK keeps the open itself of a
         FIFO from blocking; it changes nothing for a regular file. (Strings, not Paths: an open
         reads every index part through here, and Path operations cost more than the syscalls.)"""
-        path = f"{self._root}/{check_key(key, self.url)}"
+        path = f"{self.url}/{check_key(key, self.url)}"
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
         except OSError as exc:
@@ -223,7 +222,7 @@ class LocalStorage(Storage):
                 raise CorruptionError(f"{path} is not a regular file: a store holds only regular files (run `mmcache verify {self.url}`)")
             folder = key.rpartition("/")[0]
             if folder and folder not in self._inside:
-                if not os.path.realpath(f"{self._root}/{folder}").startswith(self._root + os.sep):
+                if not os.path.realpath(f"{self.url}/{folder}").startswith(self.url + os.sep):
                     raise CorruptionError(f"{path} lies outside the store through a symbolic link (run `mmcache verify {self.url}`)")
                 self._inside.add(folder)  # directories of committed objects are not replaced
         except BaseException:

@@ -133,7 +133,7 @@ class StoreWriter:
         array = np.ascontiguousarray(array)
         if spec.name not in self.allow_nonfinite and not fmt.all_finite(array, spec.dtype):
             raise NonFiniteError(f"sample {sample_id!r} field {spec.name!r} holds NaN or infinity; not written "
-                                 "(StoreWriter(allow_nonfinite=[...]) for a field whose values mean it)", field=spec.name)
+                                 "(StoreWriter(allow_nonfinite=[...]) for a field whose values mean it)")
         return array
 
     # ---- committing ---------------------------------------------------------------------
