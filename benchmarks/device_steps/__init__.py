@@ -1,7 +1,8 @@
 """The steps of ``benchmarks/device_check.py``, registered in the order they run."""
 
 from benchmarks.device_steps import core
-from benchmarks.device_steps import encode as _encode  # noqa: F401  (registers its step)
+from benchmarks.device_steps import encode as _encode  # noqa: F401  (each registers its step)
+from benchmarks.device_steps import dit as _dit  # noqa: F401
 
 STEPS = core.STEPS
 
