@@ -5,6 +5,7 @@ from benchmarks.device_steps import encode as _encode  # noqa: F401  (each regis
 from benchmarks.device_steps import dit as _dit  # noqa: F401
 from benchmarks.device_steps import attention as _attention  # noqa: F401
 from benchmarks.device_steps import vlm as _vlm  # noqa: F401
+from benchmarks.device_steps import sample as _sample  # noqa: F401
 
 STEPS = core.STEPS
 
