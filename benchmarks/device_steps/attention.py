@@ -114,5 +114,7 @@ def attention_step(ctx: Context) -> Outcome:
                   "relative max error " + ", ".join(f"{n} {e:.2e}" for n, e in zip(names, r["errors"], strict=True)) + " (<= 2^-6)")
         total_ours += r["ours_s"]
         total_base += r["base_s"]
+    out.figures["max error"] = max(out.figures[f"{mode} max error"] for mode in MODES)
+    out.headline = ("kernel", *(f"{mode} TFLOP/s" for mode in MODES), "max error")
     out.compare("torch SDPA, all modes", total_ours, total_base)
     return out

@@ -127,6 +127,7 @@ class Outcome:
     """What a step measured (``figures``), its baseline ratio and its correctness checks."""
 
     figures: dict[str, Any] = field(default_factory=dict)
+    headline: tuple[str, ...] = ()  # the figures the Markdown table shows (the JSON has them all)
     baseline: dict[str, Any] = field(default_factory=dict)  # {"what": ..., "ratio": x}: this path / the baseline
     checks: list[dict[str, Any]] = field(default_factory=list)
 
@@ -186,10 +187,10 @@ def run_steps(ctx: Context, names: list[str], log: Callable[[str], None]) -> dic
             outcome = fn(ctx)
             passed = all(c["ok"] for c in outcome.checks) and bool(outcome.checks)
             results[name] = {"title": title, "status": "passed" if passed else "failed", "figures": outcome.figures,
-                             "baseline": outcome.baseline, "checks": outcome.checks}
+                             "headline": list(outcome.headline), "baseline": outcome.baseline, "checks": outcome.checks}
         except Exception as exc:  # noqa: BLE001 - reported in full (status failed, the traceback), the run goes on
             results[name] = {"title": title, "status": "failed", "error": f"{type(exc).__name__}: {exc}",
-                             "traceback": traceback.format_exc(), "figures": {}, "baseline": {}, "checks": []}
+                             "traceback": traceback.format_exc(), "figures": {}, "headline": [], "baseline": {}, "checks": []}
         results[name]["seconds"] = time.perf_counter() - t0
         log(f"step {name}: {results[name]['status']} in {results[name]['seconds']:.1f}s")
     return results
@@ -208,6 +209,8 @@ def environment(ctx: Context) -> dict[str, Any]:
 
 
 def _short(value: Any) -> str:
+    if value is None:
+        return "-"
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
@@ -220,7 +223,7 @@ def markdown(results: dict[str, dict[str, Any]], env: dict[str, Any]) -> str:
     for name, r in results.items():
         base = r["baseline"]
         ratio = f"{base['ratio']:.2f}x {base['what']}" if base else "-"
-        figures = ", ".join(f"{k} {_short(v)}" for k, v in r["figures"].items() if not isinstance(v, (dict, list)))
+        figures = ", ".join(f"{k} {_short(r['figures'][k])}" for k in r["headline"])
         status = r["status"] + (f": {r['error']}" if "error" in r else "")
         failed = [c["name"] for c in r["checks"] if not c["ok"]]
         if failed:

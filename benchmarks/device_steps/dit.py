@@ -167,5 +167,6 @@ def dit_step(ctx: Context) -> Outcome:
     out.check("loss falls", losses[-1] < losses[0], f"same batch and noise, {steps} steps: {losses[0]:.4f} -> {losses[-1]:.4f}")
     flop_checks(out, formula, counted_flops(counter))
     out.check("live = cached features", error <= BF16_TOLERANCE, f"max relative error {error:.2e} (bf16 rounding: <= 2^-7)")
+    out.headline = ("parameters", "tokens/s", "peak memory GiB", "MFU")
     out.compare("live VAE + T5 in the step", cached_s, live_s)
     return out

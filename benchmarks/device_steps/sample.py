@@ -81,5 +81,6 @@ def sample_step(ctx: Context) -> Outcome:
                         "VLM answer s": vlm["device_s"], "VLM answer s on cpu": vlm["cpu_s"], "answer": said[0] if said else ""})
     out.check("DiT picture = cpu's", quality >= MIN_PSNR_DB, f"PSNR {quality:.1f} dB (>= {MIN_PSNR_DB:.0f})")
     out.check("VLM answers = cpu's", bool(said) and said == said_cpu, f"{said!r} vs {said_cpu!r}")
+    out.headline = ("DiT picture s", "PSNR vs cpu dB", "VLM answer s")
     out.compare("--device cpu (picture + answers)", dit["device_s"] + vlm["device_s"], dit["cpu_s"] + vlm["cpu_s"])
     return out

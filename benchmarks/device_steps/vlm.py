@@ -92,5 +92,6 @@ def vlm_step(ctx: Context) -> Outcome:
     out.check("loss falls", losses[-1] < losses[0], f"same batch, {steps} steps: {losses[0]:.4f} -> {losses[-1]:.4f}")
     out.check("FLOP formula, linear layers", abs(linear / counted - 1) < 0.02, f"formula / torch's FLOP counter = {linear / counted:.4f}")
     out.check("whole samples", len(samples) == ctx.sizes.vlm_batch, f"{len(samples)} of {ctx.sizes.vlm_batch} samples fit a row")
+    out.headline = ("parameters", "tokens/s packed", "MFU")
     out.compare("padded rows (real tokens/s)", packed_s, padded_s)
     return out
