@@ -9,6 +9,7 @@ failed, with its traceback, and the others still run.
 
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import statistics
@@ -107,6 +108,12 @@ class Context:
             self.shared[key] = make()
         return self.shared[key]
 
+    def release(self) -> None:
+        """Give a finished step's memory back (FSDP's hooks hold reference cycles) before the next."""
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def reset_peak_memory(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -192,6 +199,7 @@ def run_steps(ctx: Context, names: list[str], log: Callable[[str], None]) -> dic
             results[name] = {"title": title, "status": "failed", "error": f"{type(exc).__name__}: {exc}",
                              "traceback": traceback.format_exc(), "figures": {}, "headline": [], "baseline": {}, "checks": []}
         results[name]["seconds"] = time.perf_counter() - t0
+        ctx.release()
         log(f"step {name}: {results[name]['status']} in {results[name]['seconds']:.1f}s")
     return results
 
