@@ -22,10 +22,10 @@ from benchmarks.device_steps.core import Context, Outcome, median_time, register
 from mmcache.train.parallel.dims import ParallelDims
 from mmcache.train.parallel.sequence import layout_for_groups, select_block_kernel, sequence_parallel_groups_from_mesh, usp_attention
 
-# bf16 inputs, fp32 accumulation, a bf16 output: the kernels round the probabilities and the
-# output to 8 bits of mantissa (2^-8 of a value), a few such roundings add up below 2^-6 of the
-# largest value.
-TOLERANCE = 2.0**-6
+# bf16 inputs and outputs: the kernels round the probabilities and the results to 8 bits of
+# mantissa and sum S keys. Measured with the CPU's flash kernel, S = 96..2048: 2e-3..1e-2 of the
+# largest value (dV the worst). A wrong mask, scale or log-sum-exp merge errs by 0.1..1.
+TOLERANCE = 2.0**-5
 MODES = ("non-causal", "causal", "documents")
 
 
@@ -111,7 +111,7 @@ def attention_step(ctx: Context) -> Outcome:
         out.figures[f"{mode} max error"] = worst
         names = ("out", "dq", "dk", "dv")
         out.check(f"{mode} = float64", worst <= TOLERANCE,
-                  "relative max error " + ", ".join(f"{n} {e:.2e}" for n, e in zip(names, r["errors"], strict=True)) + " (<= 2^-6)")
+                  "relative max error " + ", ".join(f"{n} {e:.2e}" for n, e in zip(names, r["errors"], strict=True)) + " (<= 2^-5)")
         total_ours += r["ours_s"]
         total_base += r["base_s"]
     out.figures["max error"] = max(out.figures[f"{mode} max error"] for mode in MODES)
