@@ -166,7 +166,8 @@ def dit_step(ctx: Context) -> Outcome:
     out.figures.update({"parameters": sum(p.numel() for p in model.parameters()), "tokens/step": first.tokens,
                         "latent shapes": len({tuple(b.latents.shape[1:]) for b in batches}), "micro-batches": len(batches),
                         "tokens/s": first.tokens / cached_s, "step s cached": cached_s, "step s live": live_s,
-                        "peak memory GiB": peak / 2**30, "TFLOP/s": flops / cached_s / 1e12, "MFU": ctx.mfu(flops / cached_s),
+                        "peak memory GiB": peak / 2**30,
+                        "peak memory of": "the device (allocated)" if ctx.device.type == "cuda" else "the process (RSS)", "TFLOP/s": flops / cached_s / 1e12, "MFU": ctx.mfu(flops / cached_s),
                         "loss first/last": f"{losses[0]:.4f}/{losses[-1]:.4f}"})
     out.check("loss falls", losses[-1] < losses[0], f"same batch and noise, {steps} steps: {losses[0]:.4f} -> {losses[-1]:.4f}")
     flop_checks(out, formula, counted_flops(counter))
