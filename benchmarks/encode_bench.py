@@ -153,11 +153,11 @@ def manifest_rows(manifest: Path) -> list[dict]:
 
 
 # ---- shared pieces of (a) and (d) -----------------------------------------------------------------
-def load_encoders(config: EncodeConfig) -> dict:
+def load_encoders(config: EncodeConfig, device: str | torch.device = "cpu") -> dict:
     encoders = {}
     for spec in encoder_specs(config):
         encoder = build_encoder(spec.name, spec.options)
-        encoder.load("cpu")
+        encoder.load(device)
         encoders[spec.section] = encoder
     return encoders
 
