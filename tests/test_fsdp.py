@@ -290,3 +290,15 @@ def test_device_and_backend_on_cpu_and_with_broken_torch_npu(monkeypatch):
     with pytest.warns(RuntimeWarning, match="torch_npu is installed but unusable .OSError: libhccl.so"):
         assert devices.npu_count() == 0
         assert devices.resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu", torch.cuda.device_count())
+
+
+def test_one_accelerator_keeps_fsdp_for_its_bf16_policy():
+    """A one-GPU run must still compute in bf16: FSDP's mixed-precision policy is where bf16 comes
+    from, so it is skipped only on one CPU rank (fp32 there anyway)."""
+    from mmcache.train.parallel.fsdp import mixed_precision_policy
+    from mmcache.train.parallel.parallelize import needs_fsdp
+
+    assert not needs_fsdp(1, "cpu")
+    assert needs_fsdp(1, "cuda") and needs_fsdp(1, "npu") and needs_fsdp(2, "cpu")
+    assert mixed_precision_policy("cuda").param_dtype == torch.bfloat16
+    assert mixed_precision_policy("cpu").param_dtype == torch.float32
