@@ -11,7 +11,7 @@ import click
 from mmcache import featstore
 from mmcache.featstore.cli import parse_storage_options, storage_options_option
 from mmcache.featstore.config import load_config
-from mmcache.featstore.user_errors import UserErrorGroup, check_output_location, debug_option
+from mmcache.featstore.user_errors import UserErrorGroup, check_output_location, debug_option, debug_requested, user_message
 from mmcache.train.live.manifest import TrainingManifest
 
 
@@ -56,12 +56,18 @@ def fit(config_name, features, run_dir, steps, resume, overwrite, overrides, dry
         raise click.UsageError("--out RUN_DIR is required to train")
     check_output_location(run_dir, "--out")
     # lazy: keeps `mmtrain --help` from importing torch
-    from mmcache.train.trainer import fit as run_fit
-
     import torch.distributed as dist
+
+    from mmcache.train.trainer import fit as run_fit
 
     try:
         result = run_fit(config, features, run_dir, steps=steps, resume=resume, overwrite=overwrite, storage_options=options, log=click.echo)
+    except KeyboardInterrupt:
+        _interrupted(run_dir)
+    except ValueError as exc:
+        if getattr(exc, "every_rank", False) and dist.is_initialized() and dist.get_world_size() > 1 and not debug_requested():
+            _stop_every_rank(exc)
+        raise
     finally:
         # An undestroyed process group can abort the interpreter at exit (its threads are
         # torn down while still joinable).
@@ -77,6 +83,28 @@ def fit(config_name, features, run_dir, steps, resume, overwrite, overrides, dry
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def _stop_every_rank(exc: ValueError) -> None:
+    """An error every rank raised alike: rank 0 prints its one line, then every rank exits 1
+    together (torchrun stops all ranks when the first exits: rank 0 must have printed by then)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        click.echo(f"Error: {user_message(exc)}", err=True)
+    dist.barrier()
+    raise click.exceptions.Exit(1) from None
+
+
+def _interrupted(run_dir: str) -> None:
+    """Ctrl-C: one line on rank 0 (torchrun sends SIGINT to every rank), exit code 130 (128 + SIGINT)."""
+    from pathlib import Path
+
+    from mmcache.train.checkpoint import resume_hint
+
+    if int(os.environ.get("RANK", "0")) == 0:
+        click.echo(f"interrupted (Ctrl-C): {resume_hint(Path(run_dir))}", err=True)
+    raise click.exceptions.Exit(130)
 
 
 @cli.command()
