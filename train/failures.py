@@ -125,7 +125,7 @@ def stopped_by_machine(exc: Exception, hint: str) -> MachineError | None:
     line = out_of_memory(exc)
     if line is None and isinstance(exc, OSError):
         line = user_message(exc)
-    return None if line is None else MachineError(f"{line}. {hint}")
+    return None if line is None else MachineError(f"{line}. {hint[0].upper()}{hint[1:]}")
 
 
 def _interrupted(exc: BaseException) -> bool:
