@@ -85,7 +85,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
         dcp.save(state, checkpoint_id=str(partial))
     except (Exception, CheckpointException) as exc:  # DCP's own is a BaseException; every rank gets it
         _failed_save(exc, run_dir, step, partial, state)
-    dist.barrier()
+    _record_checksums(partial)
     if dist.get_rank() == 0:
         if final.exists():
             shutil.rmtree(final)
@@ -95,6 +95,47 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
             shutil.rmtree(old)
     dist.barrier()
     return final
+
+
+CHECKSUMS = "sha256.json"  # file name -> sha256 of every file of a checkpoint, read back before loading
+
+
+def _record_checksums(folder: Path) -> None:
+    """Each rank hashes the files it wrote (DCP names them ``__RANK_N.distcp``; rank 0 also the
+    metadata), in parallel; rank 0 writes them all into ``CHECKSUMS`` (a collective)."""
+    rank = dist.get_rank()
+    mine = {p.name: file_sha256(p) for p in sorted(folder.iterdir())
+            if p.name.startswith(f"__{rank}_") or (rank == 0 and p.name == ".metadata")}
+    everyone = {name: digest for part in all_gather_json(mine) for name, digest in part.items()}
+    if rank == 0:
+        (folder / CHECKSUMS).write_text(json.dumps(everyone, indent=1, sort_keys=True))
+    dist.barrier()
+
+
+class DamagedWeightsError(ValueError):
+    """A weights file or a checkpoint's file is not what the run wrote (flipped bytes, truncated)."""
+
+    every_rank = True  # on resume every rank learns it from the same gathered checks
+
+
+def verify_checkpoint(folder: Path, *, rank: int = 0, world: int = 1) -> str | None:
+    """What is damaged in a checkpoint folder (one line), or None when every file's sha256 is the
+    recorded one. Rank r of ``world`` checks every world-th file (callers gather the answers).
+    Checkpoints written before checksums were recorded are not checked."""
+    recorded_file = folder / CHECKSUMS
+    if not recorded_file.is_file():
+        return None
+    try:
+        recorded = json.loads(recorded_file.read_text())
+    except ValueError:
+        return f"{recorded_file}: not valid JSON; the checkpoint {folder} is damaged"
+    for name in sorted(recorded)[rank::world]:
+        path = folder / name
+        if not path.is_file():
+            return f"{path}: missing; the checkpoint {folder} is damaged"
+        if file_sha256(path) != recorded[name]:
+            return f"{path}: its sha256 is not the one recorded when it was written (damaged: flipped or lost bytes)"
+    return None
 
 
 def _failed_save(exc: BaseException, run_dir: Path, step: int, partial: Path, state: dict[str, Any]) -> None:
@@ -118,7 +159,11 @@ def _tensors(state: Any) -> list[torch.Tensor]:
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                     extra: Extra | None = None) -> dict[str, Any]:
     """Restore model, optimizer and LR scheduler (and each ``extra`` triple) in place; returns
-    {"step": N, "scheduler": how}."""
+    {"step": N, "scheduler": how}. A damaged checkpoint is refused first (every rank checks a
+    share of its files)."""
+    problems = [p for p in all_gather_json(verify_checkpoint(path, rank=dist.get_rank(), world=dist.get_world_size())) if p]
+    if problems:
+        raise DamagedWeightsError(f"{problems[0]}: resume from an earlier checkpoint (move {path} aside) or train into a new --out")
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     model_state, optim_state = get_state_dict(model, optimizer)
     state: dict[str, Any] = {"model": model_state, "optim": optim_state, "progress": {"step": torch.tensor(0)}}

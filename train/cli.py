@@ -160,7 +160,7 @@ def drift(features, field_names, samples, seed, media_root, tolerance, config_na
 @click.option("--out", required=True, metavar="DIR", help="Where the PNGs / WebPs, grid.png and samples.json go.")
 @click.option("--seed", "seeds", type=int, multiple=True, help="A seed (repeatable; default 0): one sample per prompt and seed.")
 @click.option("--steps", type=int, default=20, show_default=True, help="Euler steps.")
-@click.option("--guidance", type=float, default=4.0, show_default=True, help="Classifier-free guidance scale with the empty prompt (1.0 = none).")
+@click.option("--guidance", type=float, default=None, help="Classifier-free guidance scale with the empty prompt (1.0 = none; default: 1.0, or 4.0 for a run trained with caption dropout).")
 @click.option("--shift", type=float, default=1.0, show_default=True, help="Timestep shift (SD3); > 1 spends more steps at high noise.")
 @click.option("--size", default=None, metavar="WxH", help="Pixels (default: the commonest size in the run's store).")
 @click.option("--frames", type=int, default=1, show_default=True, help="Frames (1 = an image; a video is written as animated WebP).")
@@ -189,6 +189,8 @@ def sample(run, checkpoint, prompt, prompts_file, out, seeds, steps, guidance, s
                          guidance=guidance, shift=shift, size=size, frames=frames, fps=fps, vae=vae, latents_only=latents_only,
                          features=features, storage_options=parse_storage_options(storage_options), images=images,
                          temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, device=device)
+    if doc.get("warning"):
+        click.echo(f"warning: {doc['warning']}", err=True)
     what = doc.get("note") or f"{len(doc['samples'])} sample(s)"
     click.echo(f"{what} from {doc['weights']} -> {out}")
 

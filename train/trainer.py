@@ -153,9 +153,8 @@ class Trainer:
         # before step 1; nothing is loaded when every field is cached.
         joint = JointEncoders.setup(config, store, plan.fields, device=device, meshes=meshes, storage_options=storage_options,
                                     lr_lambda=lr_lambda(config), log=say, optional=list(plan.adapter.optional_fields), manifest=plan.manifest)
-        if plan.family.advice is not None:
-            for warning in plan.family.advice(plan.model_config, **plan.input_sizes):
-                say(f"warning: {warning}")
+        for note in plan.notes:
+            say(note)
         model = parallelize(plan.family.builder(plan.model_config, **plan.input_sizes).to(device), meshes, config)
         o = config.optim
         # Frozen parts (model.args.train) have requires_grad False and stay out of the optimizer.

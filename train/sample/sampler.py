@@ -48,6 +48,22 @@ class SamplerConfig:
             raise SamplerConfigError(f"guidance must be >= 0 (1.0 = no guidance), got {self.guidance}")
 
 
+GUIDANCE_WITH_DROPOUT = 4.0  # the default for a run that trained an unconditional model (caption dropout)
+
+
+def default_guidance(asked: float | None, caption_dropout: float) -> tuple[float, str | None]:
+    """The guidance to sample a run with, and a warning line (or None). Guidance extrapolates
+    from the empty prompt's prediction, which only a run trained with caption dropout has
+    learned: without it the default is 1.0 (none), and asking for more is said to be a guess
+    (measured: guidance 4 on the overfit run drew 7.7 dB against the untrained model's 11.8)."""
+    if asked is None:
+        return (GUIDANCE_WITH_DROPOUT if caption_dropout > 0 else 1.0), None
+    if asked != 1.0 and caption_dropout <= 0:
+        return asked, (f"guidance {asked}: this run trained without caption dropout (data.caption_dropout 0), so it never learned the "
+                       "empty prompt that guidance steers away from; expect worse samples than with guidance 1.0 (the default)")
+    return asked, None
+
+
 def shift_timesteps(t: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * t / (1 + (shift - 1) * t)
 
