@@ -161,7 +161,9 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     """Restore model, optimizer and LR scheduler (and each ``extra`` triple) in place; returns
     {"step": N, "scheduler": how}. A damaged checkpoint is refused first (every rank checks a
     share of its files)."""
-    problems = [p for p in all_gather_json(verify_checkpoint(path, rank=dist.get_rank(), world=dist.get_world_size())) if p]
+    grouped = dist.is_initialized()  # a lone process (tests, tools) reads a checkpoint without a group
+    mine = verify_checkpoint(path, rank=dist.get_rank() if grouped else 0, world=dist.get_world_size() if grouped else 1)
+    problems = [p for p in (all_gather_json(mine) if grouped else [mine]) if p]
     if problems:
         raise DamagedWeightsError(f"{problems[0]}: resume from an earlier checkpoint (move {path} aside) or train into a new --out")
     stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
