@@ -133,14 +133,17 @@ def load_decoder(latent_meta: dict[str, Any], vae_path: str | None, device: str 
     return None
 
 
-def no_decoder_message(latent_meta: dict[str, Any]) -> str:
-    name = (latent_meta.get("fingerprint") or {}).get("encoder")
+def no_decoder_reason(latent_meta: dict[str, Any]) -> str:
+    """Why no decoder was found where the store points: nothing recorded, the folder gone, or changed."""
     recorded = recorded_folder(latent_meta)
     if recorded is None:
-        why = "the store records no folder for it"
-    elif not recorded.is_dir():
-        why = f"the folder the store recorded for it, {recorded}, is gone"
-    else:
-        why = f"the weights in the folder the store recorded for it, {recorded}, are no longer the ones that made the latents"
-    return (f"no VAE decoder for these latents (encoder {name!r}; {why}): pass --vae DIR, the folder the store was encoded with "
-            "(for TAESD-F2 the one holding taef2_decoder.pth), or --latents-only to write the latents without decoding them")
+        return "the store records no folder for it"
+    if not recorded.is_dir():
+        return f"the folder the store recorded for it, {recorded}, is gone"
+    return f"the weights in the folder the store recorded for it, {recorded}, are no longer the ones that made the latents"
+
+
+def no_decoder_message(latent_meta: dict[str, Any]) -> str:
+    name = (latent_meta.get("fingerprint") or {}).get("encoder")
+    return (f"no VAE decoder for these latents (encoder {name!r}; {no_decoder_reason(latent_meta)}): pass --vae DIR, the folder the "
+            "store was encoded with (for TAESD-F2 the one holding taef2_decoder.pth), or --latents-only to write the latents without decoding them")

@@ -30,7 +30,7 @@ from mmcache.featstore.errors import ConfigError
 from mmcache.train.data import sample_reads
 from mmcache.train.objective import sample_generators
 from mmcache.train.packing import SAMPLE_ID
-from mmcache.train.sample.decode import load_decoder
+from mmcache.train.sample.decode import load_decoder, no_decoder_reason
 from mmcache.train.sample.generate import SampleJob, default_size, generate, latent_shape, parse_size, store_prompt_embeddings
 from mmcache.train.sample.sampler import SamplerConfig, default_guidance
 
@@ -139,7 +139,8 @@ class FitSampler:
             except Exception as exc:  # re-raised below, after telling the other ranks
                 failure = exc
             if self.decode is None and failure is None:
-                log("samples: no VAE decoder for the latents (set sample.vae_path to the folder the store was encoded with); writing latents only")
+                log(f"samples: no VAE decoder for the latents ({no_decoder_reason(self.latent_meta)}): writing latents only; "
+                    "set sample.vae_path to the folder the store was encoded with")
         agree(failure, "loading the VAE decoder failed on rank 0 (see its error); training stopped", device)
 
     def run(self, model: torch.nn.Module, run_dir: Path, step: int, device: torch.device, board=None) -> float:
