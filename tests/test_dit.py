@@ -292,11 +292,13 @@ def test_presets_sizes_on_meta_device():
     assert all(p.is_meta for p in model.parameters())
 
 
-def test_a_model_narrower_than_one_patch_token_is_advised_against():
+def test_the_preset_grows_to_hold_one_patch_token_and_a_set_width_must():
     family = get_model_family("dit")
     tiny = family.presets["tiny"]
     # 32 channels (TAESD-F2) x 2x2 patch = 128 values per token against the tiny width of 64
-    (advice,) = family.advice(tiny, in_channels=32, text_dim=TEXT_DIM)
-    assert "model.args.dim >= 128" in advice
-    assert family.advice(dataclasses.replace(tiny, dim=128), in_channels=32, text_dim=TEXT_DIM) == []
-    assert family.advice(tiny, in_channels=CHANNELS, text_dim=TEXT_DIM) == []
+    assert family.fit_inputs(tiny, set(), in_channels=32, text_dim=TEXT_DIM) == {"dim": 128}
+    assert family.fit_inputs(tiny, set(), in_channels=3, text_dim=TEXT_DIM) == {}  # 12 values fit in 64
+    assert family.fit_inputs(tiny, set(), in_channels=17, text_dim=TEXT_DIM) == {"dim": 72}  # 68, to a multiple of 2 x heads
+    with pytest.raises(ModelConfigError, match=r"model.args.dim \(64\) is narrower .* set model.args.dim >= 128"):
+        family.fit_inputs(tiny, {"dim"}, in_channels=32, text_dim=TEXT_DIM)
+    assert family.fit_inputs(dataclasses.replace(tiny, dim=128), {"dim"}, in_channels=32, text_dim=TEXT_DIM) == {}

@@ -11,7 +11,7 @@ import click
 from mmcache import featstore
 from mmcache.featstore.cli import parse_storage_options, storage_options_option
 from mmcache.featstore.config import load_config
-from mmcache.featstore.user_errors import UserErrorGroup, check_output_location, debug_option
+from mmcache.featstore.user_errors import UserErrorGroup, check_output_location, debug_option, debug_requested, user_message
 from mmcache.train.live.manifest import TrainingManifest
 
 
@@ -56,12 +56,18 @@ def fit(config_name, features, run_dir, steps, resume, overwrite, overrides, dry
         raise click.UsageError("--out RUN_DIR is required to train")
     check_output_location(run_dir, "--out")
     # lazy: keeps `mmtrain --help` from importing torch
-    from mmcache.train.trainer import fit as run_fit
-
     import torch.distributed as dist
+
+    from mmcache.train.trainer import fit as run_fit
 
     try:
         result = run_fit(config, features, run_dir, steps=steps, resume=resume, overwrite=overwrite, storage_options=options, log=click.echo)
+    except KeyboardInterrupt:
+        _interrupted(run_dir)
+    except ValueError as exc:
+        if getattr(exc, "every_rank", False) and dist.is_initialized() and dist.get_world_size() > 1 and not debug_requested():
+            _stop_every_rank(exc)
+        raise
     finally:
         # An undestroyed process group can abort the interpreter at exit (its threads are
         # torn down while still joinable).
@@ -77,6 +83,28 @@ def fit(config_name, features, run_dir, steps, resume, overwrite, overrides, dry
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def _stop_every_rank(exc: ValueError) -> None:
+    """An error every rank raised alike: rank 0 prints its one line, then every rank exits 1
+    together (torchrun stops all ranks when the first exits: rank 0 must have printed by then)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        click.echo(f"Error: {user_message(exc)}", err=True)
+    dist.barrier()
+    raise click.exceptions.Exit(1) from None
+
+
+def _interrupted(run_dir: str) -> None:
+    """Ctrl-C: one line on rank 0 (torchrun sends SIGINT to every rank), exit code 130 (128 + SIGINT)."""
+    from pathlib import Path
+
+    from mmcache.train.checkpoint import resume_hint
+
+    if int(os.environ.get("RANK", "0")) == 0:
+        click.echo(f"interrupted (Ctrl-C): {resume_hint(Path(run_dir))}", err=True)
+    raise click.exceptions.Exit(130)
 
 
 @cli.command()
@@ -132,7 +160,7 @@ def drift(features, field_names, samples, seed, media_root, tolerance, config_na
 @click.option("--out", required=True, metavar="DIR", help="Where the PNGs / WebPs, grid.png and samples.json go.")
 @click.option("--seed", "seeds", type=int, multiple=True, help="A seed (repeatable; default 0): one sample per prompt and seed.")
 @click.option("--steps", type=int, default=20, show_default=True, help="Euler steps.")
-@click.option("--guidance", type=float, default=4.0, show_default=True, help="Classifier-free guidance scale with the empty prompt (1.0 = none).")
+@click.option("--guidance", type=float, default=None, help="Classifier-free guidance scale with the empty prompt (1.0 = none; default: 1.0, or 4.0 for a run trained with caption dropout).")
 @click.option("--shift", type=float, default=1.0, show_default=True, help="Timestep shift (SD3); > 1 spends more steps at high noise.")
 @click.option("--size", default=None, metavar="WxH", help="Pixels (default: the commonest size in the run's store).")
 @click.option("--frames", type=int, default=1, show_default=True, help="Frames (1 = an image; a video is written as animated WebP).")
@@ -161,6 +189,8 @@ def sample(run, checkpoint, prompt, prompts_file, out, seeds, steps, guidance, s
                          guidance=guidance, shift=shift, size=size, frames=frames, fps=fps, vae=vae, latents_only=latents_only,
                          features=features, storage_options=parse_storage_options(storage_options), images=images,
                          temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, device=device)
+    if doc.get("warning"):
+        click.echo(f"warning: {doc['warning']}", err=True)
     what = doc.get("note") or f"{len(doc['samples'])} sample(s)"
     click.echo(f"{what} from {doc['weights']} -> {out}")
 

@@ -139,7 +139,9 @@ class SampleSection:
     prompts: list[str] = field(default_factory=list)
     seeds: list[int] = field(default_factory=lambda: [0])
     steps: int = 20                         # Euler steps
-    guidance: float = 4.0                   # classifier-free guidance with the empty prompt; 1.0 = none
+    # classifier-free guidance with the empty prompt (1.0 = none); None: 1.0, or 4.0 when the run
+    # trains with data.caption_dropout (only then has it learned the empty prompt)
+    guidance: float | None = None
     shift: float = 1.0                      # timestep shift
     size: str | None = None                 # WxH pixels; None = the commonest size in the store
     frames: int = 1

@@ -38,6 +38,20 @@ def resolve_model(config: TrainConfig):
     return family, model_config
 
 
+def fit_model_to_inputs(config: TrainConfig, sizes: dict[str, int]) -> list[str]:
+    """Grow the model's preset to the store's input sizes (``ModelFamily.fit_inputs``): the
+    changes go into ``config.model.args``, so run.json records them and sampling and --resume
+    rebuild the same model. Returns a line per change (empty: the preset fits)."""
+    family, model_config = resolve_model(config)
+    if family.fit_inputs is None:
+        return []
+    changes = family.fit_inputs(model_config, set(config.model.args), **sizes)
+    config.model.args = {**config.model.args, **changes}
+    shown = ", ".join(f"{name} {getattr(model_config, name)} -> {value}" for name, value in changes.items())
+    return [f"model {config.model.name} ({config.model.preset}): {shown}, to fit the store's inputs "
+            f"({', '.join(f'{k} {v}' for k, v in sizes.items())})"] if changes else []
+
+
 def input_sizes(store: featstore.Store, config: TrainConfig) -> dict[str, int]:
     """The model's input sizes from the store's schema (the family's data adapter knows which)."""
     family, model_config = resolve_model(config)
@@ -71,6 +85,7 @@ class RunPlan:
     resume: bool  # --resume: go on from the newest checkpoint, if there is one
     before: dict[str, Any] | None  # the run.json of the run this one resumes
     resume_from: Path | None  # the checkpoint it resumes from (None: step 0)
+    notes: list[str] = dataclasses.field(default_factory=list)  # what fit says before step 1 (a preset grown to the store)
 
     def describe(self, encoders: dict[str, Any]) -> dict[str, Any]:
         """What --dry-run prints and run.json records. ``encoders``: the live/train fields'
@@ -100,6 +115,10 @@ def plan_run(config: TrainConfig, features: str, storage_options: dict | None = 
                           shards=(before or {}).get("store", {}).get("shards"))
     family, model_config = resolve_model(config)
     adapter = family.data(model_config, config.data, store)
+    notes = fit_model_to_inputs(config, adapter.input_sizes())
+    if notes:
+        family, model_config = resolve_model(config)
+        adapter = family.data(model_config, config.data, store)
     fields = run_fields(adapter, store)
     expected = dict(config.data.expect_fingerprints)
     if before is not None:
@@ -117,7 +136,7 @@ def plan_run(config: TrainConfig, features: str, storage_options: dict | None = 
     return RunPlan(config=config, family=family, model_config=model_config, store=store, adapter=adapter, fields=fields,
                    fingerprints=fingerprints, manifest=manifest, dims=dims, input_sizes=sizes,
                    parameters=sum(p.numel() for p in model.parameters()), parts=model_parts(model), resume=resume, before=before,
-                   resume_from=None if found is None else found[1])
+                   resume_from=None if found is None else found[1], notes=notes)
 
 
 def _previous_run(config: TrainConfig, run: Path) -> dict[str, Any] | None:

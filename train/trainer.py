@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 
 from mmcache.featstore.errors import ConfigError
-from mmcache.train.checkpoint import export_safetensors, load_checkpoint, save_checkpoint
+from mmcache.train.checkpoint import export_safetensors, load_checkpoint, resume_hint, save_checkpoint
 from mmcache.train.config import TrainConfig
+from mmcache.train.failures import stopped_by_machine
 from mmcache.train.data import FeatureStream, StreamOptions, snapshot_digest
 from mmcache.train.run_dir import claim_run_dir
 from mmcache.train.live.dropout import CaptionDropout
@@ -99,8 +100,14 @@ def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None =
     with claim_run_dir(run, resume=resume, overwrite=overwrite):
         torch.manual_seed(config.seed)
         plan = plan_run(config, features, storage_options, world_size=dist.get_world_size(), run_dir=run, resume=resume)
-        trainer = Trainer.build(plan, run=run, device=device, steps=steps, storage_options=storage_options, log=log)
-        return trainer.run()
+        try:
+            trainer = Trainer.build(plan, run=run, device=device, steps=steps, storage_options=storage_options, log=log)
+            return trainer.run()
+        except Exception as exc:
+            stopped = stopped_by_machine(exc, resume_hint(run))
+            if stopped is None:
+                raise
+            raise stopped from exc
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -146,9 +153,8 @@ class Trainer:
         # before step 1; nothing is loaded when every field is cached.
         joint = JointEncoders.setup(config, store, plan.fields, device=device, meshes=meshes, storage_options=storage_options,
                                     lr_lambda=lr_lambda(config), log=say, optional=list(plan.adapter.optional_fields), manifest=plan.manifest)
-        if plan.family.advice is not None:
-            for warning in plan.family.advice(plan.model_config, **plan.input_sizes):
-                say(f"warning: {warning}")
+        for note in plan.notes:
+            say(note)
         model = parallelize(plan.family.builder(plan.model_config, **plan.input_sizes).to(device), meshes, config)
         o = config.optim
         # Frozen parts (model.args.train) have requires_grad False and stay out of the optimizer.
@@ -303,7 +309,9 @@ class Trainer:
         trained encoders (collectives: every rank calls it)."""
         plan, run = self.plan, self.run_dir
         save_checkpoint(run, self.stop, self.model, self.optimizer, self.scheduler, plan.config.checkpoint.keep, extra=self.joint.extra)
-        full = export_safetensors(self.model, run / "model.safetensors")
+        full, digest = export_safetensors(self.model, run / "model.safetensors", resume_hint(run))
+        if digest is not None:  # rank 0: what mmtrain sample checks the weights against
+            update_run_json(run, {"weights": {"model.safetensors": {"sha256": digest}}})
         if plan.family.export is not None:  # the family's own format too (the VLM: an HF folder)
             if full is not None:
                 written = export_model(plan.family.name, plan.model_config, full, run / "export", **plan.input_sizes)
@@ -394,6 +402,8 @@ def accumulate_gradients(model, family, objective, data, *, seed: int, collate, 
 
 class NonFiniteLossError(ValueError):
     """A step's loss or gradient norm is NaN or infinite: fit stops before the optimizer step."""
+
+    every_rank = True  # both are global (all-reduced): every rank raises it alike
 
 
 def _finite(record: dict[str, Any]) -> dict[str, Any]:

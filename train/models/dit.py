@@ -185,16 +185,21 @@ def _tokens_per_sample(config: DiTConfig, sample_shape: tuple[int, ...]) -> int:
     return config.num_tokens(sample_shape)
 
 
-def _advice(config: DiTConfig, *, in_channels: int, text_dim: int) -> list[str]:
+def _fit_inputs(config: DiTConfig, explicit: set[str], *, in_channels: int, text_dim: int) -> dict[str, int]:
+    """A token must hold one patch of latents: the width a preset grows to for these inputs
+    ({"dim": N}, or {} when it fits). The target (noise - data) carries fresh noise in every value
+    of a patch, so a token narrower than its patch cannot pass it through and the loss stalls
+    however long the run (measured: the tiny width 64 on 32-channel TAESD-F2 latents samples worse
+    than the untrained model). A width the user set (``model.args.dim``) is refused instead."""
     patch_values = in_channels * math.prod(config.patch)
     if config.dim >= patch_values:
-        return []
-    # The target (noise - data) carries fresh noise in every value of a patch: a token narrower
-    # than its patch cannot pass it through, and the loss stalls however long the run (the tiny
-    # width on 32-channel TAESD-F2 latents, measured).
-    return [f"model.dim ({config.dim}) is smaller than one patch token ({in_channels} latent channels x patch "
-            f"{config.patch} = {patch_values} values): the model cannot represent the velocity and will underfit; "
-            f"set model.args.dim >= {patch_values}"]
+        return {}
+    if "dim" in explicit:
+        raise ModelConfigError(f"model.args.dim ({config.dim}) is narrower than one patch token ({in_channels} latent channels x patch "
+                               f"{config.patch} = {patch_values} values): the model cannot represent the velocity and would not learn; "
+                               f"set model.args.dim >= {patch_values} (or leave it unset: the preset grows to fit)")
+    step = 2 * config.heads  # heads divide the width and each head's width is even (rotary pairs)
+    return {"dim": -(-patch_values // step) * step}
 
 
 @register_model(
@@ -206,7 +211,7 @@ def _advice(config: DiTConfig, *, in_channels: int, text_dim: int) -> list[str]:
     data=LatentTextData.for_run,
     presets=DIT_PRESETS,
     validation_loss=flow_matching_validation_loss,
-    advice=_advice,
+    fit_inputs=_fit_inputs,
 )
 class DiT(nn.Module):
     def __init__(self, config: DiTConfig, *, in_channels: int, text_dim: int) -> None:

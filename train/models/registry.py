@@ -52,6 +52,7 @@ from torch import nn
 
 from mmcache.featstore.config import from_dict
 from mmcache.featstore.errors import ConfigError
+from mmcache.train.checkpoint import file_sha256
 from mmcache.train.objective import LossTerms
 
 
@@ -100,9 +101,10 @@ class ModelFamily:
     # The held-out loss (same signature as training_loss; generators seeded per held-out sample):
     # deterministic for a given model. None: training_loss with those fixed generators.
     validation_loss: TrainingLoss | None = None
-    # Warnings about a config on these input sizes (one that will train badly), told once by fit
-    # before step 1: (config, **input_sizes) -> messages.
-    advice: Callable[..., list[str]] | None = None
+    # What a preset must change to fit the store's input sizes: (config, the fields the user set
+    # in model.args, **input_sizes) -> overrides (e.g. a wider DiT for more latent channels); it
+    # raises ModelConfigError when a field the user set cannot fit. None: any inputs fit.
+    fit_inputs: Callable[..., dict[str, Any]] | None = None
 
     def write_export(self, model: nn.Module, out_dir: Any, info: dict[str, Any]) -> list[str]:
         """What ``mmtrain export`` writes for ``model`` (unsharded, on CPU): ``model.safetensors`` +
@@ -159,7 +161,7 @@ def register_model(
     presets: Mapping[str, Any] | None = None,
     export: Export | None = None,
     validation_loss: TrainingLoss | None = None,
-    advice: Callable[..., list[str]] | None = None,
+    fit_inputs: Callable[..., dict[str, Any]] | None = None,
 ) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
     """Class/function decorator: ``@register_model("dit", config_cls=..., ...)`` on the builder."""
 
@@ -179,7 +181,7 @@ def register_model(
             input_sizes=sizes,
             export=export,
             validation_loss=validation_loss,
-            advice=advice,
+            fit_inputs=fit_inputs,
         )
         return builder
 
@@ -200,7 +202,9 @@ def export_safetensors_dir(model: nn.Module, out_dir: Any, info: dict[str, Any])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps({"format": EXPORT_FORMAT, "format_version": 1, **info}, indent=2, default=str) + "\n")
+    digest = file_sha256(out / "model.safetensors")  # mmtrain sample checks the weights against it
+    (out / "config.json").write_text(json.dumps({"format": EXPORT_FORMAT, "format_version": 1, **info, "weights_sha256": digest},
+                                                indent=2, default=str) + "\n")
     return ["model.safetensors", "config.json"]
 
 

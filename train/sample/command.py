@@ -16,7 +16,7 @@ from mmcache.train.parallel.dims import pick_device
 from mmcache.train.sample.answer import AnswerConfig, AnswerConfigError, answer_vlm
 from mmcache.train.sample.decode import NoDecoderError, load_decoder, no_decoder_message
 from mmcache.train.sample.generate import SampleJob, default_size, generate, latent_shape, parse_size, store_prompt_embeddings
-from mmcache.train.sample.sampler import SamplerConfig
+from mmcache.train.sample.sampler import SamplerConfig, default_guidance
 from mmcache.train.sample.source import load_trained
 
 
@@ -83,7 +83,7 @@ def sample_dit(trained, *, prompts: list[str], out: Path, seeds: list[int], samp
 
 
 def sample_command(run: str, *, checkpoint: int | None, prompt: tuple[str, ...], prompts_file: str | None, out: str, seeds: tuple[int, ...],
-                   steps: int, guidance: float, shift: float, size: str | None, frames: int, fps: float, vae: str | None,
+                   steps: int, guidance: float | None, shift: float, size: str | None, frames: int, fps: float, vae: str | None,
                    latents_only: bool, features: str | None, storage_options: dict | None, images: tuple[str, ...],
                    temperature: float = 0.0, top_p: float = 1.0, max_new_tokens: int = 64, device: str = "cpu") -> dict[str, Any]:
     where = pick_device(device)
@@ -102,6 +102,8 @@ def sample_command(run: str, *, checkpoint: int | None, prompt: tuple[str, ...],
     if images:
         raise ConfigError("--image is for VLM runs; this is a DiT run: give --prompt/--prompts")
     prompts_dit = read_prompts_arg(prompt, prompts_file)
-    sampler = SamplerConfig(steps=steps, guidance=guidance, shift=shift)
-    return sample_dit(trained, prompts=prompts_dit, out=Path(out), seeds=list(seeds) or [0], sampler=sampler, size=size, frames=frames,
+    chosen, warning = default_guidance(guidance, float(trained.info.get("caption_dropout") or 0.0))
+    sampler = SamplerConfig(steps=steps, guidance=chosen, shift=shift)
+    doc = sample_dit(trained, prompts=prompts_dit, out=Path(out), seeds=list(seeds) or [0], sampler=sampler, size=size, frames=frames,
                       fps=fps, vae=vae, latents_only=latents_only, features=features, storage_options=storage_options, device=where)
+    return {**doc, **({"warning": f"--{warning}"} if warning else {})}

@@ -2,7 +2,8 @@
 
 The latent field's fingerprint names the encoder that made it (``taef2``, ``autoencoder_kl``,
 ``autoencoder_kl_wan``) and the hash of its weights. A decoder is loaded from a folder (``--vae
-DIR``, or the tiny model of that name that ``path: tiny`` built on this machine) through the
+DIR``; else the model folder the store recorded for that encoder, when it is still there; else
+the tiny model of that name that ``path: tiny`` built on this machine) through the
 encoder's own loader in ``mmcache.precompute.encoders``, and is used only when the weights there hash to
 what the fingerprint records: a decoder of another VAE would turn the latents into noise without
 saying so. (TAESD-F2's hash is that of its encoder file, which sits beside the decoder's.)
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from mmcache.featstore.errors import ConfigError, FingerprintMismatchError
-from mmcache.precompute.config import default_cache_dir
+from mmcache.precompute.config import TINY_PATH, default_cache_dir
 from mmcache.precompute.encoders import build_encoder
 from mmcache.precompute.encoders.tiny import TINY_VERSION
 from mmcache.precompute.tasks import quiet_offline_env
@@ -82,17 +83,31 @@ def _wan(encoder: Any) -> Decode:
 DECODERS: dict[str, Callable[[Any], Decode]] = {"taef2": _taef2, "autoencoder_kl": _autoencoder_kl, "autoencoder_kl_wan": _wan}
 
 
-def _candidates(name: str, vae_path: str | None) -> list[Path]:
+def _candidates(name: str, latent_meta: dict[str, Any], vae_path: str | None) -> list[tuple[Path, str]]:
+    """Where to look, as (folder, what it is): ``--vae`` alone when given; else the folder the
+    store recorded for its encoder, then the tiny model of that name built on this machine."""
     if vae_path:
-        return [Path(vae_path).expanduser()]
+        return [(Path(vae_path).expanduser(), "--vae")]
+    found = []
+    recorded = recorded_folder(latent_meta)
+    if recorded is not None and recorded.is_dir():
+        found.append((recorded, "the folder the store recorded"))
     tiny = default_cache_dir() / "tiny" / f"{name}-v{TINY_VERSION}"
-    return [tiny] if tiny.is_dir() else []
+    if tiny.is_dir():
+        found.append((tiny, "the tiny model built here"))
+    return found
+
+
+def recorded_folder(latent_meta: dict[str, Any]) -> Path | None:
+    """The encoder's model folder as ``mmcache encode`` recorded it (None: not recorded, or ``tiny``)."""
+    path = (((latent_meta.get("encoder") or {}).get("config")) or {}).get("path")
+    return None if not path or path == TINY_PATH else Path(path)
 
 
 def load_decoder(latent_meta: dict[str, Any], vae_path: str | None, device: str | torch.device = "cpu") -> Decode | None:
     """The decoder of the VAE that made a latent field (its field meta), or None when none is at
-    hand (no ``vae_path`` and no matching tiny model here). A ``vae_path`` holding other weights
-    is an error."""
+    hand (see ``_candidates``; a folder whose weights are not the fingerprint's is passed over).
+    A ``vae_path`` holding other weights is an error."""
     quiet_offline_env()  # local folders only, no hub look-ups or banners
     fingerprint = latent_meta.get("fingerprint") or {}
     name = fingerprint.get("encoder")
@@ -103,7 +118,7 @@ def load_decoder(latent_meta: dict[str, Any], vae_path: str | None, device: str 
     wanted = fingerprint.get("weights_sha256")
     if wanted is None and name != "taef2":
         return None  # nothing to check a decoder's weights against
-    for folder in _candidates(name, vae_path):
+    for folder, _ in _candidates(name, latent_meta, vae_path):
         encoder = build_encoder(name, {"path": str(folder), "compute_dtype": "float32"})
         encoder.load(device)
         have = encoder.fingerprint()["weights_sha256"]  # what mmcache encode recorded, computed the same way
@@ -118,7 +133,17 @@ def load_decoder(latent_meta: dict[str, Any], vae_path: str | None, device: str 
     return None
 
 
+def no_decoder_reason(latent_meta: dict[str, Any]) -> str:
+    """Why no decoder was found where the store points: nothing recorded, the folder gone, or changed."""
+    recorded = recorded_folder(latent_meta)
+    if recorded is None:
+        return "the store records no folder for it"
+    if not recorded.is_dir():
+        return f"the folder the store recorded for it, {recorded}, is gone"
+    return f"the weights in the folder the store recorded for it, {recorded}, are no longer the ones that made the latents"
+
+
 def no_decoder_message(latent_meta: dict[str, Any]) -> str:
     name = (latent_meta.get("fingerprint") or {}).get("encoder")
-    return (f"no VAE decoder for these latents (encoder {name!r}): pass --vae DIR, the folder the store was encoded with "
-            "(for TAESD-F2 the one holding taef2_decoder.pth), or --latents-only to write the latents without decoding them")
+    return (f"no VAE decoder for these latents (encoder {name!r}; {no_decoder_reason(latent_meta)}): pass --vae DIR, the folder the "
+            "store was encoded with (for TAESD-F2 the one holding taef2_decoder.pth), or --latents-only to write the latents without decoding them")

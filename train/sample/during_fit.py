@@ -30,9 +30,9 @@ from mmcache.featstore.errors import ConfigError
 from mmcache.train.data import sample_reads
 from mmcache.train.objective import sample_generators
 from mmcache.train.packing import SAMPLE_ID
-from mmcache.train.sample.decode import load_decoder
+from mmcache.train.sample.decode import load_decoder, no_decoder_reason
 from mmcache.train.sample.generate import SampleJob, default_size, generate, latent_shape, parse_size, store_prompt_embeddings
-from mmcache.train.sample.sampler import SamplerConfig
+from mmcache.train.sample.sampler import SamplerConfig, default_guidance
 
 VALIDATION_SEED = 20_240_601  # fixed: the held-out noise is the same in every run
 
@@ -122,7 +122,10 @@ class FitSampler:
         latent_field, text_field = data_section.latent_field, data_section.text_field
         self.latent_meta = store.fields[latent_field].meta
         text_digest = (store.fields[text_field].meta.get("fingerprint") or {}).get("digest")
-        sampler = SamplerConfig(steps=section.steps, guidance=section.guidance, shift=section.shift)
+        guidance, warning = default_guidance(section.guidance, data_section.caption_dropout)
+        if warning and rank == 0:
+            log(f"warning: sample.{warning}")
+        sampler = SamplerConfig(steps=section.steps, guidance=guidance, shift=section.shift)
         size = parse_size(section.size) if section.size else default_size(store, latent_field, self.latent_meta)
         shape = latent_shape(self.latent_meta, input_sizes["in_channels"], model_config, size, section.frames)
         # Missing prompts fail now, not after hours of training.
@@ -136,7 +139,8 @@ class FitSampler:
             except Exception as exc:  # re-raised below, after telling the other ranks
                 failure = exc
             if self.decode is None and failure is None:
-                log("samples: no VAE decoder for the latents (set sample.vae_path to the folder the store was encoded with); writing latents only")
+                log(f"samples: no VAE decoder for the latents ({no_decoder_reason(self.latent_meta)}): writing latents only; "
+                    "set sample.vae_path to the folder the store was encoded with")
         agree(failure, "loading the VAE decoder failed on rank 0 (see its error); training stopped", device)
 
     def run(self, model: torch.nn.Module, run_dir: Path, step: int, device: torch.device, board=None) -> float:

@@ -25,7 +25,7 @@ import torch
 
 from mmcache import featstore
 from mmcache.featstore.errors import ConfigError
-from mmcache.train.checkpoint import checkpoints
+from mmcache.train.checkpoint import DamagedWeightsError, checkpoints, file_sha256, verify_checkpoint
 from mmcache.train.live.reattach import EncoderMismatchError, reattach_encoder
 from mmcache.train.models.registry import EXPORT_FORMAT, ModelFamily, get_model_family
 
@@ -70,6 +70,8 @@ def run_info(run: Path) -> dict[str, Any]:
         "fields": doc.get("fields") or {name: {"fingerprint": fp} for name, fp in (doc.get("fingerprints") or {}).items()},
         "store": {"url": (doc.get("store") or {}).get("url")},
         "seed": config.get("seed"),
+        "caption_dropout": data.get("caption_dropout", 0.0),  # sampling's default guidance follows it
+        "weights_sha256": ((doc.get("weights") or {}).get("model.safetensors") or {}).get("sha256"),  # of the final weights
         "trained_encoders": sorted(name for name, section in (config.get("encoders") or {}).items() if (section or {}).get("mode") == "train"),
     }
 
@@ -82,10 +84,20 @@ def _build(info: dict[str, Any]) -> tuple[ModelFamily, Any, torch.nn.Module]:
     return family, model_config, family.builder(model_config, **info["input_sizes"])
 
 
-def _load_safetensors(model: torch.nn.Module, file: Path) -> None:
+def _load_safetensors(model: torch.nn.Module, file: Path, sha256: str | None) -> None:
+    """``file`` into ``model``, refused with one line when it is not the file the run wrote
+    (``sha256``: as recorded beside it; None for runs and exports that predate the record)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    model.load_state_dict(load_file(str(file)), strict=True)
+    if sha256 is not None and file_sha256(file) != sha256:
+        raise DamagedWeightsError(f"{file}: its sha256 is not the one recorded when it was written (damaged: flipped or lost bytes); "
+                                  "sample from a checkpoint instead (--checkpoint STEP), or export the run again")
+    try:
+        state = load_file(str(file))
+    except SafetensorError as exc:
+        raise DamagedWeightsError(f"{file}: not a readable safetensors file ({exc}); sample from a checkpoint instead (--checkpoint STEP)") from None
+    model.load_state_dict(state, strict=True)
 
 
 def _load_dcp(model: torch.nn.Module, path: Path, key: str = "model") -> int | None:
@@ -95,6 +107,9 @@ def _load_dcp(model: torch.nn.Module, path: Path, key: str = "model") -> int | N
 
     import torch.distributed.checkpoint as dcp
 
+    damaged = verify_checkpoint(path)
+    if damaged is not None:
+        raise DamagedWeightsError(f"{damaged}: sample from another checkpoint (--checkpoint STEP)")
     state: dict[str, Any] = {"model": model.state_dict(), "progress": {"step": torch.tensor(0)}}
     if key != "model":
         state = {key: {"model": model.state_dict()}}
@@ -117,7 +132,7 @@ def load_trained(path: str | Path, checkpoint: int | None = None) -> Trained:
             raise RunFolderError(f"{where} is an export (one set of weights): --checkpoint applies to run folders only")
         info = json.loads(config_file.read_text())
         family, model_config, model = _build(info)
-        _load_safetensors(model, where / "model.safetensors")
+        _load_safetensors(model, where / "model.safetensors", info.get("weights_sha256"))
         folders = {name: where / folder for name, folder in (info.get("encoder_folders") or {}).items()}
         return Trained(family=family, model_config=model_config, model=model.eval(), info=info, step=info.get("step"),
                        weights=str(where / "model.safetensors"), encoder_folders=folders)
@@ -131,7 +146,7 @@ def load_trained(path: str | Path, checkpoint: int | None = None) -> Trained:
     if checkpoint is None and final.is_file():
         # Written after the last checkpoint: the same weights as the newest checkpoint; the
         # trained encoders were exported beside them (train.live.joint).
-        _load_safetensors(model, final)
+        _load_safetensors(model, final, info.get("weights_sha256"))
         step, weights = (max(found) if found else None), str(final)
         folders = {name: where / "export" / name for name in info["trained_encoders"]}
     else:
