@@ -1,0 +1,234 @@
+"""A store in any PyTorch training loop: ``StreamingDataset``, an ``IterableDataset`` of samples.
+
+    ds = StreamingDataset("s3://bucket/st", fields=["latent", "text"], shuffle=True, seed=0)
+    loader = DataLoader(ds, batch_size=8, num_workers=2, collate_fn=pad_collate)
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        for batch in loader: ...   # {"latent": bf16 [8, ...], "text": ..., "text_mask": ..., "id": [...]}
+
+The only featstore module that imports torch (nothing else in featstore imports this one).
+
+Each epoch visits the store's samples in one order, a function of (seed, epoch, snapshot) only
+(``featstore.order``: a global shuffle, or shards shuffled then samples within windows of
+``window`` shards so that a cache smaller than the store streams). Rank ``r`` of ``W`` takes
+positions ``r, r+W, ...`` of it, and DataLoader worker ``k`` of ``K`` every ``K``-th of those:
+each sample is read once per epoch over all ranks and workers, and rank counts differ by at most
+one (``drop_last`` cuts the order to a multiple of ``W``). The dataset pickles without its open
+store: the main process fixes the snapshot (the committed shards when it was made), and workers,
+whatever their start method, open exactly that snapshot on first use.
+
+``state_dict()`` / ``load_state_dict()`` follow torchdata's ``StatefulDataLoader``, which calls
+them inside each worker: the state is the epoch and how many samples this worker has yielded,
+so a resumed loader goes on with the very next sample (see docs/dataset.md for other world sizes).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import IterableDataset, get_worker_info
+
+from mmcache import featstore
+from mmcache.featstore.latents import latent_normalisation
+from mmcache.featstore.order import EpochOrder, shard_positions
+from mmcache.featstore.tensors import as_tensor
+
+READ_BATCH = 16  # samples per read_rows call: one batch of concurrent ranged reads on an object store
+
+
+def placement(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """(rank, world size): as given, else torch.distributed's when it is initialised, else (0, 1)."""
+    if rank is None or world_size is None:
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank() if rank is None else rank
+            world_size = dist.get_world_size() if world_size is None else world_size
+        rank, world_size = rank or 0, world_size or 1
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in 0..{world_size - 1} (world_size={world_size})")
+    return rank, world_size
+
+
+def worker_slot() -> tuple[int, int]:
+    """(this DataLoader worker, workers): (0, 1) in the main process."""
+    info = get_worker_info()
+    return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+class StreamingDataset(IterableDataset):
+    """Samples of a store as dicts of torch tensors in their stored dtype, plus ``id`` (and
+    ``meta`` with ``with_meta=True``). ``fields``: what to read (default: every field); only
+    samples holding all of them are visited. ``normalize=True`` turns each latent field whose
+    metadata records a scale (``featstore.latents``) into float32 ``(x - shift) * scale`` per
+    channel. ``window``: shards per shuffle window (None: a global shuffle). Further keywords go
+    to ``featstore.open`` (``cache_dir``, ``cache_bytes``, ``verify_reads``)."""
+
+    def __init__(self, url: str | os.PathLike[str], fields: Sequence[str] | None = None, *, shuffle: bool = False, seed: int = 0,
+                 rank: int | None = None, world_size: int | None = None, storage_options: dict[str, Any] | None = None,
+                 with_meta: bool = False, normalize: bool = False, drop_last: bool = False, window: int | None = None,
+                 **open_options: Any) -> None:
+        if window is not None and (isinstance(window, bool) or window < 1):
+            raise ValueError(f"window must be a number of shards >= 1 (or None: a global shuffle), got {window!r}")
+        self.url, self.storage_options, self.open_options = str(url), storage_options, open_options
+        self.shuffle, self.seed, self.window = shuffle, int(seed), window
+        self.with_meta, self.normalize, self.drop_last = with_meta, normalize, drop_last
+        self._rank, self._world_size = rank, world_size
+        placement(rank, world_size)  # a bad rank fails here, not in a worker
+        self.epoch = 0
+        self._resume: dict[str, Any] | None = None  # a loaded state, used by the next __iter__
+        self._yielded = 0
+        store = featstore.open(self.url, storage_options, **open_options)
+        self.shards = sorted(store.shards)  # the snapshot every worker and rank opens
+        self.fields = list(fields) if fields else list(store.fields)
+        self._attach(store)
+
+    def _attach(self, store: featstore.Store) -> None:
+        self._store = store
+        self._ids = store.sample_ids(with_fields=self.fields)
+        self._rows = np.array([store.row(i) for i in self._ids], dtype=np.int64)
+        self._order = EpochOrder(self.seed, shard_positions(store, self._rows), self.window) if self.shuffle else None
+        self._scales = {}
+        if self.normalize:
+            for name in self.fields:
+                found = latent_normalisation(store.fields[name].meta)
+                if found is not None:
+                    self._scales[name] = tuple(torch.tensor(v, dtype=torch.float32) for v in found)
+
+    def store(self) -> featstore.Store:
+        if self._store is None:  # a worker's first use: the snapshot the main process took
+            self._attach(featstore.open(self.url, self.storage_options, shards=self.shards, **self.open_options))
+        return self._store
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        # Workers get the placement of the process that made them (torch.distributed is not
+        # initialised in a spawned worker) and open the store themselves: a Store holds a lock.
+        state["_rank"], state["_world_size"] = placement(self._rank, self._world_size)
+        state.update(_store=None, _ids=None, _rows=None, _order=None, _scales=None)
+        return state
+
+    def __len__(self) -> int:
+        """Samples this rank visits per epoch (over all its workers)."""
+        rank, world = placement(self._rank, self._world_size)
+        total = self.num_samples()
+        if self.drop_last:
+            return total // world
+        return len(range(rank, total, world))
+
+    def num_samples(self) -> int:
+        """Samples in one epoch over all ranks (those holding every field read)."""
+        self.store()
+        return len(self._ids)
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next iteration visits (call it in the main process, before iterating)."""
+        self.epoch = int(epoch)
+
+    def epoch_positions(self) -> np.ndarray:
+        """This rank's and worker's share of the epoch's order, as positions in ``self._ids``."""
+        self.store()
+        rank, world = placement(self._rank, self._world_size)
+        order = self._order(self.epoch) if self._order is not None else np.arange(len(self._ids))
+        if self.drop_last:
+            order = order[: len(order) - len(order) % world]
+        worker, workers = worker_slot()
+        return order[rank::world][worker::workers]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        resume, self._resume = self._resume, None
+        positions = self.epoch_positions()
+        self._yielded = start = resume["yielded"] if resume is not None else 0
+        store = self.store()
+        for at in range(start, len(positions), READ_BATCH):
+            chosen = positions[at: at + READ_BATCH]
+            for position, arrays in zip(chosen, store.read_rows(self._rows[chosen], self.fields), strict=True):
+                sample = self._tensors(arrays)
+                sample["id"] = self._ids[position]
+                if self.with_meta:
+                    sample["meta"] = store.meta(self._ids[position])
+                self._yielded += 1  # before the yield: a state taken after it counts this sample
+                yield sample
+
+    def _tensors(self, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+        out = {}
+        for name, array in arrays.items():
+            tensor = as_tensor(array)  # shares the freshly read buffer: no copy, bf16 kept
+            if name in self._scales:
+                shift, scale = (v.view(-1, *([1] * (tensor.dim() - 1))) for v in self._scales[name])
+                tensor = (tensor.to(torch.float32) - shift) * scale
+            out[name] = tensor
+        return out
+
+    # ---- torchdata StatefulDataLoader's protocol (called in each worker) ------------------------
+    def state_dict(self) -> dict[str, Any]:
+        rank, world = placement(self._rank, self._world_size)
+        worker, workers = worker_slot()
+        return {"epoch": self.epoch, "yielded": self._yielded, "seed": self.seed, "shuffle": self.shuffle, "window": self.window,
+                "num_samples": self.num_samples(), "rank": rank, "world_size": world, "worker": worker, "num_workers": workers}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume where ``state`` (this worker's ``state_dict()``) stopped: the next iteration
+        goes on with the sample after the last one yielded, in the same epoch."""
+        rank, world = placement(self._rank, self._world_size)
+        worker, workers = worker_slot()
+        here = {"seed": self.seed, "shuffle": self.shuffle, "window": self.window, "num_samples": self.num_samples(),
+                "rank": rank, "world_size": world, "worker": worker, "num_workers": workers}
+        differ = {k: (state.get(k), v) for k, v in here.items() if state.get(k) != v}
+        if differ:
+            said = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in differ.items())
+            raise ValueError(
+                f"cannot resume this epoch of {self.url} mid-way: {said}. Resume with the same seed, shuffle, window, "
+                "snapshot, ranks and workers, or start at the next epoch (set_epoch(epoch + 1)): "
+                "epoch orders depend on the seed and the epoch only"
+            )
+        self.epoch = int(state["epoch"])
+        self._resume = {"yielded": int(state["yielded"])}
+        self._yielded = int(state["yielded"])
+
+
+# ---- batches of samples of different shapes -----------------------------------------------------
+def collate(samples: Sequence[dict[str, Any]], *, pad: bool = False) -> dict[str, Any]:
+    """A batch of ``StreamingDataset`` samples: each field stacked when every sample has the same
+    shape; ``id`` and ``meta`` as lists. Shapes that differ are an error, unless ``pad``: then the
+    field is zero-padded to the largest size along each dimension and ``<field>_mask`` (bool,
+    ``[batch, *the dimensions that vary]``) marks the real entries, e.g. ``[batch, tokens]`` for
+    text states of varying length."""
+    if not samples:
+        raise ValueError("collate got no samples")
+    batch: dict[str, Any] = {}
+    for name in samples[0]:
+        values = [s[name] for s in samples]
+        if not isinstance(values[0], torch.Tensor):
+            batch[name] = values
+            continue
+        shapes = [tuple(v.shape) for v in values]
+        if len(set(shapes)) == 1:
+            batch[name] = torch.stack(values)
+        elif pad:
+            batch[name], batch[f"{name}_mask"] = _padded(values, shapes)
+        else:
+            raise ValueError(f"field {name!r} has samples of shapes {sorted(set(shapes))[:4]} in one batch: "
+                             "collate with pad_collate (padding + masks), or read equal shapes together (ShapeBuckets)")
+    return batch
+
+
+def pad_collate(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """``collate(samples, pad=True)``: a module-level function, so spawned workers can pickle it."""
+    return collate(samples, pad=True)
+
+
+def _padded(values: list[torch.Tensor], shapes: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
+    if len({len(s) for s in shapes}) != 1:
+        raise ValueError(f"cannot pad tensors of different ranks together: shapes {sorted(set(shapes))[:4]}")
+    biggest = tuple(max(sizes) for sizes in zip(*shapes, strict=True))
+    varying = [d for d, sizes in enumerate(zip(*shapes, strict=True)) if len(set(sizes)) > 1]
+    out = values[0].new_zeros((len(values), *biggest))
+    mask = torch.zeros((len(values), *(biggest[d] for d in varying)), dtype=torch.bool)
+    for i, (value, shape) in enumerate(zip(values, shapes, strict=True)):
+        out[(i, *(slice(0, n) for n in shape))] = value
+        mask[(i, *(slice(0, shape[d]) for d in varying))] = True
+    return out, mask
