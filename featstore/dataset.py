@@ -1,7 +1,7 @@
 """A store in any PyTorch training loop: ``StreamingDataset``, an ``IterableDataset`` of samples.
 
     ds = StreamingDataset("s3://bucket/st", fields=["latent", "text"], shuffle=True, seed=0)
-    loader = DataLoader(ds, batch_size=8, num_workers=2, collate_fn=pad_collate)
+    loader = DataLoader(ds, batch_size=8, num_workers=2, collate_fn=ds.pad_collate())
     for epoch in range(3):
         ds.set_epoch(epoch)
         for batch in loader: ...   # {"latent": bf16 [8, ...], "text": ..., "text_mask": ..., "id": [...]}
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -124,6 +125,17 @@ class StreamingDataset(IterableDataset):
         self.store()
         return len(self._ids)
 
+    def pad_collate(self) -> PadCollate:
+        """A collate_fn padding, with masks, the dimensions that vary among this dataset's samples
+        (from the index: nothing is read)."""
+        store = self.store()
+        dims = {}
+        for name in self.fields:
+            shapes = {store.shape(i, name) for i in self._ids}
+            if len(shapes) > 1:
+                dims[name] = tuple(d for d in range(len(next(iter(shapes)))) if len({s[d] for s in shapes}) > 1)
+        return PadCollate(dims)
+
     def set_epoch(self, epoch: int) -> None:
         """The epoch the next iteration visits (call it in the main process, before iterating)."""
         self.epoch = int(epoch)
@@ -191,44 +203,54 @@ class StreamingDataset(IterableDataset):
 
 
 # ---- batches of samples of different shapes -----------------------------------------------------
-def collate(samples: Sequence[dict[str, Any]], *, pad: bool = False) -> dict[str, Any]:
-    """A batch of ``StreamingDataset`` samples: each field stacked when every sample has the same
-    shape; ``id`` and ``meta`` as lists. Shapes that differ are an error, unless ``pad``: then the
-    field is zero-padded to the largest size along each dimension and ``<field>_mask`` (bool,
-    ``[batch, *the dimensions that vary]``) marks the real entries, e.g. ``[batch, tokens]`` for
-    text states of varying length."""
+@dataclass(frozen=True)
+class PadCollate:
+    """A DataLoader ``collate_fn`` for ``StreamingDataset`` samples: the fields named in ``dims``
+    are zero-padded, along those dimensions, to the batch's largest size, and ``<field>_mask``
+    (bool, ``[batch, *(sizes along dims)]``) marks each sample's own entries, in every batch even
+    when its shapes happen to agree; other fields are stacked (different shapes there are an
+    error); ``id`` and ``meta`` are lists. ``StreamingDataset.pad_collate()`` makes one with the
+    dimensions that vary in its store (e.g. ``{"text": (0,), "latent": (1, 2)}``). A
+    module-level class, so spawned workers can pickle it."""
+
+    dims: dict[str, tuple[int, ...]]
+
+    def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        return collate(samples, pad_dims=self.dims)
+
+
+def collate(samples: Sequence[dict[str, Any]], *, pad_dims: dict[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
+    """A batch: each tensor field stacked, or padded with a mask along ``pad_dims[field]`` (see
+    ``PadCollate``); anything else (``id``, ``meta``) as a list."""
     if not samples:
         raise ValueError("collate got no samples")
+    pad_dims = pad_dims or {}
     batch: dict[str, Any] = {}
     for name in samples[0]:
         values = [s[name] for s in samples]
         if not isinstance(values[0], torch.Tensor):
             batch[name] = values
-            continue
-        shapes = [tuple(v.shape) for v in values]
-        if len(set(shapes)) == 1:
+        elif name in pad_dims:
+            batch[name], batch[f"{name}_mask"] = _padded(name, values, tuple(pad_dims[name]))
+        elif len({tuple(v.shape) for v in values}) == 1:
             batch[name] = torch.stack(values)
-        elif pad:
-            batch[name], batch[f"{name}_mask"] = _padded(values, shapes)
         else:
-            raise ValueError(f"field {name!r} has samples of shapes {sorted(set(shapes))[:4]} in one batch: "
-                             "collate with pad_collate (padding + masks), or read equal shapes together (ShapeBuckets)")
+            raise ValueError(f"field {name!r} has samples of shapes {sorted({tuple(v.shape) for v in values})[:4]} in one batch: "
+                             "collate with dataset.pad_collate() (padding + masks), or batch equal shapes together")
     return batch
 
 
-def pad_collate(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """``collate(samples, pad=True)``: a module-level function, so spawned workers can pickle it."""
-    return collate(samples, pad=True)
-
-
-def _padded(values: list[torch.Tensor], shapes: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
-    if len({len(s) for s in shapes}) != 1:
-        raise ValueError(f"cannot pad tensors of different ranks together: shapes {sorted(set(shapes))[:4]}")
+def _padded(name: str, values: list[torch.Tensor], dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    shapes = [tuple(v.shape) for v in values]
+    ndim = len(shapes[0])
+    if any(len(s) != ndim for s in shapes) or any(not 0 <= d < ndim for d in dims):
+        raise ValueError(f"cannot pad field {name!r} along dimensions {dims}: its samples have shapes {sorted(set(shapes))[:4]}")
+    if any(len({s[d] for s in shapes}) > 1 for d in range(ndim) if d not in dims):
+        raise ValueError(f"field {name!r} varies outside the padded dimensions {dims}: shapes {sorted(set(shapes))[:4]}")
     biggest = tuple(max(sizes) for sizes in zip(*shapes, strict=True))
-    varying = [d for d, sizes in enumerate(zip(*shapes, strict=True)) if len(set(sizes)) > 1]
     out = values[0].new_zeros((len(values), *biggest))
-    mask = torch.zeros((len(values), *(biggest[d] for d in varying)), dtype=torch.bool)
+    mask = torch.zeros((len(values), *(biggest[d] for d in dims)), dtype=torch.bool)
     for i, (value, shape) in enumerate(zip(values, shapes, strict=True)):
         out[(i, *(slice(0, n) for n in shape))] = value
-        mask[(i, *(slice(0, shape[d]) for d in varying))] = True
+        mask[(i, *(slice(0, shape[d]) for d in dims))] = True
     return out, mask

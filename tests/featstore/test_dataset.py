@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mmcache import featstore
-from mmcache.featstore.dataset import StreamingDataset, collate, pad_collate
+from mmcache.featstore.dataset import PadCollate, StreamingDataset, collate
 from tests.ranks import run_on_ranks
 
 SHIFT, SCALE = 0.25, 0.5
@@ -57,19 +57,23 @@ def loader_samples(loader, url: str) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
+PADDED = {"latent": (1, 2), "text": (0,)}  # what varies in write_store's samples: [4, h, w], [tokens, 8]
+
+
 def cut(batch: dict, i: int, name: str, store) -> torch.Tensor:
-    value, mask = batch[name][i], batch.get(f"{name}_mask")
-    shapes = [store.shape(x, name) for x in batch["id"]]
-    shape = shapes[i]
+    value, mask = batch[name][i], batch[f"{name}_mask"][i]
+    shape = store.shape(batch["id"][i], name)
     real = value[tuple(slice(0, n) for n in shape)]
-    if mask is None:
-        assert len(set(shapes)) == 1
-        return real
-    varying = [d for d in range(len(shape)) if len({s[d] for s in shapes}) > 1]
-    assert mask.shape[1:] == tuple(value.shape[d] for d in varying)
-    assert int(mask[i].sum()) == int(np.prod([shape[d] for d in varying]))
+    assert mask.shape == tuple(value.shape[d] for d in PADDED[name])
+    assert torch.equal(mask, _ones(mask.shape, [shape[d] for d in PADDED[name]]))
     assert float(value.float().abs().sum()) == float(real.float().abs().sum())  # zeros outside the sample
     return real
+
+
+def _ones(shape, sizes) -> torch.Tensor:
+    out = torch.zeros(shape, dtype=torch.bool)
+    out[tuple(slice(0, n) for n in sizes)] = True
+    return out
 
 
 def assert_equal_to_store(url: str, got: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -86,7 +90,7 @@ def stateful_loader(url: str, context: str):
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
     ds = StreamingDataset(url, shuffle=True, seed=5)
     ds.set_epoch(1)
-    return stateful.StatefulDataLoader(ds, batch_size=3, num_workers=2, multiprocessing_context=context, collate_fn=pad_collate)
+    return stateful.StatefulDataLoader(ds, batch_size=3, num_workers=2, multiprocessing_context=context, collate_fn=ds.pad_collate())
 
 
 def resumed_epoch(url: str, context: str, stop_after: int = 3) -> list[dict]:
@@ -183,17 +187,22 @@ def test_normalize_applies_the_recorded_shift_and_scale(store_url):
     assert plain["s004"]["meta"]["caption"] == "caption 4" and "meta" not in sample
 
 
-def test_collate_stacks_equal_shapes_and_pads_the_rest_with_masks(store_url):
-    ds = StreamingDataset(store_url, fields=["latent"])
+def test_collate_stacks_equal_shapes_and_pads_the_varying_dimensions_with_masks(store_url):
+    ds = StreamingDataset(store_url, fields=["latent", "text"])
+    pad = ds.pad_collate()
+    assert pad == PadCollate({"latent": (1, 2), "text": (0,)})  # from the index: [4, h, w] and [tokens, 8]
     samples = list(ds)
     same = [s for s in samples if tuple(s["latent"].shape) == (4, 4, 6)]
-    assert collate(same)["latent"].shape == (len(same), 4, 4, 6)
+    assert collate(same, pad_dims={"text": (0,)})["latent"].shape == (len(same), 4, 4, 6)
     with pytest.raises(ValueError, match="pad_collate"):
         collate(samples[:2])
-    batch = pad_collate(samples[:3])
+    batch = pad(samples[:3])
     assert batch["latent"].shape == (3, 4, 6, 6) and batch["latent_mask"].shape == (3, 6, 6)
     assert batch["latent_mask"][0].sum() == 24 and not batch["latent"][0, :, 4:, :].any()
+    assert batch["text"].shape == (3, 4, 8) and batch["text_mask"].sum(1).tolist() == [2, 3, 4]
     assert batch["id"] == ["s000", "s001", "s002"]
+    even = pad([samples[0], samples[3]])  # equal shapes still get their masks: every batch has the same keys
+    assert even["latent_mask"].shape == (2, 4, 6) and bool(even["latent_mask"].all())
 
 
 def test_pickles_without_its_store_and_reopens_the_same_snapshot(tmp_path):
