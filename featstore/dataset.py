@@ -60,7 +60,60 @@ def worker_slot() -> tuple[int, int]:
     return (0, 1) if info is None else (info.id, info.num_workers)
 
 
-class StreamingDataset(IterableDataset):
+def share(order: np.ndarray, rank: int, world_size: int, drop_last: bool) -> np.ndarray:
+    """What rank ``rank`` and this DataLoader worker read of an epoch's ``order``: every
+    ``world_size``-th position from ``rank`` (after cutting ``order`` to a multiple of the world
+    size, with ``drop_last``), then every ``workers``-th of those from this worker's number."""
+    if drop_last:
+        order = order[: len(order) - len(order) % world_size]
+    worker, workers = worker_slot()
+    return order[rank::world_size][worker::workers]
+
+
+class Resumable(IterableDataset):
+    """torchdata ``StatefulDataLoader``'s protocol, which calls these inside each worker: the state
+    is the epoch and how many samples this worker has yielded of it, beside what must not change
+    for that count to mean the same samples (``resume_key``, the placement, the workers)."""
+
+    epoch: int
+    _yielded: int
+    _resume: dict[str, Any] | None
+    _rank: int | None
+    _world_size: int | None
+
+    def resume_key(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _where(self) -> dict[str, Any]:
+        rank, world = placement(self._rank, self._world_size)
+        worker, workers = worker_slot()
+        return {**self.resume_key(), "rank": rank, "world_size": world, "worker": worker, "num_workers": workers}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self._where(), "epoch": self.epoch, "yielded": self._yielded}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume where ``state`` (this worker's ``state_dict()``) stopped: the next iteration
+        goes on with the sample after the last one yielded, in the same epoch."""
+        differ = {k: (state.get(k), v) for k, v in self._where().items() if state.get(k) != v}
+        if differ:
+            said = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in differ.items())
+            raise ValueError(
+                f"cannot resume this epoch mid-way: {said}. Resume with the same data, seed, ranks and workers, "
+                "or start at the next epoch (set_epoch(epoch + 1)): epoch orders depend on the seed and the epoch only"
+            )
+        self.epoch = int(state["epoch"])
+        self._yielded = int(state["yielded"])
+        self._resume = {"yielded": self._yielded}
+
+    def _start(self) -> int:
+        """Where this iteration starts in this worker's share: a loaded state's count, once."""
+        resume, self._resume = self._resume, None
+        self._yielded = resume["yielded"] if resume is not None else 0
+        return self._yielded
+
+
+class StreamingDataset(Resumable):
     """Samples of a store as dicts of torch tensors in their stored dtype, plus ``id`` (and
     ``meta`` with ``with_meta=True``). ``fields``: what to read (default: every field); only
     samples holding all of them are visited. ``normalize=True`` turns each latent field whose
@@ -140,29 +193,31 @@ class StreamingDataset(IterableDataset):
         """The epoch the next iteration visits (call it in the main process, before iterating)."""
         self.epoch = int(epoch)
 
-    def epoch_positions(self) -> np.ndarray:
-        """This rank's and worker's share of the epoch's order, as positions in ``self._ids``."""
+    def global_order(self, epoch: int) -> np.ndarray:
+        """The epoch's order over all ranks and workers: positions into the visited samples."""
         self.store()
-        rank, world = placement(self._rank, self._world_size)
-        order = self._order(self.epoch) if self._order is not None else np.arange(len(self._ids))
-        if self.drop_last:
-            order = order[: len(order) - len(order) % world]
-        worker, workers = worker_slot()
-        return order[rank::world][worker::workers]
+        return self._order(epoch) if self._order is not None else np.arange(len(self._ids))
+
+    def epoch_positions(self) -> np.ndarray:
+        """This rank's and worker's share of the epoch's order."""
+        return share(self.global_order(self.epoch), *placement(self._rank, self._world_size), self.drop_last)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        resume, self._resume = self._resume, None
-        positions = self.epoch_positions()
-        self._yielded = start = resume["yielded"] if resume is not None else 0
+        start = self._start()
+        for sample in self.samples_at(self.epoch_positions()[start:]):
+            self._yielded += 1  # before the yield: a state taken after it counts this sample
+            yield sample
+
+    def samples_at(self, positions: np.ndarray) -> Iterator[dict[str, Any]]:
+        """The samples at ``positions`` (of the visited samples), in that order, read in batches."""
         store = self.store()
-        for at in range(start, len(positions), READ_BATCH):
+        for at in range(0, len(positions), READ_BATCH):
             chosen = positions[at: at + READ_BATCH]
             for position, arrays in zip(chosen, store.read_rows(self._rows[chosen], self.fields), strict=True):
                 sample = self._tensors(arrays)
                 sample["id"] = self._ids[position]
                 if self.with_meta:
                     sample["meta"] = store.meta(self._ids[position])
-                self._yielded += 1  # before the yield: a state taken after it counts this sample
                 yield sample
 
     def _tensors(self, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -175,31 +230,9 @@ class StreamingDataset(IterableDataset):
             out[name] = tensor
         return out
 
-    # ---- torchdata StatefulDataLoader's protocol (called in each worker) ------------------------
-    def state_dict(self) -> dict[str, Any]:
-        rank, world = placement(self._rank, self._world_size)
-        worker, workers = worker_slot()
-        return {"epoch": self.epoch, "yielded": self._yielded, "seed": self.seed, "shuffle": self.shuffle, "window": self.window,
-                "num_samples": self.num_samples(), "rank": rank, "world_size": world, "worker": worker, "num_workers": workers}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume where ``state`` (this worker's ``state_dict()``) stopped: the next iteration
-        goes on with the sample after the last one yielded, in the same epoch."""
-        rank, world = placement(self._rank, self._world_size)
-        worker, workers = worker_slot()
-        here = {"seed": self.seed, "shuffle": self.shuffle, "window": self.window, "num_samples": self.num_samples(),
-                "rank": rank, "world_size": world, "worker": worker, "num_workers": workers}
-        differ = {k: (state.get(k), v) for k, v in here.items() if state.get(k) != v}
-        if differ:
-            said = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in differ.items())
-            raise ValueError(
-                f"cannot resume this epoch of {self.url} mid-way: {said}. Resume with the same seed, shuffle, window, "
-                "snapshot, ranks and workers, or start at the next epoch (set_epoch(epoch + 1)): "
-                "epoch orders depend on the seed and the epoch only"
-            )
-        self.epoch = int(state["epoch"])
-        self._resume = {"yielded": int(state["yielded"])}
-        self._yielded = int(state["yielded"])
+    def resume_key(self) -> dict[str, Any]:
+        return {"url": self.url, "seed": self.seed, "shuffle": self.shuffle, "window": self.window,
+                "num_samples": self.num_samples(), "drop_last": self.drop_last}
 
 
 # ---- batches of samples of different shapes -----------------------------------------------------

@@ -216,9 +216,9 @@ def test_pickles_without_its_store_and_reopens_the_same_snapshot(tmp_path):
     assert len(StreamingDataset(url)) == 4
 
 
-def test_only_the_dataset_module_of_featstore_imports_torch():
+def test_only_the_dataset_modules_of_featstore_import_torch():
     code = ("import importlib, pkgutil, sys; import mmcache.featstore as f; "
-            "[importlib.import_module('mmcache.featstore.' + m.name) for m in pkgutil.iter_modules(f.__path__) if m.name != 'dataset']; "
+            "[importlib.import_module('mmcache.featstore.' + m.name) for m in pkgutil.iter_modules(f.__path__) if m.name not in ('dataset', 'mixture')]; "
             "print(sorted(m for m in ('torch', 'dask') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
