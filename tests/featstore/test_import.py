@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import pickle
 
+import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
@@ -113,3 +114,14 @@ def test_cli_refuses_an_unknown_layout_in_one_line(tmp_path):
     assert result.exit_code != 0
     assert "layout 'kohya' is not one of ['finetrainers', 'mindspeed', 'musubi', 'simpletuner']" in result.output
     assert "Traceback" not in result.output
+
+
+def test_live_and_train_modes_refuse_imported_fields_with_the_reason(tmp_path):
+    from mmcache.train.live.reattach import EncoderRecordError, encoder_record
+
+    root = tmp_path / "ft"
+    root.mkdir()
+    torch.save({"latents": torch.randn(4, 2, 2)}, root / "a.pt")
+    import_cache(root, str(tmp_path / "st"), layout_name="finetrainers", fields={"latent": "latents"})
+    with pytest.raises(EncoderRecordError, match=r"imported from a finetrainers cache .*encoders\.latent\.mode: cached"):
+        encoder_record(featstore.open(str(tmp_path / "st")), "latent", {"encoder": "taef2", "path": "x"})
