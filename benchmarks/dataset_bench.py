@@ -85,7 +85,9 @@ def litdata_rate(paths: list[Path], out: Path, workers: int, epochs: int) -> flo
 
 
 def _load_pt(path: str) -> dict:
-    return torch.load(path, weights_only=True)
+    # litdata's serializers reject bfloat16 (they go through numpy): the same bytes as int16.
+    x = torch.load(path, weights_only=True)["x"]
+    return {"x": x.view(torch.int16) if x.dtype == torch.bfloat16 else x}
 
 
 def main() -> None:
