@@ -141,7 +141,7 @@ class StreamingDataset(Resumable):
         self._attach(store)
 
     def _attach(self, store: featstore.Store) -> None:
-        self._store = store
+        self._store, self._pid = store, os.getpid()
         self._ids = store.sample_ids(with_fields=self.fields)
         self._rows = np.array([store.row(i) for i in self._ids], dtype=np.int64)
         self._order = EpochOrder(self.seed, shard_positions(store, self._rows), self.window) if self.shuffle else None
@@ -153,7 +153,9 @@ class StreamingDataset(Resumable):
                     self._scales[name] = tuple(torch.tensor(v, dtype=torch.float32) for v in found)
 
     def store(self) -> featstore.Store:
-        if self._store is None:  # a worker's first use: the snapshot the main process took
+        # A worker's first use opens the snapshot the main process took; a forked worker too, as
+        # it inherits the parent's store with its lock and connections in whatever state they were.
+        if self._store is None or self._pid != os.getpid():
             self._attach(featstore.open(self.url, self.storage_options, shards=self.shards, **self.open_options))
         return self._store
 

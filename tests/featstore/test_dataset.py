@@ -222,3 +222,11 @@ def test_only_the_dataset_modules_of_featstore_import_torch():
             "print(sorted(m for m in ('torch', 'dask') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_store_on_s3_streams_to_workers_each_sample_once(s3_bucket, tmp_path):
+    url = write_store(f"{s3_bucket}/st", shards=2, per_shard=5)
+    ds = StreamingDataset(url, shuffle=True, cache_dir=str(tmp_path / "cache"))  # open options reach the workers
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2, collate_fn=ds.pad_collate())
+    assert_equal_to_store(url, loader_samples(loader, url))
+    assert any((tmp_path / "cache").rglob("*"))  # the workers read through the local cache
