@@ -6,7 +6,9 @@ import pickle
 from collections import Counter
 
 import pytest
+import torch
 
+from mmcache.featstore.buckets import ShapeBatches
 from mmcache.featstore.dataset import StreamingDataset
 from mmcache.featstore.mixture import MixedDataset, apportion
 from tests.featstore.test_dataset import write_store
@@ -79,3 +81,25 @@ def test_bad_weights_are_refused(two_stores):
         MixedDataset([ds], [1, 2])
     with pytest.raises(ValueError, match="positive numbers"):
         MixedDataset([ds, ds], [1, 0])
+
+
+def test_shape_batches_never_mix_shapes_and_resume_exactly(two_stores):
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def loader():
+        batches = ShapeBatches(StreamingDataset(two_stores[0], shuffle=True, seed=9), batch_size=3, lookahead=2)
+        batches.set_epoch(1)
+        return stateful.StatefulDataLoader(batches, batch_size=None, num_workers=2)
+
+    full = list(loader())
+    assert all(len({tuple(x.shape) for x in b["latent"]}) == 1 and b["latent"].dtype == torch.bfloat16 for b in full)
+    ids = [i for b in full for i in b["id"]]
+    assert Counter(ids) == Counter(StreamingDataset(two_stores[0]).store().sample_ids())  # each sample once
+    first = loader()
+    it = iter(first)
+    head = [next(it)["id"] for _ in range(3)]
+    state = pickle.loads(pickle.dumps(first.state_dict()))
+    del it
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert head + [b["id"] for b in resumed] == [b["id"] for b in full]
