@@ -26,6 +26,10 @@ The modules, bottom up (each imports only those above it):
     prompts, repair, copy     prompt embeddings; mmcache repair; mmcache copy
     verify, user_errors       mmcache verify / info; one-line errors for the command-line tools
     cli, demo                 the store commands (info, verify, copy, repair, compact); a demo store
+    order, latents            epoch orders (global or shard windows); a latent field's recorded scale
+    importer                  mmcache import: per-sample caches of other trainers (torch only in its loaders)
+    dataset, mixture, buckets torch-only, imported by nothing here: StreamingDataset, MixedDataset,
+                              ShapeBatches for any PyTorch loop (docs/dataset.md)
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from mmcache.featstore.compact import compact_store
 from mmcache.featstore.reader import open_store
 from mmcache.featstore.repair import repair_store
 from mmcache.featstore.secrets import redact
-from mmcache.featstore.user_errors import UserErrorGroup, debug_option
+from mmcache.featstore.user_errors import UserErrorGroup, check_output_location, debug_option
 from mmcache.featstore.verify import store_info, verify_store
 
 
@@ -95,6 +95,26 @@ def echo_info(summary: dict[str, Any]) -> None:
     click.echo(f"rejected       {summary['num_rejected']:,}")
     for reason, count in summary["rejects_by_reason"].items():
         click.echo(f"  {count:6,}  {reason}")
+
+
+@cli.command("import")
+@click.argument("src")
+@click.argument("dst")
+@click.option("--config", "config_name", default=None, help="YAML file or preset name (configs/import/NAME.yaml).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a setting: layout=musubi, fields.latent='latents_*', fields.text='t5_*'.")
+@storage_options_option
+def import_(src: str, dst: str, config_name: str | None, overrides: tuple[str, ...], storage_options: str | None) -> None:
+    """Bring a per-sample cache (SimpleTuner, finetrainers, musubi-tuner, MindSpeed-MM) at SRC into a new store at DST."""
+    from mmcache.featstore.config import load_config
+    from mmcache.featstore.importer import ImportConfig, import_cache  # lazy: its loaders import torch
+
+    config = load_config(ImportConfig, config_name, "import", overrides)
+    check_output_location(dst, "DST")
+    report = import_cache(src, dst, layout_name=config.layout, fields=config.fields,
+                          storage_options=parse_storage_options(storage_options), log=lambda line: click.echo(line, err=True))
+    click.echo(f"imported {report.imported} sample(s) into {redact(dst)}, {report.rejected} rejected"
+               + "".join(f"\n  {count:6,}  {reason}" for reason, count in report.reasons.items()))
 
 
 @cli.command()

@@ -19,47 +19,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-
 from mmcache import featstore
 from mmcache.featstore.cache import LOW_WATER
 from mmcache.featstore.errors import ConfigError
-
-
-class EpochOrder:
-    """``order(epoch)``: a permutation of the stream's positions ``0..len(shard_of)-1``."""
-
-    def __init__(self, seed: int, shard_of: np.ndarray, window: int | None) -> None:
-        assert window is None or window >= 1, window  # data.shuffle_window is checked at config load
-        self.seed = seed
-        self.num_samples = len(shard_of)
-        # Positions grouped by shard, each group ascending (a stable sort): the input of the
-        # per-window shuffle must not depend on anything but the snapshot.
-        by = np.argsort(shard_of, kind="stable")
-        present, starts = np.unique(shard_of[by], return_index=True)
-        self.groups = np.split(by, starts[1:]) if len(by) else []
-        self.num_shards = len(present)
-        self.window = None if window is None or window >= self.num_shards else window
-
-    def __call__(self, epoch: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, epoch])
-        if self.window is None:
-            return rng.permutation(self.num_samples)
-        shards = rng.permutation(self.num_shards)
-        # Windows of near-equal shard counts (none above ``window``): the last is not a stub.
-        windows = np.array_split(shards, math.ceil(self.num_shards / self.window))
-        return np.concatenate([rng.permutation(np.concatenate([self.groups[k] for k in w])) for w in windows])
-
-
-def shard_positions(store: featstore.Store, rows: np.ndarray) -> np.ndarray:
-    """For each index row in ``rows`` (a stream's samples), the number of its shard among the
-    snapshot's shards sorted by name (the same on every rank and on resume)."""
-    names = pa.array(sorted(store.shards), pa.string())
-    column = store.index.column("shard").cast(pa.string())
-    numbers = pc.index_in(column, value_set=names).to_numpy(zero_copy_only=False)
-    return np.asarray(numbers, dtype=np.int64)[rows]
+from mmcache.featstore.order import EpochOrder, shard_positions  # noqa: F401 - their home is featstore.order (the dataset uses them too)
 
 
 def shard_read_bytes(store: featstore.Store, fields: Sequence[str]) -> list[int]:

@@ -105,6 +105,11 @@ def encoder_record(store: featstore.Store, field_name: str, rebuild: Mapping[str
     if field_name not in store.fields:
         raise EncoderRecordError(f"{store.url} has no field {field_name!r} (fields: {sorted(store.fields)})")
     meta = store.fields[field_name].meta
+    if imported := meta.get("fingerprint", {}).get("imported"):
+        raise EncoderRecordError(
+            f"field {field_name!r} of {store.url} was imported from a {imported.get('layout')} cache ({imported.get('from')}) by "
+            "`mmcache import`: no recorded encoder made it, so nothing can encode it live or train its encoder; keep it "
+            f"cached (encoders.{field_name}.mode: cached), or encode the media with `mmcache encode`")
     recorded = meta.get("encoder")
     if rebuild:
         options = dict(rebuild)

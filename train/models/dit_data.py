@@ -15,19 +15,9 @@ import numpy as np
 import torch
 
 from mmcache import featstore
+from mmcache.featstore.latents import latent_normalisation  # noqa: F401 - its home; run_files and sample import it here
 from mmcache.featstore.tensors import as_tensor
 from mmcache.train.models.registry import InputShapeError
-
-
-def latent_normalisation(meta: dict[str, Any]) -> tuple[list[float], list[float]] | None:
-    """(shift, scale) per channel from a latent field's metadata, so the model sees unit-scale
-    latents: ``(x - mean) / std`` when the VAE publishes per-channel statistics (Wan), else
-    ``(x - shift_factor) * scaling_factor`` (AutoencoderKL, TAESD). None: leave latents as stored."""
-    if meta.get("latents_mean") is not None and meta.get("latents_std") is not None:
-        return [float(m) for m in meta["latents_mean"]], [1.0 / float(s) for s in meta["latents_std"]]
-    if meta.get("scaling_factor") is None and meta.get("shift_factor") is None:
-        return None
-    return [float(meta.get("shift_factor") or 0.0)], [float(meta.get("scaling_factor") or 1.0)]
 
 
 @dataclass(kw_only=True)

@@ -1,0 +1,61 @@
+"""The order a stream visits a store's samples in: one permutation per epoch, aware of shards.
+
+A global permutation reads every shard a little at every step. From an object store through a
+local cache smaller than the store, that evicts each shard's objects long before their samples
+are all read, so an epoch downloads the store several times over. The windowed order instead
+shuffles the shards, cuts them into windows of ``window`` shards, and shuffles the samples
+within each window: at any time a reader reads one window (and, at its end, the start of the
+next), so each object is downloaded once per epoch when two windows fit in the cache.
+
+Either order is a pure function of (seed, epoch, the snapshot's shards, window): never of the
+world size or the rank, so every rank computes the same order and a resumed run goes on with the
+very samples it would have seen. ``window=None`` (or a window of every shard) is the plain global
+permutation. Both ``mmtrain fit`` (train.data) and ``featstore.dataset.StreamingDataset`` use it;
+how a trainer sizes the window from its cache is train.order's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+if TYPE_CHECKING:
+    from mmcache.featstore.reader import Store
+
+
+class EpochOrder:
+    """``order(epoch)``: a permutation of the stream's positions ``0..len(shard_of)-1``."""
+
+    def __init__(self, seed: int, shard_of: np.ndarray, window: int | None) -> None:
+        assert window is None or window >= 1, window  # data.shuffle_window is checked at config load
+        self.seed = seed
+        self.num_samples = len(shard_of)
+        # Positions grouped by shard, each group ascending (a stable sort): the input of the
+        # per-window shuffle must not depend on anything but the snapshot.
+        by = np.argsort(shard_of, kind="stable")
+        present, starts = np.unique(shard_of[by], return_index=True)
+        self.groups = np.split(by, starts[1:]) if len(by) else []
+        self.num_shards = len(present)
+        self.window = None if window is None or window >= self.num_shards else window
+
+    def __call__(self, epoch: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, epoch])
+        if self.window is None:
+            return rng.permutation(self.num_samples)
+        shards = rng.permutation(self.num_shards)
+        # Windows of near-equal shard counts (none above ``window``): the last is not a stub.
+        windows = np.array_split(shards, math.ceil(self.num_shards / self.window))
+        return np.concatenate([rng.permutation(np.concatenate([self.groups[k] for k in w])) for w in windows])
+
+
+def shard_positions(store: Store, rows: np.ndarray) -> np.ndarray:
+    """For each index row in ``rows`` (a stream's samples), the number of its shard among the
+    snapshot's shards sorted by name (the same on every rank and on resume)."""
+    names = pa.array(sorted(store.shards), pa.string())
+    column = store.index.column("shard").cast(pa.string())
+    numbers = pc.index_in(column, value_set=names).to_numpy(zero_copy_only=False)
+    return np.asarray(numbers, dtype=np.int64)[rows]
