@@ -26,9 +26,10 @@ from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.commit_ahead import commit_ahead
 from mmcache.precompute.daemon_pool import DaemonPool
 from mmcache.precompute.encoder_inputs import GEOMETRY, encoder_input, prepare_sections, size_rule_for, text_input
-from mmcache.precompute.inputs import InputRow
+from mmcache.precompute.input_sources import Member, open_unit
+from mmcache.precompute.inputs import InputRow, Reject
 from mmcache.precompute.media import MediaError
-from mmcache.precompute.sources import read_source
+from mmcache.precompute.sources import InputFileError, read_failure, read_source
 from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec
 
 # Models load from local folders only, without progress bars or hub look-ups cluttering the
@@ -191,8 +192,11 @@ def encode_task(
         # What the client planned around need not be re-read before this task commits; only
         # shards committed since (by a concurrent run) are.
         store.assume_checked(known_shards or ())
-        done = _encode_rows(task, store, specs, device, threads, settings, result, cache)
-        _write_shard(task, store, done, result, settings.commit_ahead_bytes)
+        if task.unit is not None:
+            _encode_unit(task, store, specs, device, threads, settings, result, cache, set(known_shards or ()))
+        else:
+            done = _encode_rows(task, store, specs, device, threads, settings, result, cache)
+            _write_shard(task, store, done, result, settings.commit_ahead_bytes)
         if not result.skipped:  # a shard another writer committed first took this task no time
             result.seconds = time.perf_counter() - start
         return result.summary()
@@ -223,8 +227,56 @@ def _write_shard(task: TaskSpec, store: Any, done: list, result: TaskResult, com
     result.dropped = len(writer.dropped)
 
 
+def _encode_unit(task: TaskSpec, store, specs, device, threads, settings: TaskSettings, result: TaskResult,
+                 cache: EncoderCache | None, committed: set[str]) -> None:
+    """A tar's (or row groups') samples, read once front to back, committed in parts of
+    ``task.part_size`` (``<shard>-pNNNNN``) and the rest as ``<shard>`` (the unit is then done).
+    Parts committed by an earlier run are passed over unread by the encoders; a unit that cannot
+    be opened is one reject of the unit."""
+    assert task.unit is not None
+    part: list[Member] = []
+    index = 0
+    try:
+        for member in open_unit(task.unit, settings.input_storage_options, settings.max_input_bytes):
+            part.append(member)
+            if len(part) == task.part_size:
+                _encode_part(task, f"{task.shard}-p{index:05d}", part, committed, store, specs, device, threads, settings, result, cache)
+                part, index = [], index + 1
+    except InputFileError as exc:
+        part.append(Member(reject=Reject(source=task.unit.shown, reason=exc.reason)))
+    except FileNotFoundError as exc:
+        # A missing input is a reject; one that an unreachable object store only seems to lack fails the task (retried).
+        read_failure(exc, task.unit.shown)
+        part.append(Member(reject=Reject(source=task.unit.shown, reason="missing file")))
+    _encode_part(task, task.shard, part, committed, store, specs, device, threads, settings, result, cache)
+
+
+def _encode_part(task: TaskSpec, name: str, members: list[Member], committed: set[str], store, specs, device, threads,
+                 settings: TaskSettings, result: TaskResult, cache: EncoderCache | None) -> None:
+    """One part of a unit encoded and committed as shard ``name`` (its counts added to ``result``)."""
+    if name != task.shard and name in committed:
+        return  # an earlier run committed this part (the plan leaves out a unit whose last shard is committed)
+    part = TaskResult(shard=name)
+    rows, data = [], {}
+    for member in members:
+        if member.reject is not None:
+            if member.reject.sample_id not in task.skip:
+                part.rejects.append((member.reject, member.reject.reason))
+                part.rejected += 1
+        elif member.row is not None and member.row.sample_id not in task.skip:
+            rows.append(member.row)
+            data[member.row.sample_id] = member.data
+    sub = replace(task, shard=name, rows=rows, unit=None)
+    done = _encode_rows(sub, store, specs, device, threads, settings, part, cache, data)
+    _write_shard(sub, store, done, part, settings.commit_ahead_bytes)
+    result.samples += part.samples
+    result.rejected += part.rejected
+    result.dropped += part.dropped
+    result.skipped = part.skipped if name == task.shard else result.skipped
+
+
 def _encode_rows(task: TaskSpec, store, specs, device, threads, settings: TaskSettings, result: TaskResult,
-                 cache: EncoderCache | None = None) -> list:
+                 cache: EncoderCache | None = None, data: dict[str, bytes] | None = None) -> list:
     """(row, arrays or None, meta) for each row that was not rejected; rejects go to ``result``."""
     configured = loaded_encoders(specs, device, threads, cache)
     # Only the encoders of the fields this task writes run (a field added to committed samples).
@@ -249,7 +301,8 @@ def _encode_rows(task: TaskSpec, store, specs, device, threads, settings: TaskSe
     # task, nor the process, from finishing once the deadline turned it into a reject.
     pool = DaemonPool(settings.decode_threads, "decode")
     try:
-        futures = [(row, pool.submit(_prepare_row, row, rules, task.new_samples, settings)) for row in task.rows]
+        futures = [(row, pool.submit(_prepare_row, row, rules, task.new_samples, settings, (data or {}).get(row.sample_id)))
+                   for row in task.rows]
         for batch in _bucketed(futures, settings.batch_size, reject, MediaError, deadline, timeout):
             _encode_batch(batch, encoders, reject, done, primary)
     finally:
@@ -258,14 +311,16 @@ def _encode_rows(task: TaskSpec, store, specs, device, threads, settings: TaskSe
     return done
 
 
-def _prepare_row(row: InputRow, rules: dict[str, Any], new_sample: bool, settings: TaskSettings) -> dict[str, Any] | None:
-    """A row's media prepared for each visual section this task runs (None: no media to prepare)."""
+def _prepare_row(row: InputRow, rules: dict[str, Any], new_sample: bool, settings: TaskSettings,
+                 given: bytes | None = None) -> dict[str, Any] | None:
+    """A row's media prepared for each visual section this task runs (None: no media to prepare);
+    ``given``: its bytes, read already (a tar member, a Parquet cell)."""
     if row.modality == "text":
         return None  # a text-only row: no media to read (its task writes text fields only)
     if not rules and not new_sample:
         return None  # only a text field added to committed samples: their media need no reading
     # Read even when no visual encoder runs: a new sample's media must exist and be readable.
-    data = read_source(row.uri, settings.input_storage_options, settings.max_input_bytes)
+    data = given if given is not None else read_source(row.uri, settings.input_storage_options, settings.max_input_bytes)
     if not rules:
         return None
     # Provenance and messages get the URL without a signature or token, never the credential.
@@ -307,6 +362,8 @@ def _meta(row: InputRow, prepared: dict[str, Any] | None, primary: str | None) -
     meta: dict[str, Any] = {"caption": row.caption, "modality": row.modality, "source_path": row.source}
     if row.conversations is not None:  # so a re-run can tell edited turns (precompute.stale)
         meta["conversations_sha256"] = row.conversations_sha256
+    if row.metadata is not None:  # a WebDataset sample's .json sidecar, as written
+        meta["source_json"] = row.metadata
     if not prepared:
         return {**meta, "source_uri": redact_url(row.uri)} if row.uri else meta
     for section, media in prepared.items():
