@@ -145,7 +145,7 @@ def rows_from_records(records: list[dict[str, Any]], root_url: str, *, storage_o
     fs, root = remote_filesystem(root_url, storage_options)
     protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
     local = protocol in _LOCAL_PROTOCOLS
-    rules = _Rules(root=root.rstrip("/") or "/", real_root=os.path.realpath(root) if local else None, protocol=protocol,
+    rules = _Rules(root=posixpath.normpath(root), real_root=os.path.realpath(root) if local else None, protocol=protocol,
                    allow_outside_root=allow_outside_root, max_input_bytes=max_input_bytes)
     rejects: list[Reject] = []
     return _rows(records, rules, allow_empty_caption, allow_text_only, rejects), rejects
@@ -169,7 +169,9 @@ def _row(record: dict[str, Any], rules: _Rules, allow_empty_caption: bool, seen:
     if raw is None or (isinstance(raw, str) and not raw.strip()):
         if allow_text_only:
             return _text_row(record, seen)
-        return Reject(source=str(raw), reason="row has no path (text-only rows need the tokenizer text encoder)")
+        given = str(record["id"]) if record.get("id") not in (None, "") else None
+        return Reject(source=str(raw) if given is None else f"text:{given}", sample_id=given,
+                      reason="row has no path (text-only rows need the tokenizer text encoder)")
     if not isinstance(raw, str):
         return Reject(source=str(raw), reason="row has no path")
     # A signed URL is fetched as given, but only shown (ids, rejects, provenance) without

@@ -47,9 +47,12 @@ def read_llava(url: str, options: SourceOptions) -> SourceRead:
 
 
 def _record(row: dict[str, Any]) -> dict[str, Any]:
-    """A LLaVA row as a manifest record (path, conversations, id)."""
-    return {"path": row.get("image"), "conversations": row.get("conversations"), "id": row.get("id"),
-            "caption": row.get("caption")}
+    """A LLaVA row as a manifest record (path, conversations, id). Its caption, for a caption
+    text encoder (T5), is the first ``gpt`` turn: LLaVA-Pretrain's BLIP caption, ShareGPT4V's
+    detailed description; the tokenizer reads the whole conversation."""
+    turns = row.get("conversations")
+    answer = next((t.get("value") for t in turns if isinstance(t, dict) and t.get("from") == "gpt"), None) if isinstance(turns, list) else None
+    return {"path": row.get("image"), "conversations": turns, "id": row.get("id"), "caption": row.get("caption", answer)}
 
 
 register(InputSource(name="llava", suffixes=(".json",), read=read_llava))

@@ -43,7 +43,7 @@ def read_parquet(url: str, options: SourceOptions) -> SourceRead:
         raise ManifestError(f"input {shown!r} does not exist") from None
     except (ValueError, OSError) as exc:  # pyarrow's ArrowInvalid: not a Parquet file
         raise ManifestError(f"input {shown!r} is not a valid parquet file: {exc}") from None
-    names = metadata.schema.names
+    names = metadata.schema.to_arrow_schema().names  # top-level columns (not a struct's leaves)
     media = options.media_column or next((c for c in MEDIA_COLUMNS if c in names), None)
     if media is None and "path" in names:
         return read_rows(url, options)  # a manifest: path, caption[, id]
