@@ -1,0 +1,164 @@
+"""`mmcache encode` on data as it ships, end to end on a real Dask LocalCluster with the default
+tiny config: WebDataset tars (local and on S3 through the moto server), Parquet with image
+bytes, a LLaVA JSON array; and a tar job killed mid-way and run again, exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mmcache import featstore
+from mmcache.featstore.config import load_config
+from mmcache.precompute.config import EncodeConfig
+from mmcache.precompute.pipeline import run_encode
+from tests.input_data import write_llava, write_media_parquet, write_tar
+from tests.s3_server import FAKE_KEY_ID, FAKE_SECRET
+
+pytest.importorskip("PIL")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from distributed import Client
+
+    from mmcache.precompute.executors import local_cluster
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with local_cluster(2) as cluster, Client(cluster) as client:
+        yield cluster.scheduler_address, client
+
+
+def encode(inputs: list[str], out: str, cluster, preset: str = "tiny", **kw):
+    config = load_config(EncodeConfig, preset, "encode", [])
+    return run_encode(config, inputs, out, scheduler=cluster[0], progress=False, log=lambda *_: None, **kw)
+
+
+def by_id(store) -> dict[str, dict]:
+    return {row["id"]: row for row in store.index.to_pylist()}
+
+
+def test_tar_shards_locally_then_grown(tmp_path, cluster):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    good = [f"{s:05d}:{k}" for s in range(2) for k in write_tar(shards / f"{s:05d}.tar", s, 5, defects=s == 1)]
+    (shards / "00000.parquet").write_bytes(b"img2dataset's metadata beside the tar")  # not selected: not an input
+    (shards / "00000_stats.json").write_text("{}")
+    out = str(tmp_path / "store")
+    summary = encode([str(shards / "{00000..00001}.tar")], out, cluster)
+    store = featstore.open(out)
+    assert sorted(store.sample_ids()) == sorted(good) and summary.samples_written == len(good) == 11
+    reasons = {r["id"]: r["reason"] for r in store.rejects.to_pylist()}
+    assert "truncated or corrupt image" in reasons["00001:broken"] and "empty caption" in reasons["00001:nocaption"]
+    assert "no media member" in reasons["00001:onlyjson"] and "leaves the tar's root" in reasons[next(i for i in reasons if "escape" in i)]
+    assert "symbolic link" in reasons["00001:link"] and "character device" in reasons["00001:dev"] and len(reasons) == 6
+    row = by_id(store)["00001:000100003"]
+    assert row["source_uri"] == str(shards / "00001.tar") + "#000100003.png" and row["caption"] == "picture 000100003"
+    assert json.loads(row["source_json"])["status"] == "success" and row["orig_width"] == 48 and row["content_hash"]
+    assert by_id(store)["00001:jsoncap"]["caption"] == "from the sidecar"
+    again = encode([str(shards / "*.tar")], out, cluster)
+    assert again.tasks == 0 and again.samples_written == 0
+    write_tar(shards / "00002.tar", 2, 3)
+    grown = encode([str(shards / "*.tar")], out, cluster)
+    assert grown.tasks == 1 and grown.samples_written == 3 and len(featstore.open(out)) == 14
+
+
+def test_tar_shards_from_s3(tmp_path, cluster, s3_server, s3_bucket):
+    import fsspec
+
+    from mmcache.precompute.input_sources import SourceOptions, read_all
+
+    for shard in range(2):
+        write_tar(tmp_path / f"{shard:05d}.tar", shard, 4)
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    fs.put([str(tmp_path / "00000.tar"), str(tmp_path / "00001.tar")], f"{s3_bucket}/shards/")
+    fs.pipe(f"{s3_bucket}/shards/00000.parquet", b"not an input")
+    pattern = f"{s3_bucket}/shards/{{00000..00001}}.tar"
+    with s3_server.recording() as planning:
+        units = read_all([pattern], SourceOptions()).units
+    assert len(units) == 2 and not [r for r in planning if r.key.endswith(".tar") and r.method == "GET"]
+    out = f"{s3_bucket}/store"
+    # As a user names an endpoint (the cluster's workers started before this test set AWS_*).
+    options = {"endpoint_url": s3_server.endpoint, "key": FAKE_KEY_ID, "secret": FAKE_SECRET}
+    with s3_server.recording() as requests:
+        summary = encode([pattern], out, cluster, storage_options=options, input_storage_options=options)
+    assert summary.samples_written == 8
+    store = featstore.open(out, storage_options=options)
+    assert sorted(store.sample_ids()) == sorted(f"{s:05d}:{s:04d}{k:05d}" for s in range(2) for k in range(4))
+    assert by_id(store)["00000:000000002"]["source_uri"] == f"{s3_bucket}/shards/00000.tar#000000002.png"
+    reads = [r for r in requests if r.key.endswith(".tar") and r.method == "GET"]
+    assert len(reads) == 2, reads  # one sequential read per tar, not one per member
+
+
+def test_parquet_with_image_bytes(tmp_path, cluster):
+    from tests.input_data import png
+
+    images = [png(n) for n in range(10)]
+    images[3] = None
+    images[6] = images[6][:25]  # undecodable
+    write_media_parquet(tmp_path / "train-00000.parquet", images, [f"caption {n}" for n in range(10)], row_group_size=4)
+    out = str(tmp_path / "store")
+    summary = encode([str(tmp_path / "train-00000.parquet")], out, cluster)
+    store = featstore.open(out)
+    assert summary.samples_written == 8 and sorted(store.sample_ids()) == sorted(f"train-00000:{n}" for n in range(10) if n not in (3, 6))
+    reasons = {r["id"]: r["reason"] for r in store.rejects.to_pylist()}
+    assert reasons == {"train-00000:3": "null image", "train-00000:6": reasons["train-00000:6"]}
+    assert "truncated or corrupt image" in reasons["train-00000:6"]
+    row = by_id(store)["train-00000:7"]
+    assert row["caption"] == "caption 7" and row["source_uri"].endswith("train-00000.parquet#7") and row["orig_width"] == 48
+    assert encode([str(tmp_path / "train-00000.parquet")], out, cluster).tasks == 0
+
+
+def test_llava_json_for_a_vlm(tmp_path, cluster):
+    path = write_llava(tmp_path, 4)
+    records = json.loads(path.read_text())
+    records.append({"id": "chat", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]})
+    records.append({"id": "gone", "image": "images/missing.png", "conversations": records[0]["conversations"]})
+    path.write_text(json.dumps(records))
+    out = str(tmp_path / "store")
+    summary = encode([str(path)], out, cluster, preset="tiny-vlm")
+    store = featstore.open(out)
+    assert summary.samples_written == 5 and sorted(store.sample_ids()) == ["000000000", "000000001", "000000002", "000000003", "chat"]
+    assert {r["id"]: r["reason"] for r in store.rejects.to_pylist()} == {"gone": "missing file"}
+    rows = by_id(store)
+    assert rows["chat"]["modality"] == "text" and rows["000000001"]["source_path"] == "images/00000/000000001.png"
+    assert rows["000000001"]["conversations_sha256"]
+
+
+def _committed_shards(store: Path) -> int:
+    index = store / "index"
+    return len([p for p in index.iterdir() if p.suffix == ".parquet"]) if index.exists() else 0
+
+
+def test_killed_tar_encode_resumes_exactly_once(tmp_path):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for shard in range(3):
+        write_tar(shards / f"{shard:05d}.tar", shard, 40)  # tiny's 16 per part: 3 shards per tar
+    out = tmp_path / "store"
+    cmd = [str(Path(sys.executable).parent / "mmcache"), "encode", "--config", "tiny", "--input", str(shards / "{00000..00002}.tar"),
+           "--output", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.time() + 240
+    while _committed_shards(out) < 2 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    assert proc.poll() is None, "the job finished before it could be killed; make it bigger"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    partial = featstore.open(str(out))
+    assert 0 < len(partial) < 120
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    written = int(re.search(r"encoded (\d+) sample", rerun.stdout).group(1))
+    assert written == 120 - len(partial)  # committed parts are not encoded again
+    store = featstore.open(str(out))
+    ids = store.index.column("id").to_pylist()
+    assert len(ids) == 120 and len(set(ids)) == 120 and len(store.shards) == 9
+    assert subprocess.run([str(Path(sys.executable).parent / "mmcache"), "verify", str(out)], capture_output=True).returncode == 0
