@@ -46,7 +46,7 @@ def read_all(patterns: str | list[str], options: SourceOptions) -> InputSet:
     urls = expand_inputs(patterns, options.storage_options)
     single = len(urls) == 1
     each = options if single else dataclasses.replace(options, allow_empty=True)
-    out, seen, prefixes = InputSet(), set(), {}
+    out, seen, prefixes = InputSet(), set[str](), dict[str, str]()
     for url in urls:
         read: SourceRead = source_for(url).read(url, each)
         for row in read.rows:

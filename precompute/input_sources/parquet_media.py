@@ -79,7 +79,7 @@ def stream_parquet(unit: SourceUnit, storage_options: dict[str, Any] | None, max
     columns = dict(unit.columns)
     with open_input(unit.uri, storage_options) as fh:
         parquet = pq.ParquetFile(fh)
-        number, seen = unit.first_row, set()
+        number, seen = unit.first_row, set[str]()
         for batch in parquet.iter_batches(row_groups=list(unit.row_groups), columns=list(dict.fromkeys(columns.values())), batch_size=64):
             for record in batch.to_pylist():
                 yield _member(unit, columns, record, number, seen, max_bytes)
