@@ -43,7 +43,8 @@ class EncodePlan:
 
     @property
     def samples(self) -> int:
-        return sum(len(task.rows) for task in self.tasks)
+        """Rows to encode, and the rows of Parquet row groups (a tar's count is known once read)."""
+        return sum(len(task.rows) + (task.unit.estimated_samples if task.unit else 0) for task in self.tasks)
 
 
 def plan_encode(config: EncodeConfig, *, rows: list[InputRow], rejects: list[Reject], store: featstore.Store,

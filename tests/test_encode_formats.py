@@ -4,12 +4,14 @@ bytes, a LLaVA JSON array; and a tar job killed mid-way and run again, exactly o
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from mmcache import featstore
 from mmcache.featstore.config import load_config
 from mmcache.precompute.config import EncodeConfig
 from mmcache.precompute.pipeline import run_encode
-from tests.input_data import write_llava, write_media_parquet, write_tar
+from tests.input_data import add_member, write_llava, write_media_parquet, write_tar
 from tests.s3_server import FAKE_KEY_ID, FAKE_SECRET
 
 pytest.importorskip("PIL")
@@ -36,8 +38,8 @@ def cluster():
         yield cluster.scheduler_address, client
 
 
-def encode(inputs: list[str], out: str, cluster, preset: str = "tiny", **kw):
-    config = load_config(EncodeConfig, preset, "encode", [])
+def encode(inputs: list[str], out: str, cluster, preset: str = "tiny", overrides: list[str] | None = None, **kw):
+    config = load_config(EncodeConfig, preset, "encode", overrides or [])
     return run_encode(config, inputs, out, scheduler=cluster[0], progress=False, log=lambda *_: None, **kw)
 
 
@@ -68,6 +70,17 @@ def test_tar_shards_locally_then_grown(tmp_path, cluster):
     write_tar(shards / "00002.tar", 2, 3)
     grown = encode([str(shards / "*.tar")], out, cluster)
     assert grown.tasks == 1 and grown.samples_written == 3 and len(featstore.open(out)) == 14
+    # The shard is fixed upstream (the key without a caption gets one): retrying rejects re-reads
+    # the tars and encodes just that member; committed members are not encoded again.
+    with tarfile.open(shards / "00001.tar") as old:
+        members = [(m, old.extractfile(m).read() if m.isreg() else b"") for m in old.getmembers()]
+    with tarfile.open(shards / "00001.tar", "w") as archive:
+        for member, data in members:
+            archive.addfile(member, io.BytesIO(data) if member.isreg() else None)
+            if member.name == "nocaption.json":
+                add_member(archive, "nocaption.txt", b"a caption at last")
+    retried = encode([str(shards / "*.tar")], out, cluster, overrides=["data.retry_rejects=true"])
+    assert retried.samples_written == 1 and "00001:nocaption" in featstore.open(out)
 
 
 def test_tar_shards_from_s3(tmp_path, cluster, s3_server, s3_bucket):

@@ -169,3 +169,15 @@ def test_several_inputs_merge_and_empty_is_judged_once(tmp_path):
     with pytest.raises(EmptyInputError, match="--allow-empty"):
         read_all([str(tmp_path / "e1"), str(tmp_path / "e2")], SourceOptions())
     assert not read_all([str(tmp_path / "e1"), str(tmp_path / "e2")], SourceOptions(allow_empty=True)).rows
+
+
+def test_odd_names_keep_one_id_prefix(tmp_path):
+    path = tmp_path / "my shard.tar"
+    with tarfile.open(path, "w") as archive:
+        for key in ("x", "y" * 250):
+            add_member(archive, f"{key}.png", png(1))
+            add_member(archive, f"{key}.txt", b"a caption")
+    (unit,) = read_all(str(path), SourceOptions()).units
+    rows, rejects = members(unit)
+    assert unit.id_prefix.startswith("my_shard-") and list(rows) == [unit.id_prefix + "x"]
+    assert "not a safe name" in rejects["y" * 250]

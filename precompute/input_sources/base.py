@@ -14,7 +14,9 @@ lookup, never a chain of ``if``.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -83,6 +85,7 @@ class InputSource:
 
 
 SOURCES: dict[str, InputSource] = {}
+_SAFE_STEM = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=+-]{0,59}")
 
 
 def register(source: InputSource) -> InputSource:
@@ -119,6 +122,11 @@ def open_input(uri: str, storage_options: dict[str, Any] | None, block_size: int
 
 
 def file_stem(path: str) -> str:
-    """``s3://b/x/00012.tar`` -> ``00012``: what the ids of a container's samples start with."""
-    base = path.rstrip("/").rsplit("/", 1)[-1]
-    return base.split(".", 1)[0] or base
+    """``s3://b/x/00012.tar`` -> ``00012``: what the ids of a container's samples start with
+    (``<stem>:``). A stem that is not a safe id part keeps a readable part plus a hash of it, so
+    every id of the container still starts with the same prefix."""
+    base = path.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
+    stem = base.split(".", 1)[0] or base
+    if _SAFE_STEM.fullmatch(stem):
+        return stem
+    return f"{re.sub(r'[^A-Za-z0-9._=+-]', '_', stem).strip('._=+-')[:60] or 'input'}-{hashlib.sha1(stem.encode()).hexdigest()[:8]}"

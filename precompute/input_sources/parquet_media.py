@@ -88,7 +88,7 @@ def stream_parquet(unit: SourceUnit, storage_options: dict[str, Any] | None, max
 
 def _member(unit: SourceUnit, columns: dict[str, str], record: dict[str, Any], number: int, seen: set[str], max_bytes: int) -> Member:
     given = record.get(columns["id"]) if "id" in columns else None
-    sample_id = str(given) if given not in (None, "") else f"{file_stem(unit.shown)}:{number}"
+    sample_id = str(given) if given not in (None, "") else f"{unit.id_prefix}{number}"
     source = f"{unit.shown}#{number}"
     data, path, problem = _media(record.get(columns["media"]), columns["media"], max_bytes)
     caption, bad_caption = caption_text(record.get(columns["caption"])) if "caption" in columns else ("", None)

@@ -27,7 +27,7 @@ from typing import Any
 from mmcache.featstore.retry import remote_filesystem, with_retries
 from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.input_sources.base import InputSource, Member, SourceOptions, SourceRead, SourceUnit, file_stem, open_input, register
-from mmcache.precompute.inputs import InputRow, ManifestError, Reject, caption_problem, has_visible_text, modality_of, sample_id_for
+from mmcache.precompute.inputs import InputRow, ManifestError, Reject, caption_problem, has_visible_text, modality_of, safe_id, sample_id_for
 
 _LINK_KINDS = ((tarfile.TarInfo.issym, "a symbolic link"), (tarfile.TarInfo.islnk, "a hard link"),
                (tarfile.TarInfo.ischr, "a character device"), (tarfile.TarInfo.isblk, "a block device"),
@@ -96,7 +96,7 @@ def _samples(unit: SourceUnit, archive: tarfile.TarFile, max_bytes: int) -> Iter
         if problem is None:
             try:
                 data = _read_member(archive, member)
-            except (tarfile.TarError, EOFError, OSError) as exc:
+            except (tarfile.TarError, EOFError) as exc:  # not OSError: a network fault retries the task
                 group.problem = group.problem or f"member {name!r} is truncated ({exc})"
                 yield _sample(unit, group, finished)
                 yield Member(reject=Reject(source=unit.shown, reason=f"tar is truncated after {len(finished)} sample(s)"))
@@ -133,7 +133,7 @@ def _member_problem(member: tarfile.TarInfo, name: str, max_bytes: int) -> str |
 
 def _sample(unit: SourceUnit, group: _Group, finished: set[str]) -> Member:
     """A key's members -> a sample, or a reject with the first reason it cannot be one."""
-    sample_id = sample_id_for(f"{unit.id_prefix.rstrip(':')}/{group.key}")
+    sample_id = unit.id_prefix + sample_id_for(group.key)  # the key's '/' -> ':', an odd key gets a hash
     source = f"{unit.shown}#{group.key}"
     problem = group.problem
     if group.key in finished:
@@ -144,6 +144,7 @@ def _sample(unit: SourceUnit, group: _Group, finished: set[str]) -> Member:
     problem = problem or (f"no media member (extensions: {', '.join(sorted(group.parts)) or 'none'})" if not media else None)
     problem = problem or (f"several media members ({', '.join(group.parts[e][0] for e in media)})" if len(media) > 1 else None)
     problem = problem or caption_why or caption_problem(caption)
+    problem = problem or (None if safe_id(sample_id) else f"id {sample_id!r} is not a safe name (1-200 of A-Z a-z 0-9 . _ : = + -, no '..')")
     if problem is None and not unit.allow_empty_caption and not has_visible_text(caption):
         problem = f"empty caption (no .txt, and no {unit.caption_key!r} in the .json); set data.allow_empty_caption: true to allow it"
     if problem is not None:
