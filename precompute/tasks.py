@@ -268,7 +268,9 @@ def _encode_part(task: TaskSpec, name: str, members: list[Member], committed: se
             data[member.row.sample_id] = member.data
     sub = replace(task, shard=name, rows=rows, unit=None)
     done = _encode_rows(sub, store, specs, device, threads, settings, part, cache, data)
-    _write_shard(sub, store, done, part, settings.commit_ahead_bytes)
+    # Only the last shard may commit off the worker's thread pool (precompute.commit_ahead): a
+    # task secedes once, and after an earlier part it still has the rest of its unit to encode.
+    _write_shard(sub, store, done, part, settings.commit_ahead_bytes if name == task.shard else 0)
     result.samples += part.samples
     result.rejected += part.rejected
     result.dropped += part.dropped

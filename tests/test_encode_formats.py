@@ -50,13 +50,14 @@ def by_id(store) -> dict[str, dict]:
 def test_tar_shards_locally_then_grown(tmp_path, cluster):
     shards = tmp_path / "shards"
     shards.mkdir()
-    good = [f"{s:05d}:{k}" for s in range(2) for k in write_tar(shards / f"{s:05d}.tar", s, 5, defects=s == 1)]
+    # 20 samples in the first tar: two parts (the tiny preset's 16 samples per task, then 4).
+    good = [f"{s:05d}:{k}" for s in range(2) for k in write_tar(shards / f"{s:05d}.tar", s, 20 - 15 * s, defects=s == 1)]
     (shards / "00000.parquet").write_bytes(b"img2dataset's metadata beside the tar")  # not selected: not an input
     (shards / "00000_stats.json").write_text("{}")
     out = str(tmp_path / "store")
     summary = encode([str(shards / "{00000..00001}.tar")], out, cluster)
     store = featstore.open(out)
-    assert sorted(store.sample_ids()) == sorted(good) and summary.samples_written == len(good) == 11
+    assert sorted(store.sample_ids()) == sorted(good) and summary.samples_written == len(good) == 26
     reasons = {r["id"]: r["reason"] for r in store.rejects.to_pylist()}
     assert "truncated or corrupt image" in reasons["00001:broken"] and "empty caption" in reasons["00001:nocaption"]
     assert "no media member" in reasons["00001:onlyjson"] and "leaves the tar's root" in reasons[next(i for i in reasons if "escape" in i)]
@@ -69,7 +70,7 @@ def test_tar_shards_locally_then_grown(tmp_path, cluster):
     assert again.tasks == 0 and again.samples_written == 0
     write_tar(shards / "00002.tar", 2, 3)
     grown = encode([str(shards / "*.tar")], out, cluster)
-    assert grown.tasks == 1 and grown.samples_written == 3 and len(featstore.open(out)) == 14
+    assert grown.tasks == 1 and grown.samples_written == 3 and len(featstore.open(out)) == 29
     # The shard is fixed upstream (the key without a caption gets one): retrying rejects re-reads
     # the tars and encodes just that member; committed members are not encoded again.
     with tarfile.open(shards / "00001.tar") as old:
