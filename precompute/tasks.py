@@ -238,10 +238,12 @@ def _encode_unit(task: TaskSpec, store, specs, device, threads, settings: TaskSe
     index = 0
     try:
         for member in open_unit(task.unit, settings.input_storage_options, settings.max_input_bytes):
-            part.append(member)
+            # A full part is encoded once a member follows it: the last one, full or not, is the
+            # unit's own shard (so a unit of exactly one part commits once, as a task of rows does).
             if len(part) == task.part_size:
                 _encode_part(task, f"{task.shard}-p{index:05d}", part, committed, store, specs, device, threads, settings, result, cache)
                 part, index = [], index + 1
+            part.append(member)
     except InputFileError as exc:
         part.append(Member(reject=Reject(source=task.unit.shown, reason=exc.reason)))
     except FileNotFoundError as exc:
