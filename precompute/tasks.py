@@ -234,15 +234,16 @@ def _encode_unit(task: TaskSpec, store, specs, device, threads, settings: TaskSe
     Parts committed by an earlier run are passed over unread by the encoders; a unit that cannot
     be opened is one reject of the unit."""
     assert task.unit is not None
+    parts = _UnitParts(task, store, settings, result, committed, lambda sub, part, data: _encode_rows(
+        sub, store, specs, device, threads, settings, part, cache, data))
     part: list[Member] = []
-    index = 0
     try:
         for member in open_unit(task.unit, settings.input_storage_options, settings.max_input_bytes):
             # A full part is encoded once a member follows it: the last one, full or not, is the
             # unit's own shard (so a unit of exactly one part commits once, as a task of rows does).
             if len(part) == task.part_size:
-                _encode_part(task, f"{task.shard}-p{index:05d}", part, committed, store, specs, device, threads, settings, result, cache)
-                part, index = [], index + 1
+                parts.encode(part, last=False)
+                part = []
             part.append(member)
     except InputFileError as exc:
         part.append(Member(reject=Reject(source=task.unit.shown, reason=exc.reason)))
@@ -250,33 +251,61 @@ def _encode_unit(task: TaskSpec, store, specs, device, threads, settings: TaskSe
         # A missing input is a reject; one that an unreachable object store only seems to lack fails the task (retried).
         read_failure(exc, task.unit.shown)
         part.append(Member(reject=Reject(source=task.unit.shown, reason="missing file")))
-    _encode_part(task, task.shard, part, committed, store, specs, device, threads, settings, result, cache)
+    finally:
+        parts.close()
+    parts.encode(part, last=True)
 
 
-def _encode_part(task: TaskSpec, name: str, members: list[Member], committed: set[str], store, specs, device, threads,
-                 settings: TaskSettings, result: TaskResult, cache: EncoderCache | None) -> None:
-    """One part of a unit encoded and committed as shard ``name`` (its counts added to ``result``)."""
-    if name != task.shard and name in committed:
-        return  # an earlier run committed this part (the plan leaves out a unit whose last shard is committed)
-    part = TaskResult(shard=name)
-    rows, data = [], {}
-    for member in members:
-        if member.reject is not None:
-            if member.reject.sample_id not in task.skip:
-                part.rejects.append((member.reject, member.reject.reason))
-                part.rejected += 1
-        elif member.row is not None and member.row.sample_id not in task.skip:
-            rows.append(member.row)
-            data[member.row.sample_id] = member.data
-    sub = replace(task, shard=name, rows=rows, unit=None)
-    done = _encode_rows(sub, store, specs, device, threads, settings, part, cache, data)
-    # Only the last shard may commit off the worker's thread pool (precompute.commit_ahead): a
-    # task secedes once, and after an earlier part it still has the rest of its unit to encode.
-    _write_shard(sub, store, done, part, settings.commit_ahead_bytes if name == task.shard else 0)
-    result.samples += part.samples
-    result.rejected += part.rejected
-    result.dropped += part.dropped
-    result.skipped = part.skipped if name == task.shard else result.skipped
+class _UnitParts:
+    """Encodes a unit's parts in turn; each but the last commits on a thread of its own while the
+    next part is read and encoded (one commit in flight: one part's features held besides the one
+    encoding). The last commits as a task's shard does (precompute.commit_ahead: a Dask task can
+    leave its worker's thread pool once, and an earlier part still has its unit to finish)."""
+
+    def __init__(self, task: TaskSpec, store, settings: TaskSettings, result: TaskResult, committed: set[str], encode_rows) -> None:
+        self.task, self.store, self.settings, self.result, self.committed = task, store, settings, result, committed
+        self.encode_rows = encode_rows
+        self.index = 0
+        self.pool = DaemonPool(1, "commit-part")
+        self.pending: Any = None
+
+    def encode(self, members: list[Member], *, last: bool) -> None:
+        name = self.task.shard if last else f"{self.task.shard}-p{self.index:05d}"
+        self.index += 0 if last else 1
+        if not last and name in self.committed:
+            return  # an earlier run committed this part (the plan leaves out a unit whose last shard is committed)
+        part = TaskResult(shard=name)
+        rows, data = [], {}
+        for member in members:
+            if member.reject is not None:
+                if member.reject.sample_id not in self.task.skip:
+                    part.rejects.append((member.reject, member.reject.reason))
+                    part.rejected += 1
+            elif member.row is not None and member.row.sample_id not in self.task.skip:
+                rows.append(member.row)
+                data[member.row.sample_id] = member.data
+        sub = replace(self.task, shard=name, rows=rows, unit=None)
+        done = self.encode_rows(sub, part, data)
+        self.wait()
+        if last:
+            self._commit(sub, done, part, self.settings.commit_ahead_bytes)
+            self.result.skipped = part.skipped
+        else:
+            self.pending = self.pool.submit(self._commit, sub, done, part, 0)
+
+    def _commit(self, sub: TaskSpec, done: list, part: TaskResult, ahead: int) -> None:
+        _write_shard(sub, self.store, done, part, ahead)
+        self.result.samples += part.samples
+        self.result.rejected += part.rejected
+        self.result.dropped += part.dropped
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()  # a failed commit fails the task
+
+    def close(self) -> None:
+        self.pool.shutdown(cancel_pending=False)
 
 
 def _encode_rows(task: TaskSpec, store, specs, device, threads, settings: TaskSettings, result: TaskResult,
