@@ -40,7 +40,8 @@ def cluster():
 
 def encode(inputs: list[str], out: str, cluster, preset: str = "tiny", overrides: list[str] | None = None, **kw):
     config = load_config(EncodeConfig, preset, "encode", overrides or [])
-    return run_encode(config, inputs, out, scheduler=cluster[0], progress=False, log=lambda *_: None, **kw)
+    kw.setdefault("log", lambda *_: None)
+    return run_encode(config, inputs, out, scheduler=cluster[0], progress=False, **kw)
 
 
 def by_id(store) -> dict[str, dict]:
@@ -82,6 +83,10 @@ def test_tar_shards_locally_then_grown(tmp_path, cluster):
                 add_member(archive, "nocaption.txt", b"a caption at last")
     retried = encode([str(shards / "*.tar")], out, cluster, overrides=["data.retry_rejects=true"])
     assert retried.samples_written == 1 and "00001:nocaption" in featstore.open(out)
+    # A field is not added to samples from tars (not supported yet): said, and no tar is read for it.
+    lines: list[str] = []
+    added = encode([str(shards / "*.tar")], out, cluster, overrides=["text.max_length=16", "text.field=text_short"], log=lines.append)
+    assert added.tasks == 0 and any("30 committed sample(s) from tars or Parquet lack" in line for line in lines), lines
 
 
 def test_tar_shards_from_s3(tmp_path, cluster, s3_server, s3_bucket):
