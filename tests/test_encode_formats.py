@@ -181,3 +181,35 @@ def test_killed_tar_encode_resumes_exactly_once(tmp_path):
     ids = store.index.column("id").to_pylist()
     assert len(ids) == 120 and len(set(ids)) == 120 and len(store.shards) == 9
     assert subprocess.run([str(Path(sys.executable).parent / "mmcache"), "verify", str(out)], capture_output=True).returncode == 0
+
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+TAEF2 = SHARED / "weights" / "taef2"
+
+
+@pytest.mark.skipif(not (TAEF2 / "taef2_encoder.pth").exists(), reason="TAESD-F2 weights (../shared/weights/taef2) are absent")
+def test_taef2_latent_of_a_tar_member_decodes_to_its_image(tmp_path, cluster):
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from mmcache.precompute.encoders.taef2 import load_taef2_decoder
+
+    names = ["astronaut.png", "chelsea.png", "rocket.jpg"]
+    with tarfile.open(tmp_path / "00000.tar", "w") as archive:
+        for n, name in enumerate(names):
+            add_member(archive, f"{n:09d}.{name.rsplit('.', 1)[1]}", (SHARED / "media" / "images" / name).read_bytes())
+            add_member(archive, f"{n:09d}.txt", name.encode())
+    out = str(tmp_path / "store")
+    assert encode([str(tmp_path / "00000.tar")], out, cluster, preset="taef2", overrides=[f"vae.path={TAEF2}"]).samples_written == 3
+    store = featstore.open(out)
+    decoder = load_taef2_decoder(TAEF2)
+    for row in store.index.to_pylist():
+        with torch.no_grad():
+            latent = torch.from_numpy(store.read(row["id"])["latent"].astype(np.float32))[:, 0][None]
+            decoded = decoder(latent).clamp(0, 1)[0].permute(1, 2, 0).numpy()
+        source = Image.open(SHARED / "media" / "images" / row["caption"]).convert("RGB")
+        box = (row["crop_left"], row["crop_top"], row["crop_left"] + row["crop_width"], row["crop_top"] + row["crop_height"])
+        reference = np.asarray(source.crop(box).resize((row["width"], row["height"]), Image.BICUBIC), dtype=np.float32) / 255
+        psnr = 10 * np.log10(1.0 / float(np.mean((decoded - reference) ** 2)))
+        assert psnr >= 27.0, (row["id"], psnr)
