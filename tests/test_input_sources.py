@@ -40,7 +40,7 @@ def test_patterns_select_only_what_they_name(tmp_path):
         write_tar(tmp_path / f"{shard:05d}.tar", shard, 1)
     (tmp_path / "00000.parquet").write_bytes(b"img2dataset's own metadata, not an input")
     (tmp_path / "00000_stats.json").write_text("{}")
-    found = read_all([str(tmp_path / "{00000..00001}.tar"), str(tmp_path / "0000[2].tar")], SourceOptions())
+    found = read_all([str(tmp_path / "{00000..00001}.tar"), str(tmp_path / "0000[2].tar"), str(tmp_path / "0000?.tar")], SourceOptions())
     assert [u.shown.rsplit("/", 1)[-1] for u in found.units] == ["00000.tar", "00001.tar", "00002.tar"]
     assert not found.rows and not found.rejects
     with pytest.raises(ConfigError, match=r"00003.tar does not exist \(1 of the 4"):
@@ -181,3 +181,19 @@ def test_odd_names_keep_one_id_prefix(tmp_path):
     rows, rejects = members(unit)
     assert unit.id_prefix.startswith("my_shard-") and list(rows) == [unit.id_prefix + "x"]
     assert "not a safe name" in rejects["y" * 250]
+
+
+def test_patterns_on_s3(tmp_path, s3_server, s3_bucket):
+    import fsspec
+
+    for shard in range(3):
+        write_tar(tmp_path / f"{shard:05d}.tar", shard, 1)
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    fs.put([str(tmp_path / f"{s:05d}.tar") for s in range(3)], f"{s3_bucket}/a/")
+    fs.pipe(f"{s3_bucket}/a/00000_stats.json", b"{}")
+    globbed = read_all([f"{s3_bucket}/a/*.tar"], SourceOptions())
+    ranged = read_all([f"{s3_bucket}/a/{{00001..00002}}.tar"], SourceOptions())
+    assert [u.uri for u in globbed.units] == [f"{s3_bucket}/a/{s:05d}.tar" for s in range(3)]
+    assert [u.uri for u in ranged.units] == [f"{s3_bucket}/a/{s:05d}.tar" for s in (1, 2)]
+    with pytest.raises(ConfigError, match=r"00003.tar, .*00005.tar and 4 more do not exist \(7 of the 10 inputs"):
+        read_all([f"{s3_bucket}/a/{{00000..00009}}.tar"], SourceOptions())

@@ -5,6 +5,7 @@ naming it: a typo'd shard range must not encode an empty or partial dataset quie
 
 from __future__ import annotations
 
+import posixpath
 import re
 from typing import Any
 
@@ -51,15 +52,21 @@ def expand_inputs(patterns: list[str], storage_options: dict[str, Any] | None = 
     out: list[str] = []
     for pattern in patterns:
         for name in expand_braces(pattern):
-            if _GLOB.search(name.split("://", 1)[-1].split("?", 1)[0]):
+            if _GLOB.search(_path_part(name)):
                 out.extend(_glob(name, storage_options))
             else:
                 out.append(name)
     missing = _missing(out, storage_options) if len(out) > 1 or out != patterns else []
     if missing:
         shown = ", ".join(redact_url(m) for m in missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-        raise ConfigError(f"input {shown} does not exist ({len(missing)} of the {len(out)} inputs named); fix the --input pattern")
+        verb = "does" if len(missing) == 1 else "do"
+        raise ConfigError(f"input {shown} {verb} not exist ({len(missing)} of the {len(out)} inputs named); fix the --input pattern")
     return list(dict.fromkeys(out))
+
+
+def _path_part(name: str) -> str:
+    """What glob characters are looked for in: an http(s) URL's '?' starts its query (a signature)."""
+    return name.split("?", 1)[0] if name.startswith(("http://", "https://")) else name
 
 
 def _glob(pattern: str, storage_options: dict[str, Any] | None) -> list[str]:
@@ -74,8 +81,6 @@ def _glob(pattern: str, storage_options: dict[str, Any] | None) -> list[str]:
 
 def _missing(names: list[str], storage_options: dict[str, Any] | None) -> list[str]:
     """The names that do not exist, found with one listing of each folder they are in."""
-    import posixpath
-
     folders: dict[str, list[str]] = {}
     for name in names:
         folders.setdefault(posixpath.dirname(name.rstrip("/")), []).append(name)
