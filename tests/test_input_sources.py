@@ -197,3 +197,16 @@ def test_patterns_on_s3(tmp_path, s3_server, s3_bucket):
     assert [u.uri for u in ranged.units] == [f"{s3_bucket}/a/{s:05d}.tar" for s in (1, 2)]
     with pytest.raises(ConfigError, match=r"00003.tar, .*00005.tar and 4 more do not exist \(7 of the 10 inputs"):
         read_all([f"{s3_bucket}/a/{{00000..00009}}.tar"], SourceOptions())
+
+
+def test_a_bad_pattern_is_one_error_line_at_the_cli(tmp_path):
+    from click.testing import CliRunner
+
+    from mmcache.precompute.cli import cli
+
+    write_tar(tmp_path / "00000.tar", 0, 1)
+    result = CliRunner().invoke(cli, ["encode", "--config", "tiny", "--input", str(tmp_path / "{00000..00001}.tar"),
+                                      "--input", str(tmp_path / "00000.tar"), "--output", str(tmp_path / "store")])
+    assert result.exit_code != 0 and result.output.strip().splitlines() == [
+        f"Error: input {tmp_path / '00001.tar'} does not exist (1 of the 2 inputs named); fix the --input pattern"]
+    assert not (tmp_path / "store").exists()

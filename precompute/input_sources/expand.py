@@ -56,12 +56,13 @@ def expand_inputs(patterns: list[str], storage_options: dict[str, Any] | None = 
                 out.extend(_glob(name, storage_options))
             else:
                 out.append(name)
+    out = list(dict.fromkeys(out))  # an input named twice is read once
     missing = _missing(out, storage_options) if len(out) > 1 or out != patterns else []
     if missing:
         shown = ", ".join(redact_url(m) for m in missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         verb = "does" if len(missing) == 1 else "do"
         raise ConfigError(f"input {shown} {verb} not exist ({len(missing)} of the {len(out)} inputs named); fix the --input pattern")
-    return list(dict.fromkeys(out))
+    return out
 
 
 def _path_part(name: str) -> str:
