@@ -10,10 +10,11 @@ fail become rejects in the same commit. Nothing but a small summary travels back
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -229,63 +230,74 @@ def _write_shard(task: TaskSpec, store: Any, done: list, result: TaskResult, com
 
 def _encode_unit(task: TaskSpec, store, specs, device, threads, settings: TaskSettings, result: TaskResult,
                  cache: EncoderCache | None, committed: set[str]) -> None:
-    """A tar's (or row groups') samples, read once front to back, committed in parts of
-    ``task.part_size`` (``<shard>-pNNNNN``) and the rest as ``<shard>`` (the unit is then done).
-    Parts committed by an earlier run are passed over unread by the encoders; a unit that cannot
-    be opened is one reject of the unit."""
+    """A tar's (or row groups') samples, read once front to back and decoded as they arrive,
+    committed in parts of ``task.part_size`` members: each part a later member follows as
+    ``<shard>-pNNNNN``, the last one (full or not) as ``<shard>``, which marks the unit done.
+    Parts an earlier run committed are read past, not encoded."""
     assert task.unit is not None
-    parts = _UnitParts(task, store, settings, result, committed, lambda sub, part, data: _encode_rows(
-        sub, store, specs, device, threads, settings, part, cache, data))
-    part: list[Member] = []
+    parts = _UnitParts(task, store, settings, result)
+    members = _opened(task.unit, settings)
+    index = 0
     try:
-        for member in open_unit(task.unit, settings.input_storage_options, settings.max_input_bytes):
-            # A full part is encoded once a member follows it: the last one, full or not, is the
-            # unit's own shard (so a unit of exactly one part commits once, as a task of rows does).
-            if len(part) == task.part_size:
-                parts.encode(part, last=False)
-                part = []
-            part.append(member)
-    except InputFileError as exc:
-        part.append(Member(reject=Reject(source=task.unit.shown, reason=exc.reason)))
-    except FileNotFoundError as exc:
-        # A missing input is a reject; one that an unreachable object store only seems to lack fails the task (retried).
-        read_failure(exc, task.unit.shown)
-        part.append(Member(reject=Reject(source=task.unit.shown, reason="missing file")))
+        while True:
+            name = f"{task.shard}-p{index:05d}"
+            if name in committed:  # then a member followed it in that run, and follows it now
+                parts.pass_over(members)
+            else:
+                part = TaskResult(shard=name)
+                sub = replace(task, shard=name, rows=[], unit=None)
+                done = _encode_rows(sub, store, specs, device, threads, settings, part, cache, parts.rows(members, part))
+                following = next(members, None)
+                if following is None:
+                    parts.commit(replace(sub, shard=task.shard), done, replace(part, shard=task.shard), last=True)
+                    return
+                parts.commit(sub, done, part, last=False)
+                members = itertools.chain([following], members)
+            index += 1
     finally:
         parts.close()
-    parts.encode(part, last=True)
+
+
+def _opened(unit: Any, settings: TaskSettings) -> Iterator[Member]:
+    """The unit's members; a unit that cannot be opened (not a regular file, missing) is one reject."""
+    try:
+        yield from open_unit(unit, settings.input_storage_options, settings.max_input_bytes)
+    except InputFileError as exc:
+        yield Member(reject=Reject(source=unit.shown, reason=exc.reason))
+    except FileNotFoundError as exc:
+        # A missing input is a reject; one that an unreachable object store only seems to lack fails the task (retried).
+        read_failure(exc, unit.shown)
+        yield Member(reject=Reject(source=unit.shown, reason="missing file"))
 
 
 class _UnitParts:
-    """Encodes a unit's parts in turn; each but the last commits on a thread of its own while the
-    next part is read and encoded (one commit in flight: one part's features held besides the one
-    encoding). The last commits as a task's shard does (precompute.commit_ahead: a Dask task can
-    leave its worker's thread pool once, and an earlier part still has its unit to finish)."""
+    """The parts of one unit: the members of each (rejects into its result, samples to encode),
+    and their commits. Each part but the last commits on a thread of its own while the next part
+    is read and encoded (one commit in flight: one part's features held besides the one
+    encoding); the last commits as a task's shard does (precompute.commit_ahead: a Dask task can
+    leave its worker's thread pool only once)."""
 
-    def __init__(self, task: TaskSpec, store, settings: TaskSettings, result: TaskResult, committed: set[str], encode_rows) -> None:
-        self.task, self.store, self.settings, self.result, self.committed = task, store, settings, result, committed
-        self.encode_rows = encode_rows
-        self.index = 0
+    def __init__(self, task: TaskSpec, store, settings: TaskSettings, result: TaskResult) -> None:
+        self.task, self.store, self.settings, self.result = task, store, settings, result
         self.pool = DaemonPool(1, "commit-part")
         self.pending: Any = None
 
-    def encode(self, members: list[Member], *, last: bool) -> None:
-        name = self.task.shard if last else f"{self.task.shard}-p{self.index:05d}"
-        self.index += 0 if last else 1
-        if not last and name in self.committed:
-            return  # an earlier run committed this part (the plan leaves out a unit whose last shard is committed)
-        part = TaskResult(shard=name)
-        rows, data = [], {}
-        for member in members:
+    def rows(self, members: Iterator[Member], part: TaskResult) -> Iterator[tuple[InputRow, bytes | None]]:
+        """The next ``part_size`` members as (row, bytes), lazily: decoding starts as they arrive."""
+        for member in itertools.islice(members, self.task.part_size):
             if member.reject is not None:
                 if member.reject.sample_id not in self.task.skip:
                     part.rejects.append((member.reject, member.reject.reason))
                     part.rejected += 1
             elif member.row is not None and member.row.sample_id not in self.task.skip:
-                rows.append(member.row)
-                data[member.row.sample_id] = member.data
-        sub = replace(self.task, shard=name, rows=rows, unit=None)
-        done = self.encode_rows(sub, part, data)
+                yield member.row, member.data
+
+    def pass_over(self, members: Iterator[Member]) -> None:
+        """Reads past a committed part's members, encoding and keeping nothing of them."""
+        for _ in itertools.islice(members, self.task.part_size):
+            pass
+
+    def commit(self, sub: TaskSpec, done: list, part: TaskResult, *, last: bool) -> None:
         self.wait()
         if last:
             self._commit(sub, done, part, self.settings.commit_ahead_bytes)
@@ -305,11 +317,12 @@ class _UnitParts:
             pending.result()  # a failed commit fails the task
 
     def close(self) -> None:
+        self.wait()
         self.pool.shutdown(cancel_pending=False)
 
 
 def _encode_rows(task: TaskSpec, store, specs, device, threads, settings: TaskSettings, result: TaskResult,
-                 cache: EncoderCache | None = None, data: dict[str, bytes] | None = None) -> list:
+                 cache: EncoderCache | None = None, given: Iterable[tuple[InputRow, bytes | None]] | None = None) -> list:
     """(row, arrays or None, meta) for each row that was not rejected; rejects go to ``result``."""
     configured = loaded_encoders(specs, device, threads, cache)
     # Only the encoders of the fields this task writes run (a field added to committed samples).
@@ -334,8 +347,10 @@ def _encode_rows(task: TaskSpec, store, specs, device, threads, settings: TaskSe
     # task, nor the process, from finishing once the deadline turned it into a reject.
     pool = DaemonPool(settings.decode_threads, "decode")
     try:
-        futures = [(row, pool.submit(_prepare_row, row, rules, task.new_samples, settings, (data or {}).get(row.sample_id)))
-                   for row in task.rows]
+        # ``given``: a unit's rows with their bytes, read as this comprehension asks for them
+        # (each decode starts while the next is read); else the task's rows, each read on its thread.
+        futures = [(row, pool.submit(_prepare_row, row, rules, task.new_samples, settings, data))
+                   for row, data in (given if given is not None else ((r, None) for r in task.rows))]
         for batch in _bucketed(futures, settings.batch_size, reject, MediaError, deadline, timeout):
             _encode_batch(batch, encoders, reject, done, primary)
     finally:
