@@ -62,6 +62,7 @@ class InputRow:
     modality: str     # "image" | "video", from the suffix; "text": a text-only row (no media, uri "")
     conversations: tuple[tuple[str, str], ...] | None = None  # ((from, value), ...) turns
     metadata: str | None = None  # a WebDataset sample's .json sidecar (JSON text), kept with the sample
+    input: str = ""  # the --input it came from (manifest, folder, tar, Parquet file), shown: `mmcache info` counts by it
 
     @property
     def conversations_sha256(self) -> str | None:

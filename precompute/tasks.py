@@ -412,6 +412,8 @@ def _meta(row: InputRow, prepared: dict[str, Any] | None, primary: str | None) -
         meta["conversations_sha256"] = row.conversations_sha256
     if row.metadata is not None:  # a WebDataset sample's .json sidecar, as written
         meta["source_json"] = row.metadata
+    if row.input:
+        meta["input"] = row.input
     if not prepared:
         return {**meta, "source_uri": redact_url(row.uri)} if row.uri else meta
     for section, media in prepared.items():

@@ -19,6 +19,7 @@ import pytest
 
 from mmcache import featstore
 from mmcache.featstore.config import load_config
+from mmcache.featstore.verify import store_info
 from mmcache.precompute.config import EncodeConfig
 from mmcache.precompute.pipeline import run_encode
 from tests.input_data import add_member, write_llava, write_media_parquet, write_tar
@@ -67,6 +68,7 @@ def test_tar_shards_locally_then_grown(tmp_path, cluster):
     assert row["source_uri"] == str(shards / "00001.tar") + "#000100003.png" and row["caption"] == "picture 000100003"
     assert json.loads(row["source_json"])["status"] == "success" and row["orig_width"] == 48 and row["content_hash"]
     assert by_id(store)["00001:jsoncap"]["caption"] == "from the sidecar"
+    assert store_info(store)["samples_by_input"] == {str(shards / "00000.tar"): 20, str(shards / "00001.tar"): 6}
     again = encode([str(shards / "*.tar")], out, cluster)
     assert again.tasks == 0 and again.samples_written == 0
     write_tar(shards / "00002.tar", 2, 3)

@@ -54,7 +54,7 @@ def read_all(patterns: str | list[str], options: SourceOptions) -> InputSet:
                 out.rejects.append(Reject(source=row.source, reason=f"duplicate id {row.sample_id!r} (an earlier input has it)", sample_id=row.sample_id))
                 continue
             seen.add(row.sample_id)
-            out.rows.append(row)
+            out.rows.append(dataclasses.replace(row, input=redact_url(url)))
         out.rejects.extend(read.rejects)
         for unit in read.units:
             if unit.id_prefix and prefixes.setdefault(unit.id_prefix, unit.shown) != unit.shown:

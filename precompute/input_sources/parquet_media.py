@@ -103,7 +103,7 @@ def _member(unit: SourceUnit, columns: dict[str, str], record: dict[str, Any], n
     if problem is not None:
         return Member(reject=Reject(source=source, reason=problem, sample_id=sample_id))
     modality = "video" if columns["media"] == "video" or modality_of(path or "") == "video" else "image"
-    row = InputRow(sample_id=sample_id, uri=f"{unit.uri}#{number}", caption=caption, source=source, modality=modality)
+    row = InputRow(sample_id=sample_id, uri=f"{unit.uri}#{number}", caption=caption, source=source, modality=modality, input=unit.shown)
     return Member(row=row, data=data)
 
 

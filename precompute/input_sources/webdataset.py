@@ -152,7 +152,7 @@ def _sample(unit: SourceUnit, group: _Group, finished: set[str]) -> Member:
     name, data = group.parts[media[0]]
     sidecar = group.parts.get("json")
     row = InputRow(sample_id=sample_id, uri=f"{unit.uri}#{name}", caption=caption, source=f"{unit.shown}#{name}",
-                   modality=modality_of("x." + media[0]) or "image",
+                   modality=modality_of("x." + media[0]) or "image", input=unit.shown,
                    metadata=sidecar[1].decode("utf-8", errors="replace") if sidecar else None)
     return Member(row=row, data=data)
 
