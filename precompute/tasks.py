@@ -236,7 +236,7 @@ def _encode_unit(task: TaskSpec, store, specs, device, threads, settings: TaskSe
     Parts an earlier run committed are read past, not encoded."""
     assert task.unit is not None
     parts = _UnitParts(task, store, settings, result)
-    members = _opened(task.unit, settings)
+    members = _Pushback(_opened(task.unit, settings))
     index = 0
     try:
         while True:
@@ -252,7 +252,7 @@ def _encode_unit(task: TaskSpec, store, specs, device, threads, settings: TaskSe
                     parts.commit(replace(sub, shard=task.shard), done, replace(part, shard=task.shard), last=True)
                     return
                 parts.commit(sub, done, part, last=False)
-                members = itertools.chain([following], members)
+                members.push(following)
             index += 1
     finally:
         parts.close()
@@ -268,6 +268,26 @@ def _opened(unit: Any, settings: TaskSettings) -> Iterator[Member]:
         # A missing input is a reject; one that an unreachable object store only seems to lack fails the task (retried).
         read_failure(exc, unit.shown)
         yield Member(reject=Reject(source=unit.shown, reason="missing file"))
+
+
+class _Pushback:
+    """An iterator that can take back the one item it was asked for ahead (the member that told a
+    part was not the last)."""
+
+    def __init__(self, items: Iterator[Member]) -> None:
+        self.items = items
+        self.back: Member | None = None
+
+    def __iter__(self) -> Iterator[Member]:
+        return self
+
+    def __next__(self) -> Member:
+        item, self.back = self.back, None
+        return item if item is not None else next(self.items)
+
+    def push(self, item: Member) -> None:
+        assert self.back is None, "one member of lookahead"
+        self.back = item
 
 
 class _UnitParts:
