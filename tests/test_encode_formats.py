@@ -22,7 +22,7 @@ from mmcache.featstore.config import load_config
 from mmcache.featstore.verify import store_info
 from mmcache.precompute.config import EncodeConfig
 from mmcache.precompute.pipeline import run_encode
-from tests.input_data import add_member, write_llava, write_media_parquet, write_tar
+from tests.input_data import add_member, png, write_llava, write_media_parquet, write_tar
 from tests.s3_server import FAKE_KEY_ID, FAKE_SECRET
 
 pytest.importorskip("PIL")
@@ -101,6 +101,8 @@ def test_tar_shards_from_s3(tmp_path, cluster, s3_server, s3_bucket):
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
     fs.put([str(tmp_path / "00000.tar"), str(tmp_path / "00001.tar")], f"{s3_bucket}/shards/")
     fs.pipe(f"{s3_bucket}/shards/00000.parquet", b"not an input")
+    write_media_parquet(tmp_path / "hf.parquet", [png(n) for n in range(3)], ["a", "b", "c"], row_group_size=2)
+    fs.put(str(tmp_path / "hf.parquet"), f"{s3_bucket}/hf/train.parquet")
     pattern = f"{s3_bucket}/shards/{{00000..00001}}.tar"
     with s3_server.recording() as planning:
         units = read_all([pattern], SourceOptions()).units
@@ -109,18 +111,17 @@ def test_tar_shards_from_s3(tmp_path, cluster, s3_server, s3_bucket):
     # As a user names an endpoint (the cluster's workers started before this test set AWS_*).
     options = {"endpoint_url": s3_server.endpoint, "key": FAKE_KEY_ID, "secret": FAKE_SECRET}
     with s3_server.recording() as requests:
-        summary = encode([pattern], out, cluster, storage_options=options, input_storage_options=options)
-    assert summary.samples_written == 8
+        summary = encode([pattern, f"{s3_bucket}/hf/train.parquet"], out, cluster, storage_options=options, input_storage_options=options)
+    assert summary.samples_written == 11
     store = featstore.open(out, storage_options=options)
-    assert sorted(store.sample_ids()) == sorted(f"{s:05d}:{s:04d}{k:05d}" for s in range(2) for k in range(4))
+    expected = [f"{s:05d}:{s:04d}{k:05d}" for s in range(2) for k in range(4)] + [f"train:{n}" for n in range(3)]
+    assert sorted(store.sample_ids()) == sorted(expected) and by_id(store)["train:2"]["caption"] == "c"
     assert by_id(store)["00000:000000002"]["source_uri"] == f"{s3_bucket}/shards/00000.tar#000000002.png"
     reads = [r for r in requests if r.key.endswith(".tar") and r.method == "GET"]
     assert len(reads) == 2, reads  # one sequential read per tar, not one per member
 
 
 def test_parquet_with_image_bytes(tmp_path, cluster):
-    from tests.input_data import png
-
     images = [png(n) for n in range(10)]
     images[3] = None
     images[6] = images[6][:25]  # undecodable
