@@ -10,7 +10,6 @@ fail become rejects in the same commit. Nothing but a small summary travels back
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import threading
 import time
@@ -27,10 +26,10 @@ from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.commit_ahead import commit_ahead
 from mmcache.precompute.daemon_pool import DaemonPool
 from mmcache.precompute.encoder_inputs import GEOMETRY, encoder_input, prepare_sections, size_rule_for, text_input
-from mmcache.precompute.input_sources import Member, open_unit
-from mmcache.precompute.inputs import InputRow, Reject
+from mmcache.precompute.inputs import InputRow
 from mmcache.precompute.media import MediaError
-from mmcache.precompute.sources import InputFileError, read_failure, read_source
+from mmcache.precompute.sources import read_source
+from mmcache.precompute.unit_tasks import encode_unit
 from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec
 
 # Models load from local folders only, without progress bars or hub look-ups cluttering the
@@ -194,7 +193,9 @@ def encode_task(
         # shards committed since (by a concurrent run) are.
         store.assume_checked(known_shards or ())
         if task.unit is not None:
-            _encode_unit(task, store, specs, device, threads, settings, result, cache, set(known_shards or ()))
+            encode_unit(task, settings, result, set(known_shards or ()),
+                        encode_rows=lambda sub, part, given: _encode_rows(sub, store, specs, device, threads, settings, part, cache, given),
+                        write_shard=lambda sub, done, part, ahead: _write_shard(sub, store, done, part, ahead))
         else:
             done = _encode_rows(task, store, specs, device, threads, settings, result, cache)
             _write_shard(task, store, done, result, settings.commit_ahead_bytes)
@@ -226,119 +227,6 @@ def _write_shard(task: TaskSpec, store: Any, done: list, result: TaskResult, com
             return
     result.samples = sum(1 for _, arrays, _ in done if arrays is not None) - len(writer.dropped)
     result.dropped = len(writer.dropped)
-
-
-def _encode_unit(task: TaskSpec, store, specs, device, threads, settings: TaskSettings, result: TaskResult,
-                 cache: EncoderCache | None, committed: set[str]) -> None:
-    """A tar's (or row groups') samples, read once front to back and decoded as they arrive,
-    committed in parts of ``task.part_size`` members: each part a later member follows as
-    ``<shard>-pNNNNN``, the last one (full or not) as ``<shard>``, which marks the unit done.
-    Parts an earlier run committed are read past, not encoded."""
-    assert task.unit is not None
-    parts = _UnitParts(task, store, settings, result)
-    members = _Pushback(_opened(task.unit, settings))
-    index = 0
-    try:
-        while True:
-            name = f"{task.shard}-p{index:05d}"
-            if name in committed:  # then a member followed it in that run, and follows it now
-                parts.pass_over(members)
-            else:
-                part = TaskResult(shard=name)
-                sub = replace(task, shard=name, rows=[], unit=None)
-                done = _encode_rows(sub, store, specs, device, threads, settings, part, cache, parts.rows(members, part))
-                following = next(members, None)
-                if following is None:
-                    parts.commit(replace(sub, shard=task.shard), done, replace(part, shard=task.shard), last=True)
-                    return
-                parts.commit(sub, done, part, last=False)
-                members.push(following)
-            index += 1
-    finally:
-        parts.close()
-
-
-def _opened(unit: Any, settings: TaskSettings) -> Iterator[Member]:
-    """The unit's members; a unit that cannot be opened (not a regular file, missing) is one reject."""
-    try:
-        yield from open_unit(unit, settings.input_storage_options, settings.max_input_bytes)
-    except InputFileError as exc:
-        yield Member(reject=Reject(source=unit.shown, reason=exc.reason))
-    except FileNotFoundError as exc:
-        # A missing input is a reject; one that an unreachable object store only seems to lack fails the task (retried).
-        read_failure(exc, unit.shown)
-        yield Member(reject=Reject(source=unit.shown, reason="missing file"))
-
-
-class _Pushback:
-    """An iterator that can take back the one item it was asked for ahead (the member that told a
-    part was not the last)."""
-
-    def __init__(self, items: Iterator[Member]) -> None:
-        self.items = items
-        self.back: Member | None = None
-
-    def __iter__(self) -> Iterator[Member]:
-        return self
-
-    def __next__(self) -> Member:
-        item, self.back = self.back, None
-        return item if item is not None else next(self.items)
-
-    def push(self, item: Member) -> None:
-        assert self.back is None, "one member of lookahead"
-        self.back = item
-
-
-class _UnitParts:
-    """The parts of one unit: the members of each (rejects into its result, samples to encode),
-    and their commits. Each part but the last commits on a thread of its own while the next part
-    is read and encoded (one commit in flight: one part's features held besides the one
-    encoding); the last commits as a task's shard does (precompute.commit_ahead: a Dask task can
-    leave its worker's thread pool only once)."""
-
-    def __init__(self, task: TaskSpec, store, settings: TaskSettings, result: TaskResult) -> None:
-        self.task, self.store, self.settings, self.result = task, store, settings, result
-        self.pool = DaemonPool(1, "commit-part")
-        self.pending: Any = None
-
-    def rows(self, members: Iterator[Member], part: TaskResult) -> Iterator[tuple[InputRow, bytes | None]]:
-        """The next ``part_size`` members as (row, bytes), lazily: decoding starts as they arrive."""
-        for member in itertools.islice(members, self.task.part_size):
-            if member.reject is not None:
-                if member.reject.sample_id not in self.task.skip:
-                    part.rejects.append((member.reject, member.reject.reason))
-                    part.rejected += 1
-            elif member.row is not None and member.row.sample_id not in self.task.skip:
-                yield member.row, member.data
-
-    def pass_over(self, members: Iterator[Member]) -> None:
-        """Reads past a committed part's members, encoding and keeping nothing of them."""
-        for _ in itertools.islice(members, self.task.part_size):
-            pass
-
-    def commit(self, sub: TaskSpec, done: list, part: TaskResult, *, last: bool) -> None:
-        self.wait()
-        if last:
-            self._commit(sub, done, part, self.settings.commit_ahead_bytes)
-            self.result.skipped = part.skipped
-        else:
-            self.pending = self.pool.submit(self._commit, sub, done, part, 0)
-
-    def _commit(self, sub: TaskSpec, done: list, part: TaskResult, ahead: int) -> None:
-        _write_shard(sub, self.store, done, part, ahead)
-        self.result.samples += part.samples
-        self.result.rejected += part.rejected
-        self.result.dropped += part.dropped
-
-    def wait(self) -> None:
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            pending.result()  # a failed commit fails the task
-
-    def close(self) -> None:
-        self.wait()
-        self.pool.shutdown(cancel_pending=False)
 
 
 def _encode_rows(task: TaskSpec, store, specs, device, threads, settings: TaskSettings, result: TaskResult,

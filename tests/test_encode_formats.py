@@ -163,7 +163,7 @@ def test_killed_tar_encode_resumes_exactly_once(tmp_path):
     shards = tmp_path / "shards"
     shards.mkdir()
     for shard in range(3):
-        write_tar(shards / f"{shard:05d}.tar", shard, 40)  # tiny's 16 per part: 3 shards per tar
+        write_tar(shards / f"{shard:05d}.tar", shard, 64)  # tiny's 16 per part: 4 shards per tar
     out = tmp_path / "store"
     cmd = [str(Path(sys.executable).parent / "mmcache"), "encode", "--config", "tiny", "--input", str(shards / "{00000..00002}.tar"),
            "--output", str(out)]
@@ -175,14 +175,14 @@ def test_killed_tar_encode_resumes_exactly_once(tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(30)
     partial = featstore.open(str(out))
-    assert 0 < len(partial) < 120
+    assert 0 < len(partial) < 192
     rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr
     written = int(re.search(r"encoded (\d+) sample", rerun.stdout).group(1))
-    assert written == 120 - len(partial)  # committed parts are not encoded again
+    assert written == 192 - len(partial), rerun.stdout  # committed parts are not encoded again
     store = featstore.open(str(out))
     ids = store.index.column("id").to_pylist()
-    assert len(ids) == 120 and len(set(ids)) == 120 and len(store.shards) == 9
+    assert len(ids) == 192 and len(set(ids)) == 192 and len(store.shards) == 12
     assert subprocess.run([str(Path(sys.executable).parent / "mmcache"), "verify", str(out)], capture_output=True).returncode == 0
 
 
