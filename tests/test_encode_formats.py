@@ -98,18 +98,18 @@ def test_tar_shards_from_s3(tmp_path, cluster, s3_server, s3_bucket):
 
     for shard in range(2):
         write_tar(tmp_path / f"{shard:05d}.tar", shard, 4)
-    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    # Named, not from AWS_*: this module's cluster started before the S3 fixture set them.
+    options = {"endpoint_url": s3_server.endpoint, "key": FAKE_KEY_ID, "secret": FAKE_SECRET}
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, **options)
     fs.put([str(tmp_path / "00000.tar"), str(tmp_path / "00001.tar")], f"{s3_bucket}/shards/")
     fs.pipe(f"{s3_bucket}/shards/00000.parquet", b"not an input")
     write_media_parquet(tmp_path / "hf.parquet", [png(n) for n in range(3)], ["a", "b", "c"], row_group_size=2)
     fs.put(str(tmp_path / "hf.parquet"), f"{s3_bucket}/hf/train.parquet")
     pattern = f"{s3_bucket}/shards/{{00000..00001}}.tar"
     with s3_server.recording() as planning:
-        units = read_all([pattern], SourceOptions()).units
+        units = read_all([pattern], SourceOptions(storage_options=options)).units
     assert len(units) == 2 and not [r for r in planning if r.key.endswith(".tar") and r.method == "GET"]
     out = f"{s3_bucket}/store"
-    # As a user names an endpoint (the cluster's workers started before this test set AWS_*).
-    options = {"endpoint_url": s3_server.endpoint, "key": FAKE_KEY_ID, "secret": FAKE_SECRET}
     with s3_server.recording() as requests:
         summary = encode([pattern, f"{s3_bucket}/hf/train.parquet"], out, cluster, storage_options=options, input_storage_options=options)
     assert summary.samples_written == 11

@@ -14,6 +14,7 @@ from mmcache.precompute.input_sources import SourceOptions, open_unit, read_all,
 from mmcache.precompute.input_sources.expand import expand_braces
 from mmcache.precompute.inputs import EmptyInputError, ManifestError
 from tests.input_data import add_member, png, write_llava, write_media_parquet, write_tar
+from tests.s3_server import FAKE_KEY_ID, FAKE_SECRET
 
 
 def members(unit, max_bytes: int = 1 << 30) -> tuple[dict, dict]:
@@ -188,15 +189,17 @@ def test_patterns_on_s3(tmp_path, s3_server, s3_bucket):
 
     for shard in range(3):
         write_tar(tmp_path / f"{shard:05d}.tar", shard, 1)
-    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    # Named, not from AWS_* (a LocalCluster fixture of another module restores the environment it found).
+    options = {"endpoint_url": s3_server.endpoint, "key": FAKE_KEY_ID, "secret": FAKE_SECRET}
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, **options)
     fs.put([str(tmp_path / f"{s:05d}.tar") for s in range(3)], f"{s3_bucket}/a/")
     fs.pipe(f"{s3_bucket}/a/00000_stats.json", b"{}")
-    globbed = read_all([f"{s3_bucket}/a/*.tar"], SourceOptions())
-    ranged = read_all([f"{s3_bucket}/a/{{00001..00002}}.tar"], SourceOptions())
+    globbed = read_all([f"{s3_bucket}/a/*.tar"], SourceOptions(storage_options=options))
+    ranged = read_all([f"{s3_bucket}/a/{{00001..00002}}.tar"], SourceOptions(storage_options=options))
     assert [u.uri for u in globbed.units] == [f"{s3_bucket}/a/{s:05d}.tar" for s in range(3)]
     assert [u.uri for u in ranged.units] == [f"{s3_bucket}/a/{s:05d}.tar" for s in (1, 2)]
     with pytest.raises(ConfigError, match=r"00003.tar, .*00005.tar and 4 more do not exist \(7 of the 10 inputs"):
-        read_all([f"{s3_bucket}/a/{{00000..00009}}.tar"], SourceOptions())
+        read_all([f"{s3_bucket}/a/{{00000..00009}}.tar"], SourceOptions(storage_options=options))
 
 
 def test_a_bad_pattern_is_one_error_line_at_the_cli(tmp_path):
