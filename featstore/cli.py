@@ -92,6 +92,11 @@ def echo_info(summary: dict[str, Any]) -> None:
         click.echo(f"index          checkpoint {checkpoint['key']} covers {checkpoint['covered']:,} of the shards")
     else:
         click.echo("index          no checkpoint (an open reads every index part; `mmcache compact` writes one)")
+    inputs = list(summary.get("samples_by_input", {}).items())
+    for name, count in inputs[:10]:
+        click.echo(f"input          {count:,} sample(s) from {name}")
+    if len(inputs) > 10:
+        click.echo(f"input          ... and {len(inputs) - 10:,} more input(s)")
     click.echo(f"rejected       {summary['num_rejected']:,}")
     for reason, count in summary["rejects_by_reason"].items():
         click.echo(f"  {count:6,}  {reason}")

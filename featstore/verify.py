@@ -55,10 +55,18 @@ def store_info(store: Store) -> dict[str, Any]:
         "bytes": store.nbytes(),
         "num_rejected": store.num_rejected(),
         "rejects_by_reason": dict(reasons.most_common()),
+        # Samples per input they were encoded from (the `input` column `mmcache encode` writes).
+        "samples_by_input": _samples_by_input(store),
         "attrs": store.attrs,
         # The index checkpoint the open used (featstore.checkpoints), and how many parts it covered.
         "checkpoint": {"key": store.checkpoint, "covered": store.checkpoint_covered},
     }
+
+
+def _samples_by_input(store: Store) -> dict[str, int]:
+    if "input" not in store.index.column_names:
+        return {}  # a store written before encode recorded it, or not by mmcache encode
+    return dict(Counter(i for i in store.index.column("input").to_pylist() if i).most_common())
 
 
 def verify_store(store: Store, progress: Callable[[str], None] | None = None) -> VerifyReport:

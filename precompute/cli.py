@@ -16,7 +16,9 @@ from mmcache.precompute.prompts import load_prompt_file
 
 @cli.command()
 @click.option("--config", "config_name", required=True, help="YAML file or preset name (configs/encode/NAME.yaml), e.g. tiny, taef2.")
-@click.option("--input", "input_url", required=True, help="Manifest (.jsonl/.csv/.parquet with path, caption[, id]) or a folder of media + .txt captions.")
+@click.option("--input", "input_urls", required=True, multiple=True,
+              help="Manifest (.jsonl/.csv/.parquet), folder of media + .txt captions, WebDataset .tar, Parquet with image bytes, "
+                   "or LLaVA .json; repeatable; brace ranges and globs: 's3://b/{00000..00099}.tar' (docs/encode.md).")
 @click.option("--output", "output_url", required=True, help="Store URL: a path, file://, s3://, memory://.")
 @click.option("--workers", type=int, default=None, help="Local Dask workers (default: one per device, or per CPU core up to 4).")
 @click.option("--scheduler", default=None, help="Address of an existing Dask scheduler (instead of a local cluster).")
@@ -27,7 +29,7 @@ from mmcache.precompute.prompts import load_prompt_file
 @click.option("--progress/--no-progress", default=None, help="Progress line (default: when stderr is a terminal).")
 @click.option("--allow-empty", is_flag=True, help="An input with no rows at all is not an error (sets data.allow_empty).")
 @click.option("--prompts", "prompts_file", default=None, metavar="FILE", help="Validation prompts (one per line): their text embeddings are stored for `mmtrain sample` and sampling during fit.")
-def encode(config_name, input_url, output_url, workers, scheduler, device, overrides, storage_options, input_storage_options, progress, allow_empty, prompts_file) -> None:
+def encode(config_name, input_urls, output_url, workers, scheduler, device, overrides, storage_options, input_storage_options, progress, allow_empty, prompts_file) -> None:
     """Run frozen encoders over INPUT once and write their features to the store at OUTPUT."""
     if workers is not None and scheduler:
         raise click.UsageError("--workers and --scheduler exclude each other")
@@ -42,13 +44,13 @@ def encode(config_name, input_url, output_url, workers, scheduler, device, overr
     if allow_empty:
         config.data.allow_empty = True
     summary = run_encode(
-        config, input_url, output_url, workers=workers, scheduler=scheduler,
+        config, list(input_urls), output_url, workers=workers, scheduler=scheduler,
         storage_options=parse_storage_options(storage_options),
         input_storage_options=parse_storage_options(input_storage_options),
         progress=progress, prompts=prompts, log=lambda line: click.echo(line, err=True),
     )
     if summary.samples_written + summary.rejected + summary.samples_skipped == 0:
-        click.echo(f"warning: the input {input_url} is empty; nothing was encoded", err=True)
+        click.echo(f"warning: the input {' '.join(input_urls)} is empty; nothing was encoded", err=True)
     click.echo(summary.line())
 
 

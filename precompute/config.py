@@ -32,6 +32,13 @@ class DataConfig:
     # A re-run reports committed samples whose caption changed; with this it also re-reads their
     # files and reports those whose bytes changed (a full read of every committed input).
     check_content: bool = False
+    # Formats that ship media inside (docs/encode.md): a WebDataset sample's caption is its .txt,
+    # else this key of its .json; a Parquet file's media and caption columns (None: image then
+    # video; caption then text); a LLaVA JSON's images are relative to media_root (None: its folder).
+    caption_key: str = "caption"
+    media_column: str | None = None
+    caption_column: str | None = None
+    media_root: str | None = None
 
     def __post_init__(self) -> None:
         self.max_input_bytes = parse_size(self.max_input_bytes, "data.max_input_bytes")

@@ -61,6 +61,8 @@ class InputRow:
     source: str       # the path as the manifest wrote it, for rejects and provenance
     modality: str     # "image" | "video", from the suffix; "text": a text-only row (no media, uri "")
     conversations: tuple[tuple[str, str], ...] | None = None  # ((from, value), ...) turns
+    metadata: str | None = None  # a WebDataset sample's .json sidecar (JSON text), kept with the sample
+    input: str = ""  # the --input it came from (manifest, folder, tar, Parquet file), shown: `mmcache info` counts by it
 
     @property
     def conversations_sha256(self) -> str | None:
@@ -132,6 +134,25 @@ def read_inputs(
     if not records and not rejects and not allow_empty:
         kind = "folder holds no media files" if is_folder else "manifest has no rows"
         raise EmptyInputError(f"input {shown!r}: the {kind}; nothing to encode (pass --allow-empty to accept an empty input)")
+    rows = _rows(records, rules, allow_empty_caption, allow_text_only, rejects)
+    return rows, rejects
+
+
+def rows_from_records(records: list[dict[str, Any]], root_url: str, *, storage_options: dict[str, Any] | None = None,
+                      allow_empty_caption: bool = False, allow_outside_root: bool = False,
+                      max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES, allow_text_only: bool = False) -> tuple[list[InputRow], list[Reject]]:
+    """Manifest-like records (path, caption, conversations, id) whose paths are relative to the
+    folder ``root_url``, checked by the manifest's rules (a LLaVA JSON array's rows)."""
+    fs, root = remote_filesystem(root_url, storage_options)
+    protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
+    local = protocol in _LOCAL_PROTOCOLS
+    rules = _Rules(root=posixpath.normpath(root), real_root=os.path.realpath(root) if local else None, protocol=protocol,
+                   allow_outside_root=allow_outside_root, max_input_bytes=max_input_bytes)
+    rejects: list[Reject] = []
+    return _rows(records, rules, allow_empty_caption, allow_text_only, rejects), rejects
+
+
+def _rows(records: list[dict[str, Any]], rules: _Rules, allow_empty_caption: bool, allow_text_only: bool, rejects: list[Reject]) -> list[InputRow]:
     rows: list[InputRow] = []
     seen: set[str] = set()
     for record in records:
@@ -141,7 +162,7 @@ def read_inputs(
         else:
             seen.add(row.sample_id)
             rows.append(row)
-    return rows, rejects
+    return rows
 
 
 def _row(record: dict[str, Any], rules: _Rules, allow_empty_caption: bool, seen: set[str], allow_text_only: bool = False) -> InputRow | Reject:
@@ -149,7 +170,9 @@ def _row(record: dict[str, Any], rules: _Rules, allow_empty_caption: bool, seen:
     if raw is None or (isinstance(raw, str) and not raw.strip()):
         if allow_text_only:
             return _text_row(record, seen)
-        return Reject(source=str(raw), reason="row has no path (text-only rows need the tokenizer text encoder)")
+        given = str(record["id"]) if record.get("id") not in (None, "") else None
+        return Reject(source=str(raw) if given is None else f"text:{given}", sample_id=given,
+                      reason="row has no path (text-only rows need the tokenizer text encoder)")
     if not isinstance(raw, str):
         return Reject(source=str(raw), reason="row has no path")
     # A signed URL is fetched as given, but only shown (ids, rejects, provenance) without
@@ -182,7 +205,7 @@ def _text_row(record: dict[str, Any], seen: set[str]) -> InputRow | Reject:
     reason = reason or caption_problem(caption)
     if reason is None and sample_id in seen:
         reason = f"duplicate id {sample_id!r}" + ("" if given else " (the same text twice: give the rows ids)")
-    if reason is None and not _safe_id(sample_id):
+    if reason is None and not safe_id(sample_id):
         reason = f"id {sample_id!r} is not a safe name (A-Z a-z 0-9 . _ : = + -)"
     if reason:
         return Reject(source=source, reason=reason, sample_id=sample_id)
@@ -202,7 +225,7 @@ def _row_problem(uri: str | None, source: str, caption: str, sample_id: str, rul
         return f"duplicate id {sample_id!r}"
     if modality_of(source) is None:
         return f"unsupported file type {posixpath.splitext(source)[1] or '(none)'!r}"
-    if not _safe_id(sample_id):
+    if not safe_id(sample_id):
         return f"id {sample_id!r} is not a safe name (A-Z a-z 0-9 . _ : = + -)"
     return None
 
@@ -282,7 +305,7 @@ def _under(path: str, root: str | None) -> bool:
     return root is not None and (path == root or path.startswith(root.rstrip("/") + "/"))
 
 
-def _safe_id(sample_id: str) -> bool:
+def safe_id(sample_id: str) -> bool:
     # The store's own rule, so a row that passes here is never refused by the writer.
     try:
         check_name("sample id", sample_id)

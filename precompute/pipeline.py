@@ -36,7 +36,8 @@ from mmcache.precompute.executors import (
     open_executor,
     preserved_environ,
 )
-from mmcache.precompute.inputs import InputRow, Reject, read_inputs
+from mmcache.precompute.input_sources import SourceOptions, SourceUnit, read_all
+from mmcache.precompute.inputs import InputRow, Reject
 from mmcache.precompute.output_store import commit_plan_rejects, open_existing, open_or_create
 from mmcache.precompute.plan import EncodePlan, plan_encode, samples_to_encode
 from mmcache.precompute.prompts import store_prompt_embeddings
@@ -80,6 +81,7 @@ class _Started:
     specs: list[EncoderSpec]
     rows: list[InputRow]
     rejects: list[Reject]
+    units: list[SourceUnit]  # tars, Parquet row groups: read by the tasks themselves
     existing: featstore.Store | None  # the output store's snapshot before this job (None: no store yet)
     loading: Any  # the encoders loading where the tasks run: .result() -> {fields, loaded}
 
@@ -87,7 +89,7 @@ class _Started:
 @preserved_environ()
 def run_encode(
     config: EncodeConfig,
-    input_url: str,
+    input_url: str | list[str],
     output_url: str,
     *,
     workers: int | None = None,
@@ -124,7 +126,7 @@ def run_encode(
             log(describe_stale(stale))
         plan = plan_encode(config, rows=job.rows, rejects=job.rejects, store=store, fields=fields, specs=job.specs,
                            workers=job.executor.workers, output_url=output_url, storage_options=storage_options,
-                           input_storage_options=input_storage_options)
+                           input_storage_options=input_storage_options, units=job.units)
         for note in plan.notes:
             log(note)
         executed = execute(plan, job.executor, progress=progress)
@@ -132,7 +134,7 @@ def run_encode(
                              startup_seconds=startup, stale=len(stale), executor=job.placement.kind, **dataclasses.asdict(executed))
 
 
-def _start(stack: contextlib.ExitStack, config: EncodeConfig, input_url: str, output_url: str, *, workers: int | None,
+def _start(stack: contextlib.ExitStack, config: EncodeConfig, input_url: str | list[str], output_url: str, *, workers: int | None,
            scheduler: str | None, storage_options: dict[str, Any] | None,
            input_storage_options: dict[str, Any] | None) -> _Started:
     """The executor opened (on ``stack``), the encoders' specs resolved, the manifest read, and
@@ -151,25 +153,29 @@ def _start(stack: contextlib.ExitStack, config: EncodeConfig, input_url: str, ou
         specs = encoder_specs(config)
         text_only = takes_text_only(specs)
     data = config.data
-    rows, rejects = read_inputs(
-        input_url, storage_options=input_storage_options, allow_empty_caption=data.allow_empty_caption,
+    inputs = read_all(input_url, SourceOptions(
+        storage_options=input_storage_options, allow_empty_caption=data.allow_empty_caption,
         allow_outside_root=data.allow_outside_root, max_input_bytes=int(data.max_input_bytes),
-        allow_empty=data.allow_empty, allow_text_only=text_only,
-    )
+        allow_empty=data.allow_empty, allow_text_only=text_only, caption_key=data.caption_key,
+        media_column=data.media_column, caption_column=data.caption_column, media_root=data.media_root,
+    ))
+    rows, rejects = inputs.rows, inputs.rejects
+    # A unit's size is known only once read (a tar) or from its footer (Parquet): a tar counts as one task's worth.
+    unit_samples = sum(u.estimated_samples or config.run.samples_per_task for u in inputs.units)
     existing: list[featstore.Store | None] = []
 
     def job_size() -> int:
-        if len(rows) <= config.run.threads_max_samples:
-            return len(rows)  # an upper bound that already decides
+        if len(rows) + unit_samples <= config.run.threads_max_samples:
+            return len(rows) + unit_samples  # an upper bound that already decides
         existing.append(open_existing(output_url, storage_options))
-        return samples_to_encode(rows, existing[0], specs)
+        return samples_to_encode(rows, existing[0], specs) + unit_samples
 
     if executor is None:
         placement = choose_placement(config, scheduler=None, workers=workers, output_url=output_url, samples=job_size)
         executor = stack.enter_context(open_executor(placement))
     loading = executor.load_encoders(specs, config.device)
     snapshot = existing[0] if existing else open_existing(output_url, storage_options)
-    return _Started(executor=executor, placement=placement, specs=specs, rows=rows, rejects=rejects, existing=snapshot,
+    return _Started(executor=executor, placement=placement, specs=specs, rows=rows, rejects=rejects, units=inputs.units, existing=snapshot,
                     loading=loading)
 
 

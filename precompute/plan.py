@@ -19,6 +19,7 @@ from typing import Any
 from mmcache import featstore
 from mmcache.featstore.format import EXCLUSIVE_COMMIT_VERSION
 from mmcache.precompute.config import EncodeConfig
+from mmcache.precompute.input_sources.base import SourceUnit
 from mmcache.precompute.inputs import InputRow, Reject
 from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec
 
@@ -42,14 +43,17 @@ class EncodePlan:
 
     @property
     def samples(self) -> int:
-        return sum(len(task.rows) for task in self.tasks)
+        """Rows to encode, and the rows of Parquet row groups (a tar's count is known once read)."""
+        return sum(len(task.rows) + (task.unit.estimated_samples if task.unit else 0) for task in self.tasks)
 
 
 def plan_encode(config: EncodeConfig, *, rows: list[InputRow], rejects: list[Reject], store: featstore.Store,
                 fields: dict[str, Any], specs: list[EncoderSpec], workers: int, output_url: str,
-                storage_options: dict[str, Any] | None = None, input_storage_options: dict[str, Any] | None = None) -> EncodePlan:
-    """The plan of encoding ``rows`` into ``store`` (opened, with ``fields`` as the workers
-    described them) on ``workers`` workers. Reads only what the store snapshot holds."""
+                storage_options: dict[str, Any] | None = None, input_storage_options: dict[str, Any] | None = None,
+                units: list[SourceUnit] | None = None) -> EncodePlan:
+    """The plan of encoding ``rows`` and ``units`` (tars, Parquet row groups: ``unit_tasks``) into
+    ``store`` (opened, with ``fields`` as the workers described them) on ``workers`` workers.
+    Reads only what the store snapshot holds."""
     rejected = rejected_sources(store)
     rejected_before = rejected if not config.data.retry_rejects else set()
     text_fields = {name for name, spec in fields.items() if spec["meta"]["section"] == "text"}
@@ -63,6 +67,7 @@ def plan_encode(config: EncodeConfig, *, rows: list[InputRow], rejects: list[Rej
     digest = fields_digest(fields)
     tasks = [task for (missing, new), group in groups.items()
              for task in plan_tasks(group, digest, per_task, list(missing), new, salt=salt)]
+    tasks += unit_tasks(units or [], store, config, list(fields))
     settings = TaskSettings.from_config(config, input_storage_options)
     if tasks:
         # Raised here once (an older store), so that the tasks, which open the store from the
@@ -70,7 +75,7 @@ def plan_encode(config: EncodeConfig, *, rows: list[InputRow], rejects: list[Rej
         store.require_format_version(EXCLUSIVE_COMMIT_VERSION)
         settings = replace(settings, store_manifest=store.manifest)
     notes = [f"adding {', '.join(missing)} to {len(group)} sample(s) already in the store"
-             for (missing, new), group in groups.items() if not new]
+             for (missing, new), group in groups.items() if not new] + unit_notes(units or [], store, list(fields))
     return EncodePlan(
         output_url=output_url, store=store, storage_options=storage_options, specs=specs, settings=settings, tasks=tasks,
         known_shards=sorted(set(store.shards) | {t.shard for t in tasks}),
@@ -89,6 +94,50 @@ def plan_tasks(rows: list[InputRow], specs_digest: str, per_task: int, fields: l
         body = json.dumps([specs_digest, fields, rows_body] + ([salt] if salt else []))
         name = f"t-{hashlib.sha256(body.encode()).hexdigest()[:24]}"
         tasks.append(TaskSpec(shard=name, rows=chunk, fields=fields, new_samples=new_samples))
+    return tasks
+
+
+def unit_notes(units: list[SourceUnit], store: featstore.Store, fields: list[str]) -> list[str]:
+    """What the log says when committed samples lack a configured field and the job reads tars or
+    Parquet: their inputs are not read again to add it (fields are added to manifest rows only)."""
+    if not units or not len(store):
+        return []
+    prefixes = {u.id_prefix for u in units}
+    ours = [i for i in store.sample_ids() if "" in prefixes or i.split(":", 1)[0] + ":" in prefixes]
+    complete = set(store.sample_ids(with_fields=fields))
+    lacking = sum(1 for i in ours if i not in complete)
+    if not lacking:
+        return []
+    return [f"warning: {lacking} committed sample(s) from tars or Parquet lack one of the fields {fields}; a field is not "
+            "added to such samples (their inputs are not read again for it): encode those inputs into a new store to have it"]
+
+
+def unit_tasks(units: list[SourceUnit], store: featstore.Store, config: EncodeConfig, fields: list[str]) -> list[TaskSpec]:
+    """One task per unit not done yet, told which of the unit's ids to leave out. A unit is done
+    when its task's last shard (named like the task) is committed: the worker commits each full
+    part of ``run.samples_per_task`` samples as ``<task>-pNNNNN`` and the rest last, so a task
+    killed mid-unit resumes after its committed parts and a grown set of tars runs only the new."""
+    if not units:
+        return []
+    retry = config.data.retry_rejects and store.num_rejected() > 0
+    salt = retry_salt(store) if retry else ""
+    leave_out = set(store.sample_ids())
+    if not config.data.retry_rejects and store.num_rejected():
+        rejected_ids = store.rejects.column("id").to_pylist() if "id" in store.rejects.column_names else []
+        leave_out.update(i for i in rejected_ids if i)
+    by_prefix: dict[str, set[str]] = {}
+    for sample_id in leave_out:
+        by_prefix.setdefault(sample_id.split(":", 1)[0] + ":", set()).add(sample_id)
+    per_part = config.run.samples_per_task
+    tasks = []
+    for unit in units:
+        # Not named by the fields: a unit done is done (adding a field to its samples is not supported yet, see unit_notes).
+        body = json.dumps([unit.kind, unit.shown, list(unit.row_groups), per_part] + ([salt] if salt else []))
+        name = f"u-{hashlib.sha256(body.encode()).hexdigest()[:24]}"
+        if name in store.shards:
+            continue
+        skip = frozenset(by_prefix.get(unit.id_prefix, ()) if unit.id_prefix else leave_out)
+        tasks.append(TaskSpec(shard=name, rows=[], fields=fields, unit=unit, skip=skip, part_size=per_part))
     return tasks
 
 

@@ -49,10 +49,7 @@ def read_source(uri: str, storage_options: dict[str, Any] | None = None, max_byt
     except InputFileError as exc:
         raise MediaError(exc.reason, shown) from None
     except FileNotFoundError as exc:
-        if (cause := _transient_cause(exc)) is not None:
-            # fsspec's HTTP filesystem reports a refused connection or a timeout as a missing
-            # file: that input may well be there, so the task fails (and is retried) instead.
-            raise StorageError(f"{shown}: read failed with {describe(cause)}; the source is unreachable, try again later") from None
+        read_failure(exc, shown)
         raise MediaError("missing file", shown) from None
     except IsADirectoryError:
         raise MediaError("is a directory, not a file", shown) from None
@@ -61,6 +58,14 @@ def read_source(uri: str, storage_options: dict[str, Any] | None = None, max_byt
     if not data:
         raise MediaError("zero-byte file", shown)
     return data
+
+
+def read_failure(exc: FileNotFoundError, shown: str) -> None:
+    """Raise ``StorageError`` (the task fails and is retried) when a "missing" input is really an
+    unreachable source: fsspec's HTTP filesystem reports a refused connection or a timeout as a
+    missing file, and that input may well be there. A truly missing one returns (a reject)."""
+    if (cause := _transient_cause(exc)) is not None:
+        raise StorageError(f"{shown}: read failed with {describe(cause)}; the source is unreachable, try again later") from None
 
 
 def _transient_cause(exc: BaseException) -> BaseException | None:

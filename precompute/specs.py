@@ -18,6 +18,7 @@ from typing import Any
 from mmcache.featstore.config import from_dict
 from mmcache.precompute.config import TINY_PATH, EncodeConfig, default_cache_dir
 from mmcache.precompute.encoder_inputs import text_only_rows_are_samples, transform_record
+from mmcache.precompute.input_sources.base import SourceUnit
 from mmcache.precompute.inputs import InputRow
 from mmcache.precompute.media import FrameSampling, ResizeConfig
 
@@ -39,6 +40,11 @@ class TaskSpec:
     rows: list[InputRow]
     fields: list[str]  # the fields this task writes (an encoder runs only if it makes one of them)
     new_samples: bool = True  # False: adding fields to committed samples (their media were checked then)
+    # A tar or Parquet row groups that the task reads itself (rows is then empty), and the ids in
+    # it to leave out: committed already, or rejected before (unless data.retry_rejects).
+    unit: SourceUnit | None = None
+    skip: frozenset[str] = frozenset()
+    part_size: int = 0  # a unit's samples per shard: each full part commits as <shard>-pNNNNN, the rest as <shard>
 
 
 @dataclass(frozen=True, kw_only=True)

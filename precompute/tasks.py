@@ -13,7 +13,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -29,6 +29,7 @@ from mmcache.precompute.encoder_inputs import GEOMETRY, encoder_input, prepare_s
 from mmcache.precompute.inputs import InputRow
 from mmcache.precompute.media import MediaError
 from mmcache.precompute.sources import read_source
+from mmcache.precompute.unit_tasks import encode_unit
 from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec
 
 # Models load from local folders only, without progress bars or hub look-ups cluttering the
@@ -191,8 +192,13 @@ def encode_task(
         # What the client planned around need not be re-read before this task commits; only
         # shards committed since (by a concurrent run) are.
         store.assume_checked(known_shards or ())
-        done = _encode_rows(task, store, specs, device, threads, settings, result, cache)
-        _write_shard(task, store, done, result, settings.commit_ahead_bytes)
+        if task.unit is not None:
+            encode_unit(task, settings, result, set(known_shards or ()),
+                        encode_rows=lambda sub, part, given: _encode_rows(sub, store, specs, device, threads, settings, part, cache, given),
+                        write_shard=lambda sub, done, part, ahead: _write_shard(sub, store, done, part, ahead))
+        else:
+            done = _encode_rows(task, store, specs, device, threads, settings, result, cache)
+            _write_shard(task, store, done, result, settings.commit_ahead_bytes)
         if not result.skipped:  # a shard another writer committed first took this task no time
             result.seconds = time.perf_counter() - start
         return result.summary()
@@ -224,7 +230,7 @@ def _write_shard(task: TaskSpec, store: Any, done: list, result: TaskResult, com
 
 
 def _encode_rows(task: TaskSpec, store, specs, device, threads, settings: TaskSettings, result: TaskResult,
-                 cache: EncoderCache | None = None) -> list:
+                 cache: EncoderCache | None = None, given: Iterable[tuple[InputRow, bytes | None]] | None = None) -> list:
     """(row, arrays or None, meta) for each row that was not rejected; rejects go to ``result``."""
     configured = loaded_encoders(specs, device, threads, cache)
     # Only the encoders of the fields this task writes run (a field added to committed samples).
@@ -249,7 +255,10 @@ def _encode_rows(task: TaskSpec, store, specs, device, threads, settings: TaskSe
     # task, nor the process, from finishing once the deadline turned it into a reject.
     pool = DaemonPool(settings.decode_threads, "decode")
     try:
-        futures = [(row, pool.submit(_prepare_row, row, rules, task.new_samples, settings)) for row in task.rows]
+        # ``given``: a unit's rows with their bytes, read as this comprehension asks for them
+        # (each decode starts while the next is read); else the task's rows, each read on its thread.
+        futures = [(row, pool.submit(_prepare_row, row, rules, task.new_samples, settings, data))
+                   for row, data in (given if given is not None else ((r, None) for r in task.rows))]
         for batch in _bucketed(futures, settings.batch_size, reject, MediaError, deadline, timeout):
             _encode_batch(batch, encoders, reject, done, primary)
     finally:
@@ -258,14 +267,16 @@ def _encode_rows(task: TaskSpec, store, specs, device, threads, settings: TaskSe
     return done
 
 
-def _prepare_row(row: InputRow, rules: dict[str, Any], new_sample: bool, settings: TaskSettings) -> dict[str, Any] | None:
-    """A row's media prepared for each visual section this task runs (None: no media to prepare)."""
+def _prepare_row(row: InputRow, rules: dict[str, Any], new_sample: bool, settings: TaskSettings,
+                 given: bytes | None = None) -> dict[str, Any] | None:
+    """A row's media prepared for each visual section this task runs (None: no media to prepare);
+    ``given``: its bytes, read already (a tar member, a Parquet cell)."""
     if row.modality == "text":
         return None  # a text-only row: no media to read (its task writes text fields only)
     if not rules and not new_sample:
         return None  # only a text field added to committed samples: their media need no reading
     # Read even when no visual encoder runs: a new sample's media must exist and be readable.
-    data = read_source(row.uri, settings.input_storage_options, settings.max_input_bytes)
+    data = given if given is not None else read_source(row.uri, settings.input_storage_options, settings.max_input_bytes)
     if not rules:
         return None
     # Provenance and messages get the URL without a signature or token, never the credential.
@@ -307,6 +318,10 @@ def _meta(row: InputRow, prepared: dict[str, Any] | None, primary: str | None) -
     meta: dict[str, Any] = {"caption": row.caption, "modality": row.modality, "source_path": row.source}
     if row.conversations is not None:  # so a re-run can tell edited turns (precompute.stale)
         meta["conversations_sha256"] = row.conversations_sha256
+    if row.metadata is not None:  # a WebDataset sample's .json sidecar, as written
+        meta["source_json"] = row.metadata
+    if row.input:
+        meta["input"] = row.input
     if not prepared:
         return {**meta, "source_uri": redact_url(row.uri)} if row.uri else meta
     for section, media in prepared.items():

@@ -1,0 +1,149 @@
+"""WebDataset tars against the same images unpacked as files + a JSONL manifest, in one run (by
+hand, not a test).
+
+    python benchmarks/formats_bench.py [--tars 16] [--per-tar 16] [--size 256] [--repeat 2] [--no-s3]
+
+The same generated images (noise, --size^2 PNG, so decoding costs what a photo's does) and
+captions, encoded with the tiny preset (configs/encode/tiny.yaml) on one warm 2-worker LocalCluster:
+  (f) files    one PNG per sample + a manifest.jsonl (path, caption): one read per sample
+  (t) tars     --tars img2dataset-style shards ({key}.png + .txt + .json): one read per tar
+each into a fresh store, interleaved, --repeat times, the best run counting (samples/s without
+start-up: EncodeSummary.seconds). Locally, then on S3 (the tests' moto server in a child process,
+needs `pip install -e .[dev]`). Printed: (t)/(f) throughput (target >= 1.0), and the GET requests
+the server answered per tar for tars of --per-tar and 4x --per-tar members (target: the same count,
+constant in the member count).
+
+Measured here (2 cores shared with other jobs, load 8-11; best of 3 per row, runs spread +-25%):
+local 16 tars x 16: (t)/(f) 0.82, 0.89, 1.02 in three runs; 4 tars x 64: 1.23, 0.91. S3: 1.36,
+1.62, 1.66. GETs per tar: 1.0 at 16 and at 64 members (2 requests of any kind: HEAD + GET).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+
+def make_inputs(root: Path, tars: int, per_tar: int, size: int) -> tuple[Path, Path]:
+    """(manifest, tar folder) of the same images and captions."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    (root / "files").mkdir(parents=True)
+    (root / "tars").mkdir()
+    rows = []
+    for shard in range(tars):
+        with tarfile.open(root / "tars" / f"{shard:05d}.tar", "w") as archive:
+            for n in range(per_tar):
+                key = f"{shard:04d}{n:05d}"
+                buffer = io.BytesIO()
+                Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buffer, "PNG")
+                caption = f"a picture of noise number {key}"
+                for name, data in ((f"{key}.png", buffer.getvalue()), (f"{key}.txt", caption.encode()),
+                                   (f"{key}.json", json.dumps({"key": key, "status": "success"}).encode())):
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    archive.addfile(info, io.BytesIO(data))
+                (root / "files" / f"{key}.png").write_bytes(buffer.getvalue())
+                rows.append({"path": f"{key}.png", "caption": caption})
+    manifest = root / "files" / "manifest.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return manifest, root / "tars"
+
+
+def rate(config, inputs: list[str], dest: str, scheduler: str) -> float:
+    from mmcache.precompute.pipeline import run_encode
+
+    summary = run_encode(config, inputs, dest, scheduler=scheduler, progress=False, log=lambda *_: None)
+    assert summary.rejected == 0 and summary.samples_written > 0, summary
+    return summary.samples_written / summary.seconds
+
+
+def compare(config, files: list[str], tars: list[str], dests: str, scheduler: str, repeat: int, where: str) -> None:
+    import fsspec
+
+    best = {"f": 0.0, "t": 0.0}
+    runs: dict[str, list[float]] = {"f": [], "t": []}
+    for attempt in range(repeat):
+        for way, inputs in (("f", files), ("t", tars)):
+            dest = f"{dests}/{way}{attempt}-{time.time_ns()}"
+            runs[way].append(rate(config, inputs, dest, scheduler))
+            best[way] = max(best[way], runs[way][-1])
+            fs, path = fsspec.core.url_to_fs(dest)
+            fs.rm(path, recursive=True)
+    for way, label in (("f", "files + JSONL"), ("t", "tars")):
+        print(f"  {where:5s} ({way}) {label:14s} {best[way]:7.1f} samples/s   runs {', '.join(f'{r:.1f}' for r in runs[way])}")
+    print(f"  {where:5s} (t)/(f) = {best['t'] / best['f']:.2f}   (target >= 1.0)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tars", type=int, default=16)
+    parser.add_argument("--per-tar", type=int, default=16)
+    parser.add_argument("--size", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--no-s3", action="store_true")
+    args = parser.parse_args()
+    from distributed import Client
+
+    from mmcache.featstore.config import load_config
+    from mmcache.precompute.config import EncodeConfig
+    from mmcache.precompute.executors import local_cluster
+
+    server = None
+    if not args.no_s3:
+        from tests.s3_server import S3ServerProcess
+
+        server = S3ServerProcess()
+        os.environ.update(server.env())  # before the workers start: they inherit it
+    work = Path(tempfile.mkdtemp(prefix="formats-bench-"))
+    try:
+        manifest, tar_dir = make_inputs(work / "a", args.tars, args.per_tar, args.size)
+        config = load_config(EncodeConfig, "tiny", "encode", [])
+        samples = args.tars * args.per_tar
+        print(f"{samples} images {args.size}^2 in {args.tars} tars of {args.per_tar}; tiny preset; load {os.getloadavg()[0]:.1f}")
+        with local_cluster(2) as cluster, Client(cluster):
+            scheduler = cluster.scheduler_address
+            rate(config, [str(manifest)], str(work / "warm"), scheduler)  # workers load the encoders once
+            compare(config, [str(manifest)], [str(tar_dir / "*.tar")], str(work / "stores"), scheduler, args.repeat, "local")
+            if server is not None:
+                s3_run(server, config, work, manifest, tar_dir, args, scheduler)
+        print(f"load at the end {os.getloadavg()[0]:.1f}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if server is not None:
+            server.stop()
+
+
+def s3_run(server, config, work: Path, manifest: Path, tar_dir: Path, args, scheduler: str) -> None:
+    import fsspec
+
+    bucket = server.make_bucket("formats")
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    fs.put(str(manifest.parent) + "/", f"{bucket}/files/", recursive=True)
+    fs.put(str(tar_dir) + "/", f"{bucket}/tars/", recursive=True)
+    compare(config, [f"{bucket}/files/manifest.jsonl"], [f"{bucket}/tars/*.tar"], f"{bucket}/stores", scheduler, args.repeat, "s3")
+    for per_tar in (args.per_tar, args.per_tar * 4):
+        _, small = make_inputs(work / f"r{per_tar}", 2, per_tar, 64)
+        fs.put(str(small) + "/", f"{bucket}/r{per_tar}/", recursive=True)
+        with server.recording() as requests:
+            rate(config, [f"{bucket}/r{per_tar}/*.tar"], f"{bucket}/rstore{per_tar}", scheduler)
+        gets = [r for r in requests if r.key.endswith(".tar") and r.method == "GET"]
+        print(f"  s3    tars of {per_tar:3d} members: {len(gets) / 2:.1f} GET request(s) per tar "
+              f"({sum(1 for r in requests if r.key.endswith('.tar')) / 2:.1f} requests of any kind)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""The input-source registry: what ``mmcache encode --input`` can read, one module per kind.
+
+A source turns one input (a file or folder, after ``expand``) into what planning needs:
+
+* **rows** read on the client (a manifest, a folder, a LLaVA JSON array): each names one media
+  file that a task reads on its own;
+* **units** the client only names (a WebDataset tar, a Parquet row group): the worker that
+  encodes a unit reads it once, sequentially, and finds its samples (``Member``) as it goes.
+  Planning never downloads a unit; it reads at most a Parquet footer.
+
+Sources register themselves with ``register`` (by name and file suffix); the dispatch is a
+lookup, never a chain of ``if``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from mmcache.featstore.retry import remote_filesystem
+from mmcache.precompute.inputs import InputRow, Reject
+from mmcache.precompute.sources import InputFileError, stat_problem
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceOptions:
+    """What the sources read their inputs with: the ``data.*`` settings and the input's fsspec options."""
+
+    storage_options: dict[str, Any] | None = field(default=None, repr=False)
+    allow_empty_caption: bool = False
+    allow_outside_root: bool = False
+    allow_text_only: bool = False
+    allow_empty: bool = False  # an input without rows is fine (judged once for all inputs: read_all)
+    max_input_bytes: int = 1 << 30
+    caption_key: str = "caption"
+    media_column: str | None = None
+    caption_column: str | None = None
+    media_root: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceUnit:
+    """A part of an input that one task reads whole, on the worker: a tar, or Parquet row groups."""
+
+    kind: str                      # the registry name of its source
+    uri: str = field(repr=False)   # what fsspec opens (may be signed: never shown)
+    shown: str                     # the uri without credentials: rejects and provenance
+    id_prefix: str                 # every id it makes starts with this (file stem + ':'); '' if unknown
+    row_groups: tuple[int, ...] = ()
+    first_row: int = 0             # the file's row number of the first row of row_groups
+    columns: tuple[tuple[str, str], ...] = ()  # (role, column): media, caption, id
+    caption_key: str = "caption"
+    allow_empty_caption: bool = False
+    estimated_samples: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Member:
+    """One sample of a unit as its worker found it: a row and its media bytes, or a reject."""
+
+    row: InputRow | None = None
+    data: bytes | None = field(default=None, repr=False)
+    reject: Reject | None = None
+
+
+@dataclass(kw_only=True)
+class SourceRead:
+    rows: list[InputRow] = field(default_factory=list)
+    rejects: list[Reject] = field(default_factory=list)
+    units: list[SourceUnit] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class InputSource:
+    name: str
+    suffixes: tuple[str, ...]                 # the file suffixes it claims ("" for folders)
+    read: Callable[[str, SourceOptions], SourceRead]
+    # The worker side of a unit source: (unit, storage options, max member bytes) -> its members.
+    stream: Callable[[SourceUnit, dict[str, Any] | None, int], Iterator[Member]] | None = None
+
+
+SOURCES: dict[str, InputSource] = {}
+_SAFE_STEM = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=+-]{0,59}")
+
+
+def register(source: InputSource) -> InputSource:
+    assert source.name not in SOURCES, f"input source {source.name!r} registered twice"
+    SOURCES[source.name] = source
+    return source
+
+
+@contextmanager
+def open_input(uri: str, storage_options: dict[str, Any] | None, block_size: int = 16 << 20) -> Iterator[IO[bytes]]:
+    """A whole input (a tar, a Parquet file) opened for reading: a local one only if it is a
+    regular file (a FIFO would block, a device never ends), opened without blocking; a remote one
+    through fsspec in large blocks (a sequential read costs one request per ``block_size``)."""
+    fs, path = remote_filesystem(uri, storage_options)
+    protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
+    if protocol not in ("file", "local"):
+        with fs.open(path, "rb", block_size=block_size) as fh:
+            yield fh
+        return
+    problem = stat_problem(os.stat(path), 1 << 62)  # the input's own size is not limited: its members are
+    if problem:
+        raise InputFileError(problem, path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        problem = stat_problem(os.fstat(fd), 1 << 62)
+    except OSError:
+        os.close(fd)
+        raise
+    if problem:
+        os.close(fd)
+        raise InputFileError(problem, path)
+    with os.fdopen(fd, "rb", buffering=1 << 20) as fh:
+        yield fh
+
+
+def file_stem(path: str) -> str:
+    """``s3://b/x/00012.tar`` -> ``00012``: what the ids of a container's samples start with
+    (``<stem>:``). A stem that is not a safe id part keeps a readable part plus a hash of it, so
+    every id of the container still starts with the same prefix."""
+    base = path.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
+    stem = base.split(".", 1)[0] or base
+    if _SAFE_STEM.fullmatch(stem):
+        return stem
+    return f"{re.sub(r'[^A-Za-z0-9._=+-]', '_', stem).strip('._=+-')[:60] or 'input'}-{hashlib.sha1(stem.encode()).hexdigest()[:8]}"

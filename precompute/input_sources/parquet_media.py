@@ -1,0 +1,128 @@
+"""Parquet files with the media inside, as the Hugging Face Hub ships them: an image (or video)
+column of ``{bytes, path}`` structs (the ``datasets`` ``Image()`` feature) or plain binary,
+beside a caption column.
+
+Columns: media from ``data.media_column`` (default ``image``, then ``video``), caption from
+``data.caption_column`` (default ``caption``, then ``text``), ids from an ``id`` column, else
+``<file stem>:<row number>``. A Parquet file with a ``path`` column and no media column is a
+manifest (``files.py``). The client reads only the footer (schema, row groups) and names one unit
+per row group; the worker reads its row group's columns, and a null, missing or undecodable
+value becomes a reject.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from mmcache.featstore.retry import remote_filesystem, with_retries
+from mmcache.featstore.secrets import redact_url
+from mmcache.precompute.input_sources.base import (
+    InputSource, Member, SourceOptions, SourceRead, SourceUnit, file_stem, open_input, register,
+)
+from mmcache.precompute.input_sources.files import read_rows
+from mmcache.precompute.inputs import (
+    InputRow, ManifestError, Reject, caption_problem, caption_text, has_visible_text, modality_of, safe_id,
+)
+
+MEDIA_COLUMNS = ("image", "video")
+CAPTION_COLUMNS = ("caption", "text")
+
+
+def read_parquet(url: str, options: SourceOptions) -> SourceRead:
+    """A media Parquet file -> one unit per row group (from its footer); a manifest -> its rows."""
+    import pyarrow.parquet as pq
+
+    fs, path = remote_filesystem(url, options.storage_options)
+    shown = redact_url(url)
+    try:
+        # Small blocks: only the footer is read here, never the row groups.
+        metadata = with_retries(lambda: _footer(fs, path, pq), shown, "read")
+    except FileNotFoundError:
+        raise ManifestError(f"input {shown!r} does not exist") from None
+    except (ValueError, OSError) as exc:  # pyarrow's ArrowInvalid: not a Parquet file
+        raise ManifestError(f"input {shown!r} is not a valid parquet file: {exc}") from None
+    names = metadata.schema.to_arrow_schema().names  # top-level columns (not a struct's leaves)
+    media = options.media_column or next((c for c in MEDIA_COLUMNS if c in names), None)
+    if media is None and "path" in names:
+        return read_rows(url, options)  # a manifest: path, caption[, id]
+    caption = options.caption_column or next((c for c in CAPTION_COLUMNS if c in names), None)
+    missing = [what for what, column in (("media", media), ("caption", caption)) if column is None or column not in names]
+    if missing and not (missing == ["caption"] and options.allow_empty_caption):
+        raise ManifestError(
+            f"input {shown!r} has no {' and no '.join(missing)} column (columns: {names}); name them with "
+            "--set data.media_column=NAME / data.caption_column=NAME, or give a manifest with a path column")
+    columns = (("media", media or ""),) + ((("caption", caption),) if caption in names else ()) + ((("id", "id"),) if "id" in names else ())
+    units, first = [], 0
+    for group in range(metadata.num_row_groups):
+        rows = metadata.row_group(group).num_rows
+        units.append(SourceUnit(kind="parquet", uri=url, shown=shown, id_prefix="" if "id" in names else f"{file_stem(path)}:",
+                                row_groups=(group,), first_row=first, columns=columns,
+                                allow_empty_caption=options.allow_empty_caption, estimated_samples=rows))
+        first += rows
+    return SourceRead(units=units)
+
+
+def _footer(fs: Any, path: str, pq: Any) -> Any:
+    protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
+    if protocol in ("file", "local"):
+        return pq.read_metadata(os.fspath(path))
+    with fs.open(path, "rb", block_size=1 << 16, cache_type="bytes") as fh:
+        return pq.ParquetFile(fh).metadata
+
+
+def stream_parquet(unit: SourceUnit, storage_options: dict[str, Any] | None, max_bytes: int) -> Iterator[Member]:
+    """The rows of the unit's row groups, read column by column on the worker."""
+    import pyarrow.parquet as pq
+
+    columns = dict(unit.columns)
+    with open_input(unit.uri, storage_options) as fh:
+        parquet = pq.ParquetFile(fh)
+        number, seen = unit.first_row, set[str]()
+        for batch in parquet.iter_batches(row_groups=list(unit.row_groups), columns=list(dict.fromkeys(columns.values())), batch_size=64):
+            for record in batch.to_pylist():
+                yield _member(unit, columns, record, number, seen, max_bytes)
+                number += 1
+
+
+def _member(unit: SourceUnit, columns: dict[str, str], record: dict[str, Any], number: int, seen: set[str], max_bytes: int) -> Member:
+    given = record.get(columns["id"]) if "id" in columns else None
+    sample_id = str(given) if given not in (None, "") else f"{unit.id_prefix}{number}"
+    source = f"{unit.shown}#{number}"
+    data, path, problem = _media(record.get(columns["media"]), columns["media"], max_bytes)
+    caption, bad_caption = caption_text(record.get(columns["caption"])) if "caption" in columns else ("", None)
+    problem = problem or bad_caption or caption_problem(caption)
+    if problem is None and not unit.allow_empty_caption and not has_visible_text(caption):
+        problem = "empty caption: no visible text (set data.allow_empty_caption: true to allow it)"
+    if problem is None and not safe_id(sample_id):
+        problem = f"id {sample_id!r} is not a safe name (A-Z a-z 0-9 . _ : = + -)"
+    if problem is None and sample_id in seen:
+        problem = f"duplicate id {sample_id!r}"
+    seen.add(sample_id)
+    if problem is not None:
+        return Member(reject=Reject(source=source, reason=problem, sample_id=sample_id))
+    modality = "video" if columns["media"] == "video" or modality_of(path or "") == "video" else "image"
+    row = InputRow(sample_id=sample_id, uri=f"{unit.uri}#{number}", caption=caption, source=source, modality=modality, input=unit.shown)
+    return Member(row=row, data=data)
+
+
+def _media(value: Any, column: str, max_bytes: int) -> tuple[bytes | None, str | None, str | None]:
+    """(bytes, path, why unusable) of a media cell: a {bytes, path} struct or plain binary."""
+    path = None
+    if isinstance(value, dict):
+        path, value = value.get("path"), value.get("bytes")
+        if value is None and path:
+            return None, path, f"{column} holds only a path ({path!r}), no bytes; give a manifest with a path column to read files"
+    if value is None:
+        return None, path, f"null {column}"
+    if not isinstance(value, bytes):
+        return None, path, f"{column} is {type(value).__name__}, not bytes or {{bytes, path}}"
+    if not value:
+        return None, path, f"zero-byte {column}"
+    if len(value) > max_bytes:
+        return None, path, f"{column} is larger than data.max_input_bytes ({len(value):,} > {max_bytes:,} bytes)"
+    return value, path, None
+
+
+register(InputSource(name="parquet", suffixes=(".parquet",), read=read_parquet, stream=stream_parquet))

@@ -1,0 +1,179 @@
+"""WebDataset tar shards, as img2dataset and video2dataset write them (``00000.tar`` holding
+``{key}.jpg`` + ``{key}.txt`` + ``{key}.json``).
+
+A sample is the run of adjacent members sharing a *key*: the member path up to the first dot of
+its basename (webdataset's rule; ``a/000000123.jpg`` -> key ``a/000000123``, extension ``jpg``).
+Its media is the one member whose last suffix is an image or video type; its caption the
+``.txt`` member, else ``data.caption_key`` of the ``.json`` member; the ``.json`` text is kept
+with the sample (meta column ``source_json``). Ids are ``<tar stem>:<key>`` (``/`` -> ``:``), so
+keys of two shards never collide and a member keeps its id on every run; ``source_uri`` is
+``<tar>#<member>``.
+
+Planning names each tar as one unit and reads nothing of it. The worker that encodes it reads
+it once, front to back (``tarfile`` stream mode, in large blocks on an object store). Member
+names are data: an absolute name, ``..``, a link, a device or a FIFO member is a reject, never
+followed, and a member over ``data.max_input_bytes`` is a reject, never read.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from mmcache.featstore.retry import remote_filesystem, with_retries
+from mmcache.featstore.secrets import redact_url
+from mmcache.precompute.input_sources.base import InputSource, Member, SourceOptions, SourceRead, SourceUnit, file_stem, open_input, register
+from mmcache.precompute.inputs import InputRow, ManifestError, Reject, caption_problem, has_visible_text, modality_of, safe_id, sample_id_for
+
+_LINK_KINDS = ((tarfile.TarInfo.issym, "a symbolic link"), (tarfile.TarInfo.islnk, "a hard link"),
+               (tarfile.TarInfo.ischr, "a character device"), (tarfile.TarInfo.isblk, "a block device"),
+               (tarfile.TarInfo.isfifo, "a FIFO"))
+
+
+def read_tar(url: str, options: SourceOptions) -> SourceRead:
+    """One unit per tar; only its existence is checked (a brace range's names were listed already)."""
+    fs, path = remote_filesystem(url, options.storage_options)
+    shown = redact_url(url)
+    if not with_retries(lambda: fs.exists(path), shown, "stat"):
+        raise ManifestError(f"input {shown!r} does not exist")
+    stem = file_stem(path)
+    return SourceRead(units=[SourceUnit(kind="webdataset", uri=url, shown=shown, id_prefix=f"{stem}:",
+                                        caption_key=options.caption_key, allow_empty_caption=options.allow_empty_caption)])
+
+
+def split_key(name: str) -> tuple[str, str]:
+    """(key, extension) of a member path: the basename is cut at its first dot."""
+    folder, base = posixpath.split(name)
+    stem, _, ext = base.partition(".")
+    return posixpath.join(folder, stem) if folder else stem, ext.lower()
+
+
+@dataclass
+class _Group:
+    key: str
+    parts: dict[str, tuple[str, bytes]] = field(default_factory=dict)  # extension -> (member name, bytes)
+    problem: str | None = None
+
+
+def stream_tar(unit: SourceUnit, storage_options: dict[str, Any] | None, max_bytes: int) -> Iterator[Member]:
+    """The samples of one tar, read front to back once; what cannot be a sample is a reject."""
+    with open_input(unit.uri, storage_options) as fh:
+        try:
+            archive = tarfile.open(fileobj=fh, mode="r|*")
+        except tarfile.TarError as exc:
+            yield Member(reject=Reject(source=unit.shown, reason=f"not a tar file ({exc})"))
+            return
+        yield from _samples(unit, archive, max_bytes)
+
+
+def _samples(unit: SourceUnit, archive: tarfile.TarFile, max_bytes: int) -> Iterator[Member]:
+    group: _Group | None = None
+    finished: set[str] = set()
+    while True:
+        try:
+            member = archive.next()
+        except (tarfile.TarError, EOFError) as exc:
+            if group is not None:
+                group.problem = group.problem or f"tar is truncated or corrupt in this sample ({exc})"
+                yield _sample(unit, group, finished)
+            yield Member(reject=Reject(source=unit.shown, reason=f"tar is truncated or corrupt after {len(finished)} sample(s) ({exc})"))
+            return
+        if member is None:
+            break
+        name = member.name[2:] if member.name.startswith("./") else member.name
+        if member.isdir() or posixpath.basename(name).startswith("."):
+            continue  # folders are structure; hidden files (._x, .DS_Store) are not samples
+        key, ext = split_key(name)
+        if group is None or key != group.key:
+            if group is not None:
+                yield _sample(unit, group, finished)
+            group = _Group(key=key)
+        problem = _member_problem(member, name, max_bytes)
+        if problem is None:
+            try:
+                data = _read_member(archive, member)
+            except (tarfile.TarError, EOFError) as exc:  # not OSError: a network fault retries the task
+                group.problem = group.problem or f"member {name!r} is truncated ({exc})"
+                yield _sample(unit, group, finished)
+                yield Member(reject=Reject(source=unit.shown, reason=f"tar is truncated after {len(finished)} sample(s)"))
+                return
+            if ext in group.parts:
+                problem = f"two members of extension .{ext} ({group.parts[ext][0]!r}, {name!r})"
+            group.parts[ext] = (name, data)
+        group.problem = group.problem or problem
+    if group is not None:
+        yield _sample(unit, group, finished)
+
+
+def _read_member(archive: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
+    handle = archive.extractfile(member)
+    assert handle is not None, "a regular member has a file object"
+    data = handle.read()
+    if len(data) != member.size:
+        raise tarfile.ReadError(f"read {len(data)} of {member.size} bytes")
+    return data
+
+
+def _member_problem(member: tarfile.TarInfo, name: str, max_bytes: int) -> str | None:
+    if name.startswith("/") or ".." in name.split("/") or "\\" in name:
+        return f"member name {name!r} is absolute or leaves the tar's root; not read"
+    for test, kind in _LINK_KINDS:
+        if test(member):
+            return f"member {name!r} is {kind}, not a regular file; not followed"
+    if not member.isreg():
+        return f"member {name!r} is not a regular file"
+    if member.size > max_bytes:
+        return f"member {name!r} is larger than data.max_input_bytes ({member.size:,} > {max_bytes:,} bytes); raise the limit to encode it"
+    return None
+
+
+def _sample(unit: SourceUnit, group: _Group, finished: set[str]) -> Member:
+    """A key's members -> a sample, or a reject with the first reason it cannot be one."""
+    sample_id = unit.id_prefix + sample_id_for(group.key)  # the key's '/' -> ':', an odd key gets a hash
+    source = f"{unit.shown}#{group.key}"
+    problem = group.problem
+    if group.key in finished:
+        problem = f"key {group.key!r} appears again later in the tar (a sample's members must be adjacent)"
+    finished.add(group.key)
+    media = sorted(ext for ext in group.parts if modality_of("x." + ext) is not None)
+    caption, caption_why = _caption(group, unit.caption_key)
+    problem = problem or (f"no media member (extensions: {', '.join(sorted(group.parts)) or 'none'})" if not media else None)
+    problem = problem or (f"several media members ({', '.join(group.parts[e][0] for e in media)})" if len(media) > 1 else None)
+    problem = problem or caption_why or caption_problem(caption)
+    problem = problem or (None if safe_id(sample_id) else f"id {sample_id!r} is not a safe name (1-200 of A-Z a-z 0-9 . _ : = + -, no '..')")
+    if problem is None and not unit.allow_empty_caption and not has_visible_text(caption):
+        problem = f"empty caption (no .txt, and no {unit.caption_key!r} in the .json); set data.allow_empty_caption: true to allow it"
+    if problem is not None:
+        return Member(reject=Reject(source=source, reason=problem, sample_id=sample_id))
+    name, data = group.parts[media[0]]
+    sidecar = group.parts.get("json")
+    row = InputRow(sample_id=sample_id, uri=f"{unit.uri}#{name}", caption=caption, source=f"{unit.shown}#{name}",
+                   modality=modality_of("x." + media[0]) or "image", input=unit.shown,
+                   metadata=sidecar[1].decode("utf-8", errors="replace") if sidecar else None)
+    return Member(row=row, data=data)
+
+
+def _caption(group: _Group, caption_key: str) -> tuple[str, str | None]:
+    """(caption, why there is none usable): the .txt member, else ``caption_key`` of the .json."""
+    if "txt" in group.parts:
+        try:
+            return group.parts["txt"][1].decode("utf-8-sig").strip(), None
+        except UnicodeDecodeError as exc:
+            return "", f"caption member {group.parts['txt'][0]!r} is not UTF-8 ({exc.reason} at byte {exc.start})"
+    if "json" not in group.parts:
+        return "", None
+    try:
+        record = json.loads(group.parts["json"][1])
+    except ValueError as exc:
+        return "", f"sidecar {group.parts['json'][0]!r} is not valid JSON ({exc})"
+    value = record.get(caption_key) if isinstance(record, dict) else None
+    if value is not None and not isinstance(value, str):
+        return "", f"{caption_key!r} of {group.parts['json'][0]!r} is not text but {type(value).__name__}"
+    return (value or "").strip(), None
+
+
+register(InputSource(name="webdataset", suffixes=(".tar", ".tar.gz", ".tgz"), read=read_tar, stream=stream_tar))

@@ -1,0 +1,135 @@
+"""The task of a unit (a WebDataset tar, Parquet row groups: ``precompute.input_sources``): its
+members read once, front to back, decoded as they arrive, and committed in parts of
+``run.samples_per_task`` members under names a re-run finds again. Each part is encoded and
+written by the task's own steps (``precompute.tasks``), handed in, so this module needs nothing
+of that one's.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Any
+
+from mmcache.precompute.daemon_pool import DaemonPool
+from mmcache.precompute.input_sources import Member, open_unit
+from mmcache.precompute.inputs import InputRow, Reject
+from mmcache.precompute.sources import InputFileError, read_failure
+from mmcache.precompute.specs import TaskSettings, TaskSpec
+
+
+def encode_unit(task: TaskSpec, settings: TaskSettings, result: Any, committed: set[str], *,
+                encode_rows: Callable[[TaskSpec, Any, Iterator[tuple[InputRow, bytes | None]]], list],
+                write_shard: Callable[[TaskSpec, list, Any, int], None]) -> None:
+    """A tar's (or row groups') samples, read once front to back and decoded as they arrive,
+    committed in parts of ``task.part_size`` members: each part a later member follows as
+    ``<shard>-pNNNNN``, the last one (full or not) as ``<shard>``, which marks the unit done.
+    Parts an earlier run committed are read past, not encoded. ``encode_rows(sub, part, rows)``
+    and ``write_shard(sub, done, part, commit_ahead_bytes)`` are the task's own steps
+    (precompute.tasks); ``result`` gets every part's counts."""
+    assert task.unit is not None
+    parts = _UnitParts(task, settings, result, write_shard)
+    members = _Pushback(_opened(task.unit, settings))
+    index = 0
+    try:
+        while True:
+            name = f"{task.shard}-p{index:05d}"
+            if name in committed:  # then a member followed it in that run, and follows it now
+                parts.pass_over(members)
+            else:
+                part = type(result)(shard=name)
+                sub = replace(task, shard=name, rows=[], unit=None)
+                done = encode_rows(sub, part, parts.rows(members, part))
+                following = next(members, None)
+                if following is None:
+                    parts.commit(replace(sub, shard=task.shard), done, replace(part, shard=task.shard), last=True)
+                    return
+                parts.commit(sub, done, part, last=False)
+                members.push(following)
+            index += 1
+    finally:
+        parts.close()
+
+
+def _opened(unit: Any, settings: TaskSettings) -> Iterator[Member]:
+    """The unit's members; a unit that cannot be opened (not a regular file, missing) is one reject."""
+    try:
+        yield from open_unit(unit, settings.input_storage_options, settings.max_input_bytes)
+    except InputFileError as exc:
+        yield Member(reject=Reject(source=unit.shown, reason=exc.reason))
+    except FileNotFoundError as exc:
+        # A missing input is a reject; one that an unreachable object store only seems to lack fails the task (retried).
+        read_failure(exc, unit.shown)
+        yield Member(reject=Reject(source=unit.shown, reason="missing file"))
+
+
+class _Pushback:
+    """An iterator that can take back the one item it was asked for ahead (the member that told a
+    part was not the last)."""
+
+    def __init__(self, items: Iterator[Member]) -> None:
+        self.items = items
+        self.back: Member | None = None
+
+    def __iter__(self) -> Iterator[Member]:
+        return self
+
+    def __next__(self) -> Member:
+        item, self.back = self.back, None
+        return item if item is not None else next(self.items)
+
+    def push(self, item: Member) -> None:
+        assert self.back is None, "one member of lookahead"
+        self.back = item
+
+
+class _UnitParts:
+    """The parts of one unit: the members of each (rejects into its result, samples to encode),
+    and their commits. Each part but the last commits on a thread of its own while the next part
+    is read and encoded (one commit in flight: one part's features held besides the one
+    encoding); the last commits as a task's shard does (precompute.commit_ahead: a Dask task can
+    leave its worker's thread pool only once)."""
+
+    def __init__(self, task: TaskSpec, settings: TaskSettings, result: Any, write_shard: Callable[[TaskSpec, list, Any, int], None]) -> None:
+        self.task, self.settings, self.result, self.write_shard = task, settings, result, write_shard
+        self.pool = DaemonPool(1, "commit-part")
+        self.pending: Any = None
+
+    def rows(self, members: Iterator[Member], part: Any) -> Iterator[tuple[InputRow, bytes | None]]:
+        """The next ``part_size`` members as (row, bytes), lazily: decoding starts as they arrive."""
+        for member in itertools.islice(members, self.task.part_size):
+            if member.reject is not None:
+                if member.reject.sample_id not in self.task.skip:
+                    part.rejects.append((member.reject, member.reject.reason))
+                    part.rejected += 1
+            elif member.row is not None and member.row.sample_id not in self.task.skip:
+                yield member.row, member.data
+
+    def pass_over(self, members: Iterator[Member]) -> None:
+        """Reads past a committed part's members, encoding and keeping nothing of them."""
+        for _ in itertools.islice(members, self.task.part_size):
+            pass
+
+    def commit(self, sub: TaskSpec, done: list, part: Any, *, last: bool) -> None:
+        self.wait()
+        if last:
+            self._commit(sub, done, part, self.settings.commit_ahead_bytes)
+            self.result.skipped = part.skipped
+        else:
+            self.pending = self.pool.submit(self._commit, sub, done, part, 0)
+
+    def _commit(self, sub: TaskSpec, done: list, part: Any, ahead: int) -> None:
+        self.write_shard(sub, done, part, ahead)
+        self.result.samples += part.samples
+        self.result.rejected += part.rejected
+        self.result.dropped += part.dropped
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.result()  # a failed commit fails the task
+
+    def close(self) -> None:
+        self.wait()
+        self.pool.shutdown(cancel_pending=False)
