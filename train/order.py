@@ -1,16 +1,10 @@
-"""The order a run visits its samples in: one permutation per epoch, aware of shards.
+"""How a run sizes its shard-aware sample order from its cache.
 
-A global permutation reads every shard a little at every step. From an object store through a
-local cache smaller than the store, that evicts each shard's objects long before their samples
-are all read, so an epoch downloads the store several times over. The windowed order instead
-shuffles the shards, cuts them into windows of ``window`` shards, and shuffles the samples
-within each window: at any time the run reads one window (and, at its end, the start of the
-next), so each object is downloaded once per epoch when two windows fit in the cache.
-
-Either order is a pure function of (seed, epoch, the snapshot's shards, window): never of the
-world size or the rank, so every rank computes the same global batches and a resumed run goes on
-with the very samples it would have seen. ``window=None`` (or a window of every shard) is the
-plain global permutation, bit for bit the order of runs that predate windows.
+The order itself (one permutation per epoch, windowed over shards, a pure function of seed,
+epoch, snapshot and window, never of the world size) lives in ``featstore.order``, shared with
+``featstore.dataset``; here the window is chosen so two windows fit in the run's read-through
+cache, and a resumed run keeps the window it recorded. ``window=None`` is the plain global
+permutation, bit for bit the order of runs that predate windows.
 """
 
 from __future__ import annotations
