@@ -15,10 +15,12 @@ nothing. Encoders convert the uint8 pixels to their own value range.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import math
 import struct
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -169,6 +171,16 @@ def check_pixels(width: int, height: int, max_pixels: int | None, uri: str) -> N
                          f"{max_pixels / 1e6:g} Mpx (the memory one decode takes); raise data.max_pixels to encode it", uri)
 
 
+@functools.cache
+def _quiet_pillow_bomb_warning() -> None:
+    """Pillow warns on stderr about a picture between its two size limits (89-179 Mpx), then
+    decodes it; what is decoded here is decided by ``data.max_pixels`` from the same header, and
+    a refusal is a reject saying why, so the warning is only noise in the job's output."""
+    from PIL import Image
+
+    warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+
+
 def _open_image(data: bytes, uri: str, max_pixels: int | None = None) -> Image.Image:
     """Bytes -> a Pillow image with only its header parsed (its size checked against
     ``max_pixels``); every way that fails as a MediaError."""
@@ -176,6 +188,7 @@ def _open_image(data: bytes, uri: str, max_pixels: int | None = None) -> Image.I
 
     if not data:
         raise MediaError("empty file", uri)
+    _quiet_pillow_bomb_warning()
     try:
         image = Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
