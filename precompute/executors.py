@@ -6,7 +6,9 @@
   and loading the models again. What it cannot give: a task whose process is killed (an OOM
   kill) is not run again elsewhere; the job dies, and running it again resumes it.
 - ``processes``: a Dask LocalCluster of worker processes (one per device, or per CPU core up
-  to 4). A killed worker is restarted by its nanny and its task runs again on a live worker.
+  to 4). A killed worker is restarted by its nanny and its task runs again on a live worker,
+  split in halves (precompute.worker_deaths: an input that kills its worker twice is a reject);
+  one killed while the cluster starts is started again (``_start_workers``).
 - ``scheduler``: an existing Dask cluster (``--scheduler``). Its workers keep their encoders
   loaded between jobs (see precompute.worker_plugin), and resolve the encoders' specs for the
   client (``DaskExecutor.resolve_specs``), which never imports torch: on a warm cluster a job's
@@ -253,8 +255,9 @@ class DaskExecutor:
                     settings: TaskSettings, known: Any) -> Any:
         # No placement hints: the scheduler spreads the tasks, and a task whose worker died (an OOM
         # kill) runs on whichever worker is alive, the nanny's restart of it included. A task pinned
-        # to the dead worker's address would wait for it forever. Dask gives up on a task that kills
-        # its worker repeatedly (distributed.scheduler.allowed-failures) and the job fails saying so.
+        # to the dead worker's address would wait for it forever. A task whose worker died while it
+        # ran comes back unrun, to be split (precompute.worker_deaths); a task Dask gave up on
+        # (KilledWorker) is submitted again under a new key (``result``).
         tries = self._submitted[task.shard] = self._submitted.get(task.shard, -1) + 1
         return self.client.submit(
             _run_on_worker, task, output_url, storage_options, specs, self.placement.threads, settings, known, self.job,
