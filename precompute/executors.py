@@ -325,10 +325,8 @@ def open_executor(placement: Placement) -> Iterator[ThreadExecutor | DaskExecuto
         if executor.workers < placement.workers:
             executor.notes.append(f"warning: {placement.workers - executor.workers} of {placement.workers} worker(s) could not "
                                   f"start (killed while starting: out of memory?); going on with {executor.workers}")
-        try:
-            yield executor
-        finally:
-            executor.close()
+        yield executor
+        executor.close()  # not on an error: a cluster that failed must not hide why behind another
 
 
 @contextlib.contextmanager
@@ -338,10 +336,8 @@ def connect(placement: Placement, scheduler: str) -> Iterator[DaskExecutor]:
 
     with Client(scheduler) as client:
         executor = DaskExecutor(client, placement, 1)
-        try:
-            yield executor
-        finally:
-            executor.close()
+        yield executor
+        executor.close()  # not on an error: a cluster that failed must not hide why behind another
 
 
 @contextlib.contextmanager
