@@ -123,3 +123,24 @@ def test_an_input_that_kills_its_worker_twice_is_a_reject_and_its_task_mates_enc
     ids = Counter(store.index.column("id").to_pylist())
     assert len(ids) == len(rows) - 1 and set(ids.values()) == {1}  # every task-mate exactly once
     assert verify_store(store).ok
+
+
+def test_a_task_whose_worker_died_is_split_and_a_lone_input_that_died_again_is_rejected():
+    from mmcache.precompute.inputs import InputRow
+    from mmcache.precompute.specs import TaskSpec
+    from mmcache.precompute.worker_deaths import split_task, verdict
+
+    rows = [InputRow(sample_id=f"s{i}", uri=f"/in/{i}.png", caption="c", source=f"{i}.png", modality="image") for i in range(5)]
+    task = TaskSpec(shard="t-0", rows=rows, fields=["latent"])
+    assert verdict(task, 0) == "run" and verdict(task, 1) == "split"
+    halves = split_task(task, 1)
+    assert [[r.sample_id for r in h.rows] for h in halves] == [["s0", "s1", "s2"], ["s3", "s4"]]
+    assert [h.deaths for h in halves] == [1, 1] and len({h.shard for h in halves} | {task.shard}) == 3
+    assert split_task(task, 1) == halves  # the same names on a re-plan: deterministic
+    quarters = split_task(halves[1], 1)  # the half died too: its rows go on alone, two deaths behind them
+    assert [([r.sample_id for r in q.rows], q.deaths) for q in quarters] == [(["s3"], 2), (["s4"], 2)]
+    single = TaskSpec(shard="t-1", rows=rows[:1], fields=["latent"])
+    # Alone from the start: a first death earns it another try, a second makes it a reject.
+    assert (verdict(single, 1), verdict(single, 2)) == ("run", "reject")
+    # Split from a task that died: dying alone once more is its second death.
+    assert verdict(TaskSpec(shard="t-2", rows=rows[:1], fields=["latent"], deaths=1), 1) == "reject"
