@@ -374,10 +374,10 @@ def _local_folder_records(rules: _Rules, rejects: list[Reject]) -> list[dict[str
         inside = []
         for name in subfolders:
             sub = os.path.join(folder, name)
-            if _is_store(lambda: read_local_file(os.path.join(sub, MANIFEST_KEY), _MANIFEST_BYTES), sub):
-                continue  # a feature store (this job's output, written inside its input): not media
             if rules.allow_outside_root or _under(os.path.realpath(sub), rules.real_root):
-                inside.append(name)
+                # A feature store (this job's output, written inside its input) is not media.
+                if not _is_store(lambda: read_local_file(os.path.join(sub, MANIFEST_KEY), _MANIFEST_BYTES), sub):
+                    inside.append(name)
             else:
                 rejects.append(Reject(source=os.path.relpath(sub, root) + "/", reason="folder resolves outside the input root (a symlink?); set data.allow_outside_root: true to follow it"))
         subfolders[:] = inside
