@@ -281,7 +281,7 @@ class DaskExecutor:
                 return None
             raise WorkersDiedError(
                 f"the Dask workers running or holding task {task.shard} ({len(task.rows)} input(s), the first "
-                f"{task.rows[0].source}) died {(exc.allowed_failures + 1) * (RESUBMITS + 1)} times without its inputs "
+                f"{task.rows[0].source}) died at least {(exc.allowed_failures + 1) * (RESUBMITS + 1)} times without its inputs "
                 "being to blame: is the machine out of memory while loading the encoders? Free some, or use fewer --workers"
             ) from None
 
