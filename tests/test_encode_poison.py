@@ -20,7 +20,7 @@ from mmcache import featstore
 from mmcache.featstore.verify import verify_store
 from mmcache.precompute.demo_data import make_dataset
 from mmcache.precompute.pipeline import run_encode
-from mmcache.precompute.worker_deaths import DIED_REASON
+from mmcache.precompute.worker_deaths import died_reason
 from tests.test_encode import tiny_config, write_manifest
 from tests.test_encode_faults import StallingServer
 
@@ -65,22 +65,31 @@ class Killer:
 
     def __init__(self, client, server: StallingServer) -> None:
         self.client, self.server, self.kills = client, server, 0
+        self.errors: list[BaseException] = []  # the test asserts there are none
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        while not self.stop.is_set():
-            if not self.server.requested.wait(0.1):
-                continue
-            self.server.requested.clear()
-            (pid,) = self.client.run(os.getpid).values()
-            os.kill(pid, signal.SIGKILL)
-            self.kills += 1
+        try:
+            while not self.stop.is_set():
+                if self.server.requested.wait(0.1):
+                    self.server.requested.clear()
+                    os.kill(self._worker_pid(), signal.SIGKILL)
+                    self.kills += 1
+        except BaseException as exc:  # reported by the test, which then fails with it
+            self.errors.append(exc)
+
+    def _worker_pid(self) -> int:
+        """The one worker's pid (the input was asked for by it, so it is registered)."""
+        pids = list(self.client.run(os.getpid).values())
+        assert len(pids) == 1, f"expected the one worker, found {pids}"
+        return pids[0]
 
     def close(self) -> None:
         self.stop.set()
         self.thread.join(10)
+        assert not self.errors, self.errors
 
 
 # Dask's own limit on a task's worker deaths before it gives up on it (KilledWorker): its default
@@ -122,10 +131,11 @@ def test_an_input_that_kills_its_worker_twice_is_a_reject_and_its_task_mates_enc
     # The poison's task of 3 is split to 2 + 1, the 2 to 1 + 1, then the poison alone is killed again.
     assert kills == 3 and took < 240, (kills, took)
     assert summary.samples_written == len(rows) - 1 and summary.rejected == 1, summary
-    assert f"rejected {poison}: {DIED_REASON}" in lines, lines
+    reason = died_reason(-signal.SIGKILL)  # "worker died decoding this input (killed, signal 9); likely out of memory. ..."
+    assert "(killed, signal 9); likely out of memory" in reason and f"rejected {poison}: {reason}" in lines, lines
     store = featstore.open(str(out))
     (reject,) = store.rejects.to_pylist()
-    assert reject["source"] == poison and reject["reason"] == DIED_REASON
+    assert reject["source"] == poison and reject["reason"] == reason
     ids = Counter(store.index.column("id").to_pylist())
     assert len(ids) == len(rows) - 1 and set(ids.values()) == {1}  # every task-mate exactly once
     assert verify_store(store).ok
