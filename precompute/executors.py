@@ -38,7 +38,7 @@ from mmcache.precompute.prompts import encode_and_store_prompts
 from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec, encoder_specs, takes_text_only
 from mmcache.precompute.daemon_pool import DaemonPool
 from mmcache.precompute.tasks import PROCESS_ENCODERS, TaskResult, describe_encoders, encode_task, loaded_encoders
-from mmcache.precompute.worker_deaths import counted_attempt, exit_reporting_nanny, forget_job
+from mmcache.precompute.worker_deaths import counted_attempt, forget_job
 
 # Dask settings for the workers of a LocalCluster (jobs/ sets the same for external clusters):
 # - the nanny's MALLOC_TRIM_THRESHOLD_ turns off glibc's adaptive mmap threshold, so every large
@@ -376,10 +376,8 @@ def local_cluster(workers: int, *, processes: bool = True, dashboard: bool = Fal
         http = {"dashboard": dashboard, "dashboard_address": ":0" if dashboard else "127.0.0.1:0"}
         with dask.config.set(WORKER_CONFIG):
             # The scheduler alone first: its workers start below, where one killed meanwhile is retried.
-            # Nannies that tell the scheduler how a worker process died (worker_deaths).
-            kind = {"worker_class": exit_reporting_nanny()} if processes else {}
             cluster = LocalCluster(n_workers=0, threads_per_worker=1, processes=processes,
-                                   dashboard_address=None, scheduler_kwargs=http, silence_logs=40, **kind)
+                                   dashboard_address=None, scheduler_kwargs=http, silence_logs=40)
             with cluster:
                 _start_workers(cluster, workers)
                 yield cluster

@@ -44,7 +44,7 @@ from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec, encode
 from mmcache.precompute.stale import describe as describe_stale
 from mmcache.precompute.stale import stale_samples
 from mmcache.precompute.tasks import quiet_offline_env
-from mmcache.precompute.worker_deaths import split_task
+from mmcache.precompute.worker_deaths import DIED_REASON, split_task
 
 Executor = ThreadExecutor | DaskExecutor
 
@@ -238,8 +238,8 @@ def execute(plan: EncodePlan, executor: Executor, *, progress: bool | None = Non
             for part in again:
                 completed.add(submit(part))
             continue
-        for source, reason in result.poisoned:
-            log(f"rejected {source}: {reason}")
+        for source in result.poisoned:
+            log(f"rejected {source}: {DIED_REASON}")
         executed.tasks_skipped += result.skipped
         executed.samples_written += result.samples
         executed.rejected += result.rejected

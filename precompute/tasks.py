@@ -30,7 +30,7 @@ from mmcache.precompute.inputs import InputRow
 from mmcache.precompute.media import MediaError
 from mmcache.precompute.sources import read_source
 from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec
-from mmcache.precompute.worker_deaths import Seen, verdict
+from mmcache.precompute.worker_deaths import DIED_REASON, verdict
 
 # Models load from local folders only, without progress bars or hub look-ups cluttering the
 # job's output. Set in the client (inherited by local workers) and again in every worker.
@@ -58,7 +58,7 @@ class TaskResult:
     skipped: bool = False
     seconds: float = 0.0
     died: int = 0  # not run: its earlier attempts' worker died this often; the client splits it
-    poisoned: list = field(default_factory=list)  # (source, reason): rejected as their worker died decoding them
+    poisoned: list = field(default_factory=list)  # sources rejected because their worker died decoding them
     rejects: list = field(default_factory=list, repr=False)  # (row, reason); not sent back
 
     def summary(self) -> TaskResult:
@@ -176,7 +176,7 @@ def encode_task(
     settings: TaskSettings,
     known_shards: list[str] | None = None,
     cache: EncoderCache | None = None,
-    attempt: contextlib.AbstractContextManager[Seen] | None = None,
+    attempt: contextlib.AbstractContextManager[int] | None = None,
 ) -> TaskResult:
     """Encode one task into one committed shard; idempotent (a committed shard is skipped, and so
     is one another writer commits first). ``known_shards``: the shards the client planned from,
@@ -198,14 +198,13 @@ def encode_task(
         # What the client planned around need not be re-read before this task commits; only
         # shards committed since (by a concurrent run) are.
         store.assume_checked(known_shards or ())
-        with attempt or contextlib.nullcontext(Seen()) as seen:
-            action = verdict(task, seen.deaths)
+        with attempt or contextlib.nullcontext(0) as deaths:
+            action = verdict(task, deaths)
             if action == "split":
-                return replace(result, died=seen.deaths)
+                return replace(result, died=deaths)
             if action == "reject":
-                reason = seen.reason()
-                result.poisoned = [(row.source, reason) for row in task.rows]
-                result.rejects = [(row, reason) for row in task.rows]
+                result.poisoned = [row.source for row in task.rows]
+                result.rejects = [(row, DIED_REASON) for row in task.rows]
                 result.rejected = len(task.rows)
                 done = []
             else:
