@@ -22,7 +22,7 @@ from mmcache.precompute.demo_data import make_dataset
 from mmcache.precompute.pipeline import run_encode
 from mmcache.precompute.worker_deaths import DIED_REASON
 from tests.test_encode import tiny_config, write_manifest
-from tests.test_encode_faults import StallingServer
+from tests.test_encode_faults import StallingServer, _in_thread
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +119,13 @@ def test_an_input_that_kills_its_worker_twice_is_a_reject_and_its_task_mates_enc
         killer = Killer(client, server)
         try:
             start = time.monotonic()
-            summary = run_encode(config, str(manifest), str(out), scheduler=cluster.scheduler_address, progress=False, log=lines.append)
+            thread, result, errors = _in_thread(lambda: run_encode(config, str(manifest), str(out), scheduler=cluster.scheduler_address,
+                                                                   progress=False, log=lines.append))
+            thread.join(180)
             took = time.monotonic() - start
+            assert not thread.is_alive(), f"the job hung: {killer.kills} kill(s), killer errors {killer.errors}, log {lines}"
+            assert not errors, errors
+            summary = result[0]
             kills = killer.kills
             # The re-run skips the committed reject: nothing asks for the poison again.
             again = run_encode(config, str(manifest), str(out), scheduler=cluster.scheduler_address, progress=False, log=lambda *_: None)
