@@ -70,13 +70,13 @@ def text_input(encoder: Any, caption: str, conversations: Any, modality: str) ->
 
 
 def prepare_sections(data: bytes, uri: str, modality: Literal["image", "video"], rules: Mapping[str, SizeRule], *,
-                     resize: ResizeConfig, frames: FrameSampling) -> dict[str, PreparedMedia]:
+                     resize: ResizeConfig, frames: FrameSampling, max_pixels: int | None = None) -> dict[str, PreparedMedia]:
     """One source's media prepared for each visual section by its own size rule; sections with
     the same rule share one decode. ``uri`` is what provenance and messages show (redacted)."""
     prepared: dict[str, PreparedMedia] = {}
     for section, rule in rules.items():
         same = next((p for s, p in prepared.items() if rules[s] == rule), None)
-        prepared[section] = same or prepare(data, uri, modality=modality, resize=resize, rule=rule, sampling=frames)
+        prepared[section] = same or prepare(data, uri, modality=modality, resize=resize, rule=rule, sampling=frames, max_pixels=max_pixels)
     return prepared
 
 

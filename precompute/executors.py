@@ -6,7 +6,9 @@
   and loading the models again. What it cannot give: a task whose process is killed (an OOM
   kill) is not run again elsewhere; the job dies, and running it again resumes it.
 - ``processes``: a Dask LocalCluster of worker processes (one per device, or per CPU core up
-  to 4). A killed worker is restarted by its nanny and its task runs again on a live worker.
+  to 4). A killed worker is restarted by its nanny and its task runs again on a live worker,
+  split in halves (precompute.worker_deaths: an input that kills its worker twice is a reject);
+  one killed while the cluster starts is started again (``_start_workers``).
 - ``scheduler``: an existing Dask cluster (``--scheduler``). Its workers keep their encoders
   loaded between jobs (see precompute.worker_plugin), and resolve the encoders' specs for the
   client (``DaskExecutor.resolve_specs``), which never imports torch: on a warm cluster a job's
@@ -21,9 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
-from concurrent.futures import as_completed as futures_as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +37,8 @@ from mmcache.precompute.devices import resolve_device, worker_device
 from mmcache.precompute.prompts import encode_and_store_prompts
 from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec, encoder_specs, takes_text_only
 from mmcache.precompute.daemon_pool import DaemonPool
-from mmcache.precompute.tasks import PROCESS_ENCODERS, describe_encoders, encode_task, loaded_encoders
+from mmcache.precompute.tasks import PROCESS_ENCODERS, TaskResult, describe_encoders, encode_task, loaded_encoders
+from mmcache.precompute.worker_deaths import counted_attempt, forget_job
 
 # Dask settings for the workers of a LocalCluster (jobs/ sets the same for external clusters):
 # - the nanny's MALLOC_TRIM_THRESHOLD_ turns off glibc's adaptive mmap threshold, so every large
@@ -46,6 +50,25 @@ WORKER_CONFIG = {
     "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
     "distributed.worker.profile.enabled": False,
 }
+# A worker process killed while the local cluster starts (before it registered: the OOM killer, a
+# user's kill) fails its nanny's start, which LocalCluster(n_workers=N) turns into "Nanny failed to
+# start." for the whole cluster. Such a worker is started again under its name (so on its device),
+# up to this many times in all; the job then goes on with the workers that started.
+WORKER_START_TRIES = 3
+
+
+# A task that Dask gave up on (KilledWorker: its workers died ``allowed-failures`` + 1 times while
+# it was running or queued there) is submitted again this often: it may have been only queued on
+# workers that another task killed. Past it the job fails, saying so, instead of looping.
+RESUBMITS = 3
+
+
+class WorkerStartError(ValueError):
+    """No worker of the local cluster could start: the job cannot run here."""
+
+
+class WorkersDiedError(ValueError):
+    """The workers running a task kept dying, and no input of it was to blame."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +147,7 @@ class ThreadExecutor:
     dashboard_link = None
 
     def __init__(self, placement: Placement) -> None:
+        self.notes: list[str] = []  # what the job's log says of where it runs
         self.placement = placement
         self.device = worker_device(placement.device_type, placement.device_count, 0)
         self.client = ThreadClient(placement.workers)
@@ -149,8 +173,30 @@ class ThreadExecutor:
             threads=self.placement.threads, settings=settings, known_shards=known, cache=PROCESS_ENCODERS, retries=3,
         )
 
-    def as_completed(self, futures: list) -> Iterator:
-        return futures_as_completed(futures)
+    def as_completed(self, futures: list) -> _Completion:
+        return _Completion(futures)
+
+    def result(self, future: Future, task: TaskSpec) -> TaskResult | None:
+        return future.result()
+
+
+class _Completion:
+    """concurrent.futures' as_completed, to which futures may be added while it is iterated."""
+
+    def __init__(self, futures: list[Future]) -> None:
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._left = 0
+        for future in futures:
+            self.add(future)
+
+    def add(self, future: Future) -> None:
+        self._left += 1
+        future.add_done_callback(self._done.put)
+
+    def __iter__(self) -> Iterator[Future]:
+        while self._left:
+            self._left -= 1
+            yield self._done.get()
 
 
 class DaskExecutor:
@@ -161,6 +207,7 @@ class DaskExecutor:
         from mmcache.precompute.worker_plugin import EncoderPlugin
 
         self.client, self.placement, self.kind = client, placement, placement.kind
+        self.notes: list[str] = []  # what the job's log says of where it runs
         self.dashboard_link = client.dashboard_link if _has_bokeh() else None
         # Idempotent: on a long-lived cluster the plugin a previous job left keeps its encoders.
         client.register_plugin(EncoderPlugin())
@@ -168,6 +215,9 @@ class DaskExecutor:
         client.wait_for_workers(wait_for, timeout=300)
         self.addresses = sorted(client.scheduler_info()["workers"])
         self.workers = len(self.addresses)
+        # Names this job's counts of running task attempts on the scheduler (worker_deaths).
+        self.job = uuid.uuid4().hex
+        self._submitted: dict[str, int] = {}  # shard -> times submitted before
 
     def resolve_specs(self, config: EncodeConfig) -> tuple[list[EncoderSpec], bool]:
         """(the encoders' specs, whether text-only rows are samples: ``takes_text_only``), resolved
@@ -205,17 +255,38 @@ class DaskExecutor:
                     settings: TaskSettings, known: Any) -> Any:
         # No placement hints: the scheduler spreads the tasks, and a task whose worker died (an OOM
         # kill) runs on whichever worker is alive, the nanny's restart of it included. A task pinned
-        # to the dead worker's address would wait for it forever. Dask gives up on a task that kills
-        # its worker repeatedly (distributed.scheduler.allowed-failures) and the job fails saying so.
+        # to the dead worker's address would wait for it forever. A task whose worker died while it
+        # ran comes back unrun, to be split (precompute.worker_deaths); a task Dask gave up on
+        # (KilledWorker) is submitted again under a new key (``result``).
+        tries = self._submitted[task.shard] = self._submitted.get(task.shard, -1) + 1
         return self.client.submit(
-            _run_on_worker, task, output_url, storage_options, specs, self.placement.threads, settings, known,
-            key=f"encode-{task.shard}", retries=3, pure=False,
+            _run_on_worker, task, output_url, storage_options, specs, self.placement.threads, settings, known, self.job,
+            key=f"encode-{task.shard}" + (f"-{tries}" if tries else ""), retries=3, pure=False,
         )
 
-    def as_completed(self, futures: list) -> Iterator:
+    def as_completed(self, futures: list) -> Any:
         from distributed import as_completed
 
-        return iter(as_completed(futures))
+        return as_completed(futures)
+
+    def result(self, future: Any, task: TaskSpec) -> TaskResult | None:
+        """The task's result, or None when Dask gave up on it after its workers died (KilledWorker):
+        submit it again; its attempts' own counts (worker_deaths) say whether it was to blame."""
+        from distributed.scheduler import KilledWorker
+
+        try:
+            return future.result()
+        except KilledWorker as exc:
+            if self._submitted[task.shard] < RESUBMITS:
+                return None
+            raise WorkersDiedError(
+                f"the Dask workers running or holding task {task.shard} ({len(task.rows)} input(s), the first "
+                f"{task.rows[0].source}) died at least {(exc.allowed_failures + 1) * (RESUBMITS + 1)} times without its inputs "
+                "being to blame: is the machine out of memory while loading the encoders? Free some, or use fewer --workers"
+            ) from None
+
+    def close(self) -> None:
+        forget_job(self.client, self.job)
 
 
 class _AllOf:
@@ -250,7 +321,12 @@ def open_executor(placement: Placement) -> Iterator[ThreadExecutor | DaskExecuto
     from distributed import Client
 
     with local_cluster(placement.workers, dashboard=_has_bokeh()) as cluster, Client(cluster) as client:
-        yield DaskExecutor(client, placement, placement.workers)
+        executor = DaskExecutor(client, placement, len(cluster.workers))
+        if executor.workers < placement.workers:
+            executor.notes.append(f"warning: {placement.workers - executor.workers} of {placement.workers} worker(s) could not "
+                                  f"start (killed while starting: out of memory?); going on with {executor.workers}")
+        yield executor
+        executor.close()  # not on an error: a cluster that failed must not hide why behind another
 
 
 @contextlib.contextmanager
@@ -259,7 +335,9 @@ def connect(placement: Placement, scheduler: str) -> Iterator[DaskExecutor]:
     from distributed import Client
 
     with Client(scheduler) as client:
-        yield DaskExecutor(client, placement, 1)
+        executor = DaskExecutor(client, placement, 1)
+        yield executor
+        executor.close()  # not on an error: a cluster that failed must not hide why behind another
 
 
 @contextlib.contextmanager
@@ -297,10 +375,40 @@ def local_cluster(workers: int, *, processes: bool = True, dashboard: bool = Fal
         # free loopback port instead, so no warning reaches a user who asked for no dashboard.
         http = {"dashboard": dashboard, "dashboard_address": ":0" if dashboard else "127.0.0.1:0"}
         with dask.config.set(WORKER_CONFIG):
-            cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=processes,
+            # The scheduler alone first: its workers start below, where one killed meanwhile is retried.
+            cluster = LocalCluster(n_workers=0, threads_per_worker=1, processes=processes,
                                    dashboard_address=None, scheduler_kwargs=http, silence_logs=40)
-        with cluster:
-            yield cluster
+            with cluster:
+                _start_workers(cluster, workers)
+                yield cluster
+
+
+def _start_workers(cluster: Any, workers: int) -> None:
+    """Start ``workers`` workers on ``cluster`` (which has none), in parallel. A worker whose
+    process dies before it registers is started again under its name, ``WORKER_START_TRIES``
+    times in all; then the cluster keeps those that run, or, when none does, ``WorkerStartError``
+    (bounded: each try ends when every nanny has started or failed)."""
+    from distributed.core import Status
+
+    for _ in range(workers):
+        cluster.worker_spec.update(cluster.new_worker_spec())
+    failure: BaseException | None = None
+    for _ in range(WORKER_START_TRIES):
+        try:
+            # SpecCluster's own step from its spec to running workers, which LocalCluster(n_workers=N)
+            # takes in its constructor; here a failed nanny does not close the workers that started.
+            cluster.sync(cluster._correct_state)
+            return
+        except (RuntimeError, OSError) as exc:  # "Nanny failed to start.", a comm closed by the death
+            failure = exc
+            for name in [name for name, nanny in cluster.workers.items() if nanny.status != Status.running]:
+                del cluster.workers[name]  # the next try starts it again, under the same name
+    for name in set(cluster.worker_spec) - set(cluster.workers):
+        del cluster.worker_spec[name]
+    if not cluster.workers:
+        raise WorkerStartError(f"no Dask worker could start: each of {workers} was tried {WORKER_START_TRIES} times and its "
+                               f"process died while starting ({failure}); is the machine out of memory? Free some, "
+                               "or encode with fewer --workers")
 
 
 def _has_bokeh() -> bool:
@@ -345,9 +453,10 @@ def _prompts_on_worker(specs, requested, threads, sections, prompts, output_url,
         store.close()
 
 
-def _run_on_worker(task, output_url, storage_options, specs, threads, settings: TaskSettings, known):
+def _run_on_worker(task, output_url, storage_options, specs, threads, settings: TaskSettings, known, job: str):
     # lazy: worker_plugin imports distributed; this runs on a Dask worker
     from mmcache.precompute.worker_plugin import worker_cache
 
     return encode_task(task, store_url=output_url, storage_options=storage_options, specs=specs, device=_device_here(settings.device),
-                       threads=threads, settings=settings, known_shards=known, cache=worker_cache())
+                       threads=threads, settings=settings, known_shards=known, cache=worker_cache(),
+                       attempt=counted_attempt(job, task.shard))

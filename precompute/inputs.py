@@ -31,8 +31,8 @@ import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmcache.featstore.errors import ConfigError, SchemaError
-from mmcache.featstore.format import check_name
+from mmcache.featstore.errors import ConfigError, FeatstoreError, NotAStoreError, SchemaError
+from mmcache.featstore.format import MANIFEST_KEY, check_name, parse_root_group
 from mmcache.featstore.retry import remote_filesystem, with_retries
 from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.sources import DEFAULT_MAX_INPUT_BYTES, InputFileError, read_local_file, stat_problem
@@ -43,6 +43,7 @@ MAX_CAPTION_BYTES = 1 << 20
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:=+-]")
 _LOCAL_PROTOCOLS = ("file", "local")
 WALK_PROBLEM = "\0problem"  # a record key no manifest column has: a problem found walking a folder
+_MANIFEST_BYTES = 64 << 20  # a store manifest read to tell a store folder from media (see _is_store)
 
 
 class ManifestError(ConfigError):
@@ -397,7 +398,9 @@ def _local_folder_records(rules: _Rules, rejects: list[Reject]) -> list[dict[str
         for name in subfolders:
             sub = os.path.join(folder, name)
             if rules.allow_outside_root or _under(os.path.realpath(sub), rules.real_root):
-                inside.append(name)
+                # A feature store (this job's output, written inside its input) is not media.
+                if not _is_store(lambda: read_local_file(os.path.join(sub, MANIFEST_KEY), _MANIFEST_BYTES), sub):
+                    inside.append(name)
             else:
                 rejects.append(Reject(source=os.path.relpath(sub, root) + "/", reason="folder resolves outside the input root (a symlink?); set data.allow_outside_root: true to follow it"))
         subfolders[:] = inside
@@ -411,6 +414,19 @@ def _local_folder_records(rules: _Rules, rejects: list[Reject]) -> list[dict[str
                 record.update(_local_caption(os.path.join(folder, stem + ".txt"), rules))
             records.append(record)
     return sorted(records, key=lambda r: r["path"])
+
+
+def _is_store(read_manifest, where: str) -> bool:
+    """Whether a folder walked as input is an mmcache feature store (its zarr.json is a store
+    manifest, damaged or not): its objects are not media. A store written inside the folder given
+    as input is otherwise walked by the next run, each of its objects a reject."""
+    try:
+        parse_root_group(read_manifest(), where)
+    except (OSError, InputFileError, NotAStoreError):
+        return False  # no zarr.json (or not a regular file), or another zarr's
+    except FeatstoreError:
+        return True  # a store, damaged or newer than this code: still not media
+    return True
 
 
 def _local_caption(path: str, rules: _Rules) -> dict[str, str]:
@@ -430,6 +446,9 @@ def _folder_records(fs: Any, root: str) -> list[dict[str, Any]]:
     """Media files under a remote ``root`` with a same-stem .txt caption beside each (a missing
     .txt is an empty caption, which is then allowed or rejected by config)."""
     files = sorted(fs.find(root))
+    stores = [posixpath.dirname(f) + "/" for f in files if posixpath.basename(f) == MANIFEST_KEY
+              and _is_store(lambda f=f: fs.cat_file(f), posixpath.dirname(f))]
+    files = [f for f in files if not any(f.startswith(store) for store in stores)]
     texts = {posixpath.splitext(f)[0]: f for f in files if f.lower().endswith(".txt")}
     records = []
     for file in files:

@@ -15,10 +15,12 @@ nothing. Encoders convert the uint8 pixels to their own value range.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import math
 import struct
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -161,14 +163,34 @@ def _provenance(uri: str, data: bytes, orig: tuple[int, int], box: tuple[int, in
 # ----------------------------------------------------------------------------- images
 
 
-def _open_image(data: bytes, uri: str) -> Image.Image:
-    """Bytes -> a Pillow image with only its header parsed; every way that fails as a MediaError."""
+def check_pixels(width: int, height: int, max_pixels: int | None, uri: str) -> None:
+    """An image (or video frame) over ``data.max_pixels``, known from its header, is a MediaError
+    before any decode: a 13,000 x 13,000 PNG is 330 KB on disk and gigabytes decoded."""
+    if max_pixels is not None and width * height > max_pixels:
+        raise MediaError(f"image is {width} x {height} = {width * height / 1e6:.1f} Mpx, over data.max_pixels="
+                         f"{max_pixels / 1e6:g} Mpx (the memory one decode takes); raise data.max_pixels to encode it", uri)
+
+
+@functools.cache
+def _quiet_pillow_bomb_warning() -> None:
+    """Pillow warns on stderr about a picture between its two size limits (89-179 Mpx), then
+    decodes it; what is decoded here is decided by ``data.max_pixels`` from the same header, and
+    a refusal is a reject saying why, so the warning is only noise in the job's output."""
+    from PIL import Image
+
+    warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+
+
+def _open_image(data: bytes, uri: str, max_pixels: int | None = None) -> Image.Image:
+    """Bytes -> a Pillow image with only its header parsed (its size checked against
+    ``max_pixels``); every way that fails as a MediaError."""
     from PIL import Image, UnidentifiedImageError
 
     if not data:
         raise MediaError("empty file", uri)
+    _quiet_pillow_bomb_warning()
     try:
-        return Image.open(io.BytesIO(data))
+        image = Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
         if data.startswith(_IMAGE_MAGIC) or (data[:4] == b"RIFF" and data[8:12] == b"WEBP"):
             raise MediaError("truncated or corrupt image (header unreadable)", uri) from None
@@ -177,13 +199,16 @@ def _open_image(data: bytes, uri: str) -> Image.Image:
         raise MediaError(f"image too large ({exc})", uri) from None
     except _PILLOW_DECODE_ERRORS as exc:  # a recognised format whose header is cut or damaged
         raise MediaError(f"truncated or corrupt image ({exc})", uri) from None
+    check_pixels(*image.size, max_pixels, uri)
+    return image
 
 
-def decode_image(data: bytes, uri: str = "", *, alpha: Literal["white", "drop"] = "white") -> Image.Image:
-    """Bytes -> upright RGB Pillow image (first frame of an animation)."""
+def decode_image(data: bytes, uri: str = "", *, alpha: Literal["white", "drop"] = "white", max_pixels: int | None = None) -> Image.Image:
+    """Bytes -> upright RGB Pillow image (first frame of an animation); one over ``max_pixels``
+    is refused from its header, before it is decoded."""
     from PIL import Image, ImageOps
 
-    image = _open_image(data, uri)
+    image = _open_image(data, uri, max_pixels)
     try:
         image.seek(0)  # animated GIF/WebP/APNG: image encoders take the first frame
         image.load()  # Image.open only parses the header; truncation shows up here
@@ -262,9 +287,9 @@ def prepare_tiles(image: Image.Image, uri: str, data: bytes, *, tile: int, tilin
     return PreparedMedia(pixels=np.stack(tiles), provenance=provenance, modality="image")
 
 
-def prepare_image(data: bytes, uri: str, *, resize: ResizeConfig, rule: SizeRule) -> PreparedMedia:
+def prepare_image(data: bytes, uri: str, *, resize: ResizeConfig, rule: SizeRule, max_pixels: int | None = None) -> PreparedMedia:
     """Decode, bucket, centre-crop and resize one image; pixels are H x W x 3 uint8 (or tiles)."""
-    image = decode_image(data, uri, alpha=resize.alpha)
+    image = decode_image(data, uri, alpha=resize.alpha, max_pixels=max_pixels)
     if rule.tiling is not None:
         assert rule.fixed_size is not None and rule.fixed_size[0] == rule.fixed_size[1], "tiling needs a square tile"
         return prepare_tiles(image, uri, data, tile=rule.fixed_size[0], tiling=rule.tiling, resample=resize.resample)
@@ -301,13 +326,15 @@ def select_frames(total_frames: int, source_fps: float, sampling: FrameSampling,
     return indices, source_fps / step
 
 
-def prepare_video(data: bytes, uri: str, *, resize: ResizeConfig, sampling: FrameSampling, rule: SizeRule) -> PreparedMedia:
+def prepare_video(data: bytes, uri: str, *, resize: ResizeConfig, sampling: FrameSampling, rule: SizeRule,
+                  max_pixels: int | None = None) -> PreparedMedia:
     """Decode the chosen frames of a video, all cropped with one box; pixels are T x H x W x 3."""
     import av  # PyAV pulls in FFmpeg; import it only where videos are actually read
 
     if not data:
         raise MediaError("empty file", uri)
     total, fps, orig = _probe_video(av, data, uri)
+    check_pixels(*orig, max_pixels, uri)  # per frame: each is decoded whole before it is resized
     indices, kept_fps = select_frames(total, fps, sampling, require_4k_plus_1=rule.temporal == "4k+1", uri=uri)
     size = choose_size(*orig, resize=resize, rule=rule)
     box = center_crop_box(*orig, *size)
@@ -340,11 +367,13 @@ def prepare_video(data: bytes, uri: str, *, resize: ResizeConfig, sampling: Fram
     return PreparedMedia(pixels=np.stack(frames), provenance=provenance, modality="video")
 
 
-def prepare(data: bytes, uri: str, *, modality: Literal["image", "video"], resize: ResizeConfig, rule: SizeRule, sampling: FrameSampling | None = None) -> PreparedMedia:
-    """Dispatch on modality (the pipeline knows it from the encoder it feeds)."""
+def prepare(data: bytes, uri: str, *, modality: Literal["image", "video"], resize: ResizeConfig, rule: SizeRule,
+            sampling: FrameSampling | None = None, max_pixels: int | None = None) -> PreparedMedia:
+    """Dispatch on modality (the pipeline knows it from the encoder it feeds); a picture or frame
+    over ``max_pixels`` (``data.max_pixels``) is refused from its header."""
     if modality == "image":
-        return prepare_image(data, uri, resize=resize, rule=rule)
-    return prepare_video(data, uri, resize=resize, sampling=sampling or FrameSampling(), rule=rule)
+        return prepare_image(data, uri, resize=resize, rule=rule, max_pixels=max_pixels)
+    return prepare_video(data, uri, resize=resize, sampling=sampling or FrameSampling(), rule=rule, max_pixels=max_pixels)
 
 
 def prepared_shape(data: bytes, uri: str, *, modality: Literal["image", "video"], resize: ResizeConfig, rule: SizeRule,

@@ -41,10 +41,11 @@ from mmcache.precompute.inputs import InputRow, Reject
 from mmcache.precompute.output_store import commit_plan_rejects, open_existing, open_or_create
 from mmcache.precompute.plan import EncodePlan, plan_encode, samples_to_encode
 from mmcache.precompute.prompts import store_prompt_embeddings
-from mmcache.precompute.specs import EncoderSpec, TaskSettings, encoder_specs, takes_text_only, with_client_paths
+from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec, encoder_specs, takes_text_only, with_client_paths
 from mmcache.precompute.stale import describe as describe_stale
 from mmcache.precompute.stale import stale_samples
-from mmcache.precompute.tasks import TaskResult, quiet_offline_env
+from mmcache.precompute.tasks import quiet_offline_env
+from mmcache.precompute.worker_deaths import DIED_REASON, split_task
 
 Executor = ThreadExecutor | DaskExecutor
 
@@ -117,6 +118,8 @@ def run_encode(
                      storage_options=storage_options, input_storage_options=input_storage_options)
         if job.executor.dashboard_link:
             log(f"dask dashboard: {job.executor.dashboard_link}")
+        for note in job.executor.notes:
+            log(note)
         store, fields, loaded = _open_store(job, config, output_url, storage_options, prompts or [], log)
         startup = time.perf_counter() - t0
         log(_ready_line(job, loaded, startup))
@@ -129,7 +132,7 @@ def run_encode(
                            input_storage_options=input_storage_options, units=job.units)
         for note in plan.notes:
             log(note)
-        executed = execute(plan, job.executor, progress=progress)
+        executed = execute(plan, job.executor, progress=progress, log=log)
         return EncodeSummary(store_url=store.url, seconds=time.perf_counter() - t0 - startup, samples_skipped=plan.samples_skipped,
                              startup_seconds=startup, stale=len(stale), executor=job.placement.kind, **dataclasses.asdict(executed))
 
@@ -214,19 +217,35 @@ class Executed:
     rejected: int = 0  # by the manifest reader and by the tasks
 
 
-def execute(plan: EncodePlan, executor: Executor, *, progress: bool | None = None) -> Executed:
+def execute(plan: EncodePlan, executor: Executor, *, progress: bool | None = None, log: Callable[[str], Any] = print) -> Executed:
     """Run ``plan`` on ``executor``: record the manifest reader's rejects, then map the tasks over
-    the workers (each commits its shard)."""
+    the workers (each commits its shard). A task whose worker died running it comes back
+    unrun, and runs again as two halves (precompute.worker_deaths)."""
     commit_plan_rejects(plan.store, plan.plan_rejects)
     # Every task is told which shards this plan saw, so that before committing it re-reads only
     # those committed since (by a concurrent run), not the whole index (see EncodePlan).
     known = executor.share(plan.known_shards) if plan.tasks else None
     meter = ProgressMeter(plan.samples, enabled=sys.stderr.isatty() if progress is None else progress)
-    futures = [executor.submit_task(task, plan.output_url, plan.storage_options, plan.specs, plan.settings, known)
-               for task in plan.tasks]
+
+    def submit(task: TaskSpec) -> Any:
+        future = executor.submit_task(task, plan.output_url, plan.storage_options, plan.specs, plan.settings, known)
+        running[future] = task
+        return future
+
+    running: dict[Any, TaskSpec] = {}
+    completed = executor.as_completed([submit(task) for task in plan.tasks])
     executed = Executed(tasks=len(plan.tasks), rejected=len(plan.plan_rejects))
-    for future in executor.as_completed(futures):
-        result: TaskResult = future.result()  # a task's summary (its rejects stay in its shard)
+    for future in completed:
+        task = running.pop(future)
+        result = executor.result(future, task)  # a task's summary (its rejects stay in its shard)
+        if result is None or result.died:
+            again = [task] if result is None else split_task(task, result.died)
+            executed.tasks += len(again) - 1
+            for part in again:
+                completed.add(submit(part))
+            continue
+        for source in result.poisoned:
+            log(f"rejected {source}: {DIED_REASON}")
         executed.tasks_skipped += result.skipped
         executed.samples_written += result.samples
         executed.rejected += result.rejected

@@ -45,6 +45,7 @@ class TaskSpec:
     unit: SourceUnit | None = None
     skip: frozenset[str] = frozenset()
     part_size: int = 0  # a unit's samples per shard: each full part commits as <shard>-pNNNNN, the rest as <shard>
+    deaths: int = 0  # worker deaths of the tasks these rows were split from (precompute.worker_deaths)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +62,7 @@ class TaskSettings:
     input_storage_options: dict[str, Any] | None = None
     task_timeout: float | None = None  # seconds to read and decode one input; None: no limit
     max_input_bytes: int | None = None
+    max_pixels: int | None = None  # an image (or video frame) larger is rejected from its header
     commit_ahead_bytes: int = 0
     # The store's manifest the client planned with: tasks open the store from it (no request).
     store_manifest: dict[str, Any] | None = None
@@ -71,7 +73,7 @@ class TaskSettings:
             resize=config.resize, frames=config.frames, size_multiple=config.size_multiple,
             batch_size=config.run.batch_size, decode_threads=config.run.decode_threads, device=config.device,
             input_storage_options=input_storage_options, task_timeout=config.run.task_timeout,
-            max_input_bytes=config.data.max_input_bytes, commit_ahead_bytes=int(config.run.commit_ahead_bytes),
+            max_input_bytes=config.data.max_input_bytes, max_pixels=config.data.max_pixels, commit_ahead_bytes=int(config.run.commit_ahead_bytes),
         )
 
     def transform(self) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from mmcache.precompute.media import MediaError
 from mmcache.precompute.sources import read_source
 from mmcache.precompute.unit_tasks import encode_unit
 from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec
+from mmcache.precompute.worker_deaths import DIED_REASON, verdict
 
 # Models load from local folders only, without progress bars or hub look-ups cluttering the
 # job's output. Set in the client (inherited by local workers) and again in every worker.
@@ -57,6 +58,8 @@ class TaskResult:
     dropped: int = 0  # encoded, but another writer had committed them meanwhile: left out
     skipped: bool = False
     seconds: float = 0.0
+    died: int = 0  # not run: its earlier attempts' worker died this often; the client splits it
+    poisoned: list = field(default_factory=list)  # sources rejected because their worker died decoding them
     rejects: list = field(default_factory=list, repr=False)  # (row, reason); not sent back
 
     def summary(self) -> TaskResult:
@@ -174,10 +177,14 @@ def encode_task(
     settings: TaskSettings,
     known_shards: list[str] | None = None,
     cache: EncoderCache | None = None,
+    attempt: contextlib.AbstractContextManager[int] | None = None,
 ) -> TaskResult:
     """Encode one task into one committed shard; idempotent (a committed shard is skipped, and so
     is one another writer commits first). ``known_shards``: the shards the client planned from,
-    and the names of its sibling tasks (which hold none of this task's rows)."""
+    and the names of its sibling tasks (which hold none of this task's rows). ``attempt``
+    (on a Dask worker: ``worker_deaths.counted_attempt``) is held while the rows are read and
+    encoded, and says how often that killed the worker before: then the task is split, or its
+    one row rejected, instead (``worker_deaths.verdict``)."""
 
     start = time.perf_counter()
     result = TaskResult(shard=task.shard)
@@ -193,17 +200,32 @@ def encode_task(
         # shards committed since (by a concurrent run) are.
         store.assume_checked(known_shards or ())
         if task.unit is not None:
+            # A tar or Parquet row groups: its parts commit as they are read, so a worker death
+            # re-runs it from its last committed part (Dask's retries); it is not split by rows.
             encode_unit(task, settings, result, set(known_shards or ()),
                         encode_rows=lambda sub, part, given: _encode_rows(sub, store, specs, device, threads, settings, part, cache, given),
                         write_shard=lambda sub, done, part, ahead: _write_shard(sub, store, done, part, ahead))
         else:
-            done = _encode_rows(task, store, specs, device, threads, settings, result, cache)
+            with attempt or contextlib.nullcontext(0) as deaths:
+                action = verdict(task, deaths)
+                if action == "split":
+                    return replace(result, died=deaths)
+                done = _rejected_as_poison(task, result) if action == "reject" else \
+                    _encode_rows(task, store, specs, device, threads, settings, result, cache)
             _write_shard(task, store, done, result, settings.commit_ahead_bytes)
         if not result.skipped:  # a shard another writer committed first took this task no time
             result.seconds = time.perf_counter() - start
         return result.summary()
     finally:
         store.close()
+
+
+def _rejected_as_poison(task: TaskSpec, result: TaskResult) -> list:
+    """The one row whose decoding killed its worker again and again, recorded as a reject."""
+    result.poisoned = [row.source for row in task.rows]
+    result.rejects = [(row, DIED_REASON) for row in task.rows]
+    result.rejected = len(task.rows)
+    return []
 
 
 def _write_shard(task: TaskSpec, store: Any, done: list, result: TaskResult, commit_ahead_bytes: int) -> None:
@@ -280,7 +302,8 @@ def _prepare_row(row: InputRow, rules: dict[str, Any], new_sample: bool, setting
     if not rules:
         return None
     # Provenance and messages get the URL without a signature or token, never the credential.
-    return prepare_sections(data, redact_url(row.uri), row.modality, rules, resize=settings.resize, frames=settings.frames)
+    return prepare_sections(data, redact_url(row.uri), row.modality, rules, resize=settings.resize, frames=settings.frames,
+                            max_pixels=settings.max_pixels)
 
 
 def _bucketed(futures, batch_size: int, reject, media_error, deadline: float | None = None, timeout: float | None = None) -> Iterator[list[tuple[InputRow, Any]]]:

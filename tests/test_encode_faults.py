@@ -1,13 +1,17 @@
-"""`mmcache encode` under faults, on a real Dask LocalCluster with real (tiny) encoders: the only
-worker killed mid-task, an input that never arrives (an HTTP source that stalls), a source host that refuses the
-connection, rejected inputs that become readable later."""
+"""`mmcache encode` under faults, on a real Dask LocalCluster with real (tiny) encoders: workers
+killed (real SIGKILLs) while the cluster starts, while the encoders load and mid-task, an input
+that never arrives (an HTTP source that stalls), a source host that refuses the connection,
+rejected inputs that become readable later, a store written inside its own input folder."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -18,6 +22,7 @@ import pytest
 from mmcache import featstore
 from mmcache.featstore.verify import verify_store
 from mmcache.precompute.demo_data import make_dataset
+from mmcache.precompute.pipeline import run_encode
 from tests.test_encode import encode, tiny_config, write_manifest
 
 
@@ -182,3 +187,126 @@ def test_retry_rejects_encodes_inputs_that_became_readable(media, tmp_path, clus
     assert verify_store(store).ok
     again = encode(tiny_config("data.retry_rejects=true"), manifest, out, cluster)
     assert again.samples_written == 0 and json.dumps(sorted(featstore.open(str(out)).sample_ids())) == json.dumps(sorted(store.sample_ids()))
+
+
+class SpawnKiller:
+    """SIGKILLs the worker processes a command's local cluster spawns (multiprocessing's
+    ``spawn_main`` children of ``pid``) as soon as they appear, before they can register:
+    ``limit`` of them, or every one."""
+
+    def __init__(self, pid: int, limit: int | None = None) -> None:
+        import psutil
+
+        self.parent, self.limit, self.killed = psutil.Process(pid), limit, []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self.stop.is_set() and (self.limit is None or len(self.killed) < self.limit):
+            try:
+                children = self.parent.children(recursive=True)
+            except psutil.NoSuchProcess:
+                return
+            for child in children:
+                try:
+                    spawned = "spawn_main" in " ".join(child.cmdline())
+                except psutil.Error:
+                    continue
+                if spawned and child.pid not in self.killed and (self.limit is None or len(self.killed) < self.limit):
+                    os.kill(child.pid, signal.SIGKILL)
+                    self.killed.append(child.pid)
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+
+
+def _encode_command(manifest: Path, out: Path, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "mmcache.precompute.cli", "encode", "--config", "tiny", "--input", str(manifest),
+           "--output", str(out), *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_worker_killed_while_the_cluster_starts_is_started_again(media, tmp_path):
+    """Killed before it registered: LocalCluster's own start failed the whole job with a
+    traceback ("Nanny failed to start."). Now that worker starts again and the job finishes."""
+    out = tmp_path / "store"
+    proc = _encode_command(media / "manifest.jsonl", out, "--workers", "2")
+    killer = SpawnKiller(proc.pid, limit=1)
+    try:
+        _, stderr = proc.communicate(timeout=240)
+    finally:
+        killer.close()
+    assert killer.killed and proc.returncode == 0, stderr
+    assert "Traceback" not in stderr and "on 2 worker(s)" in stderr, stderr
+    store = featstore.open(str(out))
+    ids = Counter(store.index.column("id").to_pylist())
+    assert len(ids) == 4 and set(ids.values()) == {1} and store.num_rejected() == 0
+
+
+def test_no_worker_able_to_start_fails_in_bounded_time_with_one_line(media, tmp_path):
+    proc = _encode_command(media / "manifest.jsonl", tmp_path / "store", "--workers", "2")
+    killer = SpawnKiller(proc.pid)  # every worker process, every try
+    start = time.monotonic()
+    try:
+        _, stderr = proc.communicate(timeout=240)
+    finally:
+        killer.close()
+    assert proc.returncode == 1 and time.monotonic() - start < 240, stderr
+    assert len(killer.killed) >= 2 * 3  # each worker, three tries
+    (line,) = [line for line in stderr.splitlines() if line.strip()]
+    assert line.startswith("Error: no Dask worker could start") and "fewer --workers" in line, stderr
+
+
+def test_a_worker_killed_while_its_encoders_load_leaves_a_job_that_finishes(media, tmp_path):
+    """A fresh cluster: each worker's first task loads the encoders (importing torch: seconds).
+    One worker is killed while it runs that load; the job finishes, every sample once."""
+    from distributed import Client
+
+    from mmcache.precompute.executors import local_cluster
+
+    out = tmp_path / "store"
+    with local_cluster(2) as local, Client(local) as client:
+        thread, result, errors = _in_thread(lambda: encode(tiny_config(), media / "manifest.jsonl", out, (local.scheduler_address,)))
+        victim = _kill_a_worker_loading(client, deadline=time.monotonic() + 120)
+        thread.join(240)
+        assert not thread.is_alive(), "the job hung after a worker was killed while loading its encoders"
+        assert victim not in client.run(os.getpid).values()  # killed, and replaced by its nanny
+    assert not errors, errors
+    assert result[0].samples_written == 4 and result[0].rejected == 0
+    store = featstore.open(str(out))
+    assert Counter(store.index.column("id").to_pylist()).most_common(1)[0][1] == 1 and len(store) == 4
+    assert verify_store(store).ok
+
+
+def _kill_a_worker_loading(client, deadline: float) -> int:
+    """SIGKILL the first worker seen executing the encoders' load task; -> its pid."""
+    def loading(dask_worker) -> bool:
+        return any(str(getattr(ts, "key", ts)).startswith("_describe_on_worker") for ts in dask_worker.state.executing)
+
+    while time.monotonic() < deadline:
+        busy = [address for address, yes in client.run(loading).items() if yes]
+        if busy:
+            pid = client.run(os.getpid, workers=busy[:1])[busy[0]]
+            os.kill(pid, signal.SIGKILL)
+            return pid
+        time.sleep(0.02)
+    raise AssertionError("no worker was seen loading its encoders")
+
+
+def test_a_store_inside_its_input_folder_is_not_walked_as_input(media, tmp_path):
+    """`encode --input photos/ --output photos/store` twice: the second run found the store's
+    own objects as input files (21 rejects). A folder that is a store is skipped."""
+    root = tmp_path / "photos"
+    shutil.copytree(media / "media", root)
+    for image in root.glob("*.png"):
+        image.with_suffix(".txt").write_text(f"a picture called {image.stem}")
+    first = run_encode(tiny_config(), str(root), str(root / "store"), progress=False, log=lambda *_: None)
+    assert first.samples_written == 4 and first.rejected == 0
+    again = run_encode(tiny_config(), str(root), str(root / "store"), progress=False, log=lambda *_: None)
+    assert (again.samples_written, again.rejected, again.samples_skipped) == (0, 0, 4)
+    assert featstore.open(str(root / "store")).num_rejected() == 0
