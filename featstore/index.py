@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -171,6 +172,22 @@ def shard_info(info: dict[str, Any], name: str, key: str, nbytes: int) -> ShardI
     if stray := [k for k in objects if not (k == rejects or (k.startswith(root + "/") and ".." not in k.split("/")))]:
         raise CorruptionError(f"{key}: shard {name!r} lists an object {stray[0]!r} outside its data directory {root}")
     return ShardInfo(name, counts[0], counts[1], layouts, objects, key, nbytes, root, rejects, float(info.get("committed_at") or 0.0))
+
+
+def row_outside_data(table: pa.Table, info: ShardInfo) -> str | None:
+    """The first sample of an index part whose extent (``<field>.offset`` + the product of
+    ``<field>.shape``) lies outside the data its commit record gives that field, or None. Readers
+    bound each read where they compute it; a copy, which reads no sample, checks here so that
+    it never publishes rows that point outside their data."""
+    ids = table.column("id").to_pylist()
+    for name, layout in info.layouts.items():
+        if f"{name}.offset" not in table.column_names:
+            continue
+        extents = zip(table.column(f"{name}.offset").to_pylist(), table.column(f"{name}.shape").to_pylist(), strict=True)
+        for sample_id, (offset, shape) in zip(ids, extents, strict=True):
+            if offset is not None and not (0 <= offset and all(d >= 0 for d in shape) and offset + math.prod(shape) <= layout.elements):
+                return f"sample {sample_id!r} field {name!r}"
+    return None
 
 
 def _counts(*values: Any) -> tuple[int, ...]:

@@ -146,3 +146,121 @@ def test_a_symlinked_object_is_refused(tmp_path):
     shard_dir.symlink_to(moved)
     with pytest.raises(CorruptionError, match="outside the store"):
         featstore.open(str(url)).read("a")
+
+
+# ---- every command, as users run it ---------------------------------------------------------
+# Each hostile store below is handed to every command in one fresh interpreter that records,
+# through an audit hook, every file it opens: a command must refuse (one line) or read only what
+# is sound, never hang on a FIFO (a timeout fails the test) and never open anything under
+# ``outside/`` (where every traversing name and symbolic link of these stores leads).
+PROBE = r"""
+import json, os, sys
+from click.testing import CliRunner
+from mmcache import featstore
+from mmcache.precompute.cli import cli
+
+store, outside = sys.argv[1], sys.argv[2]
+opened = []
+sys.addaudithook(lambda event, args: opened.append(os.path.normpath(os.path.join(os.getcwd(), os.fsdecode(args[0]))))
+                 if event == "open" and isinstance(args[0], (str, bytes)) else None)
+
+def api():
+    try:
+        with featstore.open(store) as s:
+            for _ in s.scan():
+                pass
+            [s.read(i) for i in s.sample_ids()]
+        return {"code": 0, "output": ""}
+    except featstore.FeatstoreError as exc:
+        return {"code": 1, "output": f"Error: {exc}"}
+
+results = {}
+for name, args in [("info", ["info", store]), ("verify", ["verify", store]), ("copy", ["copy", store, store + "-copy"])]:
+    run = CliRunner().invoke(cli, args)
+    results[name] = {"code": run.exit_code, "output": run.output, "exception": repr(run.exception) if run.exit_code not in (0, 1) else None}
+results["read+scan"] = api()
+print(json.dumps({"results": results, "outside": sorted({p for p in opened if p.startswith(outside)})}))
+"""
+
+
+def _fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+def _linked_outside(root: Path, path: Path) -> None:
+    stolen = _outside(root) / path.name
+    stolen.write_bytes(path.read_bytes())
+    path.unlink()
+    path.symlink_to(stolen)
+
+
+def _data_object(url: Path) -> Path:
+    return next((url / fmt.SHARDS_DIR).glob("*/x/c/0"))
+
+
+def _rows(column: str, values: list) -> object:
+    def change(table: pa.Table) -> pa.Table:
+        at = table.column_names.index(column)
+        return table.set_column(at, column, pa.array(values, table.schema.field(column).type))
+    return change
+
+
+HOSTILE_STORES = {
+    **{f"record: {case}": (lambda root, url, c=case: _rewrite(url, record=HOSTILE_RECORDS[c])) for case in HOSTILE_RECORDS},
+    "fifo: data object": lambda root, url: _fifo(_data_object(url)),
+    "fifo: index part": lambda root, url: _fifo(_index_part(url)),
+    "fifo: rejects": lambda root, url: _fifo(next((url / fmt.REJECTS_DIR).iterdir())),
+    "fifo: manifest": lambda root, url: _fifo(url / fmt.MANIFEST_KEY),
+    "link: data object": lambda root, url: _linked_outside(root, _data_object(url)),
+    "link: index part": lambda root, url: _linked_outside(root, _index_part(url)),
+    "link: rejects": lambda root, url: _linked_outside(root, next((url / fmt.REJECTS_DIR).iterdir())),
+    "link: manifest": lambda root, url: _linked_outside(root, url / fmt.MANIFEST_KEY),
+    "absurd shape": lambda root, url: _rewrite(url, rows=_rows("x.shape", [[1 << 62, 1 << 62], [1, 3]])),
+    "absurd offset": lambda root, url: _rewrite(url, rows=_rows("x.offset", [1 << 62, 6])),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_STORES))
+def test_every_command_refuses_a_hostile_store_in_one_line_and_opens_nothing_outside(tmp_path, case):
+    url = _store(tmp_path)
+    (_outside(tmp_path) / "secret").write_text("outside")
+    HOSTILE_STORES[case](tmp_path, url)
+    done = subprocess.run([sys.executable, "-c", PROBE, str(url), str(tmp_path / "outside")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["outside"] == [], report["outside"]
+    results = report["results"]
+    assert results["verify"]["code"] == 1, results["verify"]  # verify finds every one of them
+    for command, result in results.items():
+        assert result["code"] in (0, 1) and "Traceback" not in result["output"], (command, result)
+        assert "root:" not in result["output"] and "outside\n" not in result["output"]  # no foreign file's contents
+        if result["code"] and command != "verify":
+            errors = [line for line in result["output"].splitlines() if line.startswith("Error: ")]
+            assert len(errors) == 1 and str(url) in errors[0], (command, result["output"])
+    # What reads samples must not read them from a store that lies about them.
+    damaged_reads = not case.startswith(("fifo: rejects", "link: rejects")) and case != "record: rejects ../" and case != "record: rejects absolute"
+    if damaged_reads:
+        assert results["read+scan"]["code"] == 1 and results["copy"]["code"] == 1, results
+
+
+def test_fit_refuses_a_hostile_store_in_one_line(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from mmcache.train.cli import cli as mmtrain
+    from tests.test_cli_errors import one_line_error, write_store
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0", "OMP_NUM_THREADS": "1"}.items():
+        monkeypatch.setenv(key, value)
+    (_outside(tmp_path) / "secret").write_text("outside")
+    cases = {
+        "traversal": lambda url: _rewrite(url, record=HOSTILE_RECORDS["data dir ../"]),
+        "fifo": lambda url: _fifo(next((url / fmt.SHARDS_DIR).glob("*/latent/c/0"))),
+        "absurd offset": lambda url: _rewrite(url, rows=_rows("latent.offset", [1 << 62] + [0] * 7)),
+    }
+    for name, hostile in cases.items():
+        url = tmp_path / name.replace(" ", "-")
+        write_store(str(url), ndim=4)
+        hostile(url)
+        result = CliRunner().invoke(mmtrain, ["fit", "--config", "tiny-dit", "--steps", "1", "--features", str(url), "--out", str(tmp_path / f"run-{name}")])
+        one_line_error(result, str(url))
