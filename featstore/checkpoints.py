@@ -138,6 +138,8 @@ def parse_checkpoint(parts_raw: bytes, rows_raw: bytes, digest: str, marker: str
         raise CorruptionError(f"{where}: not a valid index checkpoint ({exc})") from None
     parts, start, index, records = {}, 0, fmt.INDEX_DIR, _Records(parts_raw)
     for row, (entry, name, listed, nbytes, num_samples, num_rejected, committed_at, data_root, rejects_key, fields) in enumerate(zip(*columns, strict=True)):
+        if not (isinstance(entry, str) and (parsed := fmt.parse_index_part_name(entry)) and parsed[0] == name):
+            raise CorruptionError(f"{where}: covers {entry!r}, not the index part of shard {name!r}")  # a name from the store, checked
         info = recorded_shard_info(name, f"{index}/{entry}", nbytes, num_samples, num_rejected, committed_at, data_root, rejects_key, fields, records, row)
         parts[entry] = CoveredPart(entry, listed, info, start, records, row)
         start += num_samples
