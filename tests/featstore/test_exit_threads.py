@@ -126,13 +126,21 @@ def test_encode_and_fit_leave_no_thread_of_ours(tmp_path):
     manifest = make_dataset(tmp_path / "input", num_images=8, num_videos=0)  # one batch of tiny-dit
     out = str(tmp_path / "encoded")
     encode = ["encode", "--config", "tiny", "--input", str(manifest), "--output", out, "--workers", "1", "--no-progress"]
-    encoded = run_in_process("mmcache.precompute.cli", [encode, ["verify", out]], timeout=300)
+    full = tmp_path / "full"  # a disk with no room: the encode's error path (issue 29 saw it abort after its Error: line)
+    full.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(full)], capture_output=True).returncode == 0
+    commands = [encode, ["verify", out]] + ([[*encode[:5], "--output", str(full / "store"), *encode[7:]]] if mounted else [])
+    try:
+        encoded = run_in_process("mmcache.precompute.cli", commands, timeout=300)
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(full)], check=True)
     with socket.socket() as sock:  # the environment torchrun gives a one-process job
         sock.bind(("127.0.0.1", 0))
         rank = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(sock.getsockname()[1])}
     fit = ["fit", "--config", "tiny-dit", "--features", out, "--out", str(tmp_path / "run"), "--steps", "2"]
     trained = run_in_process("mmcache.train.cli", [fit], env=rank, timeout=300)
     runs = encoded["runs"] + trained["runs"]
-    assert [r["code"] for r in runs] == [0, 0, 0]
+    assert [r["code"] for r in runs] == [0, 0] + [1] * mounted + [0]
     for run in runs:
         assert not [t for t in run["threads"] if t.startswith(OURS)], run
