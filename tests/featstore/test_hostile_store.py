@@ -292,3 +292,22 @@ def test_fit_refuses_a_hostile_store_in_one_line(tmp_path, monkeypatch):
         hostile(url)
         result = CliRunner().invoke(mmtrain, ["fit", "--config", "tiny-dit", "--steps", "1", "--features", str(url), "--out", str(tmp_path / f"run-{name}")])
         one_line_error(result, str(url))
+
+
+@pytest.mark.parametrize("case", ["data dir ../", "object key ../", "rejects absolute", "field name ../"])
+def test_a_hostile_store_on_s3_is_refused_before_any_use(tmp_path, s3_bucket, case):
+    import fsspec
+
+    url = _store(tmp_path)
+    _rewrite(url, record=HOSTILE_RECORDS[case])
+    fs = fsspec.filesystem("s3")
+    remote = f"{s3_bucket}/store"
+    fs.put(str(url), remote, recursive=True)
+    fs.pipe(f"{s3_bucket}/outside/secret", b"outside")  # where the traversing names lead
+    with pytest.raises(CorruptionError, match="index"):
+        featstore.open(remote)
+    with pytest.raises(CorruptionError):
+        copy_store(remote, str(tmp_path / "copy"))
+    report = verify_store(featstore.open(remote, strict=False))
+    assert not report.ok and any("index" in p for p in report.problems)
+    assert not (tmp_path / "copy" / "outside").exists()
