@@ -11,8 +11,12 @@ codes per command. Every exit here must be 0: anything else is listed with its s
     python benchmarks/stress.py --runs 1000 --only verify --jobs 2
     python benchmarks/stress.py --runs 50 --encode-runs 5 --pairs 3
 
-To measure another checkout, run this file with that checkout first on PYTHONPATH: the commands
-run ``sys.executable -m mmcache...`` with this process's environment.
+To measure another checkout (a baseline), put a folder first on PYTHONPATH that holds
+``mmcache/__init__.py`` (empty) and links ``mmcache/{featstore,precompute,train}`` to that
+checkout's folders: the commands run ``sys.executable -m mmcache...`` with this environment.
+
+Measured (2 cores shared with other jobs, load 6-12; an encoded tiny store with a prompt object):
+`mmcache verify` at 78cf41f: 999 of 1000 exit 0, 1 SIGABRT; after: 1000 of 1000 exit 0.
 """
 
 from __future__ import annotations
