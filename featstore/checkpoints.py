@@ -20,7 +20,6 @@ So a checkpoint never hides or changes a committed shard; it only saves reads.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import re
 import threading
@@ -30,11 +29,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from mmcache.featstore import format as fmt
 from mmcache.featstore.errors import CorruptionError, FormatVersionError
-from mmcache.featstore.index import ShardInfo, recorded_shard_info
+from mmcache.featstore.index import ShardInfo, parquet_file, read_parquet, recorded_shard_info
 from mmcache.featstore.storage import Storage
 
 CHECKPOINT_DIR = "checkpoints"
@@ -78,7 +76,7 @@ class _Records:
     def __call__(self, row: int) -> str:
         with self._lock:  # readers of one store may first touch its shards from several threads
             if self._texts is None:
-                self._texts = pq.ParquetFile(io.BytesIO(self._raw)).read(columns=["record"], use_threads=False).column("record").to_pylist()
+                self._texts = read_parquet(self._raw, ["record"]).column("record").to_pylist()
         return self._texts[row]
 
 
@@ -125,7 +123,7 @@ def parse_checkpoint(parts_raw: bytes, rows_raw: bytes, digest: str, marker: str
     if digest_of(parts_raw, rows_raw) != digest:
         raise CorruptionError(f"{where}: index checkpoint does not match the SHA-256 in its name (damaged or cut short)")
     try:
-        listing = pq.ParquetFile(io.BytesIO(parts_raw))
+        listing = parquet_file(parts_raw)
         doc = json.loads((listing.metadata.metadata or {})[CHECKPOINT_METADATA_KEY])
         if doc.get("checkpoint_version", 0) > CHECKPOINT_VERSION:
             raise FormatVersionError(f"{where} was written by a newer mmcache (checkpoint version {doc['checkpoint_version']}); upgrade mmcache")
@@ -133,13 +131,15 @@ def parse_checkpoint(parts_raw: bytes, rows_raw: bytes, digest: str, marker: str
         columns = [described.column(name).to_pylist() for name in _PART_COLUMNS[:-1]]
         if listing.schema_arrow.names != list(_PART_COLUMNS):
             raise ValueError(f"columns {listing.schema_arrow.names}")
-        table = pq.read_table(io.BytesIO(rows_raw), use_threads=False)
+        table = read_parquet(rows_raw)
     except (pa.ArrowException, KeyError, OSError, TypeError, ValueError) as exc:
         if isinstance(exc, FormatVersionError):
             raise
         raise CorruptionError(f"{where}: not a valid index checkpoint ({exc})") from None
     parts, start, index, records = {}, 0, fmt.INDEX_DIR, _Records(parts_raw)
     for row, (entry, name, listed, nbytes, num_samples, num_rejected, committed_at, data_root, rejects_key, fields) in enumerate(zip(*columns, strict=True)):
+        if not (isinstance(entry, str) and (parsed := fmt.parse_index_part_name(entry)) and parsed[0] == name):
+            raise CorruptionError(f"{where}: covers {entry!r}, not the index part of shard {name!r}")  # a name from the store, checked
         info = recorded_shard_info(name, f"{index}/{entry}", nbytes, num_samples, num_rejected, committed_at, data_root, rejects_key, fields, records, row)
         parts[entry] = CoveredPart(entry, listed, info, start, records, row)
         start += num_samples

@@ -40,7 +40,7 @@ from typing import Any
 from mmcache.featstore import format as fmt
 from mmcache.featstore import manifest as manifests
 from mmcache.featstore.errors import CorruptionError, NotAStoreError, SchemaError
-from mmcache.featstore.index import index_parts, parse_index_part
+from mmcache.featstore.index import index_parts, parse_index_part, row_outside_data
 from mmcache.featstore.prompts import list_parts, part_bytes, read_part
 from mmcache.featstore.reader import Store, open_store
 from mmcache.featstore.repair import rewritten_part
@@ -288,7 +288,9 @@ def _copy_object(src: Storage, dest: Storage, key: str, expected: dict[str, int]
 
 def _commit_shard(src: Storage, dest: Storage, info: Any, drop: set[str]) -> None:
     raw = src.read(info.index_key)
-    parse_index_part(raw, info.name, info.index_key, src.url, fmt.parse_index_part_name(info.index_key.rsplit("/", 1)[-1])[1])
+    table, _ = parse_index_part(raw, info.name, info.index_key, src.url, fmt.parse_index_part_name(info.index_key.rsplit("/", 1)[-1])[1])
+    if outside := row_outside_data(table, info):
+        raise CorruptionError(f"{src.url}/{info.index_key}: {outside} points outside the data of shard {info.name!r}: the source is damaged, run `mmcache verify {src.url}`")
     key = info.index_key
     if drop:  # --merge: the same objects, an index part without the rows the destination holds
         raw, key = rewritten_part(raw, info, drop, info.name), fmt.index_part_key(info.name)

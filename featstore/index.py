@@ -2,14 +2,15 @@
 commit record, docs/FORMAT.md). The one home of both: the snapshot, the writer's duplicate
 checks, checkpoints, copy and verify all list and parse parts through here.
 
-Arrow's thread pools can abort the interpreter at exit (apache/arrow#34314); index parts are
-small, so every Parquet read here is single-threaded.
+Every Parquet object the store holds is read through ``parquet_file`` / ``read_parquet``: no
+thread of Arrow's is ever started (see ``parquet_file``).
 """
 
 from __future__ import annotations
 
 import io
 import json
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -118,11 +119,8 @@ def read_parts(storage: Storage, keys: list[str]) -> Iterator[bytes]:
     """Index parts in order; from an object store many at once (one request each)."""
     if not storage.is_remote or len(keys) < 2:
         return (storage.read(key) for key in keys)
-    pool = ThreadPoolExecutor(16, thread_name_prefix="featstore-index")
-    try:
+    with ThreadPoolExecutor(min(16, len(keys)), thread_name_prefix="featstore-index") as pool:  # joined on return
         return iter(list(pool.map(storage.read, keys)))
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def parse_index_part(raw: bytes, name: str, key: str, url: str, crc: int | None) -> tuple[pa.Table, ShardInfo]:
@@ -138,7 +136,7 @@ def parse_index_part_record(raw: bytes, name: str, key: str, url: str, crc: int 
     if crc is not None and fmt.crc32c(raw) != crc:
         raise CorruptionError(f"{where}: index part of shard {name!r} fails its checksum")
     try:
-        parquet = pq.ParquetFile(io.BytesIO(raw))
+        parquet = parquet_file(raw)
         table = parquet.read(use_threads=False)
         metadata = table.schema.metadata or {}
         # The sealed CRC is in the Parquet footer's key/value metadata; the Arrow schema stored
@@ -176,11 +174,44 @@ def shard_info(info: dict[str, Any], name: str, key: str, nbytes: int) -> ShardI
     return ShardInfo(name, counts[0], counts[1], layouts, objects, key, nbytes, root, rejects, float(info.get("committed_at") or 0.0))
 
 
+def row_outside_data(table: pa.Table, info: ShardInfo) -> str | None:
+    """The first sample of an index part whose extent (``<field>.offset`` + the product of
+    ``<field>.shape``) lies outside the data its commit record gives that field, or None. Readers
+    bound each read where they compute it; a copy, which reads no sample, checks here so that
+    it never publishes rows that point outside their data."""
+    ids = table.column("id").to_pylist()
+    for name, layout in info.layouts.items():
+        if f"{name}.offset" not in table.column_names:
+            continue
+        extents = zip(table.column(f"{name}.offset").to_pylist(), table.column(f"{name}.shape").to_pylist(), strict=True)
+        for sample_id, (offset, shape) in zip(ids, extents, strict=True):
+            if offset is not None and not (0 <= offset and all(d >= 0 for d in shape) and offset + math.prod(shape) <= layout.elements):
+                return f"sample {sample_id!r} field {name!r}"
+    return None
+
+
 def _counts(*values: Any) -> tuple[int, ...]:
     """Non-negative integers below 2^63, or ValueError: sizes from a store bound what is allocated."""
     if not all(type(v) is int and 0 <= v < 1 << 63 for v in values):
         raise ValueError(f"not sizes: {values}")
     return values
+
+
+def parquet_file(raw: bytes) -> pq.ParquetFile:
+    """A Parquet object held in memory, opened so that reading it starts no thread.
+
+    Arrow's thread pools are native threads nobody joins: one still alive when the interpreter
+    exits can abort it with ``terminate called without an active exception`` (exit 134,
+    apache/arrow#34314; ``mmcache verify`` did, about once in 200 runs). ``pq.read_table`` starts
+    them even with ``use_threads=False`` (its dataset path), and so does any read through a
+    Python file object such as ``io.BytesIO`` (Arrow's I/O pool); a ``ParquetFile`` over an Arrow
+    buffer read with ``use_threads=False`` starts none. Store objects are small: one core is plenty."""
+    return pq.ParquetFile(pa.BufferReader(raw))
+
+
+def read_parquet(raw: bytes, columns: Sequence[str] | None = None) -> pa.Table:
+    """The table of an in-memory Parquet object, read without any thread (``parquet_file``)."""
+    return parquet_file(raw).read(columns=columns, use_threads=False)
 
 
 def parquet_bytes(table: pa.Table, footer_metadata: dict[bytes, bytes] | None = None) -> bytes:

@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 
 from mmcache.featstore import format as fmt
 from mmcache.featstore.errors import CorruptionError, FeatstoreError, ReadOnlyError, SchemaError
+from mmcache.featstore.index import read_parquet
 
 PROMPTS_DIR = "prompts"
 METADATA_KEY = b"mmcache.prompts"
@@ -137,7 +138,7 @@ def read_part(raw: bytes, key: str, where: str) -> PromptPart:
         raise CorruptionError(f"{where}/{key}: not a prompt-embedding object name (<field>.<fingerprint>.<set>.parquet)")
     field, digest, _ = parsed
     try:
-        table = pq.read_table(io.BytesIO(raw))
+        table = read_parquet(raw)
         info = json.loads((table.schema.metadata or {}).get(METADATA_KEY, b"{}"))
         columns = [table.column(c).to_pylist() for c in ("prompt", "dtype", "shape", "data", "crc32c")]
     except (pa.ArrowException, KeyError, ValueError, OSError) as exc:

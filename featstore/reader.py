@@ -11,32 +11,31 @@ Full scans read whole blocks of shards instead (featstore.scan).
 from __future__ import annotations
 
 import copy
-import io
 import math
 import operator
 import os
 import threading
-from collections.abc import Iterator, Sequence
-from typing import Any, Literal, overload
+import weakref
+from collections.abc import Generator, Iterator, Sequence
+from typing import Any, Literal, TypeVar, overload
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from mmcache.featstore import format as fmt
 from mmcache.featstore import manifest as manifests
 
-# Arrow's thread pools can abort the interpreter at exit (apache/arrow#34314); index parts are
-# small, so every Parquet read and write here is single-threaded.
 from mmcache.featstore.errors import CorruptionError, MissingFieldError, NotAStoreError, ReadOnlyError, SchemaError
 from mmcache.featstore.sample import Sample
 from mmcache.featstore.scan import DEFAULT_READAHEAD_BYTES, scan_samples
-from mmcache.featstore.index import ShardInfo, index_parts, parse_index_part, read_parts
+from mmcache.featstore.index import ShardInfo, index_parts, parse_index_part, read_parquet, read_parts
 from mmcache.featstore.snapshot import load_snapshot
 from mmcache.featstore.storage import Storage, open_storage
 from mmcache.featstore.tensors import in_format
 from mmcache.featstore.writer import StoreWriter
 from mmcache.featstore.cache import CachingStorage
+
+T = TypeVar("T")
 
 
 class Store:
@@ -58,6 +57,7 @@ class Store:
         # (merge_declarations=False: ``manifest`` is one a Store already merged).
         self._manifest = manifests.merged(storage, manifest) if merge_declarations else manifest
         self._lock = threading.Lock()
+        self._scans: weakref.WeakSet[Generator[Any, None, None]] = weakref.WeakSet()  # open scans (see _track)
         self._chunk_index: dict[tuple[str, str], np.ndarray] = {}
         # load_index=False: a writer that only adds shards (an encode task) need not read every
         # index part of a large store first; its snapshot is then empty.
@@ -238,7 +238,7 @@ class Store:
     @property
     def rejects(self) -> pa.Table:
         tables = [
-            pq.read_table(io.BytesIO(self.storage.read(info.rejects_key)), use_threads=False)
+            read_parquet(self.storage.read(info.rejects_key))
             for info in self.shards.values()
             if info.num_rejected
         ]
@@ -430,7 +430,7 @@ class Store:
         held = self.shards[shard].layouts
         if fields and self.shards[shard].num_samples and (absent := [f for f in fields if f not in held]):
             raise SchemaError(f"{self.url}: shard {shard!r} holds {sorted(held)}, not {absent}")
-        return scan_samples(self, [shard], fields, whole=False, readahead_bytes=readahead_bytes)
+        return self._track(scan_samples(self, [shard], fields, whole=False, readahead_bytes=readahead_bytes))
 
     @overload
     def scan(self, fields: Sequence[str] | None = None, *, readahead_bytes: int = ..., format: str = ..., with_meta: Literal[False] = False) -> Iterator[tuple[str, dict[str, Any]]]: ...
@@ -450,9 +450,19 @@ class Store:
             if field not in self.fields:
                 raise SchemaError(f"{self.url} has no field {field!r} (fields: {sorted(self.fields)})")
         in_format({}, format)  # an unknown format fails before any read
+        return self._track(self._scan(fields, readahead_bytes, format, with_meta))
+
+    def _scan(self, fields: Sequence[str] | None, readahead_bytes: int, format: str, with_meta: bool) -> Iterator[tuple[str, Any]]:
         for sample_id, arrays in scan_samples(self, list(self.shards), fields, whole=True, readahead_bytes=readahead_bytes):
             arrays = in_format(arrays, format)
             yield sample_id, (Sample(sample_id, arrays, self._meta_of(self._row_of[sample_id])) if with_meta else arrays)
+
+    def _track(self, scan: Generator[T, None, None]) -> Generator[T, None, None]:
+        """A scan's loading threads stop and are joined when it ends, when it is closed or dropped
+        (its generator's ``close``), and at the latest when the store is closed: no thread of a
+        scan outlives its store, nor runs native code while the interpreter exits."""
+        self._scans.add(scan)
+        return scan
 
     def _ranges(self, shard: str, spec: fmt.FieldSpec, start: int, count: int) -> list[tuple[int, int]]:
         layout = self.shards[shard].layouts[spec.name]
@@ -505,6 +515,9 @@ class Store:
         return StoreWriter(self, **kwargs)
 
     def close(self) -> None:
+        """Stop and join every scan still open on this store, then release its storage."""
+        for scan in list(self._scans):
+            scan.close()
         self.storage.close()
 
     def __enter__(self) -> Store:

@@ -11,18 +11,16 @@ moves or changes, so a reader that opened the store before keeps reading it.
 
 from __future__ import annotations
 
-import io
 import json
 from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from mmcache.featstore import format as fmt
 from mmcache.featstore.errors import CorruptionError
 from mmcache.featstore.reader import Store
-from mmcache.featstore.index import ShardInfo
+from mmcache.featstore.index import ShardInfo, read_parquet
 from mmcache.featstore.writer import index_part_bytes
 
 
@@ -39,7 +37,7 @@ class RepairSummary:
 def rewritten_part(raw: bytes, info: ShardInfo, drop_ids: set[str], name: str) -> bytes:
     """Index part ``raw`` of ``info`` without the rows of ``drop_ids``, as version-3 shard ``name``
     over the same objects (its data directory and rejects named in the record)."""
-    table = pq.read_table(io.BytesIO(raw), use_threads=False)
+    table = read_parquet(raw)
     record = json.loads(table.schema.metadata[fmt.COMMIT_METADATA_KEY])
     kept = table.filter(pc.invert(pc.is_in(table.column("id"), pa.array(sorted(drop_ids), pa.string()))))
     record.update(

@@ -38,7 +38,7 @@ import mmap
 import os
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -369,7 +369,8 @@ def pipelined(blocks: Iterator[_Block], load: Callable[[_Block], _Loaded], reada
     caller holds (always at least one), on ``workers`` threads; 0 loads in the caller's thread.
 
     ``in_memory``: blocks it finds in memory load on as many threads as there are cores, the rest
-    on ``workers``. Loading a block in memory is pure CPU (checksums over mapped pages), and more
+    on ``workers``. Closing this generator (or dropping it) cancels the blocks not started and
+    joins every thread before it returns. Loading a block in memory is pure CPU (checksums over mapped pages), and more
     such threads than cores thrash each other (warm, 8 on 2 cores: 1.5x the CPU of 2, a scan
     ~15% slower); a block on disk mostly waits, and many waits at once keep the disk busy."""
     if readahead_bytes <= 0:
@@ -402,7 +403,8 @@ def pipelined(blocks: Iterator[_Block], load: Callable[[_Block], _Loaded], reada
                 future.cancel()
 
 
-def scan_samples(store: Store, shards: Sequence[str], fields: Sequence[str] | None, *, whole: bool, readahead_bytes: int, block_bytes: int | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+def scan_samples(store: Store, shards: Sequence[str], fields: Sequence[str] | None, *, whole: bool, readahead_bytes: int,
+                 block_bytes: int | None = None) -> Generator[tuple[str, dict[str, Any]], None, None]:
     scanner = Scanner(store, fields, whole=whole)
     blocks = (b for shard in shards for b in plan_blocks(store, shard, fields, block_bytes))
     # Remote: requests in flight. Local, blocks on disk: every block of the read-ahead window

@@ -10,6 +10,7 @@ name, its field against the manifest). Problems name the shard, object or sample
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -274,7 +275,7 @@ def _verify_shard(store: Store, name: str, info: Any, report: VerifyReport) -> N
         for row in rows:
             sample_id = store._ids[row]
             shape = store._shapes[fname][row]
-            count = int(np.prod(shape, dtype=np.int64))
+            count = math.prod(shape)  # Python integers: an absurd shape must not wrap around
             start = int(store._offsets[fname][row])
             if len(shape) != (spec.ndim if spec.ndim is not None else len(shape)):
                 report.problems.append(f"sample {sample_id!r} field {fname!r}: shape {shape} does not have {spec.ndim} dimensions")

@@ -33,6 +33,7 @@ from typing import Any
 
 from mmcache.featstore.errors import ConfigError, FeatstoreError, NotAStoreError, SchemaError
 from mmcache.featstore.format import MANIFEST_KEY, check_name, parse_root_group
+from mmcache.featstore.index import read_parquet
 from mmcache.featstore.retry import remote_filesystem, with_retries
 from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.sources import DEFAULT_MAX_INPUT_BYTES, InputFileError, read_local_file, stat_problem
@@ -338,10 +339,8 @@ def _manifest_records(fs: Any, path: str, input_url: str, local: bool) -> list[d
     except InputFileError as exc:
         raise ManifestError(f"input {input_url!r}: {exc.reason}") from None
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            records = pq.read_table(io.BytesIO(raw), use_threads=False).to_pylist()
+        try:  # featstore's reader starts no Arrow thread (one alive at exit can abort the process)
+            records = read_parquet(raw).to_pylist()
         except ValueError as exc:  # pyarrow's ArrowInvalid
             raise ManifestError(f"input {input_url!r} is not a valid parquet file: {exc}") from None
     else:

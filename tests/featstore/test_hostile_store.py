@@ -146,3 +146,168 @@ def test_a_symlinked_object_is_refused(tmp_path):
     shard_dir.symlink_to(moved)
     with pytest.raises(CorruptionError, match="outside the store"):
         featstore.open(str(url)).read("a")
+
+
+# ---- every command, as users run it ---------------------------------------------------------
+# Each hostile store below is handed to every command in one fresh interpreter that records,
+# through an audit hook, every file it opens: a command must refuse (one line) or read only what
+# is sound, never hang on a FIFO (a timeout fails the test) and never open anything under
+# ``outside/`` (where every traversing name and symbolic link of these stores leads).
+PROBE = r"""
+import json, os, sys
+from click.testing import CliRunner
+from mmcache import featstore
+from mmcache.precompute.cli import cli
+
+store, outside = sys.argv[1], sys.argv[2]
+opened = []
+sys.addaudithook(lambda event, args: opened.append(os.path.normpath(os.path.join(os.getcwd(), os.fsdecode(args[0]))))
+                 if event == "open" and isinstance(args[0], (str, bytes)) else None)
+
+def api():
+    try:
+        with featstore.open(store) as s:
+            for _ in s.scan():
+                pass
+            [s.read(i) for i in s.sample_ids()]
+        return {"code": 0, "output": ""}
+    except featstore.FeatstoreError as exc:
+        return {"code": 1, "output": f"Error: {exc}"}
+
+results = {}
+for name, args in [("info", ["info", store]), ("verify", ["verify", store]), ("copy", ["copy", store, store + "-copy"])]:
+    run = CliRunner().invoke(cli, args)
+    results[name] = {"code": run.exit_code, "output": run.output, "exception": repr(run.exception) if run.exit_code not in (0, 1) else None}
+results["read+scan"] = api()
+print(json.dumps({"results": results, "outside": sorted({p for p in opened if p.startswith(outside)})}))
+"""
+
+
+def _fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+def _linked_outside(root: Path, path: Path) -> None:
+    stolen = _outside(root) / path.name
+    stolen.write_bytes(path.read_bytes())
+    path.unlink()
+    path.symlink_to(stolen)
+
+
+def _data_object(url: Path) -> Path:
+    return next((url / fmt.SHARDS_DIR).glob("*/x/c/0"))
+
+
+def _rows(column: str, values: list) -> object:
+    def change(table: pa.Table) -> pa.Table:
+        at = table.column_names.index(column)
+        return table.set_column(at, column, pa.array(values, table.schema.field(column).type))
+    return change
+
+
+def _hostile_checkpoint(url: Path, column: str, value: str) -> None:
+    """An index checkpoint (``mmcache compact``) whose parts object names ``value`` in ``column``
+    for every part, re-hashed under a new digest so that it is the one readers take."""
+    from mmcache.featstore import checkpoints
+    from mmcache.featstore.compact import compact_store
+    from mmcache.featstore.index import parquet_bytes, parquet_file
+    from mmcache.featstore.storage import open_storage
+
+    compact_store(open_storage(str(url)))
+    (marker,) = [p for p in (url / fmt.INDEX_DIR).iterdir() if checkpoints.parse_marker(p.name)]
+    parts, digest = checkpoints.parse_marker(marker.name)
+    old = [url / key for key in checkpoints.checkpoint_keys(digest)]
+    listing = parquet_file(old[0].read_bytes())
+    table = listing.read()
+    table = table.set_column(table.column_names.index(column), column, pa.array([value] * table.num_rows, pa.string()))
+    footer = {checkpoints.CHECKPOINT_METADATA_KEY: listing.metadata.metadata[checkpoints.CHECKPOINT_METADATA_KEY]}
+    raw = (parquet_bytes(table.replace_schema_metadata(None), footer), old[1].read_bytes())
+    new_digest = checkpoints.digest_of(*raw)
+    for key, data in zip(checkpoints.checkpoint_keys(new_digest), raw, strict=True):
+        (url / key).write_bytes(data)
+    (url / fmt.INDEX_DIR / checkpoints.marker_name(parts, new_digest)).write_bytes(marker.read_bytes())
+    for path in (marker, *old):
+        path.unlink()
+
+
+HOSTILE_STORES = {
+    "checkpoint: data dir ../": lambda root, url: _hostile_checkpoint(url, "data", "../outside"),
+    "checkpoint: rejects absolute": lambda root, url: _hostile_checkpoint(url, "rejects", "/etc/passwd"),
+    "checkpoint: entry ../": lambda root, url: _hostile_checkpoint(url, "entry", "../../outside/secret"),
+    **{f"record: {case}": (lambda root, url, c=case: _rewrite(url, record=HOSTILE_RECORDS[c])) for case in HOSTILE_RECORDS},
+    "fifo: data object": lambda root, url: _fifo(_data_object(url)),
+    "fifo: index part": lambda root, url: _fifo(_index_part(url)),
+    "fifo: rejects": lambda root, url: _fifo(next((url / fmt.REJECTS_DIR).iterdir())),
+    "fifo: manifest": lambda root, url: _fifo(url / fmt.MANIFEST_KEY),
+    "link: data object": lambda root, url: _linked_outside(root, _data_object(url)),
+    "link: index part": lambda root, url: _linked_outside(root, _index_part(url)),
+    "link: rejects": lambda root, url: _linked_outside(root, next((url / fmt.REJECTS_DIR).iterdir())),
+    "link: manifest": lambda root, url: _linked_outside(root, url / fmt.MANIFEST_KEY),
+    "absurd shape": lambda root, url: _rewrite(url, rows=_rows("x.shape", [[1 << 62, 1 << 62], [1, 3]])),
+    "absurd offset": lambda root, url: _rewrite(url, rows=_rows("x.offset", [1 << 62, 6])),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_STORES))
+def test_every_command_refuses_a_hostile_store_in_one_line_and_opens_nothing_outside(tmp_path, case):
+    url = _store(tmp_path)
+    (_outside(tmp_path) / "secret").write_text("outside")
+    HOSTILE_STORES[case](tmp_path, url)
+    done = subprocess.run([sys.executable, "-c", PROBE, str(url), str(tmp_path / "outside")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["outside"] == [], report["outside"]
+    results = report["results"]
+    assert results["verify"]["code"] == 1, results["verify"]  # verify finds every one of them
+    for command, result in results.items():
+        assert result["code"] in (0, 1) and "Traceback" not in result["output"], (command, result)
+        assert "root:" not in result["output"] and "outside\n" not in result["output"]  # no foreign file's contents
+        if result["code"] and command != "verify":
+            errors = [line for line in result["output"].splitlines() if line.startswith("Error: ")]
+            assert len(errors) == 1 and str(url) in errors[0], (command, result["output"])
+    if case.startswith("checkpoint"):  # skipped with a warning, as a damaged one is: the parts are read
+        assert results["read+scan"]["code"] == 0 and "warning:" in results["info"]["output"], results
+    elif "rejects" not in case:  # what reads samples must not read them from a store that lies about them
+        assert results["read+scan"]["code"] == 1 and results["copy"]["code"] == 1, results
+
+
+def test_fit_refuses_a_hostile_store_in_one_line(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from mmcache.train.cli import cli as mmtrain
+    from tests.test_cli_errors import one_line_error, write_store
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0", "OMP_NUM_THREADS": "1"}.items():
+        monkeypatch.setenv(key, value)
+    (_outside(tmp_path) / "secret").write_text("outside")
+    cases = {
+        "traversal": lambda url: _rewrite(url, record=HOSTILE_RECORDS["data dir ../"]),
+        "fifo": lambda url: _fifo(next((url / fmt.SHARDS_DIR).glob("*/latent/c/0"))),
+        "absurd offset": lambda url: _rewrite(url, rows=_rows("latent.offset", [1 << 62] + [0] * 7)),
+    }
+    for name, hostile in cases.items():
+        url = tmp_path / name.replace(" ", "-")
+        write_store(str(url), ndim=4)
+        hostile(url)
+        result = CliRunner().invoke(mmtrain, ["fit", "--config", "tiny-dit", "--steps", "1", "--features", str(url), "--out", str(tmp_path / f"run-{name}")])
+        one_line_error(result, str(url))
+
+
+@pytest.mark.parametrize("case", ["data dir ../", "object key ../", "rejects absolute", "field name ../"])
+def test_a_hostile_store_on_s3_is_refused_before_any_use(tmp_path, s3_bucket, case):
+    import fsspec
+
+    url = _store(tmp_path)
+    _rewrite(url, record=HOSTILE_RECORDS[case])
+    fs = fsspec.filesystem("s3")
+    remote = f"{s3_bucket}/store"
+    fs.put(str(url), remote, recursive=True)
+    fs.pipe(f"{s3_bucket}/outside/secret", b"outside")  # where the traversing names lead
+    with pytest.raises(CorruptionError, match="index"):
+        featstore.open(remote)
+    with pytest.raises(CorruptionError):
+        copy_store(remote, str(tmp_path / "copy"))
+    report = verify_store(featstore.open(remote, strict=False))
+    assert not report.ok and any("index" in p for p in report.problems)
+    assert not (tmp_path / "copy" / "outside").exists()
