@@ -78,9 +78,13 @@ def stream_parquet(unit: SourceUnit, storage_options: dict[str, Any] | None, max
 
     columns = dict(unit.columns)
     with open_input(unit.uri, storage_options) as fh:
-        parquet = pq.ParquetFile(fh)
+        # No Arrow thread (pre-buffering and threaded decoding start native pools nobody joins,
+        # which can abort the process at exit: featstore.index.parquet_file); this may run in the
+        # client itself under the in-process executor.
+        parquet = pq.ParquetFile(fh, pre_buffer=False)
         number, seen = unit.first_row, set[str]()
-        for batch in parquet.iter_batches(row_groups=list(unit.row_groups), columns=list(dict.fromkeys(columns.values())), batch_size=64):
+        for batch in parquet.iter_batches(row_groups=list(unit.row_groups), columns=list(dict.fromkeys(columns.values())),
+                                          batch_size=64, use_threads=False):
             for record in batch.to_pylist():
                 yield _member(unit, columns, record, number, seen, max_bytes)
                 number += 1
