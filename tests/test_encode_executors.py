@@ -28,8 +28,10 @@ from tests.test_encode_faults import StallingServer
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """A long-lived cluster of run_encode's own kind, passed to the jobs as --scheduler."""
+def cluster(s3_server):
+    """A long-lived cluster of run_encode's own kind, passed to the jobs as --scheduler. Its
+    workers take the environment as it is when they start, so the S3 server's variables are set
+    first (the S3 test failed when run alone, the cluster having started before them)."""
     from distributed import Client
 
     with local_cluster(2) as local, Client(local) as client:
