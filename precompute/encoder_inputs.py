@@ -18,7 +18,7 @@ import numpy as np
 
 from mmcache.featstore.config import from_dict
 from mmcache.featstore.errors import ConfigError
-from mmcache.precompute.media import FrameSampling, PreparedMedia, ResizeConfig, SizeRule, prepare, prepared_shape
+from mmcache.precompute.media import FrameSampling, PreparedMedia, ResizeConfig, SizeRule, prepare, prepare_video_clips, prepared_shape
 
 
 # The provenance columns of a prepared input's geometry (the crop box in the source, the size fed).
@@ -28,7 +28,10 @@ GEOMETRY = ("crop_left", "crop_top", "crop_width", "crop_height", "width", "heig
 def transform_record(resize: ResizeConfig, frames: FrameSampling, size_multiple: int) -> dict[str, Any]:
     """The input preparation as a store records it (its ``transform`` attribute, and each field's
     ``meta.encoder.transform``): what a live encoder rebuilds it from (``transform_from_record``)."""
-    return {"resize": dataclasses.asdict(resize), "frames": dataclasses.asdict(frames), "size_multiple": size_multiple}
+    framing = dataclasses.asdict(frames)
+    # Left out at their defaults, so a store encoded before these settings existed still matches.
+    framing = {k: v for k, v in framing.items() if not (k in ("clips", "buckets") and not v)}
+    return {"resize": dataclasses.asdict(resize), "frames": framing, "size_multiple": size_multiple}
 
 
 def transform_from_record(record: Mapping[str, Any], resize: Mapping[str, Any] | None = None) -> tuple[ResizeConfig, FrameSampling, int]:
@@ -78,6 +81,25 @@ def prepare_sections(data: bytes, uri: str, modality: Literal["image", "video"],
         same = next((p for s, p in prepared.items() if rules[s] == rule), None)
         prepared[section] = same or prepare(data, uri, modality=modality, resize=resize, rule=rule, sampling=frames, max_pixels=max_pixels)
     return prepared
+
+
+def prepare_clip_sections(data: bytes, uri: str, modality: Literal["image", "video"], rules: Mapping[str, SizeRule], *,
+                          resize: ResizeConfig, frames: FrameSampling, max_pixels: int | None = None,
+                          span: tuple[float | None, float | None] = (None, None)) -> list[dict[str, PreparedMedia]]:
+    """A source's clips (``frames.clips``, the row's ``span`` in seconds), each prepared for every
+    visual section; one entry for an image or a video by default (``prepare_sections``)."""
+    if modality != "video" or (frames.clips is None and not frames.buckets and span == (None, None)):
+        return [prepare_sections(data, uri, modality, rules, resize=resize, frames=frames, max_pixels=max_pixels)]
+    if any(rule.temporal == "4k+1" for rule in rules.values()):
+        # Every section must see the same clips: all take the frame count the strictest allows.
+        frames = dataclasses.replace(frames, force_4k_plus_1=True)
+    per_section: dict[str, list[PreparedMedia]] = {}
+    for section, rule in rules.items():
+        same = next((p for s, p in per_section.items() if rules[s] == rule), None)
+        per_section[section] = same or prepare_video_clips(data, uri, resize=resize, sampling=frames, rule=rule,
+                                                           max_pixels=max_pixels, span=span)
+    count = min(len(clips) for clips in per_section.values())
+    return [{section: clips[k] for section, clips in per_section.items()} for k in range(count)]
 
 
 def section_input(section: str, data: bytes, uri: str, modality: Literal["image", "video"], *, rule: SizeRule,

@@ -1,7 +1,7 @@
 """Input manifests for ``mmcache encode``: what to encode, checked before any work starts.
 
 INPUT is a JSONL, CSV or Parquet manifest with columns ``path`` and ``caption`` (optional
-``id``; ``conversations``: LLaVA-style turns ``[{"from": "human"|"gpt", "value": ...}]``, a list
+``id``; ``start`` / ``end``: a video row's span in seconds; ``conversations``: LLaVA-style turns ``[{"from": "human"|"gpt", "value": ...}]``, a list
 in JSONL or Parquet, a JSON string in CSV; a row with conversations needs no caption), or a
 folder of media with same-stem ``.txt`` captions (the kohya / SimpleTuner convention). Paths
 are relative to the manifest's folder, absolute, or any fsspec URL. With ``allow_text_only`` (an
@@ -24,6 +24,7 @@ import csv
 import hashlib
 import io
 import json
+import math
 import os
 import posixpath
 import re
@@ -65,6 +66,8 @@ class InputRow:
     conversations: tuple[tuple[str, str], ...] | None = None  # ((from, value), ...) turns
     metadata: str | None = None  # a WebDataset sample's .json sidecar (JSON text), kept with the sample
     input: str = ""  # the --input it came from (manifest, folder, tar, Parquet file), shown: `mmcache info` counts by it
+    start: float | None = None  # a video row's span in seconds (manifest columns start / end): frames at start <= t < end
+    end: float | None = None
 
     @property
     def conversations_sha256(self) -> str | None:
@@ -188,9 +191,34 @@ def _row(record: dict[str, Any], rules: _Rules, allow_empty_caption: bool, seen:
     reason = (record.get(WALK_PROBLEM) or bad_caption or bad_conversations
               or _row_problem(uri, source, caption, sample_id, rules, allow_empty_caption or conversations is not None, seen))
     modality = modality_of(source)
-    if reason or uri is None or modality is None:
-        return Reject(source=source, reason=reason or "unusable row", sample_id=sample_id)
-    return InputRow(sample_id=sample_id, uri=uri, caption=caption, source=source, modality=modality, conversations=conversations)
+    span, bad_span = _span(record, modality)
+    if reason or bad_span or uri is None or modality is None:
+        return Reject(source=source, reason=reason or bad_span or "unusable row", sample_id=sample_id)
+    return InputRow(sample_id=sample_id, uri=uri, caption=caption, source=source, modality=modality, conversations=conversations,
+                    start=span[0], end=span[1])
+
+
+def _span(record: dict[str, Any], modality: str | None) -> tuple[tuple[float | None, float | None], str | None]:
+    """A row's ``start`` / ``end`` columns (seconds, a video's span), or why they are unusable."""
+    span: list[float | None] = []
+    for key in ("start", "end"):
+        value = record.get(key)
+        if value is None or value == "" or (isinstance(value, float) and math.isnan(value)):
+            span.append(None)  # absent (a CSV's empty cell, a Parquet null: NaN in a float column)
+            continue
+        try:
+            seconds = float(value) if not isinstance(value, bool) else math.nan
+        except (TypeError, ValueError):
+            seconds = math.nan
+        if not math.isfinite(seconds) or seconds < 0:
+            return (None, None), f"{key} {str(value)[:40]!r} is not a time in seconds >= 0"
+        span.append(seconds)
+    start, end = span
+    if (start is not None or end is not None) and modality != "video":
+        return (None, None), "start / end restrict videos only; leave them empty for this row"
+    if start is not None and end is not None and end <= start:
+        return (None, None), f"end {end:g}s is not after start {start:g}s"
+    return (start, end), None
 
 
 def _text_row(record: dict[str, Any], seen: set[str]) -> InputRow | Reject:

@@ -18,6 +18,7 @@ from typing import Any
 
 from mmcache import featstore
 from mmcache.featstore.format import EXCLUSIVE_COMMIT_VERSION
+from mmcache.precompute.clips import clip_parents
 from mmcache.precompute.config import EncodeConfig
 from mmcache.precompute.input_sources.base import SourceUnit
 from mmcache.precompute.inputs import InputRow, Reject
@@ -153,7 +154,10 @@ def fields_to_write(rows: list[InputRow], store: featstore.Store, fields: list[s
     that has them all is left out. A text-only row has only ``text_fields`` (no image field:
     zero image tokens), so its task runs no visual encoder."""
     groups: dict[tuple[tuple[str, ...], bool], list[InputRow]] = {}
+    clipped = clip_parents(store.sample_ids())
     for row in rows:
+        if row.sample_id in clipped:
+            continue  # a video whose clips (``frames.clips``) committed together, in its task's shard
         new = row.sample_id not in store
         have = set() if new else set(store.fields_of(row.sample_id))
         own = fields if row.modality != "text" else [f for f in fields if f in (text_fields or set())]

@@ -23,9 +23,10 @@ import numpy as np
 from mmcache.featstore.errors import ShardCommittedError
 from mmcache.featstore.reader import open_store
 from mmcache.featstore.secrets import redact_url
+from mmcache.precompute.clips import clip_id
 from mmcache.precompute.commit_ahead import commit_ahead
 from mmcache.precompute.daemon_pool import DaemonPool
-from mmcache.precompute.encoder_inputs import GEOMETRY, encoder_input, prepare_sections, size_rule_for, text_input
+from mmcache.precompute.encoder_inputs import GEOMETRY, encoder_input, prepare_clip_sections, size_rule_for, text_input
 from mmcache.precompute.inputs import InputRow
 from mmcache.precompute.media import MediaError
 from mmcache.precompute.sources import read_source
@@ -290,20 +291,25 @@ def _encode_rows(task: TaskSpec, store, specs, device, threads, settings: TaskSe
 
 
 def _prepare_row(row: InputRow, rules: dict[str, Any], new_sample: bool, settings: TaskSettings,
-                 given: bytes | None = None) -> dict[str, Any] | None:
-    """A row's media prepared for each visual section this task runs (None: no media to prepare);
-    ``given``: its bytes, read already (a tar member, a Parquet cell)."""
+                 given: bytes | None = None) -> list[tuple[InputRow, dict[str, Any] | None]]:
+    """The samples a row makes, each with its media prepared for each visual section this task
+    runs (None: no media to prepare): one, or one per clip of a video under ``frames.clips`` (ids
+    ``<id>=<first frame>``); ``given``: its bytes, read already (a tar member, a Parquet cell)."""
     if row.modality == "text":
-        return None  # a text-only row: no media to read (its task writes text fields only)
+        return [(row, None)]  # a text-only row: no media to read (its task writes text fields only)
     if not rules and not new_sample:
-        return None  # only a text field added to committed samples: their media need no reading
+        return [(row, None)]  # only a text field added to committed samples: their media need no reading
     # Read even when no visual encoder runs: a new sample's media must exist and be readable.
     data = given if given is not None else read_source(row.uri, settings.input_storage_options, settings.max_input_bytes)
     if not rules:
-        return None
+        return [(row, None)]
     # Provenance and messages get the URL without a signature or token, never the credential.
-    return prepare_sections(data, redact_url(row.uri), row.modality, rules, resize=settings.resize, frames=settings.frames,
-                            max_pixels=settings.max_pixels)
+    clips = prepare_clip_sections(data, redact_url(row.uri), row.modality, rules, resize=settings.resize, frames=settings.frames,
+                                  max_pixels=settings.max_pixels, span=(row.start, row.end))
+    if settings.frames.clips is None or row.modality != "video":
+        return [(row, clips[0])]
+    return [(replace(row, sample_id=clip_id(row.sample_id, next(iter(clip.values())).provenance["frame_indices"][0])), clip)
+            for clip in clips]
 
 
 def _bucketed(futures, batch_size: int, reject, media_error, deadline: float | None = None, timeout: float | None = None) -> Iterator[list[tuple[InputRow, Any]]]:
@@ -312,7 +318,7 @@ def _bucketed(futures, batch_size: int, reject, media_error, deadline: float | N
     buckets: dict[tuple, list[tuple[InputRow, Any]]] = {}
     for row, future in futures:
         try:
-            prepared = future.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            samples = future.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
         except media_error as exc:
             reject(row, exc.reason)
             continue
@@ -320,13 +326,14 @@ def _bucketed(futures, batch_size: int, reject, media_error, deadline: float | N
             future.cancel()
             reject(row, f"not read and decoded within run.task_timeout={timeout:g}s (a stuck input: a FIFO, a hung network read?)")
             continue
-        # Tiled images batch by tile size, whatever their tile count (the ViT runs tiles flat).
-        shapes = (p.pixels.shape[1:] if "tiles" in p.provenance else p.pixels.shape for p in (prepared or {}).values())
-        key = (row.modality, *shapes) if prepared is not None else ("text",)
-        bucket = buckets.setdefault(key, [])
-        bucket.append((row, prepared))
-        if len(bucket) >= batch_size:
-            yield buckets.pop(key)
+        for sample, prepared in samples:
+            # Tiled images batch by tile size, whatever their tile count (the ViT runs tiles flat).
+            shapes = (p.pixels.shape[1:] if "tiles" in p.provenance else p.pixels.shape for p in (prepared or {}).values())
+            key = (sample.modality, *shapes) if prepared is not None else ("text",)
+            bucket = buckets.setdefault(key, [])
+            bucket.append((sample, prepared))
+            if len(bucket) >= batch_size:
+                yield buckets.pop(key)
     yield from (b for b in buckets.values() if b)
 
 
