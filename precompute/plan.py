@@ -126,6 +126,7 @@ def unit_tasks(units: list[SourceUnit], store: featstore.Store, config: EncodeCo
     if not config.data.retry_rejects and store.num_rejected():
         rejected_ids = store.rejects.column("id").to_pylist() if "id" in store.rejects.column_names else []
         leave_out.update(i for i in rejected_ids if i)
+    leave_out |= clip_parents(leave_out)  # a member whose clips committed (they commit in one part)
     by_prefix: dict[str, set[str]] = {}
     for sample_id in leave_out:
         by_prefix.setdefault(sample_id.split(":", 1)[0] + ":", set()).add(sample_id)

@@ -135,3 +135,22 @@ def test_encode_clips_end_to_end(ramp, tmp_path):
     assert all(r["latent.shape"][1] == 5 and r["caption"] for r in rows.values())
     again = run_encode(config, str(manifest), str(out), progress=False, log=lambda *_: None)
     assert again.samples_written == 0 and len(featstore.open(str(out))) == 3
+
+
+def test_clips_of_tar_members_are_encoded_once(ramp, tmp_path):
+    """A video in a WebDataset tar gives its clips too (ids ``<tar stem>:<key>=<first frame>``),
+    and a re-run over the tar encodes nothing again."""
+    import tarfile
+
+    from tests.input_data import add_member
+
+    with tarfile.open(tmp_path / "00000.tar", "w") as archive:
+        add_member(archive, "ramp.mp4", ramp)
+        add_member(archive, "ramp.txt", b"a gray ramp")
+    config = tiny("frames.clips.policy=uniform", "frames.clips.count=2")
+    out = tmp_path / "store"
+    first = run_encode(config, str(tmp_path / "00000.tar"), str(out), progress=False, log=lambda *_: None)
+    rows = {r["id"]: r["frame_indices"] for r in featstore.open(str(out)).index.to_pylist()}
+    assert first.samples_written == 2 and rows == {"00000:ramp=0": [0, 2, 4, 6, 8], "00000:ramp=21": [21, 23, 25, 27, 29]}
+    again = run_encode(config, str(tmp_path / "00000.tar"), str(out), progress=False, log=lambda *_: None)
+    assert again.samples_written == 0 and len(featstore.open(str(out))) == 2
