@@ -1,9 +1,13 @@
 """A small synthetic image + video dataset with captions, generated locally (for the demo and
-tests): smooth gradients and moving shapes, so that encoders see structure, not noise."""
+tests): smooth gradients and moving shapes, so that encoders see structure, not noise. Written as
+media files + a JSONL manifest, and on request also as WebDataset tars (the layout img2dataset and
+video2dataset ship: ``{key}.png|.mp4`` + ``{key}.txt``), which is what the demo encodes from."""
 
 from __future__ import annotations
 
+import io
 import json
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -43,8 +47,9 @@ def write_video(path: Path, frames: list[Image.Image], fps: int = 12) -> None:
             container.mux(packet)
 
 
-def make_dataset(root: str | Path, num_images: int = 24, num_videos: int = 8, seed: int = 0) -> Path:
-    """Write media + ``manifest.jsonl`` under ``root``; returns the manifest's path."""
+def make_dataset(root: str | Path, num_images: int = 24, num_videos: int = 8, seed: int = 0, shards: int = 0) -> Path:
+    """Write media + ``manifest.jsonl`` under ``root`` (and with ``shards``, the same samples as
+    that many WebDataset tars ``root/00000.tar``, ...); returns the manifest's path."""
     root = Path(root)
     (root / "media").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -66,4 +71,25 @@ def make_dataset(root: str | Path, num_images: int = 24, num_videos: int = 8, se
         rows.append({"path": name, "caption": f"a {colour} {shape} moving right"})
     manifest = root / "manifest.jsonl"
     manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if shards:
+        write_shards(root, rows, shards)
     return manifest
+
+
+def write_shards(root: Path, rows: list[dict[str, str]], shards: int) -> list[Path]:
+    """The manifest rows' media and captions as ``shards`` tars under ``root`` (rows dealt round
+    robin, so every shard holds images and videos); a sample's key is its file's stem."""
+    paths = [root / f"{shard:05d}.tar" for shard in range(shards)]
+    for shard, path in enumerate(paths):
+        with tarfile.open(path, "w") as archive:
+            for row in rows[shard::shards]:
+                media = root / row["path"]
+                _add(archive, media.name, media.read_bytes())
+                _add(archive, f"{media.stem}.txt", row["caption"].encode())
+    return paths
+
+
+def _add(archive: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode = len(data), 0o644
+    archive.addfile(info, io.BytesIO(data))
