@@ -58,7 +58,8 @@ def plan_encode(config: EncodeConfig, *, rows: list[InputRow], rejects: list[Rej
     rejected = rejected_sources(store)
     rejected_before = rejected if not config.data.retry_rejects else set()
     text_fields = {name for name, spec in fields.items() if spec["meta"]["section"] == "text"}
-    groups = fields_to_write([r for r in rows if r.source not in rejected_before], store, list(fields), text_fields)
+    groups = fields_to_write([r for r in rows if r.source not in rejected_before], store, list(fields), text_fields,
+                             clips=config.frames.clips is not None)
     todo = sum(len(g) for g in groups.values())
     # At least two tasks per worker when the job is small, so no worker sits idle.
     per_task = max(1, min(config.run.samples_per_task, -(-todo // (2 * workers))))
@@ -126,7 +127,8 @@ def unit_tasks(units: list[SourceUnit], store: featstore.Store, config: EncodeCo
     if not config.data.retry_rejects and store.num_rejected():
         rejected_ids = store.rejects.column("id").to_pylist() if "id" in store.rejects.column_names else []
         leave_out.update(i for i in rejected_ids if i)
-    leave_out |= clip_parents(leave_out)  # a member whose clips committed (they commit in one part)
+    if config.frames.clips is not None:
+        leave_out |= clip_parents(leave_out)  # a member whose clips committed (they commit in one part)
     by_prefix: dict[str, set[str]] = {}
     for sample_id in leave_out:
         by_prefix.setdefault(sample_id.split(":", 1)[0] + ":", set()).add(sample_id)
@@ -148,14 +150,16 @@ def fields_digest(fields: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps({k: v["meta"]["fingerprint"]["digest"] for k, v in fields.items()}, sort_keys=True).encode()).hexdigest()
 
 
-def fields_to_write(rows: list[InputRow], store: featstore.Store, fields: list[str],
-                    text_fields: set[str] | None = None) -> dict[tuple[tuple[str, ...], bool], list[InputRow]]:
+def fields_to_write(rows: list[InputRow], store: featstore.Store, fields: list[str], text_fields: set[str] | None = None,
+                    *, clips: bool = False) -> dict[tuple[tuple[str, ...], bool], list[InputRow]]:
     """Rows grouped by (the configured fields they still lack, whether the sample is new): all
     fields for a new sample, the fields added to the store since for a committed one; a sample
     that has them all is left out. A text-only row has only ``text_fields`` (no image field:
-    zero image tokens), so its task runs no visual encoder."""
+    zero image tokens), so its task runs no visual encoder. ``clips`` (``frames.clips`` is set):
+    a video whose clips are committed is left out."""
     groups: dict[tuple[tuple[str, ...], bool], list[InputRow]] = {}
-    clipped = clip_parents(store.sample_ids())
+    # Only under frames.clips: otherwise an id ``a=1`` is an ordinary id and says nothing of ``a``.
+    clipped = clip_parents(store.sample_ids()) if clips else set()
     for row in rows:
         if row.sample_id in clipped:
             continue  # a video whose clips (``frames.clips``) committed together, in its task's shard
