@@ -108,3 +108,33 @@ def test_two_sources_follow_the_weights_at_any_world_size_and_resume(stores, tmp
 ])
 def test_bad_sources_give_one_error_line(stores, tmp_path, args, fragments):
     one_error_line(fit(tmp_path / "run", "--steps", "1", *args(stores), check=False), *fragments)
+
+
+def test_the_mixed_stream_reads_each_source_and_counts_by_weight(stores):
+    """The view reads each sample from its own store, bytes equal to ``Store.read``; each epoch
+    the large source gives a different subset of distinct samples, the small one repeats all of
+    its samples as evenly as its share allows."""
+    from mmcache.train.balance import BalanceConfig, CostModel
+    from mmcache.train.data import FeatureStream, StreamOptions
+    from mmcache.train.models.dit_data import LatentTextData
+    from mmcache.train.packing import SAMPLE_ID
+    from mmcache.train.sources import StoreMix
+
+    big, small = featstore.open(stores["big"]), featstore.open(stores["small"])
+    mix = StoreMix([big, small], [1, 3])
+    options = StreamOptions(global_batch=8, seed=3, balance=BalanceConfig(), cost=CostModel(), tokens_per_sample=lambda shape: int(np.prod(shape[1:])))
+    stream = FeatureStream(mix, data=LatentTextData(store=mix, latent_field="latent", text_field="text_emb"), options=options)
+    subsets = []
+    for epoch in (0, 1):
+        ids = [stream.ids[i] for i in stream.epoch_order(epoch)]
+        from_big = [i for i in ids if i.startswith("0:")]
+        assert len(from_big) == len(set(from_big)) == 6
+        subsets.append(set(from_big))
+        repeats = {i: ids.count(i) for i in ids if i.startswith("1:")}
+        assert len(repeats) == 8 and sorted(set(repeats.values())) == [2, 3] and sum(repeats.values()) == 18
+    assert subsets[0] != subsets[1]
+    for _, samples in stream.plan(0).micro_batches:
+        for sample in samples:
+            number, _, inner = sample[SAMPLE_ID].partition(":")
+            want = (big, small)[int(number)].read(inner)
+            assert all(np.array_equal(sample[f], want[f]) for f in ("latent", "text_emb"))
