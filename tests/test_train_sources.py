@@ -19,11 +19,11 @@ BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def write_store(url: str, samples: int, seed: int, fields: tuple[str, ...] = ("latent", "text_emb")) -> str:
+def write_store(url: str, samples: int, seed: int, fields: tuple[str, ...] = ("latent", "text_emb"), vae: str = "vae0001") -> str:
     """A small DiT store (latent C x T x H x W, text L x D) with fingerprints, through featstore."""
     rng = np.random.default_rng(seed)
     specs = {
-        "latent": {"dtype": "bfloat16", "ndim": 4, "meta": {"fingerprint": {"digest": "vae0001"}, "latent_channels": 4, "scaling_factor": 1.0}},
+        "latent": {"dtype": "bfloat16", "ndim": 4, "meta": {"fingerprint": {"digest": vae}, "latent_channels": 4, "scaling_factor": 1.0}},
         "text_emb": {"dtype": "bfloat16", "ndim": 2, "meta": {"fingerprint": {"digest": "txt0001"}, "hidden_size": 16}},
     }
     with featstore.create(url, fields={f: specs[f] for f in fields}) as writer:
@@ -40,7 +40,8 @@ def stores(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("sources")
     # 16 + 8 samples: a 24-sample epoch, 3 global batches of 8 (the tiny-dit preset's).
     return {"big": write_store(str(root / "big"), 16, 0), "small": write_store(str(root / "small"), 8, 1),
-            "no_text": write_store(str(root / "no_text"), 4, 2, fields=("latent",))}
+            "no_text": write_store(str(root / "no_text"), 4, 2, fields=("latent",)),
+            "other_vae": write_store(str(root / "other_vae"), 4, 3, vae="vae0002")}
 
 
 def sources(*pairs: tuple[str, float]) -> str:
@@ -104,6 +105,7 @@ def test_two_sources_follow_the_weights_at_any_world_size_and_resume(stores, tmp
     (lambda s: ["--features", s["big"], "--set", sources((s["big"], 1), (s["small"], 1))], ["--features and data.sources"]),
     (lambda s: ["--set", sources((s["big"], 1), (s["small"], 0))], ["weight 0.0", "positive"]),
     (lambda s: ["--set", sources((s["big"], 1), (s["no_text"], 1))], ["no_text has fields ['latent']", "mix stores with the same fields"]),
+    (lambda s: ["--set", sources((s["big"], 1), (s["other_vae"], 1))], ["other_vae was made by encoder fingerprint vae0002", "expects vae0001"]),
     (lambda s: ["--set", sources((s["big"], 1), (s["small"], 1)), "--set", "data.on_missing=live"], ["data.on_missing=live", "not supported"]),
 ])
 def test_bad_sources_give_one_error_line(stores, tmp_path, args, fragments):
