@@ -4,12 +4,9 @@ featstore.dataset; nothing else in featstore imports it).
     mix = MixedDataset([StreamingDataset("s3://b/laion", shuffle=True), StreamingDataset("./aes", shuffle=True)],
                        weights=[0.8, 0.2], seed=0)
 
-An epoch holds ``num_samples`` samples (default: as many as the sources together), source ``i``
-contributing its weight's share of them (largest remainders, so the counts add up exactly). A
-source with fewer samples than its share repeats: it goes through as many of its own epochs as
-needed, each in its own order; one with more is subsampled: the first samples of its epoch order,
-so a different subset each epoch when it shuffles. The sources' slots are then interleaved in a
-permutation of (seed, epoch), and the mixture is split over ranks and DataLoader workers exactly as
+An epoch holds ``num_samples`` samples (default: as many as the sources together), counted per
+source, repeated or subsampled and interleaved by featstore.mixing (the rule ``mmtrain fit`` with
+``data.sources`` follows too). The mixture is split over ranks and DataLoader workers exactly as
 a ``StreamingDataset`` is (featstore.dataset.share): the sources' own rank settings play no part.
 """
 
@@ -22,17 +19,7 @@ from typing import Any
 import numpy as np
 
 from mmcache.featstore.dataset import READ_BATCH, Resumable, StreamingDataset, placement, share
-
-MIX_STREAM = 0x6D6978  # keeps the interleaving's random stream apart from the sources' orders
-
-
-def apportion(total: int, weights: Sequence[float]) -> list[int]:
-    """``total`` split in proportion to ``weights``: floors, then one more to the largest remainders."""
-    shares = [total * w / sum(weights) for w in weights]
-    counts = [math.floor(s) for s in shares]
-    for i in sorted(range(len(shares)), key=lambda i: counts[i] - shares[i])[: total - sum(counts)]:
-        counts[i] += 1
-    return counts
+from mmcache.featstore.mixing import apportion, mixed_order
 
 
 class MixedDataset(Resumable):
@@ -79,14 +66,8 @@ class MixedDataset(Resumable):
 
     def global_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(source, position in that source's visited samples) for each slot of the epoch."""
-        labels = np.repeat(np.arange(len(self.datasets)), self.counts)
-        labels = np.random.default_rng([self.seed, epoch, MIX_STREAM]).permutation(labels)
-        positions = np.empty(len(labels), dtype=np.int64)
-        for i, (ds, count) in enumerate(zip(self.datasets, self.counts, strict=True)):
-            cycles = math.ceil(count / ds.num_samples())  # the source's own epochs this one spans
-            drawn = np.concatenate([ds.global_order(epoch * cycles + k) for k in range(cycles)])
-            positions[labels == i] = drawn[:count]
-        return labels, positions
+        return mixed_order(self.seed, epoch, self.counts, [ds.num_samples() for ds in self.datasets],
+                           [ds.global_order for ds in self.datasets])
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         start = self._start()

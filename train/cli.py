@@ -24,7 +24,7 @@ def cli(debug: bool) -> None:
 
 @cli.command()
 @click.option("--config", "config_name", required=True, help="YAML file or preset name (configs/train/NAME.yaml), e.g. tiny-dit.")
-@click.option("--features", required=True, help="Feature store URL (a path, s3://, memory://...).")
+@click.option("--features", default=None, help="Feature store URL (a path, s3://, memory://...); or data.sources in the config to mix several.")
 @click.option("--out", "run_dir", default=None, help="Run folder: metrics.jsonl, run.json, checkpoints/, model.safetensors.")
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Stop after this step (the LR schedule still comes from the config).")
 @click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in --out (any world size).")
@@ -35,7 +35,7 @@ def cli(debug: bool) -> None:
 @click.option("--media", "media_root", default=None, metavar="ROOT", help="Where the media of live/train fields are now: the folder the encode manifest's paths were relative to (sets data.media_root).")
 @storage_options_option
 def fit(config_name, features, run_dir, steps, resume, overwrite, overrides, dry_run, cache_dir, media_root, storage_options) -> None:
-    """Train on the features at --features. ``--resume`` loads the checkpoint's torch DCP metadata,
+    """Train on the features at --features (or those of data.sources, mixed by weight). ``--resume`` loads the checkpoint's torch DCP metadata,
     which is pickled: resume only run folders you trust."""
     # lazy: keeps `mmtrain --help` from importing torch
     from mmcache.train.config import TrainConfig

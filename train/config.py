@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -19,7 +20,24 @@ class ModelSection:
 
 
 @dataclass(kw_only=True)
+class SourceSection:
+    """``data.sources[i]``: a store mixed into the run, and its share of each epoch."""
+
+    features: str                           # the store's URL (as --features takes it)
+    weight: float = 1.0                     # its share: weight / the sum of the weights
+
+    def __post_init__(self) -> None:
+        if not self.features:
+            raise ConfigError("data.sources[].features is empty; give each source its store URL")
+        if not math.isfinite(self.weight) or self.weight <= 0:
+            raise ConfigError(f"data.sources: {self.features} has weight {self.weight}; weights must be positive numbers")
+
+
+@dataclass(kw_only=True)
 class DataSection:
+    # Several stores with the same fields, mixed by weight (instead of --features): each epoch
+    # holds as many samples as they together, each source its weight's share (see train.sources).
+    sources: list[SourceSection] = field(default_factory=list)
     latent_field: str = "latent"            # DiT: VAE latents
     text_field: str = "text_emb"            # DiT: text-encoder states
     vit_field: str = "vit_features"         # VLM: ViT states before the projector (a sample may lack them)

@@ -28,6 +28,7 @@ from mmcache.train.balance import BalanceConfig, CostModel, MicroBatch, imbalanc
 from mmcache.train.live.manifest import describe_absent, planning_adapter
 from mmcache.train.order import EpochOrder, shard_positions
 from mmcache.train.packing import SAMPLE_ID
+from mmcache.train.sources import MixOrder, StoreMix
 
 
 @dataclass(kw_only=True)
@@ -44,6 +45,7 @@ class StepData:
     cache: dict[str, float] | None = None
     live_samples: int = 0  # samples of the global batch with a field encoded live
     captions_dropped: int = 0  # samples of the global batch trained on the empty caption
+    source_samples: list[int] | None = None  # data.sources: samples of the global batch from each source
     # Under sequence parallelism: the live features the other ranks of this rank's SP group encode
     # (train.live.fields.Pending), added by ``FeatureStream.steps`` on the training thread.
     pending: Any = None
@@ -242,7 +244,10 @@ class FeatureStream:
         self.is_live = np.array([len(r) < len(required) or any(store.has_field(i, f) for f in live_optional)
                                  for (r, _), i in zip(reads, self.ids, strict=True)], dtype=bool)
         self._size_samples(data, store, options.tokens_per_sample)
-        self.order = EpochOrder(options.seed, self._shard_of(store), options.window)
+        shard_of = self._shard_of(store)
+        # Several sources (data.sources): each one's share of every epoch, by weight.
+        self.order = (MixOrder(options.seed, shard_of, options.window, store.source_of(self.rows), store.weights, [x.url for x in store.stores])
+                      if isinstance(store, StoreMix) else EpochOrder(options.seed, shard_of, options.window))
         self.cache = store.storage.local_cache
 
     def _size_samples(self, data, store: featstore.Store, tokens_per_sample) -> None:
@@ -317,7 +322,12 @@ class FeatureStream:
         mine = [(mb, [next(read) for _ in mb.indices]) for mb in plan[self.dp_rank]]
         return StepData(step=step, micro_batches=mine, global_indices=indices, samples=len(indices), tokens=sum(tokens),
                         imbalance=imbalance(costs, parts), cache=cache, live_samples=int(self.is_live[indices].sum()),
-                        captions_dropped=sum(drop), pending=pending)
+                        captions_dropped=sum(drop), pending=pending, source_samples=self._per_source(indices))
+
+    def _per_source(self, indices: list[int]) -> list[int] | None:
+        if not isinstance(self.store, StoreMix):
+            return None
+        return np.bincount(self.store.source_of(self.rows[indices]), minlength=len(self.store.stores)).tolist()
 
     def epoch_of(self, step: int) -> tuple[int, bool]:
         """The epoch step ``step`` starts in, and whether the step finishes it."""

@@ -22,11 +22,12 @@ from mmcache.featstore.config import to_dict
 from mmcache.featstore.errors import ConfigError
 from mmcache.train.checkpoint import latest_checkpoint
 from mmcache.train.config import TrainConfig
-from mmcache.train.data import check_fingerprints, open_features, run_fields
+from mmcache.train.data import check_fingerprints, open_features, run_fields, snapshot_digest
 from mmcache.train.live.manifest import TrainingManifest
 from mmcache.train.live.manifest import check_resume as check_manifest_resume
 from mmcache.train.models import get_model_family
 from mmcache.train.parallel.dims import MESH_DIMS, ParallelDims
+from mmcache.train.sources import StoreMix, check_mix_config
 
 
 def resolve_model(config: TrainConfig):
@@ -73,7 +74,7 @@ class RunPlan:
     config: TrainConfig
     family: Any  # train.models.registry.ModelFamily
     model_config: Any
-    store: featstore.Store  # the run's snapshot of committed shards
+    store: featstore.Store | StoreMix  # the run's snapshot of committed shards (of each source with data.sources)
     adapter: Any  # the family's data adapter (train.models.registry.DataAdapter)
     fields: list[str]  # the fields the run reads (train.data.run_fields)
     fingerprints: dict[str, Any]  # of those fields, checked against what the run expects
@@ -97,13 +98,13 @@ class RunPlan:
             "input_sizes": self.input_sizes,
             "parameters": self.parameters,
             "parts": self.parts,
-            "store": {"url": self.store.url, "samples": len(self.store)},
+            "store": {"url": self.store.url, "samples": len(self.store), **_sources_record(self.store)},
             "encoders": {name: encoders.get(name, {"mode": "cached", "parameters": None}) for name in self.fields},
             "resumes": None if self.resume_from is None else str(self.resume_from),
         }
 
 
-def plan_run(config: TrainConfig, features: str, storage_options: dict | None = None, *, world_size: int = 1,
+def plan_run(config: TrainConfig, features: str | None, storage_options: dict | None = None, *, world_size: int = 1,
              run_dir: str | Path | None = None, resume: bool = False) -> RunPlan:
     """The plan of a run of ``config`` on ``features`` over ``world_size`` ranks (into ``run_dir``,
     resuming its newest checkpoint with ``resume``). Raises on a config the run would refuse."""
@@ -111,8 +112,7 @@ def plan_run(config: TrainConfig, features: str, storage_options: dict | None = 
     before = _previous_run(config, run) if resume and run is not None else None
     # One snapshot of committed shards for the whole run, the same on every rank: a resumed run
     # reopens the one its run.json lists, so its data order goes on even if the store has grown.
-    store = open_features(features, storage_options, cache_dir=config.data.cache_dir, cache_bytes=config.data.cache_bytes,
-                          shards=(before or {}).get("store", {}).get("shards"))
+    store = _open_store(config, features, storage_options, before)
     family, model_config = resolve_model(config)
     adapter = family.data(model_config, config.data, store)
     notes = fit_model_to_inputs(config, adapter.input_sizes())
@@ -124,7 +124,7 @@ def plan_run(config: TrainConfig, features: str, storage_options: dict | None = 
     if before is not None:
         # A resumed run must see the features it started with.
         expected = {**{k: v.get("digest") for k, v in before["fingerprints"].items()}, **expected}
-    fingerprints = check_fingerprints(store, fields, expected, config.data.allow_fingerprint_mismatch)
+    fingerprints = _check_fingerprints(store, fields, expected, config.data.allow_fingerprint_mismatch)
     manifest = TrainingManifest.from_config(config.data, storage_options, store)
     check_manifest_resume(before, manifest, str(run))
     dims = ParallelDims.from_config(config.parallel, world_size)
@@ -139,6 +139,43 @@ def plan_run(config: TrainConfig, features: str, storage_options: dict | None = 
                    resume_from=None if found is None else found[1], notes=notes)
 
 
+def _open_store(config: TrainConfig, features: str | None, storage_options: dict | None, before: dict | None) -> featstore.Store | StoreMix:
+    """The run's store (--features), or the view of its data.sources, each a snapshot of committed
+    shards: on --resume the very shards run.json recorded."""
+    sources = config.data.sources
+    if (features is None) == (not sources):
+        raise ConfigError("--features and data.sources both name the training data; give one of them"
+                          if sources else "no training data: give --features URL, or data.sources: [{features: URL, weight: W}, ...]")
+    recorded = (before or {}).get("store", {})
+
+    def open_(url: str, shards: list[str] | None) -> featstore.Store:
+        return open_features(url, storage_options, cache_dir=config.data.cache_dir, cache_bytes=config.data.cache_bytes, shards=shards)
+
+    if features is not None:
+        return open_(features, recorded.get("shards"))
+    check_mix_config(config)
+    was = recorded.get("sources") or [{} for _ in sources]
+    return StoreMix([open_(s.features, r.get("shards")) for s, r in zip(sources, was, strict=True)], [s.weight for s in sources])
+
+
+def _check_fingerprints(store: featstore.Store | StoreMix, fields: list[str], expected: dict[str, str], allow_mismatch: bool) -> dict[str, Any]:
+    """``check_fingerprints`` on the store, or on every source of a mix: each must hold the fields
+    and match what the run expects, and all must have been made by the first source's encoders."""
+    if not isinstance(store, StoreMix):
+        return check_fingerprints(store, fields, expected, allow_mismatch)
+    found = check_fingerprints(store.stores[0], fields, expected, allow_mismatch)
+    first = {name: f["digest"] for name, f in found.items() if f.get("digest")}
+    for other in store.stores[1:]:
+        check_fingerprints(other, fields, {**first, **expected}, allow_mismatch)
+    return found
+
+
+def _sources_record(store: featstore.Store | StoreMix) -> dict[str, Any]:
+    if not isinstance(store, StoreMix):
+        return {}
+    return {"sources": [{**s, "snapshot": snapshot_digest(s["shards"])} for s in store.describe()]}
+
+
 def _previous_run(config: TrainConfig, run: Path) -> dict[str, Any] | None:
     """The run.json of the run being resumed (None: there is none); refuses a config whose data
     order differs from it (the order is a function of these: a run that changed them is another)."""
@@ -151,4 +188,9 @@ def _previous_run(config: TrainConfig, run: Path) -> dict[str, Any] | None:
         now = getattr(getattr(config, section), key) if section else getattr(config, key)
         if was != now:
             raise ConfigError(f"--resume: {'.'.join(filter(None, (section, key)))} was {was} in {run}, now {now}; keep it, or train into a new --out")
+    was_sources = [(s["features"], float(s["weight"])) for s in before["config"]["data"].get("sources", [])]
+    now_sources = [(s.features, s.weight) for s in config.data.sources]
+    if was_sources != now_sources:
+        raise ConfigError(f"--resume: data.sources was {was_sources or 'unset (--features)'} in {run}, now {now_sources or 'unset (--features)'}; "
+                          "keep them, or train into a new --out")
     return before

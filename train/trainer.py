@@ -42,6 +42,7 @@ from mmcache.train.parallel.fsdp import reshard
 from mmcache.train.parallel.parallelize import parallelize
 from mmcache.train.plan import RunPlan, plan_run
 from mmcache.train.run_files import EpochCacheStats, peak_memory, tensorboard, update_run_json, write_run_json
+from mmcache.train.sources import MixOrder, StoreMix
 from mmcache.train.sample.during_fit import FitSampler, Validator, due, validation_ids
 
 # The scalars of a step's record that go to TensorBoard.
@@ -81,7 +82,7 @@ def lr_lambda(config: TrainConfig):
     return factor
 
 
-def dry_run(config: TrainConfig, features: str, storage_options: dict | None, *, run_dir: str | None = None,
+def dry_run(config: TrainConfig, features: str | None, storage_options: dict | None, *, run_dir: str | None = None,
             resume: bool = False) -> dict[str, Any]:
     """The plan ``fit`` would execute, described (its live/train fields' encoders loaded on the
     CPU to count what they cost; nothing else is allocated, nothing written)."""
@@ -92,7 +93,7 @@ def dry_run(config: TrainConfig, features: str, storage_options: dict | None, *,
     return plan.describe(live.describe())
 
 
-def fit(config: TrainConfig, features: str, run_dir: str, *, steps: int | None = None, resume: bool = False,
+def fit(config: TrainConfig, features: str | None, run_dir: str, *, steps: int | None = None, resume: bool = False,
         overwrite: bool = False, storage_options: dict | None = None, log=print) -> dict[str, Any]:
     device, _ = init_distributed()
     run = Path(run_dir)
@@ -253,6 +254,7 @@ class Trainer:
             "step_time_s": time.perf_counter() - t0 + data.wait_s, "data_wait_s": data.wait_s,
             "peak_mem_bytes": peak_memory(self.device), "imbalance": data.imbalance, "live_samples": data.live_samples,
             **({"captions_dropped": data.captions_dropped} if config.data.caption_dropout else {}),
+            **({"source_samples": data.source_samples} if data.source_samples is not None else {}),
             **encoder_grads,
         }
 
@@ -353,6 +355,8 @@ def _stream(plan: RunPlan, meshes: ParallelMeshes, joint: JointEncoders, say, lo
     dropout = CaptionDropout(store, plan.fields, config.data.caption_dropout, config.seed, joint.live.produced) if config.data.caption_dropout else None
     stream = FeatureStream(store, data=adapter, options=options, live=joint.live, caption_dropout=dropout, manifest=plan.manifest)
     say(order.describe(stream.order.num_shards))
+    if isinstance(stream.order, MixOrder) and isinstance(store, StoreMix):
+        say(stream.order.describe([x.url for x in store.stores], store.weights))
     for warning in order.warnings:
         say(f"warning: {warning}")
     if stream.skipped:
