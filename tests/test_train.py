@@ -41,17 +41,20 @@ def store(tmp_path_factory) -> str:
     return url
 
 
-def fit(store: str, out: Path, *args: str, nproc: int = 1, check: bool = True) -> subprocess.CompletedProcess:
-    base = [str(BIN / "mmtrain"), "fit", "--config", "tiny-dit", "--features", store, "--out", str(out),
-            "--set", "log_every=1", "--set", "data.prefetch=1", *args]
+def run_fit(out: Path, *args: str, nproc: int = 1, check: bool = True) -> subprocess.CompletedProcess:
+    """``mmtrain fit --config tiny-dit --out OUT ARGS`` as a user runs it (under torchrun for nproc > 1)."""
+    base = [str(BIN / "mmtrain"), "fit", "--config", "tiny-dit", "--out", str(out), "--set", "log_every=1", *args]
     if nproc > 1:
-        base = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *base[0:1], *base[1:]]
-        base[base.index(str(BIN / "mmtrain"))] = str(BIN / "mmtrain")
+        base = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *base]
     env = {"OMP_NUM_THREADS": "1", "PATH": str(BIN) + ":/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
     result = subprocess.run(base, capture_output=True, text=True, timeout=600, env=env)
     if check:
         assert result.returncode == 0, result.stdout + result.stderr
     return result
+
+
+def fit(store: str, out: Path, *args: str, nproc: int = 1, check: bool = True) -> subprocess.CompletedProcess:
+    return run_fit(out, "--features", store, "--set", "data.prefetch=1", *args, nproc=nproc, check=check)
 
 
 def losses(run: Path) -> dict[int, float]:

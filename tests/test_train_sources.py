@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -14,9 +13,7 @@ import numpy as np
 import pytest
 
 from mmcache import featstore
-
-BIN = Path(sys.executable).parent
-ROOT = Path(__file__).resolve().parents[1]
+from tests.test_train import run_fit
 
 
 def write_store(url: str, samples: int, seed: int, fields: tuple[str, ...] = ("latent", "text_emb"), vae: str = "vae0001") -> str:
@@ -49,14 +46,7 @@ def sources(*pairs: tuple[str, float]) -> str:
 
 
 def fit(out: Path, *args: str, nproc: int = 1, check: bool = True) -> subprocess.CompletedProcess:
-    base = [str(BIN / "mmtrain"), "fit", "--config", "tiny-dit", "--out", str(out), "--set", "log_every=1", *args]
-    if nproc > 1:
-        base = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *base]
-    env = {"OMP_NUM_THREADS": "1", "PATH": str(BIN) + ":/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(base, capture_output=True, text=True, timeout=600, env=env)
-    if check:
-        assert result.returncode == 0, result.stdout + result.stderr
-    return result
+    return run_fit(out, *args, nproc=nproc, check=check)  # the stores come in data.sources, not --features
 
 
 def records(run: Path) -> dict[int, dict]:
