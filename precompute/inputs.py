@@ -421,13 +421,17 @@ def _local_folder_records(rules: _Rules, rejects: list[Reject]) -> list[dict[str
             subfolders[:] = []  # a link back to a folder already walked
             continue
         visited.add(real)
+        # A feature store (this job's output, written inside its input) is not media. Only a
+        # folder that lists a zarr.json is read to tell: no extra request per folder walked.
+        manifest = os.path.join(folder, MANIFEST_KEY)
+        if folder != root and MANIFEST_KEY in files and _is_store(lambda: read_local_file(manifest, _MANIFEST_BYTES), folder):
+            subfolders[:] = []
+            continue
         inside = []
         for name in subfolders:
             sub = os.path.join(folder, name)
             if rules.allow_outside_root or _under(os.path.realpath(sub), rules.real_root):
-                # A feature store (this job's output, written inside its input) is not media.
-                if not _is_store(lambda: read_local_file(os.path.join(sub, MANIFEST_KEY), _MANIFEST_BYTES), sub):
-                    inside.append(name)
+                inside.append(name)
             else:
                 rejects.append(Reject(source=os.path.relpath(sub, root) + "/", reason="folder resolves outside the input root (a symlink?); set data.allow_outside_root: true to follow it"))
         subfolders[:] = inside
