@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -29,13 +30,18 @@ ROOT = Path(__file__).resolve().parents[2]
 OURS = ("featstore-", "cache-fetch", "encode", "decode", "load-encoders", "commit", "live-encoder", "prefetch", "mmcache")
 
 PROBE = r"""
-import json, os, sys, threading
+import json, os, sys, threading, time
 import click, numpy, pyarrow  # loaded before the commands: their own threads are the baseline
 from importlib import import_module
 
 cli = import_module(sys.argv[1]).cli
 
-def now():
+def now(settle_to=None):
+    # A joined thread has left Python but its OS thread can take a moment to exit (3.11 joins on
+    # the thread state's lock, not pthread_join): wait for the count, up to a bound a pool never meets.
+    deadline = time.monotonic() + 5
+    while settle_to is not None and len(os.listdir("/proc/self/task")) > settle_to and time.monotonic() < deadline:
+        time.sleep(0.01)
     return {"native": len(os.listdir("/proc/self/task")), "threads": sorted(t.name for t in threading.enumerate())}
 
 before, runs = now(), []
@@ -47,7 +53,7 @@ for args in json.loads(sys.argv[2]):
         code = exc.code
     except click.ClickException as exc:
         code = exc.exit_code
-    runs.append({"args": args, "code": code, **now()})
+    runs.append({"args": args, "code": code, **now(settle_to=before["native"])})
 print(json.dumps({"before": before, "runs": runs}))
 """
 
@@ -88,7 +94,10 @@ def test_store_commands_leave_no_thread_behind(store, tmp_path):
 
 
 def test_a_scan_stops_and_joins_its_threads_when_dropped_closed_or_its_store_closed(store):
-    def running() -> tuple[int, list[str]]:
+    def running(settle_to: int | None = None) -> tuple[int, list[str]]:
+        deadline = time.monotonic() + 5  # a joined thread's OS thread may still be exiting (see PROBE)
+        while settle_to is not None and len(os.listdir("/proc/self/task")) > settle_to and time.monotonic() < deadline:
+            time.sleep(0.01)
         return len(os.listdir("/proc/self/task")), [t.name for t in threading.enumerate() if t.name.startswith("featstore-")]
 
     s = featstore.open(store)
@@ -99,13 +108,13 @@ def test_a_scan_stops_and_joins_its_threads_when_dropped_closed_or_its_store_clo
     next(it)
     assert running()[1], "a scan loads ahead on threads of its own"
     del it  # dropped mid-way
-    assert running() == idle
+    assert running(idle[0]) == idle
     for closing in ("the scan", "the store"):
         scan = s.scan(["latent"]) if closing == "the scan" else s.iter_shard(next(iter(s.shards)))
         next(scan)
         assert running()[1]
         (scan if closing == "the scan" else s).close()
-        assert running() == idle, closing
+        assert running(idle[0]) == idle, closing
         assert next(scan, None) is None  # a closed scan is over
         s = featstore.open(store)
 
