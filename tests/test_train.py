@@ -54,7 +54,7 @@ def run_fit(out: Path, *args: str, nproc: int = 1, check: bool = True) -> subpro
 
 
 def fit(store: str, out: Path, *args: str, nproc: int = 1, check: bool = True) -> subprocess.CompletedProcess:
-    return run_fit(out, "--features", store, "--set", "data.prefetch=1", *args, nproc=nproc, check=check)
+    return run_fit(out, "--features", store, *args, nproc=nproc, check=check)
 
 
 def losses(run: Path) -> dict[int, float]:
