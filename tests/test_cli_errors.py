@@ -73,7 +73,7 @@ def single_process(monkeypatch):
 def fit(*args: str):
     from mmcache.train.cli import cli as mmtrain
 
-    return CliRunner().invoke(mmtrain, ["fit", "--config", "tiny-dit", "--steps", "2", "--set", "data.prefetch=1", *args])
+    return CliRunner().invoke(mmtrain, ["fit", "--config", "tiny-dit", "--steps", "2", *args])
 
 
 def test_malformed_yaml_names_the_file_and_line(tmp_path):

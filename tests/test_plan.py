@@ -15,7 +15,7 @@ from tests import test_train
 
 
 store = test_train.store  # the fixture: the trainer tests' real tiny DiT store
-SETS = ["data.global_batch=4", "data.prefetch=0", "log_every=1"]
+SETS = ["data.global_batch=4", "log_every=1"]
 
 
 def invoke(*args: str) -> str:

@@ -75,7 +75,7 @@ def trained(encoded, s3_server, tmp_path_factory, outputs):
     with FaultProxy((s3_server.host, s3_server.port), share=0.1, every=4, max_faults=20, seed=4, lifetime=300) as proxy:
         proxy.deny_writes = True  # training needs read permission only
         result = run(["mmtrain", "fit", "--config", "tiny-dit", "--features", encoded["store"], "--out", str(out),
-                      "--steps", "3", "--cache-dir", str(cache), "--set", "data.prefetch=1"],
+                      "--steps", "3", "--cache-dir", str(cache)],
                      s3_server.env(proxy.endpoint), outputs)
         counts, methods = dict(proxy.counts), dict(proxy.methods)
     return {"result": result, "out": out, "cache": cache, "counts": counts, "methods": methods}
@@ -103,7 +103,7 @@ def test_resumed_run_keeps_its_snapshot_while_the_store_grows(encoded, trained, 
         writer.add("grown-0", sample)
     assert len(featstore.open(encoded["store"])) == 9
     resumed = run(["mmtrain", "fit", "--config", "tiny-dit", "--features", encoded["store"], "--out", str(out),
-                   "--set", "data.prefetch=1", "--steps", "5", "--resume"], s3_server.env(), outputs)
+                   "--steps", "5", "--resume"], s3_server.env(), outputs)
     assert "resumed from" in resumed.stdout and "trained steps 4-5" in resumed.stdout
     after = json.loads((out / "run.json").read_text())["store"]
     assert after["shards"] == before["shards"] and after["samples"] == 8 and after["snapshot"] == before["snapshot"]
