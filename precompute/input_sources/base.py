@@ -82,6 +82,9 @@ class InputSource:
     read: Callable[[str, SourceOptions], SourceRead]
     # The worker side of a unit source: (unit, storage options, max member bytes) -> its members.
     stream: Callable[[SourceUnit, dict[str, Any] | None, int], Iterator[Member]] | None = None
+    # A source whose rows the planner reads in batches, again for each pass, never all at once
+    # (a manifest); the others are read whole, once (``read``).
+    batches: Callable[[str, SourceOptions], Iterator[SourceRead]] | None = None
 
 
 SOURCES: dict[str, InputSource] = {}
