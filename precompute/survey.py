@@ -23,7 +23,7 @@ from mmcache import featstore
 from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.clips import clip_parents
 from mmcache.precompute.input_sources import InputStream, SourceUnit
-from mmcache.precompute.inputs import EmptyInputError, InputRow, Reject
+from mmcache.precompute.inputs import EmptyInputError, InputRow, Reject, RowKey
 
 GroupKey = tuple[tuple[str, ...], bool]  # (the configured fields a row lacks, whether its sample is new)
 
@@ -57,13 +57,22 @@ def survey(inputs: InputStream, store: featstore.Store | None, fields: dict[str,
     out = Survey()
     hashes, codes = array("q"), array("H")
     code_of: dict[tuple[GroupKey | None, str], int] = {}
-    for _, batch in inputs.batches():
+
+    def code(row: RowKey) -> int:
+        key = None if row.source in rejected_before else missing(row)
+        return code_of.setdefault((key, row.modality), len(code_of))
+
+    # Without a store a row's code is its kind's: looked up, not worked out (2M rows: ~2 s less).
+    by_kind: dict[str, int] | None = {} if store is None else None
+    for _, batch in inputs.batches(keys_only=True):
         out.rejects.extend(batch.rejects)
-        for row in batch.rows:
-            hashes.append(hash(row.sample_id))
-            out.retried = out.retried or (retry_rejects and row.source in rejected)
-            key = None if row.source in rejected_before else missing(row)
-            codes.append(code_of.setdefault((key, row.modality), len(code_of)))
+        rows = batch.rows
+        hashes.extend([hash(row.sample_id) for row in rows])
+        if by_kind is not None:
+            codes.extend([by_kind[row.modality] if row.modality in by_kind else by_kind.setdefault(row.modality, code(row)) for row in rows])
+        else:
+            codes.extend([code(row) for row in rows])
+        out.retried = out.retried or (retry_rejects and any(row.source in rejected for row in rows))
     out.rows, out.units = len(hashes), list(inputs.units)
     if len(inputs.urls) > 1 and not (out.rows or out.rejects or out.units) and not inputs.allow_empty:
         shown = ", ".join(redact_url(url) for url in inputs.urls[:3])
@@ -94,7 +103,7 @@ def _later_duplicates(hashes: np.ndarray) -> np.ndarray:
 
 
 def row_classifier(store: featstore.Store | None, fields: dict[str, str] | None, *,
-                   clips: bool) -> Callable[[InputRow], GroupKey | None]:
+                   clips: bool) -> Callable[[InputRow | RowKey], GroupKey | None]:
     """row -> (the configured fields it still lacks, whether its sample is new), or None when it
     lacks none: all fields for a new sample, those added to the store since for a committed one.
     A text-only row has only the text fields (no image field: zero image tokens), so its task runs
@@ -104,7 +113,7 @@ def row_classifier(store: featstore.Store | None, fields: dict[str, str] | None,
     # Only under frames.clips: otherwise an id ``a=1`` is an ordinary id and says nothing of ``a``.
     clipped = clip_parents(store.sample_ids()) if clips and store is not None else set()
 
-    def lacking(row: InputRow) -> GroupKey | None:
+    def lacking(row: InputRow | RowKey) -> GroupKey | None:
         if row.sample_id in clipped:
             return None
         new = store is None or row.sample_id not in store

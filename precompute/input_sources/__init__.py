@@ -14,7 +14,7 @@ from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.input_sources import files, llava, parquet_media, webdataset  # noqa: F401  (they register)
 from mmcache.precompute.input_sources.base import SOURCES, InputSource, Member, SourceOptions, SourceRead, SourceUnit
 from mmcache.precompute.input_sources.expand import expand_inputs
-from mmcache.precompute.inputs import EmptyInputError, InputRow, ManifestError, Reject
+from mmcache.precompute.inputs import EmptyInputError, InputRow, ManifestError, Reject, RowKey
 
 __all__ = ["InputSet", "InputStream", "Member", "SourceOptions", "SourceUnit", "open_unit", "read_all", "source_for"]
 
@@ -89,17 +89,21 @@ class InputStream:
         self.units: list[SourceUnit] = []
         self._whole: dict[int, SourceRead] = {}
 
-    def batches(self) -> Iterator[tuple[int, SourceRead]]:
-        """(the input's position in ``urls``, a batch of its rows and rejects), in input order."""
+    def batches(self, keys_only: bool = False) -> Iterator[tuple[int, SourceRead]]:
+        """(the input's position in ``urls``, a batch of its rows and rejects), in input order;
+        ``keys_only``: each row only its ``RowKey`` (what planning's first pass needs)."""
         for index, url in enumerate(self.urls):
             source = source_for(url)
             if source.batches is not None:
-                for batch in source.batches(url, self.options):
+                for batch in source.batches(url, self.options, not keys_only):
                     yield index, batch
                 continue
             if index not in self._whole:
                 self._whole[index] = self._read_whole(url, source)
-            yield index, self._whole[index]
+            whole = self._whole[index]
+            if keys_only:
+                whole = SourceRead(rows=[RowKey(r.sample_id, r.source, r.modality) for r in whole.rows], rejects=whole.rejects)
+            yield index, whole
 
     def _read_whole(self, url: str, source: InputSource) -> SourceRead:
         read = source.read(url, self.options)

@@ -1,0 +1,93 @@
+"""Planning a large manifest: wall time and peak RSS of ``mmcache encode --dry-run`` (the
+streamed planner: ``precompute.survey``), against the client-side reading the planner did before
+(``precompute.inputs.read_inputs``, still the reader of folders and of the trainer's live
+manifest: every row an ``InputRow``, every file resolved and stat'ed on the client, duplicate ids
+in a set) followed by naming every task of 32 rows (``plan.plan_tasks``), measured in the same run.
+
+    python benchmarks/plan_bench.py [--rows 200000 2000000] [--old-max-rows 200000]
+
+The manifests are JSONL with ids, captions of ~60 characters and paths to 16 real tiny PNG
+files (repeated: a path per row is what the planner reads; the files are never decoded), plus
+0.1% rows repeating an earlier id. Each figure is one child process: its wall time and its
+``ru_maxrss`` (``os.wait4``), so the parent's memory is not counted. Config: the ``tiny`` preset
+(its encoders are built from their configs, not loaded; torch is imported for that). Targets
+(issue 32): a 2M-row dry run in <= 30 s and <= 350 MB peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The old planner: the whole manifest read into rows (files checked here), then every task named.
+OLD_PLANNER = """
+import sys
+from mmcache.precompute.inputs import read_inputs
+from mmcache.precompute.plan import plan_tasks
+rows, rejects = read_inputs(sys.argv[1])
+tasks = plan_tasks(rows, "digest", 32, ["latent", "text_emb"])
+print(len(rows), len(rejects), len(tasks))
+"""
+
+
+def write_inputs(folder: Path, rows: int) -> Path:
+    """A JSONL manifest of ``rows`` rows (0.1% repeating an earlier id) over 16 tiny PNG files."""
+    from PIL import Image
+
+    media = folder / "media"
+    media.mkdir(parents=True, exist_ok=True)
+    for i in range(16):
+        Image.new("RGB", (32, 32), (i * 15, 100, 200)).save(media / f"img_{i:02d}.png")
+    manifest = folder / f"manifest_{rows}.jsonl"
+    with open(manifest, "w") as out:
+        for i in range(rows):
+            sample = i - 7 if i % 1000 == 999 else i  # a repeated id
+            row = {"id": f"s{sample:09d}", "path": f"media/img_{i % 16:02d}.png", "caption": f"a small square picture, number {i}, in blue and teal"}
+            out.write(json.dumps(row) + "\n")
+    return manifest
+
+
+def run_child(command: list[str]) -> tuple[float, float, str]:
+    """(seconds, peak RSS in MB, stdout) of ``command``, run by a fresh wrapper process whose
+    RUSAGE_CHILDREN is then that child's alone."""
+    wrapper = ("import json, resource, subprocess, sys, time\n"
+               "t = time.perf_counter(); p = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+               "print(json.dumps([time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,"
+               " p.returncode, p.stdout, p.stderr[-2000:]]))")
+    done = subprocess.run([sys.executable, "-c", wrapper, *command], capture_output=True, text=True, cwd=ROOT, check=True)
+    seconds, rss, code, out, err = json.loads(done.stdout)
+    if code:
+        raise SystemExit(f"{' '.join(command)} failed:\n{err}")
+    return seconds, rss, out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[200_000, 2_000_000])
+    parser.add_argument("--old-max-rows", type=int, default=200_000, help="the old planner runs at sizes up to this only")
+    args = parser.parse_args()
+    mmcache = [sys.executable, "-m", "mmcache.precompute.cli", "encode", "--config", "tiny"]
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        print(f"{'rows':>9} {'planner':>8} {'seconds':>8} {'peak MB':>8}  ratio new/old (time, RSS)")
+        for rows in args.rows:
+            manifest = write_inputs(folder, rows)
+            new_s, new_mb, out = run_child([*mmcache, "--input", str(manifest), "--output", str(folder / "out"), "--dry-run"])
+            assert not (folder / "out").exists(), "a dry run wrote its output"
+            print(f"{rows:>9} {'streamed':>8} {new_s:>8.1f} {new_mb:>8.0f}", flush=True)
+            if rows <= args.old_max_rows:
+                old_s, old_mb, _ = run_child([sys.executable, "-c", OLD_PLANNER, str(manifest)])
+                print(f"{rows:>9} {'old':>8} {old_s:>8.1f} {old_mb:>8.0f}  {new_s / old_s:.2f}x, {new_mb / old_mb:.2f}x", flush=True)
+            for line in out.splitlines()[1:]:
+                print(f"{'':>10}{line}")
+            manifest.unlink()
+
+
+if __name__ == "__main__":
+    main()
