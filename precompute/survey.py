@@ -25,6 +25,7 @@ from mmcache.precompute.clips import clip_parents
 from mmcache.precompute.input_sources import InputStream, SourceUnit
 from mmcache.precompute.inputs import EmptyInputError, InputRow, Reject, RowKey
 
+_CHUNK = 1 << 18  # hashes looked up at a time: 2 MB of them
 GroupKey = tuple[tuple[str, ...], bool]  # (the configured fields a row lacks, whether its sample is new)
 
 
@@ -94,12 +95,30 @@ def survey(inputs: InputStream, store: featstore.Store | None, fields: dict[str,
 
 
 def _later_duplicates(hashes: np.ndarray) -> np.ndarray:
-    """Positions of the rows whose hash an earlier row has (a stable sort keeps the first first)."""
+    """Positions of the rows whose hash an earlier row has. The repeated hashes come from a sorted
+    copy (8 bytes a row, freed at once; an argsort would hold three such arrays); the rows that
+    have one, few as a rule, are then told apart in order: each hash's first row is no duplicate."""
     if hashes.size < 2:
         return np.zeros(0, np.int64)
-    order = np.argsort(hashes, kind="stable")
-    ordered = hashes[order]
-    return order[1:][ordered[1:] == ordered[:-1]]
+    ordered = np.sort(hashes)
+    repeated = np.unique(ordered[1:][ordered[1:] == ordered[:-1]])
+    del ordered
+    if not repeated.size:
+        return np.zeros(0, np.int64)
+    # Looked up a chunk at a time (np.isin would sort a copy of the whole array with them).
+    chunks = []
+    for start in range(0, hashes.size, _CHUNK):
+        part = hashes[start : start + _CHUNK]
+        found = repeated[np.minimum(np.searchsorted(repeated, part), repeated.size - 1)] == part
+        chunks.append(np.flatnonzero(found) + start)
+    candidates = np.concatenate(chunks)
+    seen: set[int] = set()
+    later = []
+    for at, h in zip(candidates.tolist(), hashes[candidates].tolist()):
+        if h in seen:
+            later.append(at)
+        seen.add(h)
+    return np.asarray(later, dtype=np.int64)
 
 
 def row_classifier(store: featstore.Store | None, fields: dict[str, str] | None, *,

@@ -19,8 +19,8 @@ from mmcache.precompute.input_sources.base import InputSource, SourceOptions, So
 from mmcache.precompute.inputs import EmptyInputError, ManifestError, csv_records, jsonl_records, read_inputs, record_rows, stream_rules
 from mmcache.precompute.sources import InputFileError
 
-# Records parsed into rows at a time: ~10 MB of rows, and few enough batches that their overhead is nil.
-BATCH_ROWS = 20_000
+# Records parsed into rows at a time: a few MB of rows, and few enough batches that their overhead is nil.
+BATCH_ROWS = 10_000
 
 
 def read_rows(url: str, options: SourceOptions) -> SourceRead:
