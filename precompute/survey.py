@@ -84,8 +84,8 @@ def survey(inputs: InputStream, store: featstore.Store | None, fields: dict[str,
         out.duplicate_hashes = frozenset(np.frombuffer(hashes, dtype=np.int64)[later].tolist())
         counts = counts - np.bincount(np.frombuffer(codes, dtype=np.uint16)[later], minlength=len(code_of))
         out.duplicates = int(later.size)
-    for (key, kind), code in code_of.items():
-        n = int(counts[code])
+    for (key, kind), at in code_of.items():
+        n = int(counts[at])
         if key is None:
             out.skipped += n
         elif n:
