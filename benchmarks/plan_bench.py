@@ -8,8 +8,10 @@ in a set) followed by naming every task of 32 rows (``plan.plan_tasks``), measur
 
 The manifests are JSONL with ids, captions of ~60 characters and paths to 16 real tiny PNG
 files (repeated: a path per row is what the planner reads; the files are never decoded), plus
-0.1% rows repeating an earlier id. Each figure is one child process: its wall time and its
-``ru_maxrss`` (``os.wait4``), so the parent's memory is not counted. Config: the ``tiny`` preset
+0.1% rows repeating an earlier id. Each figure is one child process: its wall and CPU time and
+its ``ru_maxrss``, so the parent's memory is not counted; B/row is the peak's growth over the
+same planner's on 1,000 rows, per row. The old planner here shares this branch's faster caption
+and suffix checks (so it is faster than the code it stands for). Config: the ``tiny`` preset
 (its encoders are built from their configs, not loaded; torch is imported for that). Targets
 (issue 32): a 2M-row dry run in <= 30 s and <= 350 MB peak RSS.
 """
@@ -76,16 +78,29 @@ def main() -> None:
     mmcache = [sys.executable, "-m", "mmcache.precompute.cli", "encode", "--config", "tiny"]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        print(f"{'rows':>9} {'planner':>8} {'wall s':>7} {'CPU s':>6} {'peak MB':>8}  new/old: wall, CPU, RSS")
+        def dry(manifest: Path) -> tuple[float, float, float, str]:
+            return run_child([*mmcache, "--input", str(manifest), "--output", str(folder / "out"), "--dry-run"])
+
+        def old(manifest: Path) -> tuple[float, float, float, str]:
+            return run_child([sys.executable, "-c", OLD_PLANNER, str(manifest)])
+
+        # Each planner's peak on 1,000 rows: its imports (the dry run's include torch, for the
+        # encoders' configs), so that the growth with the rows is shown apart.
+        small = write_inputs(folder, 1000)
+        base = {"streamed": dry(small)[2], "old": old(small)[2]}
+        print(f"baseline peak RSS at 1,000 rows: streamed {base['streamed']:.0f} MB, old {base['old']:.0f} MB")
+        print(f"{'rows':>9} {'planner':>8} {'wall s':>7} {'CPU s':>6} {'peak MB':>8} {'B/row':>6}  new/old: wall, CPU, RSS growth")
         for rows in args.rows:
             manifest = write_inputs(folder, rows)
-            new_s, new_cpu, new_mb, out = run_child([*mmcache, "--input", str(manifest), "--output", str(folder / "out"), "--dry-run"])
+            new_s, new_cpu, new_mb, out = dry(manifest)
             assert not (folder / "out").exists(), "a dry run wrote its output"
-            print(f"{rows:>9} {'streamed':>8} {new_s:>7.1f} {new_cpu:>6.1f} {new_mb:>8.0f}", flush=True)
+            new_row = (new_mb - base["streamed"]) * 2**20 / rows
+            print(f"{rows:>9} {'streamed':>8} {new_s:>7.1f} {new_cpu:>6.1f} {new_mb:>8.0f} {new_row:>6.0f}", flush=True)
             if rows <= args.old_max_rows:
-                old_s, old_cpu, old_mb, _ = run_child([sys.executable, "-c", OLD_PLANNER, str(manifest)])
-                print(f"{rows:>9} {'old':>8} {old_s:>7.1f} {old_cpu:>6.1f} {old_mb:>8.0f}  "
-                      f"{new_s / old_s:.2f}x, {new_cpu / old_cpu:.2f}x, {new_mb / old_mb:.2f}x", flush=True)
+                old_s, old_cpu, old_mb, _ = old(manifest)
+                old_row = (old_mb - base["old"]) * 2**20 / rows
+                print(f"{rows:>9} {'old':>8} {old_s:>7.1f} {old_cpu:>6.1f} {old_mb:>8.0f} {old_row:>6.0f}  "
+                      f"{new_s / old_s:.2f}x, {new_cpu / old_cpu:.2f}x, {new_row / old_row:.2f}x", flush=True)
             for line in out.splitlines()[1:]:
                 print(f"{'':>10}{line}")
             manifest.unlink()

@@ -80,6 +80,8 @@ class RunConfig:
             self.commit_ahead_bytes = parse_size(self.commit_ahead_bytes, "run.commit_ahead_bytes")
         self.commit_ahead_bytes = int(self.commit_ahead_bytes)
         self.shard_bytes = parse_size(self.shard_bytes, "run.shard_bytes")
+        if self.shard_bytes < 1:
+            raise ConfigError(f"run.shard_bytes must be a size > 0 (e.g. 256MiB), got {self.shard_bytes}")
         for name in ("samples_per_task", "batch_size", "decode_threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"run.{name} must be >= 1, got {getattr(self, name)}")

@@ -187,13 +187,11 @@ def _start(stack: contextlib.ExitStack, config: EncodeConfig, input_url: str | l
 def _stale(job: _Started, store: featstore.Store, config: EncodeConfig, input_storage_options: dict[str, Any] | None) -> dict[str, str]:
     """Committed samples whose input changed since (precompute.stale): a pass over the inputs,
     taken only when the store held samples before this job."""
-    stale: dict[str, str] = {}
     if job.existing is None or not len(job.existing):
-        return stale
-    for _, batch in job.inputs.batches():
-        stale.update(stale_samples(batch.rows, store, client=job.executor.client, storage_options=input_storage_options,
-                                   check_content=config.data.check_content))
-    return stale
+        return {}
+    rows = (row for _, batch in job.inputs.batches() for row in batch.rows)
+    return stale_samples(rows, store, client=job.executor.client, storage_options=input_storage_options,
+                         check_content=config.data.check_content)
 
 
 def _open_store(job: _Started, config: EncodeConfig, output_url: str, storage_options: dict[str, Any] | None,
