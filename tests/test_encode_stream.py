@@ -110,3 +110,34 @@ def test_300_tiny_samples_on_2_workers_leave_at_most_4_shards(tmp_path):
     store = featstore.open(str(tmp_path / "out"))
     assert summary.executor == "processes" and summary.samples_written == len(store) == 300
     assert len(store.shards) <= 4, sorted(store.shards)
+
+
+def test_a_few_tasks_per_worker_are_in_flight_and_the_next_follow_as_they_finish(tmp_path, monkeypatch):
+    """The client takes a task from the plan only when fewer than IN_FLIGHT_PER_WORKER per worker
+    run: at the k-th task taken, at least k - limit have committed their shards."""
+    from mmcache.precompute import pipeline
+
+    data = tmp_path / "data"
+    rows = _rows(make_dataset(data, num_images=4, num_videos=0))
+    manifest = _write(data / "m.jsonl", [{**rows[i % 4], "id": f"s{i:02d}"} for i in range(14)])
+    out, taken, behind = tmp_path / "out", [], []
+    execute = pipeline.execute
+
+    def watched(plan, executor, **kw):
+        limit = pipeline.IN_FLIGHT_PER_WORKER * executor.workers
+        tasks = plan.tasks
+
+        def counted():
+            for task in tasks:
+                taken.append(task.shard)
+                committed = len([s for s in featstore.open(str(out)).shards if s.startswith("t-")])
+                behind.append(len(taken) - limit - committed)
+                yield task
+
+        plan.tasks = counted()
+        return execute(plan, executor, **kw)
+
+    monkeypatch.setattr(pipeline, "execute", watched)  # the real execute, its plan's tasks counted as taken
+    summary = _encode(_tiny("run.samples_per_task=1"), str(manifest), out)
+    assert summary.samples_written == 14 and len(taken) == 14
+    assert max(behind) <= 0, behind  # never more than the limit taken and not committed
