@@ -1,9 +1,11 @@
 """``mmcache encode``: frozen encoders run once over media, their features written to a store.
 
 The entry point reads as plan, then run (``pipeline.run_encode``): start the job (config,
-inputs, output store), ``plan.plan_encode`` decides every task without loading an encoder or
-writing anything, and ``pipeline.execute`` runs the plan where it fits (this process's threads,
-a local Dask cluster, or an existing scheduler).
+inputs surveyed in a streamed first pass, output store), ``plan.plan_encode`` names the tasks
+without loading an encoder or writing anything (made as they are asked for: the inputs' second
+pass), and ``pipeline.execute`` runs the plan where it fits (this process's threads, a local Dask
+cluster, or an existing scheduler), a few tasks per worker in flight. ``dry_run`` prints the
+first pass's plan and stops (``mmcache encode --dry-run``).
 
 The modules, bottom up:
     config, specs             the typed config; what crosses to the workers (TaskSettings, EncoderSpec, TaskSpec)
@@ -15,7 +17,9 @@ The modules, bottom up:
     daemon_pool, commit_ahead threads for inputs that may hang; committing a shard while the next encodes
     tasks, worker_plugin      what runs on a worker: load the encoders once, encode a task, commit its shard
     output_store, stale       the client's output store; committed samples whose inputs changed since
-    plan, prompts             plan_encode -> EncodePlan; prompt embeddings (--prompts)
+    feature_bytes             the encoders' fields and estimated bytes per sample, from their configs
+    survey, plan, prompts     the inputs' first pass; plan_encode -> EncodePlan; prompt embeddings (--prompts)
     executors, pipeline       where tasks run; start, plan, execute
+    dry_run                   ``mmcache encode --dry-run``: the plan, printed
     cli, demo, demo_data      the ``mmcache`` command; ``make demo`` and its generated dataset
 """

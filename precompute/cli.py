@@ -28,11 +28,16 @@ from mmcache.precompute.prompts import load_prompt_file
 @click.option("--input-storage-options", default=None, metavar="JSON", help="fsspec options for the input URLs.")
 @click.option("--progress/--no-progress", default=None, help="Progress line (default: when stderr is a terminal).")
 @click.option("--allow-empty", is_flag=True, help="An input with no rows at all is not an error (sets data.allow_empty).")
+@click.option("--dry-run", is_flag=True, help="Print the plan (rows, duplicates, rejects, tasks, estimated shards and bytes); "
+                                             "load no encoder, write nothing.")
 @click.option("--prompts", "prompts_file", default=None, metavar="FILE", help="Validation prompts (one per line): their text embeddings are stored for `mmtrain sample` and sampling during fit.")
-def encode(config_name, input_urls, output_url, workers, scheduler, device, overrides, storage_options, input_storage_options, progress, allow_empty, prompts_file) -> None:
+def encode(config_name, input_urls, output_url, workers, scheduler, device, overrides, storage_options, input_storage_options, progress, allow_empty,
+           dry_run, prompts_file) -> None:
     """Run frozen encoders over INPUT once and write their features to the store at OUTPUT."""
     if workers is not None and scheduler:
         raise click.UsageError("--workers and --scheduler exclude each other")
+    if dry_run and scheduler:
+        raise click.UsageError("--dry-run plans on this machine: leave out --scheduler (--workers N plans for N workers)")
     # lazy: the encode pipeline is imported only by `encode`, so `mmcache --help`/`info` stay fast
     from mmcache.precompute.pipeline import run_encode
 
@@ -43,6 +48,14 @@ def encode(config_name, input_urls, output_url, workers, scheduler, device, over
         config.device = device
     if allow_empty:
         config.data.allow_empty = True
+    if dry_run:
+        from mmcache.precompute.dry_run import dry_run as plan_only
+
+        report = plan_only(config, list(input_urls), output_url, workers=workers, storage_options=parse_storage_options(storage_options),
+                           input_storage_options=parse_storage_options(input_storage_options))
+        for line in report.lines():
+            click.echo(line)
+        return
     summary = run_encode(
         config, list(input_urls), output_url, workers=workers, scheduler=scheduler,
         storage_options=parse_storage_options(storage_options),

@@ -52,7 +52,11 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class RunConfig:
-    samples_per_task: int = 32   # one Dask task = one shard; sized so a lost task costs little
+    # A task is one shard of about shard_bytes of features (the encoders' estimate of a sample:
+    # precompute.feature_bytes), or a worker's share of a smaller job, and at most samples_per_task
+    # rows: a task's rows travel to its worker as its arguments, and a killed task re-runs whole.
+    shard_bytes: int | str = "256MiB"
+    samples_per_task: int = 10_000
     batch_size: int = 8          # encoder batch (per shape bucket)
     decode_threads: int = 2      # CPU threads decoding ahead of the encoder in each worker
     threads_per_worker: int = 0  # torch intra-op threads per worker; 0 = cores / workers
@@ -75,6 +79,9 @@ class RunConfig:
         if self.commit_ahead_bytes not in (0, "0"):  # 0: off
             self.commit_ahead_bytes = parse_size(self.commit_ahead_bytes, "run.commit_ahead_bytes")
         self.commit_ahead_bytes = int(self.commit_ahead_bytes)
+        self.shard_bytes = parse_size(self.shard_bytes, "run.shard_bytes")
+        if self.shard_bytes < 1:
+            raise ConfigError(f"run.shard_bytes must be a size > 0 (e.g. 256MiB), got {self.shard_bytes}")
         for name in ("samples_per_task", "batch_size", "decode_threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"run.{name} must be >= 1, got {getattr(self, name)}")

@@ -34,6 +34,7 @@ from typing import Any
 from mmcache.featstore.reader import open_store
 from mmcache.precompute.config import EncodeConfig, default_cache_dir
 from mmcache.precompute.devices import resolve_device, worker_device
+from mmcache.precompute.feature_bytes import FieldsOutline, outline
 from mmcache.precompute.prompts import encode_and_store_prompts
 from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec, encoder_specs, takes_text_only
 from mmcache.precompute.daemon_pool import DaemonPool
@@ -219,9 +220,9 @@ class DaskExecutor:
         self.job = uuid.uuid4().hex
         self._submitted: dict[str, int] = {}  # shard -> times submitted before
 
-    def resolve_specs(self, config: EncodeConfig) -> tuple[list[EncoderSpec], bool]:
-        """(the encoders' specs, whether text-only rows are samples: ``takes_text_only``), resolved
-        by a worker: the encoder classes that check the options import torch, which the client of
+    def resolve_specs(self, config: EncodeConfig) -> tuple[list[EncoderSpec], bool, FieldsOutline]:
+        """(the encoders' specs, whether text-only rows are samples: ``takes_text_only``, their
+        fields and estimated bytes: ``feature_bytes.outline``), resolved by a worker: the encoder classes that check the options import torch, which the client of
         an external cluster need not (a worker has it already). ``path: tiny`` is built, by that
         worker, where this process would have built it (its MMCACHE_CACHE)."""
         return self.client.submit(_specs_on_worker, config, str(default_cache_dir()), pure=False).result()
@@ -437,7 +438,7 @@ def _describe_on_worker(specs, requested, threads):
 
 def _specs_on_worker(config, cache_dir):
     specs = encoder_specs(config, Path(cache_dir))
-    return specs, takes_text_only(specs)
+    return specs, takes_text_only(specs), outline(specs, config)
 
 
 def _prompts_on_worker(specs, requested, threads, sections, prompts, output_url, storage_options, manifest):

@@ -2,14 +2,15 @@
 process's threads, a local cluster of worker processes, an external Dask cluster:
 precompute.executors).
 
-1. Read the input manifest (bad rows become rejects at once).
+1. Survey the inputs (precompute.survey: a manifest streamed in batches; bad rows become
+   rejects, duplicate ids are counted) in a few bytes per row.
 2. Have the workers load the encoders and describe them (fields, fingerprints), while the store
    is opened; create the store, or check that the existing one was made by the same encoders
    (fail closed: precompute.output_store). With the in-process executor the encoders load here,
    once, in the background.
 3. Plan (``precompute.plan.plan_encode``, pure): skip every row already committed (or already
-   rejected), group the rest into named tasks. ``execute`` maps them over the workers; each
-   task commits one shard.
+   rejected), group the rest into named tasks, each a shard of about ``run.shard_bytes``, made
+   as ``execute`` asks for them (the inputs' second pass), a few per worker in flight.
 A job killed at any moment loses nothing committed; running it again does only what is left.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import sys
 import time
 from collections.abc import Callable
@@ -36,14 +38,15 @@ from mmcache.precompute.executors import (
     open_executor,
     preserved_environ,
 )
-from mmcache.precompute.input_sources import SourceOptions, SourceUnit, read_all
-from mmcache.precompute.inputs import InputRow, Reject
+from mmcache.precompute.feature_bytes import FieldsOutline, outline
+from mmcache.precompute.input_sources import InputStream, SourceOptions
 from mmcache.precompute.output_store import commit_plan_rejects, open_existing, open_or_create
-from mmcache.precompute.plan import EncodePlan, plan_encode, samples_to_encode
+from mmcache.precompute.plan import EncodePlan, plan_encode
 from mmcache.precompute.prompts import store_prompt_embeddings
 from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec, encoder_specs, takes_text_only, with_client_paths
 from mmcache.precompute.stale import describe as describe_stale
 from mmcache.precompute.stale import stale_samples
+from mmcache.precompute.survey import Survey, survey
 from mmcache.precompute.tasks import quiet_offline_env
 from mmcache.precompute.worker_deaths import DIED_REASON, split_task
 
@@ -75,16 +78,20 @@ class EncodeSummary:
 
 @dataclass(kw_only=True)
 class _Started:
-    """What the job has once its executor is open: where it runs, its encoders, its input rows."""
+    """What the job has once its executor is open: where it runs, its encoders, its inputs surveyed."""
 
     executor: Executor
     placement: Placement
     specs: list[EncoderSpec]
-    rows: list[InputRow]
-    rejects: list[Reject]
-    units: list[SourceUnit]  # tars, Parquet row groups: read by the tasks themselves
+    outline: FieldsOutline  # the encoders' fields and a sample's estimated bytes, before any loads
+    inputs: InputStream  # read again, in batches, to make the tasks
+    survey: Survey  # the inputs' first pass: counts, rejects, duplicates (precompute.survey)
     existing: featstore.Store | None  # the output store's snapshot before this job (None: no store yet)
     loading: Any  # the encoders loading where the tasks run: .result() -> {fields, loaded}
+
+
+# A tar's sample count is known once read: it counts as this many when choosing where a job runs.
+UNREAD_UNIT_SAMPLES = 32
 
 
 @preserved_environ()
@@ -123,13 +130,12 @@ def run_encode(
         store, fields, loaded = _open_store(job, config, output_url, storage_options, prompts or [], log)
         startup = time.perf_counter() - t0
         log(_ready_line(job, loaded, startup))
-        stale = stale_samples(job.rows, store, client=job.executor.client, storage_options=input_storage_options,
-                              check_content=config.data.check_content)
+        stale = _stale(job, store, config, input_storage_options)
         if stale:
             log(describe_stale(stale))
-        plan = plan_encode(config, rows=job.rows, rejects=job.rejects, store=store, fields=fields, specs=job.specs,
-                           workers=job.executor.workers, output_url=output_url, storage_options=storage_options,
-                           input_storage_options=input_storage_options, units=job.units)
+        plan = plan_encode(config, inputs=job.inputs, survey=job.survey, store=store, fields=fields, specs=job.specs,
+                           workers=job.executor.workers, output_url=output_url, sample_bytes=job.outline.mean_bytes(job.survey.kinds),
+                           storage_options=storage_options, input_storage_options=input_storage_options)
         for note in plan.notes:
             log(note)
         executed = execute(plan, job.executor, progress=progress, log=log)
@@ -137,12 +143,22 @@ def run_encode(
                              startup_seconds=startup, stale=len(stale), executor=job.placement.kind, **dataclasses.asdict(executed))
 
 
+def source_options(config: EncodeConfig, storage_options: dict[str, Any] | None, text_only: bool) -> SourceOptions:
+    """What the input sources read with: the config's ``data`` section."""
+    data = config.data
+    return SourceOptions(
+        storage_options=storage_options, allow_empty_caption=data.allow_empty_caption,
+        allow_outside_root=data.allow_outside_root, max_input_bytes=int(data.max_input_bytes),
+        allow_empty=data.allow_empty, allow_text_only=text_only, caption_key=data.caption_key,
+        media_column=data.media_column, caption_column=data.caption_column, media_root=data.media_root,
+    )
+
+
 def _start(stack: contextlib.ExitStack, config: EncodeConfig, input_url: str | list[str], output_url: str, *, workers: int | None,
            scheduler: str | None, storage_options: dict[str, Any] | None,
            input_storage_options: dict[str, Any] | None) -> _Started:
-    """The executor opened (on ``stack``), the encoders' specs resolved, the manifest read, and
-    the output store's snapshot (read at most once: by the size estimate when the choice of
-    executor needs it, else here, while the encoders load)."""
+    """The executor opened (on ``stack``), the encoders' specs resolved, the inputs surveyed
+    (their first pass) against the output store's snapshot, read once."""
     executor: Executor | None = None
     if scheduler:
         # An external cluster's placement does not depend on the job's size: connect first and
@@ -151,35 +167,31 @@ def _start(stack: contextlib.ExitStack, config: EncodeConfig, input_url: str | l
         # a warm cluster the job starts in the time of a few round trips.
         placement = choose_placement(config, scheduler=scheduler, workers=workers, output_url=output_url, samples=lambda: 0)
         executor = stack.enter_context(connect(placement, scheduler))
-        specs, text_only = executor.resolve_specs(with_client_paths(config))
+        specs, text_only, fields_outline = executor.resolve_specs(with_client_paths(config))
     else:
         specs = encoder_specs(config)
-        text_only = takes_text_only(specs)
-    data = config.data
-    inputs = read_all(input_url, SourceOptions(
-        storage_options=input_storage_options, allow_empty_caption=data.allow_empty_caption,
-        allow_outside_root=data.allow_outside_root, max_input_bytes=int(data.max_input_bytes),
-        allow_empty=data.allow_empty, allow_text_only=text_only, caption_key=data.caption_key,
-        media_column=data.media_column, caption_column=data.caption_column, media_root=data.media_root,
-    ))
-    rows, rejects = inputs.rows, inputs.rejects
-    # A unit's size is known only once read (a tar) or from its footer (Parquet): a tar counts as one task's worth.
-    unit_samples = sum(u.estimated_samples or config.run.samples_per_task for u in inputs.units)
-    existing: list[featstore.Store | None] = []
-
-    def job_size() -> int:
-        if len(rows) + unit_samples <= config.run.threads_max_samples:
-            return len(rows) + unit_samples  # an upper bound that already decides
-        existing.append(open_existing(output_url, storage_options))
-        return samples_to_encode(rows, existing[0], specs) + unit_samples
-
+        text_only, fields_outline = takes_text_only(specs), outline(specs, config)
+    inputs = InputStream(input_url, source_options(config, input_storage_options, text_only))
+    existing = open_existing(output_url, storage_options)
+    surveyed = survey(inputs, existing, fields_outline.fields, clips=config.frames.clips is not None,
+                      retry_rejects=config.data.retry_rejects)
+    size = surveyed.todo + sum(u.estimated_samples or UNREAD_UNIT_SAMPLES for u in surveyed.units)
     if executor is None:
-        placement = choose_placement(config, scheduler=None, workers=workers, output_url=output_url, samples=job_size)
+        placement = choose_placement(config, scheduler=None, workers=workers, output_url=output_url, samples=lambda: size)
         executor = stack.enter_context(open_executor(placement))
     loading = executor.load_encoders(specs, config.device)
-    snapshot = existing[0] if existing else open_existing(output_url, storage_options)
-    return _Started(executor=executor, placement=placement, specs=specs, rows=rows, rejects=rejects, units=inputs.units, existing=snapshot,
-                    loading=loading)
+    return _Started(executor=executor, placement=placement, specs=specs, outline=fields_outline, inputs=inputs, survey=surveyed,
+                    existing=existing, loading=loading)
+
+
+def _stale(job: _Started, store: featstore.Store, config: EncodeConfig, input_storage_options: dict[str, Any] | None) -> dict[str, str]:
+    """Committed samples whose input changed since (precompute.stale): a pass over the inputs,
+    taken only when the store held samples before this job."""
+    if job.existing is None or not len(job.existing):
+        return {}
+    rows = (row for _, batch in job.inputs.batches() for row in batch.rows)
+    return stale_samples(rows, store, client=job.executor.client, storage_options=input_storage_options,
+                         check_content=config.data.check_content)
 
 
 def _open_store(job: _Started, config: EncodeConfig, output_url: str, storage_options: dict[str, Any] | None,
@@ -217,32 +229,30 @@ class Executed:
     rejected: int = 0  # by the manifest reader and by the tasks
 
 
+# Tasks in flight per worker: one running, one queued behind it (no idle gap between tasks), one
+# more for a task that commits while the next encodes (precompute.commit_ahead). More are
+# submitted as tasks finish: the client never holds the job's tasks, nor the scheduler.
+IN_FLIGHT_PER_WORKER = 3
+
+
 def execute(plan: EncodePlan, executor: Executor, *, progress: bool | None = None, log: Callable[[str], Any] = print) -> Executed:
-    """Run ``plan`` on ``executor``: record the manifest reader's rejects, then map the tasks over
-    the workers (each commits its shard). A task whose worker died running it comes back
-    unrun, and runs again as two halves (precompute.worker_deaths)."""
+    """Run ``plan`` on ``executor``: record the input readers' rejects, then keep
+    ``IN_FLIGHT_PER_WORKER`` tasks per worker running (each commits its shard), taking the next
+    from the plan as one finishes. A task whose worker died running it comes back unrun, and runs
+    again as two halves (precompute.worker_deaths). Duplicate ids found meanwhile are recorded last."""
     commit_plan_rejects(plan.store, plan.plan_rejects)
-    # Every task is told which shards this plan saw, so that before committing it re-reads only
-    # those committed since (by a concurrent run), not the whole index (see EncodePlan).
-    known = executor.share(plan.known_shards) if plan.tasks else None
     meter = ProgressMeter(plan.samples, enabled=sys.stderr.isatty() if progress is None else progress)
-
-    def submit(task: TaskSpec) -> Any:
-        future = executor.submit_task(task, plan.output_url, plan.storage_options, plan.specs, plan.settings, known)
-        running[future] = task
-        return future
-
-    running: dict[Any, TaskSpec] = {}
-    completed = executor.as_completed([submit(task) for task in plan.tasks])
-    executed = Executed(tasks=len(plan.tasks), rejected=len(plan.plan_rejects))
+    flight = _Flight(plan, executor)
+    completed = executor.as_completed([])
+    executed = Executed(tasks=0, rejected=len(plan.plan_rejects))
+    executed.tasks += flight.refill(completed)
     for future in completed:
-        task = running.pop(future)
+        task = flight.running.pop(future)
         result = executor.result(future, task)  # a task's summary (its rejects stay in its shard)
         if result is None or result.died:
             again = [task] if result is None else split_task(task, result.died)
             executed.tasks += len(again) - 1
-            for part in again:
-                completed.add(submit(part))
+            flight.submit(again, completed)
             continue
         for source in result.poisoned:
             log(f"rejected {source}: {DIED_REASON}")
@@ -250,8 +260,43 @@ def execute(plan: EncodePlan, executor: Executor, *, progress: bool | None = Non
         executed.samples_written += result.samples
         executed.rejected += result.rejected
         meter.update(result.samples + result.rejected + result.dropped, result.rejected)
+        executed.tasks += flight.refill(completed)
     meter.close()
+    commit_plan_rejects(plan.store, plan.duplicate_rejects)
+    executed.rejected += len(plan.duplicate_rejects)
     return executed
+
+
+class _Flight:
+    """The tasks running, and the plan's next ones. Each submission tells its tasks every shard
+    the plan saw and every task submitted so far (``known``), so a task's commit re-reads only
+    shards committed by others since, not its siblings' (EncodePlan.known_shards)."""
+
+    def __init__(self, plan: EncodePlan, executor: Executor) -> None:
+        self.plan, self.executor = plan, executor
+        self.limit = IN_FLIGHT_PER_WORKER * max(1, executor.workers)
+        self.known = set(plan.known_shards)
+        self.shared: Any = None
+        self.shared_size = -1
+        self.running: dict[Any, TaskSpec] = {}
+
+    def refill(self, completed: Any) -> int:
+        """Submit the plan's next tasks up to the limit; how many."""
+        tasks = list(itertools.islice(self.plan.tasks, max(0, self.limit - len(self.running))))
+        self.submit(tasks, completed)
+        return len(tasks)
+
+    def submit(self, tasks: list[TaskSpec], completed: Any) -> None:
+        if not tasks:
+            return
+        self.known.update(task.shard for task in tasks)
+        if len(self.known) != self.shared_size:
+            self.shared, self.shared_size = self.executor.share(sorted(self.known)), len(self.known)
+        plan = self.plan
+        for task in tasks:
+            future = self.executor.submit_task(task, plan.output_url, plan.storage_options, plan.specs, plan.settings, self.shared)
+            self.running[future] = task
+            completed.add(future)
 
 
 class ProgressMeter:

@@ -1,18 +1,22 @@
-"""What an encode job will do, decided from what the client has read: the manifest's rows, the
-store's snapshot and the encoders' description (fields, fingerprints). ``plan_encode`` is pure:
-it loads no encoder and writes nothing, so a plan can be inspected (or tested) before
-``precompute.pipeline.execute`` runs it.
+"""What an encode job will do, decided from what the client has read: its inputs (streamed,
+``precompute.survey``), the store's snapshot and the encoders' description (fields,
+fingerprints). ``plan_encode`` loads no encoder and writes nothing, so a plan can be inspected
+(or tested) before ``precompute.pipeline.execute`` runs it; its tasks are made as they are
+asked for, a batch of input rows at a time (the inputs' second pass).
 
 Every row the store already holds with all its fields is skipped, and so is one rejected before
-(unless ``data.retry_rejects``); the rest is grouped into tasks of ``run.samples_per_task`` rows,
-each named by a hash of its rows and the encoders' digests, so re-planning the same job names
-the same shards (a killed job resumes where it stopped).
+(unless ``data.retry_rejects``); the rest is grouped into tasks of ``rows_per_task`` rows (one
+shard of about ``run.shard_bytes`` each, or a worker's share of a smaller job), each named by a
+hash of its rows and the encoders' digests, so re-planning the same job names the same shards.
+A killed job resumes where it stopped: what committed is skipped by id, whatever the tasks' sizes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -20,9 +24,10 @@ from mmcache import featstore
 from mmcache.featstore.format import EXCLUSIVE_COMMIT_VERSION
 from mmcache.precompute.clips import clip_parents
 from mmcache.precompute.config import EncodeConfig
-from mmcache.precompute.input_sources.base import SourceUnit
+from mmcache.precompute.input_sources import InputStream, SourceUnit
 from mmcache.precompute.inputs import InputRow, Reject
 from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec
+from mmcache.precompute.survey import GroupKey, Survey, rejected_sources, row_classifier
 
 
 @dataclass(kw_only=True)
@@ -34,55 +39,99 @@ class EncodePlan:
     storage_options: dict[str, Any] | None
     specs: list[EncoderSpec]
     settings: TaskSettings
-    tasks: list[TaskSpec]
-    # Every shard this plan saw or names: a task re-reads only those committed since before it
-    # commits (by a concurrent run), never its siblings (a shard named like one holds its rows).
+    tasks: Iterator[TaskSpec] = field(repr=False)  # made as they are asked for (each asks the inputs for its rows)
+    # Every shard this plan saw: a task re-reads only those committed since before it commits
+    # (by a concurrent run); execute adds the names of the tasks it has submitted.
     known_shards: list[str]
-    plan_rejects: list[Reject] = field(default_factory=list)  # rows the manifest reader rejected, not recorded yet
+    samples: int = 0  # rows to encode, and the rows of Parquet row groups (a tar's count is known once read)
+    plan_rejects: list[Reject] = field(default_factory=list)  # rows the input readers rejected, not recorded yet
+    # Duplicate ids, confirmed while the tasks are made: complete once ``tasks`` is exhausted.
+    duplicate_rejects: list[Reject] = field(default_factory=list)
     samples_skipped: int = 0  # rows the store has (or rejected) already
     notes: list[str] = field(default_factory=list)  # what the job's log says of the plan
 
-    @property
-    def samples(self) -> int:
-        """Rows to encode, and the rows of Parquet row groups (a tar's count is known once read)."""
-        return sum(len(task.rows) + (task.unit.estimated_samples if task.unit else 0) for task in self.tasks)
 
-
-def plan_encode(config: EncodeConfig, *, rows: list[InputRow], rejects: list[Reject], store: featstore.Store,
-                fields: dict[str, Any], specs: list[EncoderSpec], workers: int, output_url: str,
-                storage_options: dict[str, Any] | None = None, input_storage_options: dict[str, Any] | None = None,
-                units: list[SourceUnit] | None = None) -> EncodePlan:
-    """The plan of encoding ``rows`` and ``units`` (tars, Parquet row groups: ``unit_tasks``) into
-    ``store`` (opened, with ``fields`` as the workers described them) on ``workers`` workers.
-    Reads only what the store snapshot holds."""
-    rejected = rejected_sources(store)
-    rejected_before = rejected if not config.data.retry_rejects else set()
-    text_fields = {name for name, spec in fields.items() if spec["meta"]["section"] == "text"}
-    groups = fields_to_write([r for r in rows if r.source not in rejected_before], store, list(fields), text_fields,
-                             clips=config.frames.clips is not None)
-    todo = sum(len(g) for g in groups.values())
-    # At least two tasks per worker when the job is small, so no worker sits idle.
-    per_task = max(1, min(config.run.samples_per_task, -(-todo // (2 * workers))))
+def plan_encode(config: EncodeConfig, *, inputs: InputStream, survey: Survey, store: featstore.Store, fields: dict[str, Any],
+                specs: list[EncoderSpec], workers: int, output_url: str, sample_bytes: int,
+                storage_options: dict[str, Any] | None = None, input_storage_options: dict[str, Any] | None = None) -> EncodePlan:
+    """The plan of encoding ``inputs`` (surveyed: ``survey``) into ``store`` (opened, with
+    ``fields`` as the workers described them) on ``workers`` workers, a sample's features
+    estimated at ``sample_bytes``. Reads only what the store snapshot holds."""
+    per_task = rows_per_task(config, survey.todo, workers, sample_bytes)
     # A retried reject gets a task of a new name: the one that rejected it is committed.
-    retried = config.data.retry_rejects and any(r.source in rejected for g in groups.values() for r in g)
-    salt = retry_salt(store) if retried else ""
-    digest = fields_digest(fields)
-    tasks = [task for (missing, new), group in groups.items()
-             for task in plan_tasks(group, digest, per_task, list(missing), new, salt=salt)]
-    tasks += unit_tasks(units or [], store, config, list(fields))
+    salt = retry_salt(store) if config.data.retry_rejects and survey.retried else ""
     settings = TaskSettings.from_config(config, input_storage_options)
-    if tasks:
+    # A unit (a tar) is one task whatever the job's size: its parts are shards of about shard_bytes,
+    # sized alike on every run, so a re-run finds the parts committed before under their names.
+    units = unit_tasks(inputs.units, store, config, list(fields), part_size=rows_per_task(config, 1 << 62, 1, sample_bytes))
+    if survey.todo or units:
         # Raised here once (an older store), so that the tasks, which open the store from the
         # manifest planned with, do not each declare it again.
         store.require_format_version(EXCLUSIVE_COMMIT_VERSION)
         settings = replace(settings, store_manifest=store.manifest)
-    notes = [f"adding {', '.join(missing)} to {len(group)} sample(s) already in the store"
-             for (missing, new), group in groups.items() if not new] + unit_notes(units or [], store, list(fields))
-    return EncodePlan(
-        output_url=output_url, store=store, storage_options=storage_options, specs=specs, settings=settings, tasks=tasks,
-        known_shards=sorted(set(store.shards) | {t.shard for t in tasks}),
-        plan_rejects=[r for r in rejects if r.source not in rejected_before], samples_skipped=len(rows) - todo, notes=notes,
-    )
+    rejected_before = rejected_sources(store) if not config.data.retry_rejects else set()
+    notes = [f"adding {', '.join(missing)} to {n} sample(s) already in the store"
+             for (missing, new), n in survey.groups.items() if not new] + unit_notes(inputs.units, store, list(fields))
+    plan = EncodePlan(output_url=output_url, store=store, storage_options=storage_options, specs=specs, settings=settings,
+                      tasks=iter(()), known_shards=sorted(set(store.shards) | {t.shard for t in units}),
+                      samples=survey.todo + sum(t.unit.estimated_samples for t in units if t.unit),
+                      plan_rejects=[r for r in survey.rejects if r.source not in rejected_before],
+                      samples_skipped=survey.skipped, notes=notes)
+    groups = _RowGroups(store, fields, config, survey, per_task, salt, plan.duplicate_rejects, rejected_before)
+    plan.tasks = itertools.chain(groups.tasks(inputs), units)
+    return plan
+
+
+def rows_per_task(config: EncodeConfig, todo: int, workers: int, sample_bytes: int) -> int:
+    """Rows per task: a shard of about ``run.shard_bytes`` of features, fewer when the job is
+    smaller than one such shard per worker (no worker sits idle), and at most
+    ``run.samples_per_task``."""
+    by_bytes = max(1, int(config.run.shard_bytes) // max(1, sample_bytes))
+    return max(1, min(config.run.samples_per_task, by_bytes, -(-todo // max(1, workers))))
+
+
+class _RowGroups:
+    """The inputs' second pass: each usable row, not a duplicate, not done, into the group of
+    what it lacks; a group's every ``per_task`` rows are a task, its rest one more at the end."""
+
+    def __init__(self, store: featstore.Store, fields: dict[str, Any], config: EncodeConfig, survey: Survey, per_task: int,
+                 salt: str, duplicates: list[Reject], rejected_before: set[str]) -> None:
+        modalities = {name: spec["meta"].get("modality", "") for name, spec in fields.items()}
+        self.lacking = row_classifier(store, modalities, clips=config.frames.clips is not None)
+        self.digest, self.per_task, self.salt = fields_digest(fields), per_task, salt
+        self.suspects, self.duplicates, self.rejected_before = survey.duplicate_hashes, duplicates, rejected_before
+        self.first: dict[int, dict[str, int]] = {}  # a suspect hash -> the ids seen with it -> their input
+
+    def tasks(self, inputs: InputStream) -> Iterator[TaskSpec]:
+        pending: dict[GroupKey, list[InputRow]] = {}
+        for index, batch in inputs.batches():
+            for row in batch.rows:
+                if self._duplicate(row, index) or row.source in self.rejected_before or (key := self.lacking(row)) is None:
+                    continue
+                group = pending.setdefault(key, [])
+                group.append(row)
+                if len(group) == self.per_task:
+                    yield from plan_tasks(group, self.digest, self.per_task, list(key[0]), key[1], salt=self.salt)
+                    pending[key] = []
+        for (missing, new), group in pending.items():
+            yield from plan_tasks(group, self.digest, self.per_task, list(missing), new, salt=self.salt)
+
+    def _duplicate(self, row: InputRow, index: int) -> bool:
+        """Whether an earlier row has this row's id (then it is recorded as a reject)."""
+        if not self.suspects or (h := hash(row.sample_id)) not in self.suspects:
+            return False
+        seen = self.first.setdefault(h, {})
+        if row.sample_id not in seen:
+            seen[row.sample_id] = index
+            return False
+        reason = f"duplicate id {row.sample_id!r}"
+        if seen[row.sample_id] != index:
+            reason += " (an earlier input has it)"
+        elif row.modality == "text" and row.source == f"text:{row.sample_id}" and row.sample_id.startswith("text-"):
+            reason += " (the same text twice: give the rows ids)"
+        if row.source not in self.rejected_before:  # recorded by an earlier run
+            self.duplicates.append(Reject(source=row.source, reason=reason, sample_id=row.sample_id))
+        return True
 
 
 def plan_tasks(rows: list[InputRow], specs_digest: str, per_task: int, fields: list[str], new_samples: bool = True, salt: str = "") -> list[TaskSpec]:
@@ -114,11 +163,12 @@ def unit_notes(units: list[SourceUnit], store: featstore.Store, fields: list[str
             "added to such samples (their inputs are not read again for it): encode those inputs into a new store to have it"]
 
 
-def unit_tasks(units: list[SourceUnit], store: featstore.Store, config: EncodeConfig, fields: list[str]) -> list[TaskSpec]:
+def unit_tasks(units: list[SourceUnit], store: featstore.Store, config: EncodeConfig, fields: list[str], *,
+               part_size: int) -> list[TaskSpec]:
     """One task per unit not done yet, told which of the unit's ids to leave out. A unit is done
     when its task's last shard (named like the task) is committed: the worker commits each full
-    part of ``run.samples_per_task`` samples as ``<task>-pNNNNN`` and the rest last, so a task
-    killed mid-unit resumes after its committed parts and a grown set of tars runs only the new."""
+    part of ``part_size`` samples as ``<task>-pNNNNN`` and the rest last, so a task killed
+    mid-unit resumes after its committed parts and a grown set of tars runs only the new."""
     if not units:
         return []
     retry = config.data.retry_rejects and store.num_rejected() > 0
@@ -132,7 +182,7 @@ def unit_tasks(units: list[SourceUnit], store: featstore.Store, config: EncodeCo
     by_prefix: dict[str, set[str]] = {}
     for sample_id in leave_out:
         by_prefix.setdefault(sample_id.split(":", 1)[0] + ":", set()).add(sample_id)
-    per_part = config.run.samples_per_task
+    per_part = part_size
     tasks = []
     for unit in units:
         # Not named by the fields: a unit done is done (adding a field to its samples is not supported yet, see unit_notes).
@@ -148,44 +198,6 @@ def unit_tasks(units: list[SourceUnit], store: featstore.Store, config: EncodeCo
 def fields_digest(fields: dict[str, Any]) -> str:
     """One hash of every field's fingerprint: what names a task after the encoders it runs."""
     return hashlib.sha256(json.dumps({k: v["meta"]["fingerprint"]["digest"] for k, v in fields.items()}, sort_keys=True).encode()).hexdigest()
-
-
-def fields_to_write(rows: list[InputRow], store: featstore.Store, fields: list[str], text_fields: set[str] | None = None,
-                    *, clips: bool = False) -> dict[tuple[tuple[str, ...], bool], list[InputRow]]:
-    """Rows grouped by (the configured fields they still lack, whether the sample is new): all
-    fields for a new sample, the fields added to the store since for a committed one; a sample
-    that has them all is left out. A text-only row has only ``text_fields`` (no image field:
-    zero image tokens), so its task runs no visual encoder. ``clips`` (``frames.clips`` is set):
-    a video whose clips are committed is left out."""
-    groups: dict[tuple[tuple[str, ...], bool], list[InputRow]] = {}
-    # Only under frames.clips: otherwise an id ``a=1`` is an ordinary id and says nothing of ``a``.
-    clipped = clip_parents(store.sample_ids()) if clips else set()
-    for row in rows:
-        if row.sample_id in clipped:
-            continue  # a video whose clips (``frames.clips``) committed together, in its task's shard
-        new = row.sample_id not in store
-        have = set() if new else set(store.fields_of(row.sample_id))
-        own = fields if row.modality != "text" else [f for f in fields if f in (text_fields or set())]
-        missing = tuple(f for f in own if f not in have)
-        if missing:
-            groups.setdefault((missing, new), []).append(row)
-    return groups
-
-
-def samples_to_encode(rows: list[InputRow], store: featstore.Store | None, specs: list[EncoderSpec]) -> int:
-    """How many rows lack one of the configured fields (the job's size, before any model loads:
-    an encoder names its fields from its config). Rows rejected before count too: a bound."""
-    if store is None:
-        return len(rows)
-    # Imported here: the encoders import torch, which planning a job on a cluster never needs.
-    from mmcache.precompute.encoders import build_encoder
-
-    names = [name for spec in specs for name in build_encoder(spec.name, spec.options).fields()]
-    return sum(len(group) for group in fields_to_write(rows, store, names).values())
-
-
-def rejected_sources(store: featstore.Store) -> set[str]:
-    return set(store.rejects.column("source").to_pylist()) if store.num_rejected() else set()
 
 
 def retry_salt(store: featstore.Store) -> str:

@@ -18,6 +18,7 @@ from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.media import MediaError
 
 DEFAULT_MAX_INPUT_BYTES = 1 << 30  # 1 GiB: any photo or clip; not a disk image by mistake
+OUTSIDE_ROOT = "path resolves outside the input root (a symlink?); set data.allow_outside_root: true to allow it"
 
 
 class InputFileError(ValueError):
@@ -28,11 +29,13 @@ class InputFileError(ValueError):
         self.reason = reason
 
 
-def read_source(uri: str, storage_options: dict[str, Any] | None = None, max_bytes: int | None = None) -> bytes:
+def read_source(uri: str, storage_options: dict[str, Any] | None = None, max_bytes: int | None = None, root: str | None = None) -> bytes:
     """A source file's bytes, at most ``max_bytes`` (``data.max_input_bytes``), checked before
     anything decodes them. A local file must be a regular file (never a FIFO or a device: see
-    ``read_local_file``). Transient faults of an object store are retried; one that persists
-    fails the task (Dask retries it), never turning a readable input into a reject."""
+    ``read_local_file``) and, with ``root`` (the resolved input root), resolve under it: a
+    symlink cannot smuggle ``/etc/passwd`` into a store. Transient faults of an object store are
+    retried; one that persists fails the task (Dask retries it), never turning a readable input
+    into a reject."""
     import fsspec
 
     limit = DEFAULT_MAX_INPUT_BYTES if max_bytes is None else max_bytes
@@ -44,8 +47,11 @@ def read_source(uri: str, storage_options: dict[str, Any] | None = None, max_byt
         with fs.open(remote_path, "rb") as fh:
             return fh.read(limit + 1)
 
+    local = protocol in (None, "file", "local")
+    if local and root is not None and not under_root(os.path.realpath(path), root):
+        raise MediaError(OUTSIDE_ROOT, shown)
     try:
-        data = read_local_file(path, limit) if protocol in (None, "file", "local") else with_retries(fetch, shown, "read")
+        data = read_local_file(path, limit) if local else with_retries(fetch, shown, "read")
     except InputFileError as exc:
         raise MediaError(exc.reason, shown) from None
     except FileNotFoundError as exc:
@@ -53,11 +59,20 @@ def read_source(uri: str, storage_options: dict[str, Any] | None = None, max_byt
         raise MediaError("missing file", shown) from None
     except IsADirectoryError:
         raise MediaError("is a directory, not a file", shown) from None
+    except OSError as exc:
+        if not local:
+            raise
+        raise MediaError(f"cannot stat the file ({exc.strerror})", shown) from None
     if len(data) > limit:
         raise MediaError(f"file is larger than data.max_input_bytes ({limit:,} bytes); raise the limit to encode it", shown)
     if not data:
         raise MediaError("zero-byte file", shown)
     return data
+
+
+def under_root(path: str, root: str | None) -> bool:
+    """Whether the resolved ``path`` is ``root`` or lies under it."""
+    return root is not None and (path == root or path.startswith(root.rstrip("/") + "/"))
 
 
 def read_failure(exc: FileNotFoundError, shown: str) -> None:

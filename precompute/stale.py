@@ -13,6 +13,7 @@ immutable, so re-encoding one means a new id or a new store.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from typing import Any
 
 from mmcache import featstore
@@ -24,11 +25,12 @@ from mmcache.precompute.sources import read_source
 HASH_BATCH = 64
 
 
-def stale_samples(rows: list[InputRow], store: featstore.Store, *, client=None, storage_options: dict[str, Any] | None = None,
+def stale_samples(rows: Iterable[InputRow], store: featstore.Store, *, client=None, storage_options: dict[str, Any] | None = None,
                   check_content: bool = False) -> dict[str, str]:
-    """Sample id -> what changed, for the manifest rows already committed in ``store``."""
-    committed = [row for row in rows if row.sample_id in store]
-    if not committed:
+    """Sample id -> what changed, for the manifest rows already committed in ``store``. ``rows``
+    is read once, as it comes (a manifest's batches); what is kept: the changed rows' ids, and
+    with ``check_content`` what the workers are to hash."""
+    if not len(store):
         return {}
     index = store.index
 
@@ -37,7 +39,10 @@ def stale_samples(rows: list[InputRow], store: featstore.Store, *, client=None, 
 
     captions, hashes, turns = column("caption"), column("content_hash"), column("conversations_sha256")
     stale: dict[str, str] = {}
-    for row in committed:
+    todo: list[tuple[str, str, str]] = []
+    for row in rows:
+        if row.sample_id not in store:
+            continue
         at = store.row(row.sample_id)
         recorded = captions[at] if captions is not None else None
         recorded_turns = turns[at] if turns is not None else None
@@ -47,9 +52,9 @@ def stale_samples(rows: list[InputRow], store: featstore.Store, *, client=None, 
             stale[row.sample_id] = "conversations changed" if row.conversations is not None else "conversations removed"
         elif recorded is not None and recorded != row.caption:
             stale[row.sample_id] = "caption changed"
-    if check_content and hashes is not None and client is not None:
-        todo = [(row.sample_id, row.uri, hashes[store.row(row.sample_id)]) for row in committed if row.sample_id not in stale]
-        todo = [item for item in todo if item[2]]  # text-only samples record no content hash
+        elif check_content and hashes is not None and hashes[at]:  # text-only samples record no content hash
+            todo.append((row.sample_id, row.uri, hashes[at]))
+    if check_content and todo and client is not None:
         batches = [todo[i : i + HASH_BATCH] for i in range(0, len(todo), HASH_BATCH)]
         futures = client.map(changed_contents, batches, storage_options=storage_options, pure=False, retries=3)
         for future in futures:

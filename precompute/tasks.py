@@ -300,7 +300,7 @@ def _prepare_row(row: InputRow, rules: dict[str, Any], new_sample: bool, setting
     if not rules and not new_sample:
         return [(row, None)]  # only a text field added to committed samples: their media need no reading
     # Read even when no visual encoder runs: a new sample's media must exist and be readable.
-    data = given if given is not None else read_source(row.uri, settings.input_storage_options, settings.max_input_bytes)
+    data = given if given is not None else read_source(row.uri, settings.input_storage_options, settings.max_input_bytes, row.root)
     if not rules:
         return [(row, None)]
     # Provenance and messages get the URL without a signature or token, never the credential.

@@ -259,7 +259,7 @@ def test_a_worker_dead_before_its_encoders_load_hangs_nothing(tmp_path, dataset)
         executor = DaskExecutor(client, placement, 2)
         first = executor.addresses[0]
         os.kill(client.run(os.getpid, workers=[first])[first], signal.SIGKILL)
-        specs, _ = executor.resolve_specs(config)
+        specs, _, _ = executor.resolve_specs(config)
         start = time.monotonic()
         loaded = executor.load_encoders(specs, "cpu").result()
         assert {"latent", "text_emb"} <= set(loaded["fields"]) and time.monotonic() - start < 120

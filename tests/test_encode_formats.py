@@ -163,10 +163,12 @@ def test_killed_tar_encode_resumes_exactly_once(tmp_path):
     shards = tmp_path / "shards"
     shards.mkdir()
     for shard in range(3):
-        write_tar(shards / f"{shard:05d}.tar", shard, 64)  # tiny's 16 per part: 4 shards per tar
+        write_tar(shards / f"{shard:05d}.tar", shard, 64)  # parts of 16: 4 shards per tar
     out = tmp_path / "store"
+    # A tar's parts are shards of about run.shard_bytes: tiny's samples (~5 KB) would need a tar of
+    # 50k of them to make two, so parts are capped at 16 samples here, to be killed between parts.
     cmd = [str(Path(sys.executable).parent / "mmcache"), "encode", "--config", "tiny", "--input", str(shards / "{00000..00002}.tar"),
-           "--output", str(out)]
+           "--output", str(out), "--set", "run.samples_per_task=16"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.time() + 240
     while _committed_shards(out) < 2 and time.time() < deadline and proc.poll() is None:

@@ -17,11 +17,13 @@ from mmcache.featstore.config import load_config
 from mmcache.precompute.config import EncodeConfig
 from mmcache.precompute.demo_data import make_dataset
 from mmcache.precompute.executors import choose_placement, open_executor
-from mmcache.precompute.inputs import read_inputs
+from mmcache.precompute.feature_bytes import outline
+from mmcache.precompute.input_sources import InputStream
 from mmcache.precompute.output_store import open_or_create
-from mmcache.precompute.pipeline import Executed, execute, run_encode
+from mmcache.precompute.pipeline import Executed, execute, run_encode, source_options
 from mmcache.precompute.plan import plan_encode
-from mmcache.precompute.specs import TaskSettings, encoder_specs
+from mmcache.precompute.specs import TaskSettings, encoder_specs, takes_text_only
+from mmcache.precompute.survey import survey
 from mmcache.precompute.tasks import PROCESS_ENCODERS
 
 
@@ -50,9 +52,12 @@ def encoded(tmp_path_factory):
 
 
 def _plan(config, manifest, store, workers):
-    rows, rejects = read_inputs(str(manifest), allow_empty_caption=config.data.allow_empty_caption)
-    return plan_encode(config, rows=rows, rejects=rejects, store=store, fields=_fields_of(store), specs=encoder_specs(config),
-                       workers=workers, output_url=store.url)
+    specs = encoder_specs(config)
+    inputs = InputStream(str(manifest), source_options(config, None, takes_text_only(specs)))
+    fields = outline(specs, config)
+    surveyed = survey(inputs, store, fields.fields, clips=False, retry_rejects=False)
+    return plan_encode(config, inputs=inputs, survey=surveyed, store=store, fields=_fields_of(store), specs=specs,
+                       workers=workers, output_url=store.url, sample_bytes=fields.mean_bytes(surveyed.kinds))
 
 
 def test_plan_is_pure_and_execute_gives_the_same_store(encoded, tmp_path):
@@ -66,19 +71,21 @@ def test_plan_is_pure_and_execute_gives_the_same_store(encoded, tmp_path):
     with open_executor(placement) as executor:
         before, loads = _files(out), PROCESS_ENCODERS.loads
         plan = _plan(config, manifest, store, executor.workers)
+        tasks = list(plan.tasks)  # made as they are asked for: a second pass over the manifest
+        plan.tasks = iter(tasks)
         # Pure: no model loaded, nothing written.
         assert PROCESS_ENCODERS.loads == loads and _files(out) == before
         # Complete: every row in one task, the typed settings every task needs.
-        assert sorted(r.sample_id for t in plan.tasks for r in t.rows) == sorted(reference.sample_ids())
+        assert sorted(r.sample_id for t in tasks for r in t.rows) == sorted(reference.sample_ids())
         assert plan.samples == 6 and plan.samples_skipped == 0 and not plan.plan_rejects
         assert plan.settings == dataclasses.replace(TaskSettings.from_config(config, None), store_manifest=store.manifest)
         assert plan.settings.transform() == reference.attrs["transform"]
         with pytest.raises(dataclasses.FrozenInstanceError):
             plan.settings.batch_size = 1  # type: ignore[misc]
         # What crosses to a Dask worker pickles to an equal value.
-        assert pickle.loads(pickle.dumps((plan.settings, plan.tasks, plan.specs))) == (plan.settings, plan.tasks, plan.specs)
+        assert pickle.loads(pickle.dumps((plan.settings, tasks, plan.specs))) == (plan.settings, tasks, plan.specs)
         executed = execute(plan, executor, progress=False)
-    assert executed == Executed(tasks=len(plan.tasks), tasks_skipped=0, samples_written=6, rejected=0)
+    assert executed == Executed(tasks=len(tasks), tasks_skipped=0, samples_written=6, rejected=0)
     planned = featstore.open(str(out))
     # The same tasks as run_encode's (their names hash rows and encoders), so the same shards.
     assert sorted(planned.shards) == sorted(reference.shards)
@@ -93,4 +100,4 @@ def test_plan_is_pure_and_execute_gives_the_same_store(encoded, tmp_path):
 def test_a_complete_store_plans_no_task(encoded):
     manifest, reference = encoded
     plan = _plan(_config(), manifest, reference, workers=1)
-    assert plan.tasks == [] and plan.samples_skipped == 6 and plan.settings.store_manifest is None
+    assert list(plan.tasks) == [] and plan.samples_skipped == 6 and plan.settings.store_manifest is None

@@ -71,6 +71,11 @@ class TextSample:
     images: int = 0
 
 
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of a stored dtype (bfloat16 has no numpy dtype of its own)."""
+    return 2 if name == "bfloat16" else np.dtype(name).itemsize
+
+
 # ----------------------------------------------------------------------------- registry
 
 ENCODERS: dict[str, type[Encoder]] = {}
@@ -137,6 +142,13 @@ class Encoder(ABC):
     def size_rule(self) -> SizeRule:
         """Size constraints for preprocessing (text encoders have none)."""
         return SizeRule()
+
+    def estimated_bytes(self, area: int, frames: int) -> int:
+        """About how many bytes this encoder stores for one input of ``area`` pixels and
+        ``frames`` frames (1: an image; 0: a text-only row), from its config alone (no weights
+        load): what sizes an encode job's tasks and shards (``precompute.feature_bytes``). An
+        upper bound where the size depends on the input (a caption's length)."""
+        return 0
 
     def field_metadata(self) -> dict[str, dict[str, Any]]:
         """Per-field constants the trainer needs (latent scaling, normalisation, ...)."""

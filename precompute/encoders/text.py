@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from mmcache.precompute.encoders.base import (
+    dtype_bytes,
     Encoder,
     EncoderConfigError,
     EncoderInputError,
@@ -87,6 +88,10 @@ class T5FamilyEncoder(Encoder):
     def fields(self) -> dict[str, FieldSpec]:
         name = self.config.field
         return {name: FieldSpec(name=name, dtype=self.config.dtype, ndim=2, modality="text")}
+
+    def estimated_bytes(self, area: int, frames: int) -> int:
+        """A caption of ``max_length`` tokens (an upper bound: a shorter one is stored shorter)."""
+        return int(self.config.max_length * (self._read_config().get("d_model") or 4096) * dtype_bytes(self.config.dtype))
 
     def field_metadata(self) -> dict[str, dict[str, Any]]:
         hidden = self._read_config().get("d_model")

@@ -109,6 +109,10 @@ class TokenizerEncoder(Encoder):
             mask: FieldSpec(name=mask, dtype="uint8", ndim=1, modality="text"),
         }
 
+    def estimated_bytes(self, area: int, frames: int) -> int:
+        """``max_length`` tokens (an upper bound) of int32 ids and uint8 target-mask entries."""
+        return self.config.max_length * 5
+
     def field_metadata(self) -> dict[str, dict[str, Any]]:
         self.require_loaded()
         tok = self.tokenizer

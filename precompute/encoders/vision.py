@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from mmcache.precompute.encoders.base import (
+    dtype_bytes,
     EncoderConfigError,
     EncoderInputError,
     FieldSpec,
@@ -100,6 +101,16 @@ class ViTEncoder(VisualEncoder):
                 raise EncoderConfigError(f"{self.config.path} holds a {raw.get('model_type')!r} model, not {self.model_type!r}")
             self._raw_config, self._vision_config = raw, vision
         return self._vision_config
+
+    def estimated_bytes(self, area: int, frames: int) -> int:
+        """Patch tokens x hidden size: per tile of the model's image size (the grid's most tiles,
+        plus a thumbnail), or of ``area`` with dynamic resolution; per frame of a video."""
+        vision = self.vision_config()
+        patch, size = _side(vision.get("patch_size", 16)), _side(vision.get("image_size", 224))
+        tokens = area // (patch * patch) if self.config.dynamic_resolution else (size // patch) ** 2
+        tiling = self.config.tiling
+        tiles = 1 if tiling is None else tiling.max_tiles + int(tiling.thumbnail and tiling.max_tiles > 1)
+        return int(tokens * tiles * frames * (vision.get("hidden_size") or 1024) * dtype_bytes(self.config.dtype))
 
     def size_rule(self) -> SizeRule:
         vision = self.vision_config()

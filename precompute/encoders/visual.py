@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmcache.precompute.encoders.base import Encoder, EncoderInputError, check_finite, to_numpy, torch_dtype
+from mmcache.precompute.encoders.base import Encoder, EncoderInputError, check_finite, dtype_bytes, to_numpy, torch_dtype
 from mmcache.precompute.media import PreparedMedia
 
 
@@ -26,6 +26,16 @@ class VisualEncoder(Encoder):
     @property
     def field_name(self) -> str:
         return self.config.field
+
+    def estimated_bytes(self, area: int, frames: int) -> int:
+        """A latent: channels x (area / compression^2) x its frames, in the stored dtype."""
+        if not frames:
+            return 0
+        meta = self.field_metadata()[self.field_name]
+        spatial, temporal = meta.get("spatial_compression", 8), meta.get("temporal_compression", 1)
+        channels = meta.get("latent_channels") or meta.get("z_dim") or 16
+        latent_frames = 1 + (frames - 1) // temporal
+        return int(channels * (area // (spatial * spatial)) * latent_frames * dtype_bytes(self.config.dtype))
 
     @property
     def micro_batch(self) -> int:

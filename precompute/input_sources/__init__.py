@@ -14,9 +14,9 @@ from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.input_sources import files, llava, parquet_media, webdataset  # noqa: F401  (they register)
 from mmcache.precompute.input_sources.base import SOURCES, InputSource, Member, SourceOptions, SourceRead, SourceUnit
 from mmcache.precompute.input_sources.expand import expand_inputs
-from mmcache.precompute.inputs import EmptyInputError, InputRow, ManifestError, Reject
+from mmcache.precompute.inputs import EmptyInputError, InputRow, ManifestError, Reject, RowKey
 
-__all__ = ["InputSet", "Member", "SourceOptions", "SourceUnit", "open_unit", "read_all", "source_for"]
+__all__ = ["InputSet", "InputStream", "Member", "SourceOptions", "SourceUnit", "open_unit", "read_all", "source_for"]
 
 
 @dataclass(kw_only=True)
@@ -46,7 +46,7 @@ def read_all(patterns: str | list[str], options: SourceOptions) -> InputSet:
     urls = expand_inputs(patterns, options.storage_options)
     single = len(urls) == 1
     each = options if single else dataclasses.replace(options, allow_empty=True)
-    out, seen, prefixes = InputSet(), set[str](), dict[str, str]()
+    out, seen = InputSet(), set[str]()
     for url in urls:
         read: SourceRead = source_for(url).read(url, each)
         for row in read.rows:
@@ -56,16 +56,60 @@ def read_all(patterns: str | list[str], options: SourceOptions) -> InputSet:
             seen.add(row.sample_id)
             out.rows.append(dataclasses.replace(row, input=redact_url(url)))
         out.rejects.extend(read.rejects)
-        for unit in read.units:
-            if unit.id_prefix and prefixes.setdefault(unit.id_prefix, unit.shown) != unit.shown:
-                raise ManifestError(
-                    f"inputs {prefixes[unit.id_prefix]!r} and {unit.shown!r} share the name {unit.id_prefix.rstrip(':')!r}, so their "
-                    f"samples' ids ({unit.id_prefix}<key>) would collide; encode them into separate stores or rename one")
-        out.units.extend(read.units)
+        add_units(out.units, read.units)
     if not single and not (out.rows or out.rejects or out.units) and not options.allow_empty:
         shown = ", ".join(redact_url(u) for u in urls[:3])
         raise EmptyInputError(f"inputs {shown}: no rows at all; nothing to encode (pass --allow-empty to accept an empty input)")
     return out
+
+
+def add_units(units: list[SourceUnit], new: list[SourceUnit]) -> None:
+    """Append ``new`` to ``units``; two containers whose ids would share a prefix are an error."""
+    prefixes = {unit.id_prefix: unit.shown for unit in units if unit.id_prefix}
+    for unit in new:
+        if unit.id_prefix and prefixes.setdefault(unit.id_prefix, unit.shown) != unit.shown:
+            raise ManifestError(
+                f"inputs {prefixes[unit.id_prefix]!r} and {unit.shown!r} share the name {unit.id_prefix.rstrip(':')!r}, so their "
+                f"samples' ids ({unit.id_prefix}<key>) would collide; encode them into separate stores or rename one")
+    units.extend(new)
+
+
+class InputStream:
+    """Every input of a job, for the planner to read in batches, once per pass: a manifest is
+    streamed again each time (``InputSource.batches``); a folder, a LLaVA JSON or a container's
+    footer is read whole the first time and kept (as before this class: their rows fit in memory).
+    ``units`` is complete once one pass has ended."""
+
+    def __init__(self, patterns: str | list[str], options: SourceOptions) -> None:
+        patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+        self.urls = expand_inputs(patterns, options.storage_options)
+        self.allow_empty = options.allow_empty
+        # Each input of several may be empty: whether all are is judged once (precompute.survey).
+        self.options = options if len(self.urls) == 1 else dataclasses.replace(options, allow_empty=True)
+        self.units: list[SourceUnit] = []
+        self._whole: dict[int, SourceRead] = {}
+
+    def batches(self, keys_only: bool = False) -> Iterator[tuple[int, SourceRead]]:
+        """(the input's position in ``urls``, a batch of its rows and rejects), in input order;
+        ``keys_only``: each row only its ``RowKey`` (what planning's first pass needs)."""
+        for index, url in enumerate(self.urls):
+            source = source_for(url)
+            if source.batches is not None:
+                for batch in source.batches(url, self.options, not keys_only):
+                    yield index, batch
+                continue
+            if index not in self._whole:
+                self._whole[index] = self._read_whole(url, source)
+            whole = self._whole[index]
+            if keys_only:
+                whole = SourceRead(rows=[RowKey(r.sample_id, r.source, r.modality) for r in whole.rows], rejects=whole.rejects)
+            yield index, whole
+
+    def _read_whole(self, url: str, source: InputSource) -> SourceRead:
+        read = source.read(url, self.options)
+        add_units(self.units, read.units)
+        shown = redact_url(url)
+        return SourceRead(rows=[dataclasses.replace(row, input=shown) for row in read.rows], rejects=read.rejects, units=read.units)
 
 
 def open_unit(unit: SourceUnit, storage_options: dict[str, Any] | None, max_bytes: int) -> Iterator[Member]:

@@ -70,7 +70,7 @@ class Member:
 
 @dataclass(kw_only=True)
 class SourceRead:
-    rows: list[InputRow] = field(default_factory=list)
+    rows: list[Any] = field(default_factory=list)  # InputRows, or only their RowKeys (InputStream.batches)
     rejects: list[Reject] = field(default_factory=list)
     units: list[SourceUnit] = field(default_factory=list)
 
@@ -82,6 +82,10 @@ class InputSource:
     read: Callable[[str, SourceOptions], SourceRead]
     # The worker side of a unit source: (unit, storage options, max member bytes) -> its members.
     stream: Callable[[SourceUnit, dict[str, Any] | None, int], Iterator[Member]] | None = None
+    # A source whose rows the planner reads in batches, again for each pass, never all at once
+    # (a manifest); the others are read whole, once (``read``). Its third argument: whole rows
+    # (True), or only their ``RowKey``s (planning's first pass).
+    batches: Callable[[str, SourceOptions, bool], Iterator[SourceRead]] | None = None
 
 
 SOURCES: dict[str, InputSource] = {}

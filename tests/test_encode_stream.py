@@ -1,0 +1,143 @@
+"""Streamed planning (precompute.survey, precompute.plan): duplicate ids found across batches and
+inputs, local files checked by the task that reads them (not stat'ed by the planner),
+``mmcache encode --dry-run`` (its plan is what a run then does; it loads and writes nothing),
+and tasks sized by bytes: 300 tiny samples on 2 workers leave at most 4 shards. Real files, the
+tiny encoders, the in-process executor (a real LocalCluster for the 2 workers)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from mmcache import featstore
+from mmcache.featstore.config import load_config
+from mmcache.precompute.cli import cli
+from mmcache.precompute.config import EncodeConfig
+from mmcache.precompute.demo_data import make_dataset
+from mmcache.precompute.dry_run import dry_run
+from mmcache.precompute.input_sources import files
+from mmcache.precompute.pipeline import run_encode
+from mmcache.precompute.sources import OUTSIDE_ROOT
+from mmcache.precompute.tasks import PROCESS_ENCODERS
+
+
+def _rows(manifest: Path) -> list[dict]:
+    return [json.loads(line) for line in manifest.read_text().splitlines()]
+
+
+def _write(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _encode(config: EncodeConfig, inputs, out: Path, **kw):
+    return run_encode(config, inputs, str(out), progress=False, log=lambda *_: None, **kw)
+
+
+def _tiny(*overrides: str) -> EncodeConfig:
+    return load_config(EncodeConfig, "tiny", "encode", list(overrides))
+
+
+def test_dry_run_prints_the_plan_a_run_then_follows_and_loads_and_writes_nothing(tmp_path):
+    manifest = make_dataset(tmp_path / "data", num_images=5, num_videos=1)
+    rows = _rows(manifest)
+    rows += [{**rows[0], "caption": "the same id again"}, {"path": rows[1]["path"], "caption": "   ", "id": "blank"}]
+    manifest = _write(manifest, rows)
+    out, loads = tmp_path / "out", PROCESS_ENCODERS.loads
+    shown = CliRunner().invoke(cli, ["encode", "--config", "tiny", "--input", str(manifest), "--output", str(out), "--dry-run"])
+    assert shown.exit_code == 0, shown.output
+    assert not out.exists() and PROCESS_ENCODERS.loads == loads  # nothing written, no model loaded
+    assert "7 usable row(s) of which 1 repeat an earlier id" in shown.output
+    assert "1 row(s) rejected while reading (1 x empty caption" in shown.output
+    assert "to encode: 6 sample(s) (image 5, video 1)" in shown.output and "estimate" in shown.output
+    plan = dry_run(_tiny(), str(manifest), str(out))
+    assert (plan.survey.todo, plan.survey.duplicates, len(plan.survey.rejects)) == (6, 1, 1)
+    # The run does what the dry run said: its tasks, one shard each, and its rejects.
+    summary = _encode(_tiny(), str(manifest), out)
+    store = featstore.open(str(out))
+    assert summary.samples_written == 6 and summary.tasks == plan.tasks == len(store.shards) - 2  # + the two reject shards
+    assert sorted(r["reason"].split(" ")[0] for r in store.rejects.to_pylist()) == ["duplicate", "empty"]
+    again = dry_run(_tiny(), str(manifest), str(out))
+    assert (again.survey.todo, again.survey.skipped, again.survey.duplicates, again.tasks) == (0, 6, 1, 0)
+
+
+def test_local_files_are_checked_by_the_task_that_reads_them(tmp_path):
+    """Planning stats no file; the task reading one rejects it as the planner used to: a link out
+    of the input root, a named pipe (which would block a read forever), a file over the limit."""
+    data = tmp_path / "data"
+    manifest = make_dataset(data, num_images=2, num_videos=0)
+    limit = max(p.stat().st_size for p in (data / "media").iterdir()) + 1
+    (tmp_path / "secret.png").write_bytes((data / "media" / "image_000.png").read_bytes())
+    os.symlink(tmp_path / "secret.png", data / "escape.png")
+    os.mkfifo(data / "pipe.png")
+    (data / "big.png").write_bytes(b"\0" * (limit + 1))
+    manifest = _write(manifest, _rows(manifest) + [{"path": name, "caption": "x"} for name in ("escape.png", "pipe.png", "big.png")])
+    config = _tiny(f"data.max_input_bytes={limit}")
+    plan = dry_run(config, str(manifest), str(tmp_path / "out"))
+    assert plan.survey.todo == 5 and not plan.survey.rejects
+    summary = _encode(config, str(manifest), tmp_path / "out")
+    assert summary.samples_written == 2 and summary.rejected == 3
+    reasons = {r["source"]: r["reason"] for r in featstore.open(str(tmp_path / "out")).rejects.to_pylist()}
+    assert reasons["escape.png"] == OUTSIDE_ROOT
+    assert reasons["pipe.png"] == "not a regular file (a named pipe); only regular files are read"
+    assert reasons["big.png"].startswith(f"file is larger than data.max_input_bytes ({limit + 1:,} > {limit:,} bytes)")
+
+
+def test_duplicate_ids_are_found_across_batches_and_inputs(tmp_path, monkeypatch):
+    monkeypatch.setattr(files, "BATCH_ROWS", 2)  # every few rows a batch of its own
+    data = tmp_path / "data"
+    rows = _rows(make_dataset(data, num_images=4, num_videos=0))
+    first = _write(data / "a.jsonl", rows + [{**rows[0], "caption": "again, 4 rows later"}])
+    second = _write(data / "b.jsonl", [{**rows[1], "caption": "in the second input"}, {"path": rows[2]["path"], "caption": "new", "id": "n"}])
+    plan = dry_run(_tiny(), [str(first), str(second)], str(tmp_path / "out"))
+    assert (plan.survey.rows, plan.survey.duplicates, plan.survey.todo) == (7, 2, 5)
+    summary = _encode(_tiny(), [str(first), str(second)], tmp_path / "out")
+    store = featstore.open(str(tmp_path / "out"))
+    assert summary.samples_written == len(store) == 5 and summary.rejected == 2
+    reasons = {r["source"]: r["reason"] for r in store.rejects.to_pylist()}
+    assert reasons == {rows[0]["path"]: "duplicate id 'media:image_000.png'",
+                       rows[1]["path"]: "duplicate id 'media:image_001.png' (an earlier input has it)"}
+
+
+def test_300_tiny_samples_on_2_workers_leave_at_most_4_shards(tmp_path):
+    data = tmp_path / "data"
+    rows = _rows(make_dataset(data, num_images=6, num_videos=0))
+    manifest = _write(data / "many.jsonl", [{**rows[i % 6], "id": f"s{i:03d}"} for i in range(300)])
+    summary = _encode(_tiny(), str(manifest), tmp_path / "out", workers=2)
+    store = featstore.open(str(tmp_path / "out"))
+    assert summary.executor == "processes" and summary.samples_written == len(store) == 300
+    assert len(store.shards) <= 4, sorted(store.shards)
+
+
+def test_a_few_tasks_per_worker_are_in_flight_and_the_next_follow_as_they_finish(tmp_path, monkeypatch):
+    """The client takes a task from the plan only when fewer than IN_FLIGHT_PER_WORKER per worker
+    run: at the k-th task taken, at least k - limit have committed their shards."""
+    from mmcache.precompute import pipeline
+
+    data = tmp_path / "data"
+    rows = _rows(make_dataset(data, num_images=4, num_videos=0))
+    manifest = _write(data / "m.jsonl", [{**rows[i % 4], "id": f"s{i:02d}"} for i in range(14)])
+    out, taken, behind = tmp_path / "out", [], []
+    execute = pipeline.execute
+
+    def watched(plan, executor, **kw):
+        limit = pipeline.IN_FLIGHT_PER_WORKER * executor.workers
+        tasks = plan.tasks
+
+        def counted():
+            for task in tasks:
+                taken.append(task.shard)
+                committed = len([s for s in featstore.open(str(out)).shards if s.startswith("t-")])
+                behind.append(len(taken) - limit - committed)
+                yield task
+
+        plan.tasks = counted()
+        return execute(plan, executor, **kw)
+
+    monkeypatch.setattr(pipeline, "execute", watched)  # the real execute, its plan's tasks counted as taken
+    summary = _encode(_tiny("run.samples_per_task=1"), str(manifest), out)
+    assert summary.samples_written == 14 and len(taken) == 14
+    assert max(behind) <= 0, behind  # never more than the limit taken and not committed
