@@ -30,6 +30,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from mmcache.featstore import format as fmt
 from mmcache.featstore.checkpoints import (
@@ -41,6 +42,7 @@ from mmcache.featstore.checkpoints import (
     checkpoint_keys,
     digest_of,
     marker_name,
+    marker_doc,
     markers,
     read_checkpoint,
 )
@@ -105,7 +107,9 @@ def compact_store(storage: Storage, *, keep: int = KEEP, rebuild: bool = False) 
             "record": [json.dumps(records[entry]) if isinstance(records[entry], dict) else records[entry].record for entry, _ in gathered.order],
         })
         # Nothing time- or writer-dependent: compactors of the same parts write the same bytes.
-        doc = {"checkpoint_version": CHECKPOINT_VERSION, "format_version": fmt.FORMAT_VERSION, "rows": gathered.table.num_rows}
+        # "samples": distinct ids, what lets a reader answer len() from the shard table alone.
+        samples = pc.count_distinct(gathered.table.column("id")).as_py() if gathered.table.num_rows else 0
+        doc = {"checkpoint_version": CHECKPOINT_VERSION, "format_version": fmt.FORMAT_VERSION, "rows": gathered.table.num_rows, "samples": samples}
         parts_raw = parquet_bytes(described, {CHECKPOINT_METADATA_KEY: json.dumps(doc).encode()})
         rows_raw = parquet_bytes(gathered.table.replace_schema_metadata(None), {})
         digest = digest_of(parts_raw, rows_raw)
@@ -117,7 +121,7 @@ def compact_store(storage: Storage, *, keep: int = KEEP, rebuild: bool = False) 
                 storage.write_atomic(key, raw)
         # Trusted only once read back whole and matching its name; only then is it published.
         read_checkpoint(storage, digest, "")
-        storage.write_new(f"{fmt.INDEX_DIR}/{marker_name(len(gathered.order), digest)}", json.dumps({"parts": len(gathered.order), "rows": gathered.table.num_rows}).encode())
+        storage.write_new(f"{fmt.INDEX_DIR}/{marker_name(len(gathered.order), digest)}", marker_doc(len(gathered.order), gathered.table.num_rows, parts_raw, rows_raw))
         summary.key, summary.nbytes, summary.written = f"{CHECKPOINT_DIR}/{digest}", len(parts_raw) + len(rows_raw), True
     summary.pruned = _prune(storage, summary.key, keep, everything=rebuild)
     return summary

@@ -13,13 +13,15 @@ that racing writers both committed is read from the earliest commit; the others 
 from __future__ import annotations
 
 from collections.abc import Sequence
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from mmcache.featstore.checkpoints import find_checkpoint
+from mmcache.featstore.checkpoints import CheckpointWarning, find_checkpoint
 from mmcache.featstore.errors import CorruptionError, SnapshotError
 from mmcache.featstore.index import IndexPart, ShardInfo, index_parts, list_index, parse_index_part_record, read_parts, shard_info
 from mmcache.featstore.storage import Storage
@@ -46,26 +48,70 @@ class Snapshot:
 
 @dataclass
 class GatheredParts:
-    """The index parts of one listing, checked, in snapshot order, with their rows."""
+    """The index parts of one listing, checked, in snapshot order. Their rows (``table``) are
+    concatenated on first use: an open from a checkpoint needs only the shard table."""
 
+    storage: Storage
     listing: dict[str, str]                 # every name under index/ -> its listing fingerprint
     order: list[tuple[str, ShardInfo]]      # (file name under index/, shard), commit order then name
-    table: pa.Table                         # their rows in that order, plus a "shard" column
     records: dict[str, Any]                 # file name -> commit record (a dict; from a checkpoint, its CoveredPart)
     damaged: dict[str, str]
+    tables: dict[str, pa.Table]             # file name -> rows, of the parts read whole
     checkpoint: Any = None                  # the featstore.checkpoints.Checkpoint used, if any
-    covered: set[str] = field(default_factory=set)  # parts whose rows came from it
+    covered: dict[str, Any] = field(default_factory=dict)  # file name -> CoveredPart, the parts whose rows come from it
+    _table: pa.Table | None = None
+
+    @property
+    def table(self) -> pa.Table:
+        """Every part's rows in snapshot order, plus a "shard" column."""
+        if self._table is None:
+            self._table = _concat(self.order, self.covered, self._checkpoint_rows(), self.tables)
+        return self._table
+
+    def _checkpoint_rows(self) -> pa.Table | None:
+        """The checkpoint's rows. Where they prove damaged or gone once read (a lazily opened
+        checkpoint's), the parts it covers are read instead, as an open would have done."""
+        if not self.covered:
+            return None
+        try:
+            return self.checkpoint.table
+        except (CorruptionError, FileNotFoundError) as exc:
+            warnings.warn(f"{exc}; it is ignored and the index parts it covers are read instead (`mmcache compact {self.storage.url}` replaces it)",
+                          CheckpointWarning, stacklevel=4)
+        self.tables.update(_read_whole(self.storage, list(self.covered)))
+        self.covered = {}
+        return None
+
+    def rows_of(self, entry: str) -> pa.Table:
+        """The rows of one part (a file name under index/), with a "shard" column: from what was
+        read already, else from the part itself (a covered part is listed with the fingerprint
+        the checkpoint recorded: it is the very object whose rows the checkpoint holds)."""
+        table = self.tables.get(entry)
+        if table is not None:
+            return table
+        part = self.covered.get(entry)
+        if self._table is not None and part is not None:
+            return self.checkpoint.table.slice(part.start, part.info.num_samples)
+        return _read_whole(self.storage, [entry])[entry]
+
+
+def _read_whole(storage: Storage, entries: list[str]) -> dict[str, pa.Table]:
+    """The rows of these parts, read from the parts themselves (a damaged one is an error)."""
+    found = _Found({}, {}, {})
+    found.read(storage, index_parts(entries), strict=True)
+    return found.tables
 
 
 def gather_parts(storage: Storage, *, strict: bool, list_parts: bool = True, only: Sequence[str] | None = None,
-                 use_checkpoint: bool = True, checkpoint_problems: list[str] | None = None) -> GatheredParts:
+                 use_checkpoint: bool = True, checkpoint_problems: list[str] | None = None, lazy: bool = False) -> GatheredParts:
     """List ``index/`` once and gather the committed parts (``only`` those shards, if given): the
     rows of those a checkpoint covers from it (one read), the others from their own parts. A part
     is taken from the checkpoint only while it is listed with the fingerprint the checkpoint
-    recorded, so the result is exactly what reading every listed part gives."""
+    recorded, so the result is exactly what reading every listed part gives. ``lazy``: the
+    checkpoint's rows are read when ``table`` is first used."""
     listing = list_index(storage) if list_parts else {}
     wanted = None if only is None else set(only)
-    checkpoint = find_checkpoint(storage, listing, checkpoint_problems) if use_checkpoint and listing else None
+    checkpoint = find_checkpoint(storage, listing, checkpoint_problems, lazy=lazy) if use_checkpoint and listing else None
     covered = {} if checkpoint is None else {
         entry: part for entry, part in checkpoint.parts.items()
         if listing.get(entry) == part.listed and (wanted is None or part.info.name in wanted)
@@ -82,8 +128,7 @@ def gather_parts(storage: Storage, *, strict: bool, list_parts: bool = True, onl
             f"{storage.url}: {len(gone)} shard(s) of the requested snapshot are not committed there, e.g. {gone[0]!r}; "
             "the store was changed or is a different one"
         )
-    table = _concat(order, covered, checkpoint, found.tables)
-    return GatheredParts(listing, order, table, found.records, found.damaged, checkpoint, set(covered))
+    return GatheredParts(storage, listing, order, found.records, found.damaged, found.tables, checkpoint, covered)
 
 
 @dataclass
@@ -116,12 +161,12 @@ class _Found:
             self.tables[part.entry] = table.append_column("shard", pa.array([part.shard] * table.num_rows, pa.string()))
 
 
-def _concat(order: list[tuple[str, ShardInfo]], covered: dict[str, Any], checkpoint: Any, tables: dict[str, pa.Table]) -> pa.Table:
-    """Every part's rows in snapshot order. The checkpoint's rows are in snapshot order too:
-    consecutive covered parts are one slice of it."""
+def _concat(order: list[tuple[str, ShardInfo]], covered: dict[str, Any], rows: pa.Table | None, tables: dict[str, pa.Table]) -> pa.Table:
+    """Every part's rows in snapshot order. The checkpoint's rows (``rows``) are in snapshot
+    order too: consecutive covered parts are one slice of it."""
     pieces: list[pa.Table] = []
     run: list[int] = []
-    rows = checkpoint.table if checkpoint is not None else pa.table({})
+    rows = rows if rows is not None else pa.table({})
     for entry, info in order:
         part = covered.get(entry)
         if part is not None and run and run[1] == part.start:
@@ -142,7 +187,32 @@ def _concat(order: list[tuple[str, ShardInfo]], covered: dict[str, Any], checkpo
 def load_snapshot(storage: Storage, fields: list[str], *, strict: bool, list_parts: bool = True, only: Sequence[str] | None = None) -> Snapshot:
     """Read the committed index parts (``only`` those shards, if given; none with ``list_parts=False``).
     A damaged part fails the open when ``strict``, and is left out and reported otherwise."""
-    gathered = gather_parts(storage, strict=strict, list_parts=list_parts, only=only)
+    return snapshot_of(gather_parts(storage, strict=strict, list_parts=list_parts, only=only), fields)
+
+
+def dense_samples(gathered: GatheredParts, fields: list[str]) -> int | None:
+    """The number of samples when the snapshot is dense (every shard with samples holds exactly
+    ``fields`` and no id repeats, so a sample's position is its row), else None; found without a
+    Python object per sample. From a checkpoint that covers every part, its count of distinct
+    ids answers (nothing per sample is read); otherwise the ids are counted in Arrow."""
+    infos = [info for _, info in gathered.order if info.num_samples]
+    wanted = set(fields)
+    if any(set(info.layouts) != wanted for info in infos):
+        return None
+    rows = sum(info.num_samples for info in infos)
+    checkpoint, covered = gathered.checkpoint, gathered.covered
+    counted = sum(part.info.num_samples for part in covered.values())
+    if covered and checkpoint.samples is not None and len(covered) == len(checkpoint.parts) and counted == rows:
+        return rows if checkpoint.samples == rows else None
+    if not rows:
+        return 0
+    distinct = pc.count_distinct(gathered.table.column("id")).as_py()
+    return rows if distinct == rows else None
+
+
+def snapshot_of(gathered: GatheredParts, fields: list[str]) -> Snapshot:
+    """The per-sample snapshot of gathered parts (a Python object per sample: what a whole-store
+    operation, a lookup by id or a store that is not dense needs)."""
     shards = {info.name: info for _, info in gathered.order}
     table = gathered.table
     ids = table.column("id").to_pylist()
@@ -152,7 +222,7 @@ def load_snapshot(storage: Storage, fields: list[str], *, strict: bool, list_par
     row_of, holder, dense, duplicates = _locate_fields(ids, shards, shard_rows, fields)
     return Snapshot(
         shards=shards, damaged=gathered.damaged, index=table, ids=ids, shard_of=table.column("shard").to_pylist(), shard_rows=shard_rows,
-        offsets={f: _column_numpy(table, f"{f}.offset") for f in fields}, shapes=shapes, crcs={f: _column_numpy(table, f"{f}.crc32c") for f in fields},
+        offsets={f: column_numpy(table, f"{f}.offset") for f in fields}, shapes=shapes, crcs={f: column_numpy(table, f"{f}.crc32c") for f in fields},
         row_of=row_of, holder=holder, dense=dense, duplicates=duplicates,
         checkpoint=None if gathered.checkpoint is None else gathered.checkpoint.key, covered=len(gathered.covered),
     )
@@ -200,7 +270,7 @@ def _shapes(table: pa.Table, name: str) -> list[tuple[int, ...]]:
     return [tuple(values[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def _column_numpy(table: pa.Table, name: str) -> np.ndarray:
+def column_numpy(table: pa.Table, name: str) -> np.ndarray:
     if name not in table.column_names:
         return np.zeros(table.num_rows, dtype=np.int64)
     column = table.column(name)
