@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -142,8 +142,14 @@ class StreamingDataset(Resumable):
 
     def _attach(self, store: featstore.Store) -> None:
         self._store, self._pid = store, os.getpid()
-        self._ids = store.sample_ids(with_fields=self.fields)
-        self._rows = np.array([store.row(i) for i in self._ids], dtype=np.int64)
+        self._ids: Sequence[str]
+        if store.dense and all(f in store.fields for f in self.fields):
+            # Every sample, each one row, in position order: nothing per sample is built, and a
+            # rank's reads load only the shards they touch (featstore.rows).
+            self._ids, self._rows = _PositionIds(store), np.arange(len(store), dtype=np.int64)
+        else:
+            self._ids = store.sample_ids(with_fields=self.fields)
+            self._rows = np.array([store.row(i) for i in self._ids], dtype=np.int64)
         self._order = EpochOrder(self.seed, shard_positions(store, self._rows), self.window) if self.shuffle else None
         self._scales = {}
         if self.normalize:
@@ -235,6 +241,26 @@ class StreamingDataset(Resumable):
     def resume_key(self) -> dict[str, Any]:
         return {"url": self.url, "seed": self.seed, "shuffle": self.shuffle, "window": self.window,
                 "num_samples": self.num_samples(), "drop_last": self.drop_last}
+
+
+class _PositionIds(Sequence[str]):
+    """The ids of a dense store's samples by position, looked up when asked (``Store.id_at``)."""
+
+    def __init__(self, store: featstore.Store) -> None:
+        self._store = store
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    @overload
+    def __getitem__(self, position: int) -> str: ...
+    @overload
+    def __getitem__(self, position: slice) -> Sequence[str]: ...
+
+    def __getitem__(self, position: int | slice) -> str | Sequence[str]:
+        if isinstance(position, slice):
+            return [self._store.id_at(p) for p in range(*position.indices(len(self)))]
+        return self._store.id_at(int(position))
 
 
 # ---- batches of samples of different shapes -----------------------------------------------------
