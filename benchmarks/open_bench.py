@@ -81,7 +81,6 @@ def _status() -> dict[str, float]:
 def child(mode: str, url: str) -> dict:
     import gc
 
-
     from mmcache import featstore
     if mode == "dataset":
         import torch  # noqa: F401 - imported before the first RSS reading: its own size is not the store's
