@@ -65,7 +65,8 @@ class GatheredParts:
     def table(self) -> pa.Table:
         """Every part's rows in snapshot order, plus a "shard" column."""
         if self._table is None:
-            self._table = _concat(self.order, self.covered, self._checkpoint_rows(), self.tables)
+            rows = self._checkpoint_rows()  # first: where it falls back to the parts, no part is covered any more
+            self._table = _concat(self.order, self.covered, rows, self.tables)
         return self._table
 
     def _checkpoint_rows(self) -> pa.Table | None:
