@@ -60,13 +60,17 @@ def worker_slot() -> tuple[int, int]:
     return (0, 1) if info is None else (info.id, info.num_workers)
 
 
-def share(order: np.ndarray, rank: int, world_size: int, drop_last: bool) -> np.ndarray:
+def share(order: np.ndarray | int, rank: int, world_size: int, drop_last: bool) -> np.ndarray:
     """What rank ``rank`` and this DataLoader worker read of an epoch's ``order``: every
     ``world_size``-th position from ``rank`` (after cutting ``order`` to a multiple of the world
-    size, with ``drop_last``), then every ``workers``-th of those from this worker's number."""
+    size, with ``drop_last``), then every ``workers``-th of those from this worker's number. An
+    int ``order`` is the unshuffled order of that many positions, never built whole."""
+    worker, workers = worker_slot()
+    if isinstance(order, (int, np.integer)):
+        stop = order - order % world_size if drop_last else order
+        return np.arange(rank, stop, world_size, dtype=np.int64)[worker::workers]
     if drop_last:
         order = order[: len(order) - len(order) % world_size]
-    worker, workers = worker_slot()
     return order[rank::world_size][worker::workers]
 
 
@@ -146,11 +150,12 @@ class StreamingDataset(Resumable):
         if store.dense and all(f in store.fields for f in self.fields):
             # Every sample, each one row, in position order: nothing per sample is built, and a
             # rank's reads load only the shards they touch (featstore.rows).
-            self._ids, self._rows = _PositionIds(store), np.arange(len(store), dtype=np.int64)
+            self._ids, self._rows = _PositionIds(store), None
         else:
             self._ids = store.sample_ids(with_fields=self.fields)
             self._rows = np.array([store.row(i) for i in self._ids], dtype=np.int64)
-        self._order = EpochOrder(self.seed, shard_positions(store, self._rows), self.window) if self.shuffle else None
+        rows = np.arange(len(store), dtype=np.int64) if self._rows is None else self._rows
+        self._order = EpochOrder(self.seed, shard_positions(store, rows), self.window) if self.shuffle else None
         self._scales = {}
         if self.normalize:
             for name in self.fields:
@@ -208,7 +213,8 @@ class StreamingDataset(Resumable):
 
     def epoch_positions(self) -> np.ndarray:
         """This rank's and worker's share of the epoch's order."""
-        return share(self.global_order(self.epoch), *placement(self._rank, self._world_size), self.drop_last)
+        order = self.global_order(self.epoch) if self.shuffle else self.num_samples()
+        return share(order, *placement(self._rank, self._world_size), self.drop_last)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         start = self._start()
@@ -221,7 +227,8 @@ class StreamingDataset(Resumable):
         store = self.store()
         for at in range(0, len(positions), READ_BATCH):
             chosen = positions[at: at + READ_BATCH]
-            for position, arrays in zip(chosen, store.read_rows(self._rows[chosen], self.fields), strict=True):
+            rows = chosen if self._rows is None else self._rows[chosen]  # None: a dense store's positions are its rows
+            for position, arrays in zip(chosen, store.read_rows(rows, self.fields), strict=True):
                 sample = self._tensors(arrays)
                 sample["id"] = self._ids[position]
                 if self.with_meta:
