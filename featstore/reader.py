@@ -170,7 +170,6 @@ class Store:
             self.storage.known_objects({key: obj for info in self.shards.values() for key, obj in info.objects.items()})
         self._starts = np.cumsum([0] + [info.num_samples for info in self.shards.values()], dtype=np.int64)
         self._shard_rows = {name: range(int(a), int(b)) for name, a, b in zip(self.shards, self._starts[:-1], self._starts[1:])}
-        self._entries = [entry for entry, _ in gathered.order]
         self._loaded = LoadedRows(self._load_shard_rows)
         self._written: dict[str, set[str]] = {}
         self._rechecked: set[str] = set()
@@ -228,7 +227,7 @@ class Store:
         return bool(self._dense)
 
     def _load_shard_rows(self, number: int) -> ShardRows:
-        return ShardRows(self._gathered.rows_of(self._entries[number]), list(self.fields))
+        return ShardRows(self._gathered.rows_of(self._gathered.order[number][0]), list(self.fields))
 
     def _locate(self, row: int) -> tuple[int, int]:
         """(shard number, row within it) of a row of the snapshot."""
