@@ -27,6 +27,7 @@ import warnings
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pyarrow as pa
 
 from mmcache.featstore import format as fmt
@@ -58,6 +59,11 @@ def parse_marker(name: str) -> tuple[int, str] | None:
 def checkpoint_keys(digest: str) -> tuple[str, str]:
     """The (parts, rows) objects of checkpoint ``digest``."""
     return f"{CHECKPOINT_DIR}/{digest}.parts.parquet", f"{CHECKPOINT_DIR}/{digest}.rows.parquet"
+
+
+def ids_key(digest: str) -> str:
+    """The sorted id hashes of checkpoint ``digest`` (written since the two-level index)."""
+    return f"{CHECKPOINT_DIR}/{digest}.ids.u64"
 
 
 def digest_of(parts: bytes, rows: bytes) -> str:
@@ -104,14 +110,23 @@ class Checkpoint:
     table, and a 2M-sample store's rows object is tens of MB."""
 
     def __init__(self, key: str, marker: str, parts: dict[str, CoveredPart], nbytes: int, samples: int | None,
-                 rows: Callable[[], pa.Table]) -> None:
+                 rows: Callable[[], pa.Table], ids: Callable[[], np.ndarray] | None = None) -> None:
         self.key = key                  # checkpoints/<digest>: what messages and Store.checkpoint name
         self.marker = marker
         self.parts = parts              # entry -> part, in table order
         self.nbytes = nbytes
         self.samples = samples          # distinct sample ids among its rows (None: an older compactor's)
         self._rows, self._table = rows, None
+        self._ids, self._hashes = ids, None
         self._lock = threading.Lock()
+
+    def id_hashes(self) -> np.ndarray | None:
+        """The sorted, unique hashes of its ids (featstore.idhash), or None where its compactor
+        wrote none; CorruptionError or FileNotFoundError where the object is damaged or gone."""
+        with self._lock:
+            if self._hashes is None and self._ids is not None:
+                self._hashes = self._ids()
+        return self._hashes
 
     @property
     def table(self) -> pa.Table:
@@ -216,23 +231,35 @@ def open_checkpoint(storage: Storage, digest: str, marker: str) -> Checkpoint:
             raise CorruptionError(f"{where}: index checkpoint does not match the SHA-256 in its name (damaged or cut short)")
         return _parse_rows(rows_raw, where)
 
-    return _parse_parts(parts_raw, digest, marker, storage.url, rows, len(parts_raw) + seal[1])
+    def ids() -> np.ndarray:
+        raw = storage.read(ids_key(digest))
+        if hashlib.sha256(raw).hexdigest() != seal[2] or len(raw) % 8:
+            raise CorruptionError(f"{storage.url}/{ids_key(digest)}: the id hashes of an index checkpoint do not match the SHA-256 its marker records")
+        return np.frombuffer(raw, dtype="<u8")
+
+    checkpoint = _parse_parts(parts_raw, digest, marker, storage.url, rows, len(parts_raw) + seal[1])
+    checkpoint._ids = ids if seal[2] is not None else None
+    return checkpoint
 
 
-def marker_doc(parts: int, rows: int, parts_raw: bytes, rows_raw: bytes) -> bytes:
-    """A marker's content: counts, and what lets a reader trust the parts object alone."""
-    return json.dumps({"parts": parts, "rows": rows, "parts_sha256": hashlib.sha256(parts_raw).hexdigest(), "rows_nbytes": len(rows_raw)}).encode()
+def marker_doc(parts: int, rows: int, parts_raw: bytes, rows_raw: bytes, ids_raw: bytes) -> bytes:
+    """A marker's content: counts, and what lets a reader trust the parts and ids objects alone."""
+    return json.dumps({"parts": parts, "rows": rows, "parts_sha256": hashlib.sha256(parts_raw).hexdigest(), "rows_nbytes": len(rows_raw),
+                       "ids_sha256": hashlib.sha256(ids_raw).hexdigest()}).encode()
 
 
-def _marker_seal(raw: bytes) -> tuple[str, int] | None:
-    """(parts SHA-256, rows size) from a marker's content; None for an older compactor's marker
-    (or one that is not this format's: the checkpoint is then read and checked whole)."""
+def _marker_seal(raw: bytes) -> tuple[str, int, str | None] | None:
+    """(parts SHA-256, rows size, ids SHA-256 or None) from a marker's content; None for an
+    older compactor's marker (or one that is not this format's: the checkpoint is then read and
+    checked whole)."""
     try:
         doc = json.loads(raw)
-        sha, size = doc["parts_sha256"], doc["rows_nbytes"]
-    except (ValueError, KeyError, TypeError):
+        sha, size, ids = doc["parts_sha256"], doc["rows_nbytes"], doc.get("ids_sha256")
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
-    return (sha, size) if isinstance(sha, str) and type(size) is int else None
+    if not (isinstance(sha, str) and type(size) is int):
+        return None
+    return sha, size, ids if isinstance(ids, str) else None
 
 
 def find_checkpoint(storage: Storage, listing: dict[str, str], problems: list[str] | None = None, *, lazy: bool = False) -> Checkpoint | None:

@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 
 from mmcache.featstore.checkpoints import CheckpointWarning, find_checkpoint
 from mmcache.featstore.errors import CorruptionError, SnapshotError
+from mmcache.featstore.idhash import any_known, id_hashes
 from mmcache.featstore.index import IndexPart, ShardInfo, index_parts, list_index, parse_index_part_record, read_parts, shard_info
 from mmcache.featstore.storage import Storage
 
@@ -203,12 +204,31 @@ def dense_samples(gathered: GatheredParts, fields: list[str]) -> int | None:
     rows = sum(info.num_samples for info in infos)
     checkpoint, covered = gathered.checkpoint, gathered.covered
     counted = sum(part.info.num_samples for part in covered.values())
-    if covered and checkpoint.samples is not None and len(covered) == len(checkpoint.parts) and counted == rows:
-        return rows if checkpoint.samples == rows else None
+    if covered and checkpoint.samples is not None and len(covered) == len(checkpoint.parts):
+        if checkpoint.samples != counted:
+            return None
+        if counted == rows or _new_ids_are_new(gathered):
+            return rows
     if not rows:
         return 0
     distinct = pc.count_distinct(gathered.table.column("id")).as_py()
     return rows if distinct == rows else None
+
+
+def _new_ids_are_new(gathered: GatheredParts) -> bool:
+    """True when the ids of the parts read whole (committed after the checkpoint) are distinct
+    and none hashes like one the checkpoint covers (featstore.idhash); False when that cannot be
+    told so (the caller then counts every id)."""
+    tables = [t.column("id") for t in gathered.tables.values() if t.num_rows]
+    ids = pa.chunked_array([c for t in tables for c in t.chunks], pa.string())
+    if pc.count_distinct(ids).as_py() != len(ids):
+        return False
+    try:
+        known = gathered.checkpoint.id_hashes()
+    except (CorruptionError, FileNotFoundError) as exc:
+        warnings.warn(f"{exc}; the checkpoint's ids are counted instead", CheckpointWarning, stacklevel=4)
+        return False
+    return known is not None and not any_known(id_hashes(ids), known)
 
 
 def snapshot_of(gathered: GatheredParts, fields: list[str]) -> Snapshot:

@@ -52,6 +52,16 @@ def dense_store(url: str) -> str:
     return compact_store(featstore.open(url).storage).key
 
 
+def without_checkpoints_kept(url: str) -> dict:
+    """``without_checkpoints``, and then the markers put back as they were."""
+    storage = featstore.open(url).storage
+    kept = {name: storage.read(f"{fmt.INDEX_DIR}/{name}") for name in storage.list_dir(fmt.INDEX_DIR) if checkpoints.parse_marker(name)}
+    expected = without_checkpoints(url)
+    for name, raw in kept.items():
+        storage.write_new(f"{fmt.INDEX_DIR}/{name}", raw)
+    return expected
+
+
 def rows_key(checkpoint: str) -> str:
     return f"{checkpoint}.rows.parquet"
 
@@ -139,3 +149,32 @@ def test_a_checkpoint_of_an_older_compactor_still_opens(tmp_path):
     store = featstore.open(url)
     assert store.checkpoint == key and len(store) == SHARDS * PER_SHARD
     assert view(store) == expected
+
+
+def test_parts_after_the_checkpoint_with_new_ids_keep_the_store_dense(url):
+    key = dense_store(url)
+    with featstore.append(url, compact_every=0) as writer:
+        writer.add("late", {"x": np.ones(2, np.int32), "y": np.ones((2, 2), np.float16)})
+    expected = without_checkpoints_kept(url)
+    store = featstore.open(url)
+    assert store.checkpoint == key and store.checkpoint_covered == SHARDS and len(store.shards) == SHARDS + 1
+    store.storage.delete(rows_key(key))  # their ids are told new by the checkpoint's id hashes, not its rows
+    assert len(store) == SHARDS * PER_SHARD + 1 and store.dense
+    assert store.id_at(-1) == "late" and store.read_at(-1)["x"].tolist() == [1, 1]
+    with pytest.warns(CheckpointWarning):
+        assert view(store) == expected
+
+
+def test_damaged_id_hashes_are_reported_and_the_ids_counted(tmp_path):
+    url = str(tmp_path / "store")
+    key = dense_store(url)
+    with featstore.append(url, compact_every=0) as writer:
+        writer.add("late", {"x": np.ones(2, np.int32), "y": np.ones((2, 2), np.float16)})
+    path = tmp_path / "store" / checkpoints.ids_key(key.rsplit("/", 1)[1])
+    raw = bytearray(path.read_bytes())
+    raw[0] ^= 1
+    path.write_bytes(bytes(raw))
+    store = featstore.open(url)
+    with pytest.warns(CheckpointWarning, match="id hashes"):
+        assert len(store) == SHARDS * PER_SHARD + 1
+    assert store.dense and view(store) == without_checkpoints(url)
