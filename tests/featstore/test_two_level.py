@@ -7,10 +7,13 @@ of the parts gets, falling back to the parts when the rows object proves damaged
 
 from __future__ import annotations
 
+import hashlib
+import json
 import uuid
 
 import fsspec
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from mmcache import featstore
@@ -18,8 +21,10 @@ from mmcache.featstore import checkpoints
 from mmcache.featstore import format as fmt
 from mmcache.featstore.checkpoints import CheckpointWarning
 from mmcache.featstore.compact import compact_store
+from mmcache.featstore.idhash import id_hashes
 from mmcache.featstore.index import list_index
 from mmcache.featstore.reader import open_store
+from mmcache.featstore.verify import verify_store
 from tests.featstore.test_compact import view, without_checkpoints
 
 SHARDS, PER_SHARD = 6, 5
@@ -178,3 +183,20 @@ def test_damaged_id_hashes_are_reported_and_the_ids_counted(tmp_path):
     with pytest.warns(CheckpointWarning, match="id hashes"):
         assert len(store) == SHARDS * PER_SHARD + 1
     assert store.dense and view(store) == without_checkpoints(url)
+
+
+def test_verify_catches_id_hashes_that_are_not_the_checkpoints_ids(tmp_path):
+    url = str(tmp_path / "store")
+    key = dense_store(url)
+    digest = key.rsplit("/", 1)[1]
+    storage = featstore.open(url).storage
+    marker = next(name for _, d, name in checkpoints.markers(list_index(storage)) if d == digest)
+    # Well-formed (its marker records its SHA-256) but the hashes of other ids, as a buggy tool
+    # could write: readers would take an id the checkpoint holds for a new one.
+    wrong = np.unique(id_hashes(pa.array([f"other{i}" for i in range(SHARDS * PER_SHARD)]))).astype("<u8").tobytes()
+    (tmp_path / "store" / checkpoints.ids_key(digest)).write_bytes(wrong)
+    doc = json.loads(storage.read(f"{fmt.INDEX_DIR}/{marker}"))
+    doc["ids_sha256"] = hashlib.sha256(wrong).hexdigest()
+    (tmp_path / "store" / fmt.INDEX_DIR / marker).write_text(json.dumps(doc))
+    report = verify_store(featstore.open(url))
+    assert not report.ok and any("its id hashes are not those of its ids" in p for p in report.problems), report.problems
