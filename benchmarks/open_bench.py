@@ -5,8 +5,9 @@
                                     [--small 4000:22] [--base COMMIT] [--reps 3]
 
 Stores of one tiny int32 field (one element per sample) in the given numbers of shards, written
-once with the store's own writer and compacted (`mmcache compact`: an index checkpoint), and kept
-under --dir for later runs. For each store, in fresh subprocesses (best of --reps):
+once with the store's own writer and compacted (`mmcache compact`: an index checkpoint; with a
+third number, that many shards are committed after it, as writers, which compact every 64
+commits, leave a store), and kept under --dir for later runs. For each store, in fresh subprocesses (best of --reps):
 
   open     featstore.open + len(): seconds, and RSS growth (VmRSS after minus before; VmHWM too)
   share    then read rank 7 of 1,000's share by position (every 1,000th sample from 7, read_at)
@@ -42,15 +43,16 @@ MODES = ("open", "share", "dataset")
 
 
 # ---- the stores ----------------------------------------------------------------------------------
-def build(root: Path, samples: int, shards: int, compact: bool = True) -> Path:
+def build(root: Path, samples: int, shards: int, after: int = 0, compact: bool = True) -> Path:
     """The store of ``samples`` in ``shards`` shards under ``root`` (written once, then reused);
-    ``compact``: with an index checkpoint (else as a job of fewer than 64 commits leaves it)."""
+    ``compact``: with an index checkpoint (else as a job of fewer than 64 commits leaves it),
+    written before the last ``after`` shards (as writers leave a store: up to 63 parts uncovered)."""
     import numpy as np
 
     from mmcache import featstore
     from mmcache.featstore.compact import compact_store
 
-    url = root / f"store-{samples}-{shards}{'' if compact else '-parts'}"
+    url = root / f"store-{samples}-{shards}{f'-{after}after' if after else ''}{'' if compact else '-parts'}"
     done = url.with_name(url.name + ".built")
     if done.exists():
         return url
@@ -58,11 +60,14 @@ def build(root: Path, samples: int, shards: int, compact: bool = True) -> Path:
     t0 = time.perf_counter()
     bounds = np.linspace(0, samples, shards + 1).astype(np.int64)
     with featstore.create(str(url), fields={"x": {"dtype": "int32", "ndim": 1}}, compact_every=0, shard_prefix="b") as writer:
-        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+            if compact and after and k == shards - after:
+                summary = compact_store(writer.store.storage).line()
             for i in range(int(lo), int(hi)):
                 writer.add(f"s{i:09d}", {"x": np.array([i], dtype=np.int32)})
             writer.commit()
-    summary = compact_store(featstore.open(str(url)).storage).line() if compact else "no checkpoint"
+    if not after:
+        summary = compact_store(featstore.open(str(url)).storage).line() if compact else "no checkpoint"
     print(f"built {url} in {time.perf_counter() - t0:.0f}s: {summary}", flush=True)
     done.write_text("ok\n")
     return url
@@ -187,7 +192,8 @@ def report(out: dict, stores: list[Path], small: list[Path]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "mmcache-open-bench"))
-    parser.add_argument("--sizes", default="200000:200,2000000:2000", help="samples:shards,...")
+    parser.add_argument("--sizes", default="200000:200,2000000:2000,2000000:2000:63",
+                        help="samples:shards[:shards committed after the checkpoint],...")
     parser.add_argument("--small", default="4000:22", help="samples:shards of the small store ('' for none)")
     parser.add_argument("--base", default=None, help="the 'before' commit (default: git merge-base HEAD main)")
     parser.add_argument("--reps", type=int, default=3)
