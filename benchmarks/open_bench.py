@@ -201,7 +201,7 @@ def main() -> None:
     cache = Path(args.dir)
     cache.mkdir(parents=True, exist_ok=True)
     stores = [build(cache, *map(int, size.split(":"))) for size in args.sizes.split(",") if size]
-    small = [build(cache, *map(int, args.small.split(":")), compact) for compact in (False, True)] if args.small else []
+    small = [build(cache, *map(int, args.small.split(":")), compact=compact) for compact in (False, True)] if args.small else []
     base = args.base or subprocess.run(["git", "-C", str(REPO), "merge-base", "HEAD", "main"], capture_output=True, text=True, check=True).stdout.strip()
     with tempfile.TemporaryDirectory(prefix="open-bench-") as tmp:
         old = Path(tmp) / "old"

@@ -117,16 +117,14 @@ class Checkpoint:
         self.nbytes = nbytes
         self.samples = samples          # distinct sample ids among its rows (None: an older compactor's)
         self._rows, self._table = rows, None
-        self._ids, self._hashes = ids, None
+        self._ids = ids
         self._lock = threading.Lock()
 
     def id_hashes(self) -> np.ndarray | None:
-        """The sorted, unique hashes of its ids (featstore.idhash), or None where its compactor
-        wrote none; CorruptionError or FileNotFoundError where the object is damaged or gone."""
-        with self._lock:
-            if self._hashes is None and self._ids is not None:
-                self._hashes = self._ids()
-        return self._hashes
+        """The sorted, unique hashes of its ids (featstore.idhash), read now (8 bytes per id:
+        not kept, a reader asks once), or None where its compactor wrote none; CorruptionError
+        or FileNotFoundError where the object is damaged or gone."""
+        return None if self._ids is None else self._ids()
 
     @property
     def table(self) -> pa.Table:
