@@ -85,16 +85,23 @@ class GatheredParts:
         return None
 
     def rows_of(self, entry: str) -> pa.Table:
-        """The rows of one part (a file name under index/), with a "shard" column: from what was
-        read already, else from the part itself (a covered part is listed with the fingerprint
-        the checkpoint recorded: it is the very object whose rows the checkpoint holds)."""
+        """The rows of one part (a file name under index/): from what was read already, else from
+        the part itself (a covered part is listed with the fingerprint the checkpoint recorded:
+        it is the very object whose rows the checkpoint holds). A covered part found damaged or
+        gone since gives the checkpoint's copy of its rows, which readers used before."""
         table = self.tables.get(entry)
         if table is not None:
             return table
         part = self.covered.get(entry)
         if self._table is not None and part is not None:
             return self.checkpoint.table.slice(part.start, part.info.num_samples)
-        return _read_whole(self.storage, [entry])[entry]
+        try:
+            parsed = index_parts([entry])[0]
+            return parse_index_part_record(self.storage.read(parsed.key), parsed.shard, parsed.key, self.storage.url, parsed.crc)[0]
+        except (CorruptionError, FileNotFoundError):
+            if part is None:
+                raise
+        return self.checkpoint.table.slice(part.start, part.info.num_samples)
 
 
 def _read_whole(storage: Storage, entries: list[str]) -> dict[str, pa.Table]:

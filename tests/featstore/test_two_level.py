@@ -200,3 +200,20 @@ def test_verify_catches_id_hashes_that_are_not_the_checkpoints_ids(tmp_path):
     (tmp_path / "store" / fmt.INDEX_DIR / marker).write_text(json.dumps(doc))
     report = verify_store(featstore.open(url))
     assert not report.ok and any("its id hashes are not those of its ids" in p for p in report.problems), report.problems
+
+
+def test_a_covered_part_damaged_after_the_open_reads_from_the_checkpoint(tmp_path):
+    # Readers took a covered part's rows from the checkpoint before the two-level index; one that
+    # loads them from the part itself falls back to that copy when the part is damaged.
+    url = str(tmp_path / "store")
+    dense_store(url)
+    expected = without_checkpoints_kept(url)
+    store = featstore.open(url)
+    path = tmp_path / "store" / store.shards[list(store.shards)[2]].index_key
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    for position in range(2 * PER_SHARD, 3 * PER_SHARD):
+        sample_id = expected["ids"][position]
+        assert store.id_at(position) == sample_id
+        assert {k: v.tobytes() for k, v in store.read_at(position).items()} == expected["samples"][sample_id]
