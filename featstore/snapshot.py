@@ -1,6 +1,12 @@
 """The snapshot a reader takes when it opens a store: the index parts committed at that moment,
 checked and concatenated, and where each field of each sample is.
 
+Two levels (docs/FORMAT.md, "Two-level index"): ``gather_parts`` gives the shard table (one
+``ShardInfo`` per shard, in snapshot order) without reading a checkpoint's rows (``lazy``);
+``dense_samples`` tells from it whether each sample is one row, and how many there are;
+``GatheredParts.rows_of`` gives one shard's rows when a read needs them; ``snapshot_of`` builds
+the per-sample structures of the whole snapshot for what needs them all.
+
 Index parts are listed once and each is checked against the CRC-32C sealed in it (versions 1-2:
 in its name); the rows of the parts an index checkpoint covers come from it instead, in one read
 (featstore.checkpoints). Their rows are concatenated in commit order (each shard's rows are one range). A sample's row is its first; in
@@ -12,8 +18,8 @@ that racing writers both committed is read from the earliest commit; the others 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,12 +197,6 @@ def _concat(order: list[tuple[str, ShardInfo]], covered: dict[str, Any], rows: p
     table = pa.concat_tables(pieces, promote_options="permissive") if pieces else pa.table({"id": pa.array([], pa.string()), "shard": pa.array([], pa.string())})
     # Each part's metadata is its own commit record: none of them describes the whole table.
     return table.replace_schema_metadata(None)
-
-
-def load_snapshot(storage: Storage, fields: list[str], *, strict: bool, list_parts: bool = True, only: Sequence[str] | None = None) -> Snapshot:
-    """Read the committed index parts (``only`` those shards, if given; none with ``list_parts=False``).
-    A damaged part fails the open when ``strict``, and is left out and reported otherwise."""
-    return snapshot_of(gather_parts(storage, strict=strict, list_parts=list_parts, only=only), fields)
 
 
 def dense_samples(gathered: GatheredParts, fields: list[str]) -> int | None:
