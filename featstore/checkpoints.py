@@ -24,10 +24,10 @@ import json
 import re
 import threading
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 
 from mmcache.featstore import format as fmt
@@ -59,6 +59,11 @@ def parse_marker(name: str) -> tuple[int, str] | None:
 def checkpoint_keys(digest: str) -> tuple[str, str]:
     """The (parts, rows) objects of checkpoint ``digest``."""
     return f"{CHECKPOINT_DIR}/{digest}.parts.parquet", f"{CHECKPOINT_DIR}/{digest}.rows.parquet"
+
+
+def ids_key(digest: str) -> str:
+    """The sorted id hashes of checkpoint ``digest`` (written since the two-level index)."""
+    return f"{CHECKPOINT_DIR}/{digest}.ids.u64"
 
 
 def digest_of(parts: bytes, rows: bytes) -> str:
@@ -99,13 +104,35 @@ class CoveredPart:
         return self.records(self.row)
 
 
-@dataclass
 class Checkpoint:
-    key: str                          # checkpoints/<digest>: what messages and Store.checkpoint name
-    marker: str
-    table: pa.Table                   # the covered rows, with a "shard" column
-    parts: dict[str, CoveredPart]     # entry -> part, in table order
-    nbytes: int
+    """A checkpoint read and checked. Its rows (``table``) are read when first used where the
+    marker vouches for the parts object alone (``open_checkpoint``): an open needs only the shard
+    table, and a 2M-sample store's rows object is tens of MB."""
+
+    def __init__(self, key: str, marker: str, parts: dict[str, CoveredPart], nbytes: int, samples: int | None,
+                 rows: Callable[[], pa.Table], ids: Callable[[], np.ndarray] | None = None) -> None:
+        self.key = key                  # checkpoints/<digest>: what messages and Store.checkpoint name
+        self.marker = marker
+        self.parts = parts              # entry -> part, in table order
+        self.nbytes = nbytes
+        self.samples = samples          # distinct sample ids among its rows (None: an older compactor's)
+        self._rows, self._table = rows, None
+        self._ids = ids
+        self._lock = threading.Lock()
+
+    def id_hashes(self) -> np.ndarray | None:
+        """The sorted, unique hashes of its ids (featstore.idhash), read now (8 bytes per id:
+        not kept, a reader asks once), or None where its compactor wrote none; CorruptionError
+        or FileNotFoundError where the object is damaged or gone."""
+        return None if self._ids is None else self._ids()
+
+    @property
+    def table(self) -> pa.Table:
+        """The covered rows, with a "shard" column (read and checked against the name on first use)."""
+        with self._lock:
+            if self._table is None:
+                self._table = self._rows()
+        return self._table
 
 
 _PART_COLUMNS = ("entry", "shard", "listed", "index_nbytes", "num_samples", "num_rejected", "committed_at", "data", "rejects", "fields", "record")
@@ -118,10 +145,18 @@ def markers(listing: Iterable[str]) -> list[tuple[int, str, str]]:
 
 
 def parse_checkpoint(parts_raw: bytes, rows_raw: bytes, digest: str, marker: str, url: str) -> Checkpoint:
-    key = f"{CHECKPOINT_DIR}/{digest}"
-    where = f"{url}/{key}"
+    where = f"{url}/{CHECKPOINT_DIR}/{digest}"
     if digest_of(parts_raw, rows_raw) != digest:
         raise CorruptionError(f"{where}: index checkpoint does not match the SHA-256 in its name (damaged or cut short)")
+    checkpoint = _parse_parts(parts_raw, digest, marker, url, lambda: _parse_rows(rows_raw, where), len(parts_raw) + len(rows_raw))
+    checkpoint.table  # noqa: B018 - read now: the caller has the bytes and wants them checked
+    return checkpoint
+
+
+def _parse_parts(parts_raw: bytes, digest: str, marker: str, url: str, rows: Callable[[], pa.Table], nbytes: int) -> Checkpoint:
+    """The parts object of a checkpoint (its shard table); ``rows`` reads the rows object."""
+    key = f"{CHECKPOINT_DIR}/{digest}"
+    where = f"{url}/{key}"
     try:
         listing = parquet_file(parts_raw)
         doc = json.loads((listing.metadata.metadata or {})[CHECKPOINT_METADATA_KEY])
@@ -131,7 +166,6 @@ def parse_checkpoint(parts_raw: bytes, rows_raw: bytes, digest: str, marker: str
         columns = [described.column(name).to_pylist() for name in _PART_COLUMNS[:-1]]
         if listing.schema_arrow.names != list(_PART_COLUMNS):
             raise ValueError(f"columns {listing.schema_arrow.names}")
-        table = read_parquet(rows_raw)
     except (pa.ArrowException, KeyError, OSError, TypeError, ValueError) as exc:
         if isinstance(exc, FormatVersionError):
             raise
@@ -143,9 +177,24 @@ def parse_checkpoint(parts_raw: bytes, rows_raw: bytes, digest: str, marker: str
         info = recorded_shard_info(name, f"{index}/{entry}", nbytes, num_samples, num_rejected, committed_at, data_root, rejects_key, fields, records, row)
         parts[entry] = CoveredPart(entry, listed, info, start, records, row)
         start += num_samples
-    if start != table.num_rows or doc.get("rows") != start:
-        raise CorruptionError(f"{where}: {table.num_rows} rows but its parts hold {start}")
-    return Checkpoint(key, marker, table.replace_schema_metadata(None), parts, len(parts_raw) + len(rows_raw))
+    if doc.get("rows") != start:
+        raise CorruptionError(f"{where}: its parts hold {start} rows but it says {doc.get('rows')}")
+    samples = doc.get("samples")
+
+    def table() -> pa.Table:
+        got = rows()
+        if got.num_rows != start:
+            raise CorruptionError(f"{where}: {got.num_rows} rows but its parts hold {start}")
+        return got
+
+    return Checkpoint(key, marker, parts, nbytes, samples if type(samples) is int else None, table)
+
+
+def _parse_rows(rows_raw: bytes, where: str) -> pa.Table:
+    try:
+        return read_parquet(rows_raw).replace_schema_metadata(None)
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise CorruptionError(f"{where}: not a valid index checkpoint ({exc})") from None
 
 
 def read_checkpoint(storage: Storage, digest: str, marker: str) -> Checkpoint:
@@ -160,12 +209,64 @@ def read_checkpoint(storage: Storage, digest: str, marker: str) -> Checkpoint:
     return parse_checkpoint(parts_raw, rows_raw, digest, marker, storage.url)
 
 
-def find_checkpoint(storage: Storage, listing: dict[str, str], problems: list[str] | None = None) -> Checkpoint | None:
+def open_checkpoint(storage: Storage, digest: str, marker: str) -> Checkpoint:
+    """Checkpoint ``digest`` for an open: where its marker records the parts object's SHA-256 and
+    the rows object's size (as compactors since mmcache's two-level index write it), only the parts object is read and the
+    rows object's size is checked (a cut-short copy fails here); its rows are read, and checked
+    against the name, when first used. Otherwise ``read_checkpoint``."""
+    seal = _marker_seal(storage.read(f"{fmt.INDEX_DIR}/{marker}")) if marker else None
+    if seal is None:
+        return read_checkpoint(storage, digest, marker)
+    parts_key, rows_key = checkpoint_keys(digest)
+    where = f"{storage.url}/{CHECKPOINT_DIR}/{digest}"
+    parts_raw = storage.read(parts_key)
+    if hashlib.sha256(parts_raw).hexdigest() != seal[0] or storage.size(rows_key) != seal[1]:
+        raise CorruptionError(f"{where}: index checkpoint does not match the SHA-256 in its name (damaged or cut short)")
+
+    def rows() -> pa.Table:
+        rows_raw = storage.read(rows_key)
+        if digest_of(parts_raw, rows_raw) != digest:
+            raise CorruptionError(f"{where}: index checkpoint does not match the SHA-256 in its name (damaged or cut short)")
+        return _parse_rows(rows_raw, where)
+
+    def ids() -> np.ndarray:
+        raw = storage.read(ids_key(digest))
+        if hashlib.sha256(raw).hexdigest() != seal[2] or len(raw) % 8:
+            raise CorruptionError(f"{storage.url}/{ids_key(digest)}: the id hashes of an index checkpoint do not match the SHA-256 its marker records")
+        return np.frombuffer(raw, dtype="<u8")
+
+    checkpoint = _parse_parts(parts_raw, digest, marker, storage.url, rows, len(parts_raw) + seal[1])
+    checkpoint._ids = ids if seal[2] is not None else None
+    return checkpoint
+
+
+def marker_doc(parts: int, rows: int, parts_raw: bytes, rows_raw: bytes, ids_raw: bytes) -> bytes:
+    """A marker's content: counts, and what lets a reader trust the parts and ids objects alone."""
+    return json.dumps({"parts": parts, "rows": rows, "parts_sha256": hashlib.sha256(parts_raw).hexdigest(), "rows_nbytes": len(rows_raw),
+                       "ids_sha256": hashlib.sha256(ids_raw).hexdigest()}).encode()
+
+
+def _marker_seal(raw: bytes) -> tuple[str, int, str | None] | None:
+    """(parts SHA-256, rows size, ids SHA-256 or None) from a marker's content; None for an
+    older compactor's marker (or one that is not this format's: the checkpoint is then read and
+    checked whole)."""
+    try:
+        doc = json.loads(raw)
+        sha, size, ids = doc["parts_sha256"], doc["rows_nbytes"], doc.get("ids_sha256")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if not (isinstance(sha, str) and type(size) is int):
+        return None
+    return sha, size, ids if isinstance(ids, str) else None
+
+
+def find_checkpoint(storage: Storage, listing: dict[str, str], problems: list[str] | None = None, *, lazy: bool = False) -> Checkpoint | None:
     """The most complete readable checkpoint the listing shows, or None. A damaged one is
-    reported (``problems``, and a warning) and skipped; a pruned one is skipped silently."""
+    reported (``problems``, and a warning) and skipped; a pruned one is skipped silently.
+    ``lazy``: its rows are read when first used (``open_checkpoint``)."""
     for _, digest, marker in markers(listing)[:MAX_TRIES]:
         try:
-            return read_checkpoint(storage, digest, marker)
+            return open_checkpoint(storage, digest, marker) if lazy else read_checkpoint(storage, digest, marker)
         except FileNotFoundError:
             continue  # pruned by a compactor after our listing
         except FormatVersionError:

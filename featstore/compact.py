@@ -29,7 +29,9 @@ import json
 import warnings
 from dataclasses import dataclass, field
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from mmcache.featstore import format as fmt
 from mmcache.featstore.checkpoints import (
@@ -40,11 +42,14 @@ from mmcache.featstore.checkpoints import (
     CheckpointWarning,
     checkpoint_keys,
     digest_of,
+    ids_key,
     marker_name,
+    marker_doc,
     markers,
     read_checkpoint,
 )
 from mmcache.featstore.errors import CorruptionError, FeatstoreError, FormatVersionError
+from mmcache.featstore.idhash import id_hashes
 from mmcache.featstore.index import index_parts, list_index, parquet_bytes
 from mmcache.featstore.snapshot import gather_parts
 from mmcache.featstore.storage import Storage
@@ -105,19 +110,22 @@ def compact_store(storage: Storage, *, keep: int = KEEP, rebuild: bool = False) 
             "record": [json.dumps(records[entry]) if isinstance(records[entry], dict) else records[entry].record for entry, _ in gathered.order],
         })
         # Nothing time- or writer-dependent: compactors of the same parts write the same bytes.
-        doc = {"checkpoint_version": CHECKPOINT_VERSION, "format_version": fmt.FORMAT_VERSION, "rows": gathered.table.num_rows}
+        # "samples": distinct ids, what lets a reader answer len() from the shard table alone.
+        samples = pc.count_distinct(gathered.table.column("id")).as_py() if gathered.table.num_rows else 0
+        doc = {"checkpoint_version": CHECKPOINT_VERSION, "format_version": fmt.FORMAT_VERSION, "rows": gathered.table.num_rows, "samples": samples}
         parts_raw = parquet_bytes(described, {CHECKPOINT_METADATA_KEY: json.dumps(doc).encode()})
         rows_raw = parquet_bytes(gathered.table.replace_schema_metadata(None), {})
         digest = digest_of(parts_raw, rows_raw)
+        ids_raw = np.unique(id_hashes(gathered.table.column("id"))).astype("<u8").tobytes()
         # Content-named: a concurrent compactor of the same parts writes the very same bytes.
-        for key, raw in zip(checkpoint_keys(digest), (parts_raw, rows_raw), strict=True):
+        for key, raw in zip((*checkpoint_keys(digest), ids_key(digest)), (parts_raw, rows_raw, ids_raw), strict=True):
             if not storage.write_new(key, raw):
                 # Other bytes under a name that is the hash of these: a damaged copy. Writing the
                 # right ones over it is what anyone would write there.
                 storage.write_atomic(key, raw)
         # Trusted only once read back whole and matching its name; only then is it published.
         read_checkpoint(storage, digest, "")
-        storage.write_new(f"{fmt.INDEX_DIR}/{marker_name(len(gathered.order), digest)}", json.dumps({"parts": len(gathered.order), "rows": gathered.table.num_rows}).encode())
+        storage.write_new(f"{fmt.INDEX_DIR}/{marker_name(len(gathered.order), digest)}", marker_doc(len(gathered.order), gathered.table.num_rows, parts_raw, rows_raw, ids_raw))
         summary.key, summary.nbytes, summary.written = f"{CHECKPOINT_DIR}/{digest}", len(parts_raw) + len(rows_raw), True
     summary.pruned = _prune(storage, summary.key, keep, everything=rebuild)
     return summary
@@ -140,7 +148,7 @@ def _prune(storage: Storage, current: str, keep: int, everything: bool = False) 
             kept += 1
             continue  # a recent one readers may have listed, or a concurrent compactor's
         storage.delete(f"{fmt.INDEX_DIR}/{marker}")
-        for obj in checkpoint_keys(digest):
+        for obj in (*checkpoint_keys(digest), ids_key(digest)):
             storage.delete(obj)
         pruned.append(key)
     return pruned

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -60,13 +60,17 @@ def worker_slot() -> tuple[int, int]:
     return (0, 1) if info is None else (info.id, info.num_workers)
 
 
-def share(order: np.ndarray, rank: int, world_size: int, drop_last: bool) -> np.ndarray:
+def share(order: np.ndarray | int, rank: int, world_size: int, drop_last: bool) -> np.ndarray:
     """What rank ``rank`` and this DataLoader worker read of an epoch's ``order``: every
     ``world_size``-th position from ``rank`` (after cutting ``order`` to a multiple of the world
-    size, with ``drop_last``), then every ``workers``-th of those from this worker's number."""
+    size, with ``drop_last``), then every ``workers``-th of those from this worker's number. An
+    int ``order`` is the unshuffled order of that many positions, never built whole."""
+    worker, workers = worker_slot()
+    if isinstance(order, (int, np.integer)):
+        stop = order - order % world_size if drop_last else order
+        return np.arange(rank, stop, world_size, dtype=np.int64)[worker::workers]
     if drop_last:
         order = order[: len(order) - len(order) % world_size]
-    worker, workers = worker_slot()
     return order[rank::world_size][worker::workers]
 
 
@@ -142,9 +146,16 @@ class StreamingDataset(Resumable):
 
     def _attach(self, store: featstore.Store) -> None:
         self._store, self._pid = store, os.getpid()
-        self._ids = store.sample_ids(with_fields=self.fields)
-        self._rows = np.array([store.row(i) for i in self._ids], dtype=np.int64)
-        self._order = EpochOrder(self.seed, shard_positions(store, self._rows), self.window) if self.shuffle else None
+        self._ids: Sequence[str]
+        if store.dense and all(f in store.fields for f in self.fields):
+            # Every sample, each one row, in position order: nothing per sample is built, and a
+            # rank's reads load only the shards they touch (featstore.rows).
+            self._ids, self._rows = _PositionIds(store), None
+        else:
+            self._ids = store.sample_ids(with_fields=self.fields)
+            self._rows = np.array([store.row(i) for i in self._ids], dtype=np.int64)
+        rows = np.arange(len(store), dtype=np.int64) if self._rows is None else self._rows
+        self._order = EpochOrder(self.seed, shard_positions(store, rows), self.window) if self.shuffle else None
         self._scales = {}
         if self.normalize:
             for name in self.fields:
@@ -202,7 +213,8 @@ class StreamingDataset(Resumable):
 
     def epoch_positions(self) -> np.ndarray:
         """This rank's and worker's share of the epoch's order."""
-        return share(self.global_order(self.epoch), *placement(self._rank, self._world_size), self.drop_last)
+        order = self.global_order(self.epoch) if self.shuffle else self.num_samples()
+        return share(order, *placement(self._rank, self._world_size), self.drop_last)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         start = self._start()
@@ -215,7 +227,8 @@ class StreamingDataset(Resumable):
         store = self.store()
         for at in range(0, len(positions), READ_BATCH):
             chosen = positions[at: at + READ_BATCH]
-            for position, arrays in zip(chosen, store.read_rows(self._rows[chosen], self.fields), strict=True):
+            rows = chosen if self._rows is None else self._rows[chosen]  # None: a dense store's positions are its rows
+            for position, arrays in zip(chosen, store.read_rows(rows, self.fields), strict=True):
                 sample = self._tensors(arrays)
                 sample["id"] = self._ids[position]
                 if self.with_meta:
@@ -235,6 +248,26 @@ class StreamingDataset(Resumable):
     def resume_key(self) -> dict[str, Any]:
         return {"url": self.url, "seed": self.seed, "shuffle": self.shuffle, "window": self.window,
                 "num_samples": self.num_samples(), "drop_last": self.drop_last}
+
+
+class _PositionIds(Sequence[str]):
+    """The ids of a dense store's samples by position, looked up when asked (``Store.id_at``)."""
+
+    def __init__(self, store: featstore.Store) -> None:
+        self._store = store
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    @overload
+    def __getitem__(self, position: int) -> str: ...
+    @overload
+    def __getitem__(self, position: slice) -> Sequence[str]: ...
+
+    def __getitem__(self, position: int | slice) -> str | Sequence[str]:
+        if isinstance(position, slice):
+            return [self._store.id_at(p) for p in range(*position.indices(len(self)))]
+        return self._store.id_at(int(position))
 
 
 # ---- batches of samples of different shapes -----------------------------------------------------

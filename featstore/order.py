@@ -20,8 +20,6 @@ import math
 from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
 if TYPE_CHECKING:
     from mmcache.featstore.reader import Store
@@ -54,8 +52,10 @@ class EpochOrder:
 
 def shard_positions(store: Store, rows: np.ndarray) -> np.ndarray:
     """For each index row in ``rows`` (a stream's samples), the number of its shard among the
-    snapshot's shards sorted by name (the same on every rank and on resume)."""
-    names = pa.array(sorted(store.shards), pa.string())
-    column = store.index.column("shard").cast(pa.string())
-    numbers = pc.index_in(column, value_set=names).to_numpy(zero_copy_only=False)
-    return np.asarray(numbers, dtype=np.int64)[rows]
+    snapshot's shards sorted by name (the same on every rank and on resume). From the shard table
+    alone: a shard's rows are one range, in the order of ``store.shards``."""
+    names = list(store.shards)
+    number = {name: i for i, name in enumerate(sorted(names))}
+    numbers = np.array([number[name] for name in names], dtype=np.int64)
+    starts = np.cumsum([0] + [info.num_samples for info in store.shards.values()], dtype=np.int64)
+    return numbers[np.searchsorted(starts, np.asarray(rows, dtype=np.int64), side="right") - 1] if len(names) else np.zeros(len(rows), np.int64)

@@ -29,7 +29,8 @@ from mmcache.featstore.errors import CorruptionError, MissingFieldError, NotASto
 from mmcache.featstore.sample import Sample
 from mmcache.featstore.scan import DEFAULT_READAHEAD_BYTES, scan_samples
 from mmcache.featstore.index import ShardInfo, index_parts, parse_index_part, read_parquet, read_parts
-from mmcache.featstore.snapshot import load_snapshot
+from mmcache.featstore.rows import LoadedRows, ShardRows
+from mmcache.featstore.snapshot import dense_samples, gather_parts, snapshot_of
 from mmcache.featstore.storage import Storage, open_storage
 from mmcache.featstore.tensors import in_format
 from mmcache.featstore.writer import StoreWriter
@@ -135,6 +136,13 @@ class Store:
 
     def _set_manifest(self, manifest: dict[str, Any]) -> None:
         self._manifest = manifest
+        if "_ids" not in self.__dict__:
+            # Nothing per sample built yet: it will be, with the new fields. Whether the store is
+            # dense is asked again (a new field that committed samples lack makes it not).
+            self.__dict__.pop("_dense", None)
+            self.__dict__.pop("_n", None)
+            self._loaded.clear()
+            return
         # The snapshot's per-field tables gain the new fields, which no committed sample has yet.
         rows = len(self._ids)
         for name in manifest["fields"]:
@@ -147,23 +155,84 @@ class Store:
 
     # ---- index --------------------------------------------------------------------------
     def _load_index(self, list_parts: bool = True, only: Sequence[str] | None = None) -> None:
-        snap = load_snapshot(self.storage, list(self.fields), strict=self.strict, list_parts=list_parts, only=only)
-        self.damaged.update(snap.damaged)
+        # The shard table only (featstore.snapshot): per-sample rows load per shard on first use
+        # (featstore.rows), or all at once for what needs them all (_per_sample).
+        gathered = gather_parts(self.storage, strict=self.strict, list_parts=list_parts, only=only, lazy=True)
+        self._gathered = gathered
+        self.damaged.update(gathered.damaged)
         # The index checkpoint the snapshot used (featstore.checkpoints), and how many parts it covered.
-        self.checkpoint, self.checkpoint_covered = snap.checkpoint, snap.covered
-        self.shards: dict[str, ShardInfo] = snap.shards
+        self.checkpoint = None if gathered.checkpoint is None else gathered.checkpoint.key
+        self.checkpoint_covered = len(gathered.covered)
+        self.shards: dict[str, ShardInfo] = {info.name: info for _, info in gathered.order}
         # Committed objects never change: a caching layer may key its entries on their checksums.
         # (Asked only of a storage that listens: a checkpoint's records are decoded when first used.)
         if type(self.storage).known_objects is not Storage.known_objects:
-            self.storage.known_objects({key: obj for info in snap.shards.values() for key, obj in info.objects.items()})
-        self.index: pa.Table = snap.index
-        self._ids, self._shard_of, self._shard_rows = snap.ids, snap.shard_of, snap.shard_rows
-        self._offsets, self._shapes, self._crcs = snap.offsets, snap.shapes, snap.crcs
-        self._row_of, self._holder, self._dense = snap.row_of, snap.holder, snap.dense
-        # (sample id, field, shard) rows ignored because an earlier commit holds them.
-        self.duplicates: list[tuple[str, str, str]] = snap.duplicates
+            self.storage.known_objects({key: obj for info in self.shards.values() for key, obj in info.objects.items()})
+        self._starts = np.cumsum([0] + [info.num_samples for info in self.shards.values()], dtype=np.int64)
+        self._shard_rows = {name: range(int(a), int(b)) for name, a, b in zip(self.shards, self._starts[:-1], self._starts[1:])}
+        self._loaded = LoadedRows(self._load_shard_rows)
         self._written: dict[str, set[str]] = {}
         self._rechecked: set[str] = set()
+
+    # Per-sample structures, built together on first use (featstore.snapshot.Snapshot): a lookup
+    # by id, metadata, scans, copy and verify need them; reads by position of a dense store, len
+    # and the shard table do not. They cost ~0.4-0.9 KiB per sample.
+    index: pa.Table
+    _ids: list[str]
+    _shard_of: list[str]
+    _offsets: dict[str, np.ndarray]
+    _shapes: dict[str, list[tuple[int, ...]]]
+    _crcs: dict[str, np.ndarray]
+    _row_of: dict[str, int]
+    _holder: dict[str, np.ndarray]
+    duplicates: list[tuple[str, str, str]]  # (sample id, field, shard) rows ignored because an earlier commit holds them
+    _PER_SAMPLE = frozenset(("index", "_ids", "_shard_of", "_offsets", "_shapes", "_crcs", "_row_of", "_holder", "duplicates"))
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only for attributes not set yet: the per-sample ones, and _dense / _n.
+        if name in Store._PER_SAMPLE:
+            self._per_sample()
+        elif name in ("_dense", "_n"):
+            self._find_dense()
+        else:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return self.__dict__[name]
+
+    def _per_sample(self) -> None:
+        with self._lock:
+            if "_ids" in self.__dict__:
+                return
+            snap = snapshot_of(self._gathered, list(self.fields))
+            self.index = snap.index
+            self._offsets, self._shapes, self._crcs = snap.offsets, snap.shapes, snap.crcs
+            self._row_of, self._holder, self.duplicates = snap.row_of, snap.holder, snap.duplicates
+            self._dense, self._n = snap.dense, len(snap.row_of)
+            self._shard_of = snap.shard_of
+            self._ids = snap.ids  # last: its presence says the rest is there
+
+    def _find_dense(self) -> None:
+        """Whether every sample is one row in position order, and how many there are, from the
+        shard table where it can tell (featstore.snapshot.dense_samples), else per sample."""
+        n = dense_samples(self._gathered, list(self.fields))
+        if n is None:
+            self._per_sample()
+        else:
+            self._n, self._dense = n, True
+
+    @property
+    def dense(self) -> bool:
+        """True when every sample is one index row and a sample's position is its row: what lets
+        reads by position load only the shards they touch (a store whose every shard holds every
+        field and no sample twice; known from the shard table)."""
+        return bool(self._dense)
+
+    def _load_shard_rows(self, number: int) -> ShardRows:
+        return ShardRows(self._gathered.rows_of(self._gathered.order[number][0]), list(self.fields))
+
+    def _locate(self, row: int) -> tuple[int, int]:
+        """(shard number, row within it) of a row of the snapshot."""
+        number = int(np.searchsorted(self._starts, row, side="right")) - 1
+        return number, row - int(self._starts[number])
 
     def assume_checked(self, shards: Sequence[str]) -> None:
         """Tell a writer's store (opened without its index) which shards its producer already
@@ -207,6 +276,8 @@ class Store:
         return [f for f in self.fields if self._holder[f][row] >= 0]
 
     def samples_per_field(self) -> dict[str, int]:
+        if self._dense:
+            return {f: self._n for f in self.fields}
         rows = np.fromiter(self._row_of.values(), dtype=np.int64, count=len(self._row_of))
         return {f: int((self._holder[f][rows] >= 0).sum()) for f in self.fields}
 
@@ -224,7 +295,7 @@ class Store:
         return [self._ids[r] for r in rows[keep]]
 
     def __len__(self) -> int:
-        return len(self._row_of)
+        return int(self._n)
 
     def __contains__(self, sample_id: object) -> bool:
         return sample_id in self._row_of
@@ -266,6 +337,8 @@ class Store:
         """The index row holding ``field`` of the sample whose row is ``row``."""
         if field not in self.fields:
             raise SchemaError(f"{self.url} has no field {field!r} (fields: {sorted(self.fields)})")
+        if self._dense:
+            return row  # every row holds every field
         held = int(self._holder[field][row])
         if held < 0:
             raise MissingFieldError(
@@ -277,7 +350,29 @@ class Store:
     def _fields_to_read(self, row: int, fields: Sequence[str] | None) -> Sequence[str]:
         if fields:
             return fields
+        if self._dense:
+            return list(self.fields)
         return [f for f in self.fields if self._holder[f][row] >= 0]
+
+    def _id_of(self, row: int) -> str:
+        if "_ids" in self.__dict__:
+            return self._ids[row]
+        number, i = self._locate(row)
+        return self._loaded.get(number).sample_id(i)
+
+    def _field_row(self, first: int, name: str) -> tuple[str, tuple[int, ...], int, int, int]:
+        """(shard, shape, element offset, CRC-32C, index row) of field ``name`` of the sample
+        whose first row is ``first``: from the per-sample structures where built, else from its
+        shard's rows (a dense store's reads by position)."""
+        row = self._holder_row(first, name)
+        if "_ids" in self.__dict__:
+            return self._shard_of[row], self._shapes[name][row], int(self._offsets[name][row]), int(self._crcs[name][row]), row
+        number, i = self._locate(row)
+        rows = self._loaded.get(number)
+        return self._shard_name(number), rows.shape(name, i), int(rows.offsets[name][i]), int(rows.crcs[name][i]), row
+
+    def _shard_name(self, number: int) -> str:
+        return self._gathered.order[number][1].name
 
     @overload
     def read(self, sample_id: str, fields: Sequence[str] | None = None, *, format: str = "numpy", with_meta: Literal[False] = False) -> dict[str, Any]: ...
@@ -290,14 +385,14 @@ class Store:
         bfloat16); ``with_meta=True`` a ``Sample`` that also carries its id and metadata."""
         row = self.row(sample_id)
         arrays = in_format(self.read_row(row, fields), format)
-        return Sample(self._ids[row], arrays, self._meta_of(row)) if with_meta else arrays
+        return Sample(self._id_of(row), arrays, self._meta_of(row)) if with_meta else arrays
 
     # ---- by position ----------------------------------------------------------------------
     # A sample's position is its place in the snapshot's order: that of sample_ids(), scan()
     # and the index's first rows (shard commit order, then the order within the shard).
     def id_at(self, position: int) -> str:
         """The id of the sample at ``position`` (negative counts from the end)."""
-        return self._ids[self._row_at(position)]
+        return self._id_of(self._row_at(position))
 
     @overload
     def read_at(self, position: int, fields: Sequence[str] | None = None, *, format: str = "numpy", with_meta: Literal[False] = False) -> dict[str, Any]: ...
@@ -309,7 +404,7 @@ class Store:
         as ``read(store.id_at(position), ...)`` gives it; IndexError out of range."""
         row = self._row_at(position)
         arrays = in_format(self.read_row(row, fields), format)
-        return Sample(self._ids[row], arrays, self._meta_of(row)) if with_meta else arrays
+        return Sample(self._id_of(row), arrays, self._meta_of(row)) if with_meta else arrays
 
     def __getitem__(self, key: int | str) -> dict[str, Any]:
         """``store[i]`` is ``read_at(i)``, ``store["id"]`` is ``read("id")``: every field, numpy.
@@ -326,7 +421,7 @@ class Store:
         if isinstance(position, (bool, np.bool_)) or not hasattr(position, "__index__"):
             raise TypeError(f"a store is indexed by position (an int) or by sample id (a str), not {type(position).__name__}")
         index = operator.index(position)
-        n = len(self._row_of)
+        n = len(self)
         if not -n <= index < n:
             held = f"holds {n} samples (positions 0..{n - 1}, or -{n}..-1 from the end)" if n else "holds no samples"
             raise IndexError(f"position {index} is out of range: {self.url} {held}")
@@ -376,18 +471,16 @@ class Store:
         out = {}
         first = row
         for name in self._fields_to_read(first, fields):
-            row = self._holder_row(first, name)
             spec = specs[name]
-            shard = self._shard_of[row]
-            shape = self._shapes[name][row]
+            shard, shape, offset, crc, row = self._field_row(first, name)
             count = math.prod(shape)
             # The ranges first: they bound the index row's shape by the shard's data before anything is allocated.
-            ranges = self._ranges(shard, spec, int(self._offsets[name][row]), count) if count else []
+            ranges = self._ranges(shard, spec, offset, count) if count else []
             array = np.empty(shape, dtype=spec.numpy_dtype)
             if count:
                 self.storage.read_ranges(self.shards[shard].data_key(name), ranges, array.reshape(-1).view(np.uint8))
-            if self.verify_reads and fmt.crc32c(array) != int(self._crcs[name][row]):
-                raise CorruptionError(f"{self.url}: sample {self._ids[row]!r} field {name!r} in shard {shard!r} fails its checksum")
+            if self.verify_reads and fmt.crc32c(array) != crc:
+                raise CorruptionError(f"{self.url}: sample {self._id_of(row)!r} field {name!r} in shard {shard!r} fails its checksum")
             out[name] = array
         return out
 
@@ -398,18 +491,16 @@ class Store:
         if not self.storage.is_remote:
             return [self.read_row(row, fields) for row in rows]
         specs = self.fields
-        # (sample, field) -> the index row holding it
-        held = [{name: self._holder_row(row, name) for name in self._fields_to_read(row, fields)} for row in rows]
-        self._load_chunk_indexes({(self._shard_of[r], name) for sample in held for name, r in sample.items()})
+        # (sample, field) -> (shard, shape, offset, crc, index row) of what holds it
+        held = [{name: self._field_row(row, name) for name in self._fields_to_read(row, fields)} for row in rows]
+        self._load_chunk_indexes({(at[0], name) for sample in held for name, at in sample.items()})
         requests, samples = [], []
         for sample_rows in held:
             sample = {}
-            for name, row in sample_rows.items():
+            for name, (shard, shape, offset, _, _) in sample_rows.items():
                 spec = specs[name]
-                shard = self._shard_of[row]
-                shape = self._shapes[name][row]
                 count = math.prod(shape)
-                ranges = self._ranges(shard, spec, int(self._offsets[name][row]), count) if count else []
+                ranges = self._ranges(shard, spec, offset, count) if count else []
                 array = np.empty(shape, dtype=spec.numpy_dtype)
                 if count:
                     requests.append((self.shards[shard].data_key(name), ranges, array.reshape(-1).view(np.uint8)))
@@ -419,9 +510,9 @@ class Store:
         if self.verify_reads:
             for sample_rows, sample in zip(held, samples, strict=True):
                 for name, array in sample.items():
-                    row = sample_rows[name]
-                    if fmt.crc32c(array) != int(self._crcs[name][row]):
-                        raise CorruptionError(f"{self.url}: sample {self._ids[row]!r} field {name!r} in shard {self._shard_of[row]!r} fails its checksum")
+                    shard, _, _, crc, row = sample_rows[name]
+                    if fmt.crc32c(array) != crc:
+                        raise CorruptionError(f"{self.url}: sample {self._id_of(row)!r} field {name!r} in shard {shard!r} fails its checksum")
         return samples
 
     def iter_shard(self, shard: str, fields: Sequence[str] | None = None, *, readahead_bytes: int = DEFAULT_READAHEAD_BYTES) -> Iterator[tuple[str, dict[str, np.ndarray]]]:

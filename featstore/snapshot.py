@@ -1,6 +1,12 @@
 """The snapshot a reader takes when it opens a store: the index parts committed at that moment,
 checked and concatenated, and where each field of each sample is.
 
+Two levels (docs/FORMAT.md, "Two-level index"): ``gather_parts`` gives the shard table (one
+``ShardInfo`` per shard, in snapshot order) without reading a checkpoint's rows (``lazy``);
+``dense_samples`` tells from it whether each sample is one row, and how many there are;
+``GatheredParts.rows_of`` gives one shard's rows when a read needs them; ``snapshot_of`` builds
+the per-sample structures of the whole snapshot for what needs them all.
+
 Index parts are listed once and each is checked against the CRC-32C sealed in it (versions 1-2:
 in its name); the rows of the parts an index checkpoint covers come from it instead, in one read
 (featstore.checkpoints). Their rows are concatenated in commit order (each shard's rows are one range). A sample's row is its first; in
@@ -12,15 +18,18 @@ that racing writers both committed is read from the earliest commit; the others 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from mmcache.featstore.checkpoints import find_checkpoint
+from mmcache.featstore.checkpoints import CheckpointWarning, find_checkpoint
 from mmcache.featstore.errors import CorruptionError, SnapshotError
+from mmcache.featstore.idhash import any_known, id_hashes
 from mmcache.featstore.index import IndexPart, ShardInfo, index_parts, list_index, parse_index_part_record, read_parts, shard_info
 from mmcache.featstore.storage import Storage
 
@@ -46,26 +55,78 @@ class Snapshot:
 
 @dataclass
 class GatheredParts:
-    """The index parts of one listing, checked, in snapshot order, with their rows."""
+    """The index parts of one listing, checked, in snapshot order. Their rows (``table``) are
+    concatenated on first use: an open from a checkpoint needs only the shard table."""
 
+    storage: Storage
     listing: dict[str, str]                 # every name under index/ -> its listing fingerprint
     order: list[tuple[str, ShardInfo]]      # (file name under index/, shard), commit order then name
-    table: pa.Table                         # their rows in that order, plus a "shard" column
     records: dict[str, Any]                 # file name -> commit record (a dict; from a checkpoint, its CoveredPart)
     damaged: dict[str, str]
+    tables: dict[str, pa.Table]             # file name -> rows, of the parts read whole
     checkpoint: Any = None                  # the featstore.checkpoints.Checkpoint used, if any
-    covered: set[str] = field(default_factory=set)  # parts whose rows came from it
+    covered: dict[str, Any] = field(default_factory=dict)  # file name -> CoveredPart, the parts whose rows come from it
+    _table: pa.Table | None = None
+
+    @property
+    def table(self) -> pa.Table:
+        """Every part's rows in snapshot order, plus a "shard" column."""
+        if self._table is None:
+            rows = self._checkpoint_rows()  # first: where it falls back to the parts, no part is covered any more
+            self._table = _concat(self.order, self.covered, rows, self.tables)
+        return self._table
+
+    def _checkpoint_rows(self) -> pa.Table | None:
+        """The checkpoint's rows. Where they prove damaged or gone once read (a lazily opened
+        checkpoint's), the parts it covers are read instead, as an open would have done."""
+        if not self.covered:
+            return None
+        try:
+            return self.checkpoint.table
+        except (CorruptionError, FileNotFoundError) as exc:
+            warnings.warn(f"{exc}; it is ignored and the index parts it covers are read instead (`mmcache compact {self.storage.url}` replaces it)",
+                          CheckpointWarning, stacklevel=4)
+        self.tables.update(_read_whole(self.storage, list(self.covered)))
+        self.covered = {}
+        return None
+
+    def rows_of(self, entry: str) -> pa.Table:
+        """The rows of one part (a file name under index/): from what was read already, else from
+        the part itself (a covered part is listed with the fingerprint the checkpoint recorded:
+        it is the very object whose rows the checkpoint holds). A covered part found damaged or
+        gone since gives the checkpoint's copy of its rows, which readers used before."""
+        table = self.tables.get(entry)
+        if table is not None:
+            return table
+        part = self.covered.get(entry)
+        if self._table is not None and part is not None:
+            return self.checkpoint.table.slice(part.start, part.info.num_samples)
+        try:
+            parsed = index_parts([entry])[0]
+            return parse_index_part_record(self.storage.read(parsed.key), parsed.shard, parsed.key, self.storage.url, parsed.crc)[0]
+        except (CorruptionError, FileNotFoundError):
+            if part is None:
+                raise
+        return self.checkpoint.table.slice(part.start, part.info.num_samples)
+
+
+def _read_whole(storage: Storage, entries: list[str]) -> dict[str, pa.Table]:
+    """The rows of these parts, read from the parts themselves (a damaged one is an error)."""
+    found = _Found({}, {}, {})
+    found.read(storage, index_parts(entries), strict=True)
+    return found.tables
 
 
 def gather_parts(storage: Storage, *, strict: bool, list_parts: bool = True, only: Sequence[str] | None = None,
-                 use_checkpoint: bool = True, checkpoint_problems: list[str] | None = None) -> GatheredParts:
+                 use_checkpoint: bool = True, checkpoint_problems: list[str] | None = None, lazy: bool = False) -> GatheredParts:
     """List ``index/`` once and gather the committed parts (``only`` those shards, if given): the
     rows of those a checkpoint covers from it (one read), the others from their own parts. A part
     is taken from the checkpoint only while it is listed with the fingerprint the checkpoint
-    recorded, so the result is exactly what reading every listed part gives."""
+    recorded, so the result is exactly what reading every listed part gives. ``lazy``: the
+    checkpoint's rows are read when ``table`` is first used."""
     listing = list_index(storage) if list_parts else {}
     wanted = None if only is None else set(only)
-    checkpoint = find_checkpoint(storage, listing, checkpoint_problems) if use_checkpoint and listing else None
+    checkpoint = find_checkpoint(storage, listing, checkpoint_problems, lazy=lazy) if use_checkpoint and listing else None
     covered = {} if checkpoint is None else {
         entry: part for entry, part in checkpoint.parts.items()
         if listing.get(entry) == part.listed and (wanted is None or part.info.name in wanted)
@@ -82,8 +143,7 @@ def gather_parts(storage: Storage, *, strict: bool, list_parts: bool = True, onl
             f"{storage.url}: {len(gone)} shard(s) of the requested snapshot are not committed there, e.g. {gone[0]!r}; "
             "the store was changed or is a different one"
         )
-    table = _concat(order, covered, checkpoint, found.tables)
-    return GatheredParts(listing, order, table, found.records, found.damaged, checkpoint, set(covered))
+    return GatheredParts(storage, listing, order, found.records, found.damaged, found.tables, checkpoint, covered)
 
 
 @dataclass
@@ -116,12 +176,12 @@ class _Found:
             self.tables[part.entry] = table.append_column("shard", pa.array([part.shard] * table.num_rows, pa.string()))
 
 
-def _concat(order: list[tuple[str, ShardInfo]], covered: dict[str, Any], checkpoint: Any, tables: dict[str, pa.Table]) -> pa.Table:
-    """Every part's rows in snapshot order. The checkpoint's rows are in snapshot order too:
-    consecutive covered parts are one slice of it."""
+def _concat(order: list[tuple[str, ShardInfo]], covered: dict[str, Any], rows: pa.Table | None, tables: dict[str, pa.Table]) -> pa.Table:
+    """Every part's rows in snapshot order. The checkpoint's rows (``rows``) are in snapshot
+    order too: consecutive covered parts are one slice of it."""
     pieces: list[pa.Table] = []
     run: list[int] = []
-    rows = checkpoint.table if checkpoint is not None else pa.table({})
+    rows = rows if rows is not None else pa.table({})
     for entry, info in order:
         part = covered.get(entry)
         if part is not None and run and run[1] == part.start:
@@ -139,10 +199,48 @@ def _concat(order: list[tuple[str, ShardInfo]], covered: dict[str, Any], checkpo
     return table.replace_schema_metadata(None)
 
 
-def load_snapshot(storage: Storage, fields: list[str], *, strict: bool, list_parts: bool = True, only: Sequence[str] | None = None) -> Snapshot:
-    """Read the committed index parts (``only`` those shards, if given; none with ``list_parts=False``).
-    A damaged part fails the open when ``strict``, and is left out and reported otherwise."""
-    gathered = gather_parts(storage, strict=strict, list_parts=list_parts, only=only)
+def dense_samples(gathered: GatheredParts, fields: list[str]) -> int | None:
+    """The number of samples when the snapshot is dense (every shard with samples holds exactly
+    ``fields`` and no id repeats, so a sample's position is its row), else None; found without a
+    Python object per sample. From a checkpoint that covers every part, its count of distinct
+    ids answers (nothing per sample is read); otherwise the ids are counted in Arrow."""
+    infos = [info for _, info in gathered.order if info.num_samples]
+    wanted = set(fields)
+    if any(set(info.layouts) != wanted for info in infos):
+        return None
+    rows = sum(info.num_samples for info in infos)
+    checkpoint, covered = gathered.checkpoint, gathered.covered
+    counted = sum(part.info.num_samples for part in covered.values())
+    if covered and checkpoint.samples is not None and len(covered) == len(checkpoint.parts):
+        if checkpoint.samples != counted:
+            return None
+        if counted == rows or _new_ids_are_new(gathered):
+            return rows
+    if not rows:
+        return 0
+    distinct = pc.count_distinct(gathered.table.column("id")).as_py()
+    return rows if distinct == rows else None
+
+
+def _new_ids_are_new(gathered: GatheredParts) -> bool:
+    """True when the ids of the parts read whole (committed after the checkpoint) are distinct
+    and none hashes like one the checkpoint covers (featstore.idhash); False when that cannot be
+    told so (the caller then counts every id)."""
+    tables = [t.column("id") for t in gathered.tables.values() if t.num_rows]
+    ids = pa.chunked_array([c for t in tables for c in t.chunks], pa.string())
+    if pc.count_distinct(ids).as_py() != len(ids):
+        return False
+    try:
+        known = gathered.checkpoint.id_hashes()
+    except (CorruptionError, FileNotFoundError) as exc:
+        warnings.warn(f"{exc}; the checkpoint's ids are counted instead", CheckpointWarning, stacklevel=4)
+        return False
+    return known is not None and not any_known(id_hashes(ids), known)
+
+
+def snapshot_of(gathered: GatheredParts, fields: list[str]) -> Snapshot:
+    """The per-sample snapshot of gathered parts (a Python object per sample: what a whole-store
+    operation, a lookup by id or a store that is not dense needs)."""
     shards = {info.name: info for _, info in gathered.order}
     table = gathered.table
     ids = table.column("id").to_pylist()
@@ -152,7 +250,7 @@ def load_snapshot(storage: Storage, fields: list[str], *, strict: bool, list_par
     row_of, holder, dense, duplicates = _locate_fields(ids, shards, shard_rows, fields)
     return Snapshot(
         shards=shards, damaged=gathered.damaged, index=table, ids=ids, shard_of=table.column("shard").to_pylist(), shard_rows=shard_rows,
-        offsets={f: _column_numpy(table, f"{f}.offset") for f in fields}, shapes=shapes, crcs={f: _column_numpy(table, f"{f}.crc32c") for f in fields},
+        offsets={f: column_numpy(table, f"{f}.offset") for f in fields}, shapes=shapes, crcs={f: column_numpy(table, f"{f}.crc32c") for f in fields},
         row_of=row_of, holder=holder, dense=dense, duplicates=duplicates,
         checkpoint=None if gathered.checkpoint is None else gathered.checkpoint.key, covered=len(gathered.covered),
     )
@@ -200,7 +298,7 @@ def _shapes(table: pa.Table, name: str) -> list[tuple[int, ...]]:
     return [tuple(values[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def _column_numpy(table: pa.Table, name: str) -> np.ndarray:
+def column_numpy(table: pa.Table, name: str) -> np.ndarray:
     if name not in table.column_names:
         return np.zeros(table.num_rows, dtype=np.int64)
     column = table.column(name)

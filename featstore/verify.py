@@ -19,10 +19,12 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from mmcache.featstore import checkpoints
 from mmcache.featstore import format as fmt
 from mmcache.featstore.errors import CorruptionError, FormatVersionError
+from mmcache.featstore.idhash import id_hashes
 from mmcache.featstore.index import list_index, parse_index_part_record
 from mmcache.featstore.prompts import PROMPTS_DIR, parse_part_name, read_part
 from mmcache.featstore.reader import Store
@@ -166,6 +168,9 @@ def check_checkpoints(storage: Storage, problems: list[str], notes: list[str]) -
         except CorruptionError as exc:
             problems.append(f"{exc}; readers ignore it and read the index parts instead; `mmcache compact` replaces it")
             continue
+        if why := _summaries_differ(storage, checkpoint, digest, marker):
+            problems.append(f"index checkpoint {checkpoint.key}: {why}; readers may count its samples wrong. "
+                            f"Run `mmcache compact --rebuild {storage.url}` to replace it from the parts")
         for entry, part in checkpoint.parts.items():
             if listing.get(entry) != part.listed:
                 continue  # deleted or rewritten since: readers read the part itself, not these rows
@@ -189,6 +194,21 @@ def check_checkpoints(storage: Storage, problems: list[str], notes: list[str]) -
                 problems.append(f"index checkpoint {checkpoint.key} disagrees with {key}: {why}; readers would use the checkpoint's rows. "
                                 f"Run `mmcache compact --rebuild {storage.url}` to replace it from the parts")
     return compared
+
+
+def _summaries_differ(storage: Storage, checkpoint: checkpoints.Checkpoint, digest: str, marker: str) -> str:
+    """Why what a checkpoint says of its ids (their count, their hashes: what readers answer
+    ``len`` from, docs/FORMAT.md "Two-level index") is not what its rows hold ('' when it is)."""
+    ids = checkpoint.table.column("id")
+    if checkpoint.samples is not None and checkpoint.samples != pc.count_distinct(ids).as_py():
+        return f"it says its rows hold {checkpoint.samples} distinct ids, they hold {pc.count_distinct(ids).as_py()}"
+    try:
+        hashes = checkpoints.open_checkpoint(storage, digest, marker).id_hashes()
+    except (CorruptionError, FileNotFoundError) as exc:
+        return f"its id hashes cannot be used ({exc})"
+    if hashes is not None and not np.array_equal(hashes, np.unique(id_hashes(ids))):
+        return "its id hashes are not those of its ids"
+    return ""
 
 
 def _rows_differ(mine: pa.Table, theirs: pa.Table, shard: str) -> str:
