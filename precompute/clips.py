@@ -68,9 +68,15 @@ def clip_id(sample_id: str, first_frame: int) -> str:
     return f"{sample_id}={first_frame}"
 
 
+def clip_parent(sample_id: str) -> str | None:
+    """The id of the video a clip id ``<id>=<first frame>`` was cut from; None if it is no clip id."""
+    match = _CLIP_ID.fullmatch(sample_id)
+    return match.group(1) if match else None
+
+
 def clip_parents(sample_ids: Iterable[str]) -> set[str]:
     """The ids of the videos whose clips are among ``sample_ids``: a re-run leaves them out."""
-    return {match.group(1) for sample_id in sample_ids if (match := _CLIP_ID.fullmatch(sample_id))}
+    return {parent for sample_id in sample_ids if (parent := clip_parent(sample_id)) is not None}
 
 
 def span_frames(total: int, fps: float, start: float | None, end: float | None) -> tuple[int, int]:

@@ -12,8 +12,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
+from mmcache.precompute.clips import clip_parent
 from mmcache.precompute.daemon_pool import DaemonPool
 from mmcache.precompute.input_sources import Member, open_unit
+from mmcache.precompute.input_sources.base import duplicate_reason
 from mmcache.precompute.inputs import InputRow, Reject
 from mmcache.precompute.sources import InputFileError, read_failure
 from mmcache.precompute.specs import TaskSettings, TaskSpec
@@ -97,14 +99,22 @@ class _UnitParts:
         self.pending: Any = None
 
     def rows(self, members: Iterator[Member], part: Any) -> Iterator[tuple[InputRow, bytes | None]]:
-        """The next ``part_size`` members as (row, bytes), lazily: decoding starts as they arrive."""
+        """The next ``part_size`` members as (row, bytes), lazily: decoding starts as they arrive.
+        A member whose id is committed or rejected already is left out if that was this input's
+        (a resume), and is a reject naming the other input if it was another's."""
+        assert self.task.unit is not None
         for member in itertools.islice(members, self.task.part_size):
             if member.reject is not None:
                 if member.reject.sample_id not in self.task.skip:
                     part.rejects.append((member.reject, member.reject.reason))
                     part.rejected += 1
-            elif member.row is not None and member.row.sample_id not in self.task.skip:
-                yield member.row, member.data
+            elif member.row is not None:
+                earlier = self.task.skip.get(member.row.sample_id)
+                if earlier is None:
+                    yield member.row, member.data
+                elif not same_input(earlier, self.task.unit.shown):
+                    part.rejects.append((member.row, duplicate_reason(member.row.sample_id, earlier)))
+                    part.rejected += 1
 
     def pass_over(self, members: Iterator[Member]) -> None:
         """Reads past a committed part's members, encoding and keeping nothing of them."""
@@ -133,3 +143,27 @@ class _UnitParts:
     def close(self) -> None:
         self.wait()
         self.pool.shutdown(cancel_pending=False)
+
+
+def known_sources(store: Any, *, rejects: bool, clips: bool = False) -> dict[str, str]:
+    """Committed ids (and with ``rejects`` rejected ones) -> where each came from: a sample's
+    ``source_uri``, a reject's source ('' where a store does not say). With ``clips``, the video
+    of each clip id ``<id>=<frame>`` too (its clips commit together, in one part)."""
+    index = store.index
+    ids = index.column("id").to_pylist() if "id" in index.column_names else []
+    uris = index.column("source_uri").to_pylist() if "source_uri" in index.column_names else [None] * len(ids)
+    known = {i: s or "" for i, s in zip(ids, uris, strict=True)}
+    if rejects and store.num_rejected() and "id" in store.rejects.column_names:
+        table = store.rejects
+        for sample_id, source in zip(table.column("id").to_pylist(), table.column("source").to_pylist(), strict=True):
+            if sample_id:
+                known.setdefault(sample_id, source or "")
+    if clips:
+        known.update({parent: source for sample_id, source in list(known.items()) if (parent := clip_parent(sample_id)) is not None})
+    return known
+
+
+def same_input(source: str, shown: str) -> bool:
+    """Whether ``source`` (a source_uri, a reject's source) names the input ``shown`` or a member of it."""
+    return source == shown or source.startswith(shown + "#")
+

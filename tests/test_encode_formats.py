@@ -138,6 +138,29 @@ def test_parquet_with_image_bytes(tmp_path, cluster):
     assert encode([str(tmp_path / "train-00000.parquet")], out, cluster).tasks == 0
 
 
+def test_an_id_in_two_parquet_files_is_one_sample_and_a_reject_naming_the_other(tmp_path, cluster):
+    write_media_parquet(tmp_path / "a.parquet", [png(n) for n in range(3)], ["a0", "a1", "same id"], ids=["a0", "a1", "twice"])
+    write_media_parquet(tmp_path / "b.parquet", [png(n) for n in range(10, 12)], ["same id, other file", "b1"], ids=["twice", "b1"])
+    out = str(tmp_path / "store")
+    both = [str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")]
+    # The two files' tasks run at once; the first input to have an id keeps it, whichever commits first.
+    summary = encode(both, out, cluster)
+    store = featstore.open(out)
+    assert summary.samples_written == 4 and summary.rejected == 1 and sorted(store.sample_ids()) == ["a0", "a1", "b1", "twice"]
+    assert by_id(store)["twice"]["source_uri"] == f"{tmp_path / 'a.parquet'}#2"
+    (reject,) = store.rejects.to_pylist()
+    assert reject["id"] == "twice" and reject["source"] == f"{tmp_path / 'b.parquet'}#0"
+    assert f"an earlier input has it ({tmp_path / 'a.parquet'}#2)" in reject["reason"]
+    assert encode(both, out, cluster).tasks == 0  # both done: a re-run reads neither again
+    # A later file with an id an earlier run committed from another input: a reject naming it.
+    write_media_parquet(tmp_path / "c.parquet", [png(20), png(21)], ["c0", "again"], ids=["c0", "a1"])
+    summary = encode([str(tmp_path / "c.parquet")], out, cluster)
+    store = featstore.open(out)
+    assert summary.samples_written == 1 and summary.rejected == 1 and "c0" in store.sample_ids()
+    reasons = {r["source"].rsplit("/", 1)[-1]: r["reason"] for r in store.rejects.to_pylist()}
+    assert f"an earlier input has it ({tmp_path / 'a.parquet'}#1)" in reasons["c.parquet#1"]
+
+
 def test_llava_json_for_a_vlm(tmp_path, cluster):
     path = write_llava(tmp_path, 4)
     records = json.loads(path.read_text())

@@ -12,7 +12,7 @@ from typing import Any
 
 from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.input_sources import files, llava, parquet_media, webdataset  # noqa: F401  (they register)
-from mmcache.precompute.input_sources.base import SOURCES, InputSource, Member, SourceOptions, SourceRead, SourceUnit
+from mmcache.precompute.input_sources.base import SOURCES, InputSource, Member, SourceOptions, SourceRead, SourceUnit, duplicate_reason
 from mmcache.precompute.input_sources.expand import expand_inputs
 from mmcache.precompute.inputs import EmptyInputError, InputRow, ManifestError, Reject
 
@@ -46,14 +46,14 @@ def read_all(patterns: str | list[str], options: SourceOptions) -> InputSet:
     urls = expand_inputs(patterns, options.storage_options)
     single = len(urls) == 1
     each = options if single else dataclasses.replace(options, allow_empty=True)
-    out, seen, prefixes = InputSet(), set[str](), dict[str, str]()
+    out, seen, prefixes = InputSet(), dict[str, str](), dict[str, str]()  # seen: id -> its source
     for url in urls:
         read: SourceRead = source_for(url).read(url, each)
         for row in read.rows:
             if row.sample_id in seen:
-                out.rejects.append(Reject(source=row.source, reason=f"duplicate id {row.sample_id!r} (an earlier input has it)", sample_id=row.sample_id))
+                out.rejects.append(Reject(source=row.source, reason=duplicate_reason(row.sample_id, seen[row.sample_id]), sample_id=row.sample_id))
                 continue
-            seen.add(row.sample_id)
+            seen[row.sample_id] = redact_url(url)
             out.rows.append(dataclasses.replace(row, input=redact_url(url)))
         out.rejects.extend(read.rejects)
         for unit in read.units:
@@ -61,11 +61,27 @@ def read_all(patterns: str | list[str], options: SourceOptions) -> InputSet:
                 raise ManifestError(
                     f"inputs {prefixes[unit.id_prefix]!r} and {unit.shown!r} share the name {unit.id_prefix.rstrip(':')!r}, so their "
                     f"samples' ids ({unit.id_prefix}<key>) would collide; encode them into separate stores or rename one")
-        out.units.extend(read.units)
+        out.units.extend(_with_duplicates(read, seen))
     if not single and not (out.rows or out.rejects or out.units) and not options.allow_empty:
         shown = ", ".join(redact_url(u) for u in urls[:3])
         raise EmptyInputError(f"inputs {shown}: no rows at all; nothing to encode (pass --allow-empty to accept an empty input)")
     return out
+
+
+def _with_duplicates(read: SourceRead, seen: dict[str, str]) -> list[SourceUnit]:
+    """``read``'s units, each told which of its rows (where the client knows their ids:
+    ``unit_ids``) have an id an earlier input or row has: its worker rejects those, naming the
+    earlier one (the first row to have an id keeps it, whatever order the tasks run in)."""
+    units = []
+    for index, unit in enumerate(read.units):
+        earlier = []
+        for sample_id, source in read.unit_ids[index] if read.unit_ids else ():
+            if sample_id in seen:
+                earlier.append((source, seen[sample_id]))
+            else:
+                seen[sample_id] = source
+        units.append(dataclasses.replace(unit, duplicates=tuple(earlier)) if earlier else unit)
+    return units
 
 
 def open_unit(unit: SourceUnit, storage_options: dict[str, Any] | None, max_bytes: int) -> Iterator[Member]:
