@@ -182,6 +182,30 @@ def _committed_shards(store: Path) -> int:
     return len([p for p in index.iterdir() if p.suffix == ".parquet"]) if index.exists() else 0
 
 
+def _killed_mid_way(cmd: list[str], out: Path, parts: int = 2) -> int:
+    """Runs ``cmd`` (an encode into ``out``), kills its whole process group once ``parts`` shards
+    are committed, and returns how many samples the store holds then."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.time() + 240
+    while _committed_shards(out) < parts and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    assert proc.poll() is None, "the job finished before it could be killed; make it bigger"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    return len(featstore.open(str(out)))
+
+
+def _rerun_completes(cmd: list[str], out: Path, partial: int, total: int) -> list[str]:
+    """Runs ``cmd`` again to the end: only what the killed run had not committed is encoded, and
+    the store verifies. Returns the store's ids."""
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    written = int(re.search(r"encoded (\d+) sample", rerun.stdout).group(1))
+    assert written == total - partial, rerun.stdout  # committed parts are not encoded again
+    assert subprocess.run([str(Path(sys.executable).parent / "mmcache"), "verify", str(out)], capture_output=True).returncode == 0
+    return featstore.open(str(out)).index.column("id").to_pylist()
+
+
 def test_killed_tar_encode_resumes_exactly_once(tmp_path):
     shards = tmp_path / "shards"
     shards.mkdir()
@@ -190,23 +214,35 @@ def test_killed_tar_encode_resumes_exactly_once(tmp_path):
     out = tmp_path / "store"
     cmd = [str(Path(sys.executable).parent / "mmcache"), "encode", "--config", "tiny", "--input", str(shards / "{00000..00002}.tar"),
            "--output", str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    deadline = time.time() + 240
-    while _committed_shards(out) < 2 and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    assert proc.poll() is None, "the job finished before it could be killed; make it bigger"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(30)
-    partial = featstore.open(str(out))
-    assert 0 < len(partial) < 192
-    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert rerun.returncode == 0, rerun.stderr
-    written = int(re.search(r"encoded (\d+) sample", rerun.stdout).group(1))
-    assert written == 192 - len(partial), rerun.stdout  # committed parts are not encoded again
-    store = featstore.open(str(out))
-    ids = store.index.column("id").to_pylist()
-    assert len(ids) == 192 and len(set(ids)) == 192 and len(store.shards) == 12
-    assert subprocess.run([str(Path(sys.executable).parent / "mmcache"), "verify", str(out)], capture_output=True).returncode == 0
+    partial = _killed_mid_way(cmd, out)
+    assert 0 < partial < 192
+    ids = _rerun_completes(cmd, out, partial, 192)
+    assert len(ids) == 192 and len(set(ids)) == 192 and len(featstore.open(str(out)).shards) == 12
+
+
+def test_killed_encode_of_video_tars_with_clips_resumes_exactly_once(tmp_path):
+    """Tars of videos, two clips each (``frames.clips``): killed after some parts committed, the
+    re-run encodes each remaining video's clips once, and every clip id ``<id>=<frame>`` is there once."""
+    from tests.test_media import write_gray_ramp_video
+
+    video = write_gray_ramp_video(tmp_path / "ramp.mp4", frames=30, fps=24)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for shard in range(2):
+        with tarfile.open(shards / f"{shard:05d}.tar", "w") as archive:
+            for n in range(40):  # tiny's 16 videos per part: 3 parts per tar
+                add_member(archive, f"v{n:03d}.mp4", video)
+                add_member(archive, f"v{n:03d}.txt", f"gray ramp {shard} {n}".encode())
+    out = tmp_path / "store"
+    cmd = [str(Path(sys.executable).parent / "mmcache"), "encode", "--config", "tiny", "--input", str(shards / "*.tar"),
+           "--output", str(out), "--set", "frames.clips.policy=head", "--set", "frames.clips.count=2"]
+    partial = _killed_mid_way(cmd, out)
+    assert 0 < partial < 160 and partial % 2 == 0  # a video's clips commit together
+    ids = _rerun_completes(cmd, out, partial, 160)
+    expected = {f"{shard:05d}:v{n:03d}={frame}" for shard in range(2) for n in range(40) for frame in (0, 10)}
+    assert len(ids) == 160 and set(ids) == expected
+    frames = {r["id"]: r["frame_indices"] for r in featstore.open(str(out)).index.to_pylist()}
+    assert frames["00001:v039=10"] == [10, 12, 14, 16, 18]
 
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
