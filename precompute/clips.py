@@ -179,3 +179,17 @@ def select_frames(total_frames: int, source_fps: float, sampling: FrameSampling,
     """Indices (in decode order) of the frames of a video's first clip, and the fps of the kept sequence."""
     clips, fps = select_clips(total_frames, source_fps, sampling, require_4k_plus_1=require_4k_plus_1, uri=uri)
     return clips[0], fps
+
+
+def clip_from(clips: list[list[int]], first_frame: int, total_frames: int, uri: str = "") -> list[int]:
+    """The clip starting at ``first_frame`` (a recorded clip rebuilt: ``mmcache.train.live``): the
+    one of ``clips`` (``select_clips``'s) that starts there, else the rule's frames (its step and
+    count) from there, as for a clip placed within a manifest row's span, which is not known then."""
+    for clip in clips:
+        if clip[0] == first_frame:
+            return clip
+    indices = [first_frame + index - clips[0][0] for index in clips[0]]
+    if first_frame < 0 or indices[-1] >= total_frames:
+        raise MediaError(f"no clip of {len(indices)} frames starts at frame {first_frame}: the video has {total_frames}", uri)
+    return indices
+

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from PIL import Image
 
 from mmcache.featstore.errors import ConfigError
-from mmcache.precompute.clips import FrameSampling, select_clips, select_frames
+from mmcache.precompute.clips import FrameSampling, clip_from, select_clips, select_frames
 from mmcache.precompute.media_error import MediaError
 from mmcache.precompute.sizing import bucket_sizes, center_crop_box, crop_and_resize, size_for_aspect
 
@@ -280,9 +280,11 @@ def prepare_video(data: bytes, uri: str, *, resize: ResizeConfig, sampling: Fram
 
 
 def prepare_video_clips(data: bytes, uri: str, *, resize: ResizeConfig, sampling: FrameSampling, rule: SizeRule,
-                        max_pixels: int | None = None, span: tuple[float | None, float | None] = (None, None)) -> list[PreparedMedia]:
-    """Each clip ``select_clips`` chooses, decoded in one pass over the video, every frame cropped
-    with one box; pixels are T x H x W x 3 per clip."""
+                        max_pixels: int | None = None, span: tuple[float | None, float | None] = (None, None),
+                        first_frame: int | None = None) -> list[PreparedMedia]:
+    """Each clip ``select_clips`` chooses (with ``first_frame``: only the one from that frame,
+    ``clips.clip_from``), decoded in one pass over the video, every frame cropped with one box;
+    pixels are T x H x W x 3 per clip."""
     import av  # PyAV pulls in FFmpeg; import it only where videos are actually read
 
     if not data:
@@ -290,6 +292,8 @@ def prepare_video_clips(data: bytes, uri: str, *, resize: ResizeConfig, sampling
     total, fps, orig = _probe_video(av, data, uri)
     check_pixels(*orig, max_pixels, uri)  # per frame: each is decoded whole before it is resized
     clips, kept_fps = select_clips(total, fps, sampling, require_4k_plus_1=rule.temporal == "4k+1", span=span, uri=uri)
+    if first_frame is not None:
+        clips = [clip_from(clips, first_frame, total, uri)]
     size = choose_size(*orig, resize=resize, rule=rule)
     box = center_crop_box(*orig, *size)
     frames = _decode_frames(av, data, uri, sorted({i for clip in clips for i in clip}), orig, lambda image: np.asarray(
