@@ -1,14 +1,14 @@
 """WebDataset tars against the same images unpacked as files + a JSONL manifest, in one run (by
 hand, not a test).
 
-    python benchmarks/formats_bench.py [--tars 16] [--per-tar 16] [--size 256] [--repeat 2] [--no-s3]
+    python benchmarks/formats_bench.py [--tars 16] [--per-tar 16] [--size 256] [--repeat 4] [--no-s3]
 
 The same generated images (noise, --size^2 PNG, so decoding costs what a photo's does) and
 captions, encoded with the tiny preset (configs/encode/tiny.yaml) on one warm 2-worker LocalCluster:
   (f) files    one PNG per sample + a manifest.jsonl (path, caption): one read per sample
   (t) tars     --tars img2dataset-style shards ({key}.png + .txt + .json): one read per tar
-each into a fresh store, interleaved, --repeat times, the best run counting (samples/s without
-start-up: EncodeSummary.seconds). Locally, then on S3 (the tests' moto server in a child process,
+each into a fresh store, in --repeat rounds of both (samples/s without start-up:
+EncodeSummary.seconds); printed: the best of each way, and the median of the rounds' ratios. Locally, then on S3 (the tests' moto server in a child process,
 needs `pip install -e .[dev]`). Printed: (t)/(f) throughput (target >= 1.0), and the GET requests
 the server answered per tar for tars of --per-tar and 4x --per-tar members (target: the same count,
 constant in the member count).
@@ -26,6 +26,7 @@ import io
 import json
 import os
 import shutil
+import statistics
 import sys
 import tarfile
 import tempfile
@@ -73,20 +74,25 @@ def rate(config, inputs: list[str], dest: str, scheduler: str) -> float:
 
 
 def compare(config, files: list[str], tars: list[str], dests: str, scheduler: str, repeat: int, where: str) -> None:
+    """Each round runs both ways back to back (in alternating order, so a load that rises or falls
+    during the run favours neither); the median of the rounds' (t)/(f) is what a shared, busy
+    machine measures most steadily, the best of each way what a quiet one would."""
     import fsspec
 
-    best = {"f": 0.0, "t": 0.0}
     runs: dict[str, list[float]] = {"f": [], "t": []}
     for attempt in range(repeat):
-        for way, inputs in (("f", files), ("t", tars)):
+        ways = (("f", files), ("t", tars)) if attempt % 2 == 0 else (("t", tars), ("f", files))
+        for way, inputs in ways:
             dest = f"{dests}/{way}{attempt}-{time.time_ns()}"
             runs[way].append(rate(config, inputs, dest, scheduler))
-            best[way] = max(best[way], runs[way][-1])
             fs, path = fsspec.core.url_to_fs(dest)
             fs.rm(path, recursive=True)
+    best = {way: max(rates) for way, rates in runs.items()}
     for way, label in (("f", "files + JSONL"), ("t", "tars")):
         print(f"  {where:5s} ({way}) {label:14s} {best[way]:7.1f} samples/s   runs {', '.join(f'{r:.1f}' for r in runs[way])}")
-    print(f"  {where:5s} (t)/(f) = {best['t'] / best['f']:.2f}   (target >= 1.0)")
+    paired = sorted(t / f for t, f in zip(runs["t"], runs["f"], strict=True))
+    print(f"  {where:5s} (t)/(f) = {best['t'] / best['f']:.2f} best of each, {statistics.median(paired):.2f} median of the "
+          f"{repeat} rounds ({', '.join(f'{r:.2f}' for r in paired)})   (target >= 1.0)")
 
 
 def main() -> None:
@@ -94,7 +100,7 @@ def main() -> None:
     parser.add_argument("--tars", type=int, default=16)
     parser.add_argument("--per-tar", type=int, default=16)
     parser.add_argument("--size", type=int, default=256)
-    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=4)
     parser.add_argument("--no-s3", action="store_true")
     args = parser.parse_args()
     from distributed import Client

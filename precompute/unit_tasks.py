@@ -42,7 +42,10 @@ def encode_unit(task: TaskSpec, settings: TaskSettings, result: Any, committed: 
             else:
                 part = type(result)(shard=name)
                 sub = replace(task, shard=name, rows=[], unit=None)
-                done = encode_rows(sub, part, parts.rows(members, part))
+                found: list = []  # the members' own rejects, kept apart while they are read on another thread
+                done = encode_rows(sub, part, parts.rows(members, found))
+                part.rejects.extend(found)
+                part.rejected += len(found)
                 following = next(members, None)
                 if following is None:
                     parts.commit(replace(sub, shard=task.shard), done, replace(part, shard=task.shard), last=True)
@@ -98,23 +101,22 @@ class _UnitParts:
         self.pool = DaemonPool(1, "commit-part")
         self.pending: Any = None
 
-    def rows(self, members: Iterator[Member], part: Any) -> Iterator[tuple[InputRow, bytes | None]]:
-        """The next ``part_size`` members as (row, bytes), lazily: decoding starts as they arrive.
-        A member whose id is committed or rejected already is left out if that was this input's
-        (a resume), and is a reject naming the other input if it was another's."""
+    def rows(self, members: Iterator[Member], rejects: list) -> Iterator[tuple[InputRow, bytes | None]]:
+        """The next ``part_size`` members as (row, bytes), lazily: decoding starts as they arrive;
+        the others' (reject, reason) into ``rejects``. A member whose id is committed or rejected
+        already is left out if that was this input's (a resume), and is a reject naming the other
+        input if it was another's."""
         assert self.task.unit is not None
         for member in itertools.islice(members, self.task.part_size):
             if member.reject is not None:
                 if member.reject.sample_id not in self.task.skip:
-                    part.rejects.append((member.reject, member.reject.reason))
-                    part.rejected += 1
+                    rejects.append((member.reject, member.reject.reason))
             elif member.row is not None:
                 earlier = self.task.skip.get(member.row.sample_id)
                 if earlier is None:
                     yield member.row, member.data
                 elif not same_input(earlier, self.task.unit.shown):
-                    part.rejects.append((member.row, duplicate_reason(member.row.sample_id, earlier)))
-                    part.rejected += 1
+                    rejects.append((member.row, duplicate_reason(member.row.sample_id, earlier)))
 
     def pass_over(self, members: Iterator[Member]) -> None:
         """Reads past a committed part's members, encoding and keeping nothing of them."""
