@@ -65,21 +65,38 @@ def make_inputs(root: Path, tars: int, per_tar: int, size: int) -> tuple[Path, P
     return manifest, root / "tars"
 
 
-def rate(config, inputs: list[str], dest: str, scheduler: str) -> float:
+def rate(config, inputs: list[str], dest: str, scheduler: str) -> tuple[float, float]:
+    """(samples/s, CPU ms per sample of the workers and this client together) of one encode."""
+    from distributed import get_client
+
     from mmcache.precompute.pipeline import run_encode
 
+    def cpu() -> float:
+        return sum(get_client().run(_own_cpu_seconds).values()) + time.process_time()
+
+    before = cpu()
     summary = run_encode(config, inputs, dest, scheduler=scheduler, progress=False, log=lambda *_: None)
+    used = cpu() - before
     assert summary.rejected == 0 and summary.samples_written > 0, summary
-    return summary.samples_written / summary.seconds
+    return summary.samples_written / summary.seconds, 1000 * used / summary.samples_written
+
+
+def _own_cpu_seconds() -> float:
+    import psutil
+
+    times = psutil.Process().cpu_times()
+    return times.user + times.system
 
 
 def compare(config, files: list[str], tars: list[str], dests: str, scheduler: str, repeat: int, where: str) -> None:
     """Each round runs both ways back to back (in alternating order, so a load that rises or falls
-    during the run favours neither); the median of the rounds' (t)/(f) is what a shared, busy
-    machine measures most steadily, the best of each way what a quiet one would."""
+    during the run favours neither). Printed: the best of each way (what a quiet machine shows),
+    the median of the rounds' (t)/(f) (steadier on a busy one), and the CPU each way spent per
+    sample (workers and client; what throughput comes to once the cores are saturated, and
+    hardly moved by other jobs on the machine)."""
     import fsspec
 
-    runs: dict[str, list[float]] = {"f": [], "t": []}
+    runs: dict[str, list[tuple[float, float]]] = {"f": [], "t": []}
     for attempt in range(repeat):
         ways = (("f", files), ("t", tars)) if attempt % 2 == 0 else (("t", tars), ("f", files))
         for way, inputs in ways:
@@ -87,12 +104,15 @@ def compare(config, files: list[str], tars: list[str], dests: str, scheduler: st
             runs[way].append(rate(config, inputs, dest, scheduler))
             fs, path = fsspec.core.url_to_fs(dest)
             fs.rm(path, recursive=True)
-    best = {way: max(rates) for way, rates in runs.items()}
+    best = {way: max(r for r, _ in got) for way, got in runs.items()}
+    cpu = {way: statistics.median(c for _, c in got) for way, got in runs.items()}
     for way, label in (("f", "files + JSONL"), ("t", "tars")):
-        print(f"  {where:5s} ({way}) {label:14s} {best[way]:7.1f} samples/s   runs {', '.join(f'{r:.1f}' for r in runs[way])}")
-    paired = sorted(t / f for t, f in zip(runs["t"], runs["f"], strict=True))
+        print(f"  {where:5s} ({way}) {label:14s} {best[way]:7.1f} samples/s   runs {', '.join(f'{r:.1f}' for r, _ in runs[way])}"
+              f"   CPU {cpu[way]:.2f} ms/sample (median)")
+    paired = sorted(t[0] / f[0] for t, f in zip(runs["t"], runs["f"], strict=True))
     print(f"  {where:5s} (t)/(f) = {best['t'] / best['f']:.2f} best of each, {statistics.median(paired):.2f} median of the "
-          f"{repeat} rounds ({', '.join(f'{r:.2f}' for r in paired)})   (target >= 1.0)")
+          f"{repeat} rounds ({', '.join(f'{r:.2f}' for r in paired)}); CPU per sample (t)/(f) {cpu['t'] / cpu['f']:.2f}"
+          "   (target: throughput >= 1.0)")
 
 
 def main() -> None:
