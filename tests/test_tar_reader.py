@@ -62,6 +62,16 @@ def _ustar(mode: str) -> bytes:
     return buffer.getvalue()
 
 
+def test_a_pax_size_record_is_decimal():
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        info = tarfile.TarInfo("ten.bin")
+        info.size, info.pax_headers = 10, {"size": "10"}  # what a member over 8 GiB carries
+        archive.addfile(info, io.BytesIO(b"0123456789"))
+        archive.addfile(tarfile.TarInfo("next.txt"), io.BytesIO(b""))
+    assert listing(buffer.getvalue()) == [("ten.bin", "file", b"0123456789"), ("next.txt", "file", b"")]
+
+
 def test_skipping_a_member_lands_on_the_next():
     reader = TarReader(io.BytesIO(build(tarfile.PAX_FORMAT)))
     names = []
@@ -83,6 +93,13 @@ def test_cut_and_corrupt_tars_are_errors():
     corrupt[at:at + 5] = b"PLAIN"  # the name changed, the checksum not
     with pytest.raises(TarFormatError, match="checksum does not match"):
         listing(bytes(corrupt))
+    huge = io.BytesIO()
+    with tarfile.open(fileobj=huge, mode="w", format=tarfile.GNU_FORMAT) as archive:
+        long_name = tarfile.TarInfo("././@LongLink")
+        long_name.type, long_name.size = tarfile.GNUTYPE_LONGNAME, 2 << 20  # a "name" of 2 MiB: never read
+        archive.addfile(long_name, io.BytesIO(b"n" * (2 << 20)))
+    with pytest.raises(TarFormatError, match="extended header of 2,097,152 bytes"):
+        listing(huge.getvalue())
     zipped = build(tarfile.PAX_FORMAT, "w:gz")
     with pytest.raises(TarFormatError, match="EOFError|cut short"):
         listing(zipped[: len(zipped) // 2])

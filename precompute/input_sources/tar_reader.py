@@ -25,6 +25,7 @@ _KINDS = {b"0": "file", b"\0": "file", b"7": "file", b"5": "directory", b"1": "a
 _NO_DATA = ("directory", "a hard link", "a symbolic link", "a character device", "a block device", "a FIFO")
 _COMPRESSED = ((b"\x1f\x8b", gzip.GzipFile), (b"BZh", bz2.BZ2File), (b"\xfd7zXZ\x00", lzma.LZMAFile))
 _SIGNED = struct.Struct("148b8x356b")
+_MAX_EXTENDED = 1 << 20
 
 
 class TarFormatError(Exception):
@@ -39,8 +40,8 @@ class TarMember:
 
 
 class TarReader:
-    """``next()`` the next member's header (None at the end), then ``read()`` or ``skip()`` its data
-    (``next`` skips it if neither was called)."""
+    """``next()`` the next member's header (None at the end), then ``read()`` its data if it is
+    wanted (the next ``next()`` passes over data not read)."""
 
     def __init__(self, fh: IO[bytes]) -> None:
         self.fh = _decompressed(fh)
@@ -60,6 +61,8 @@ class TarReader:
             self.started = True
             padded = -size % BLOCK + size
             if kind in (b"x", b"L"):  # a pax extended header / a GNU long name, for the member after it
+                if size > _MAX_EXTENDED:  # names and a few numbers: never read a huge one into memory
+                    raise TarFormatError(f"an extended header of {size:,} bytes (at most {_MAX_EXTENDED:,} are read)")
                 data = self._exact(padded, "an extended header")[:size]
                 if kind == b"L":
                     long_name = data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
@@ -72,7 +75,7 @@ class TarReader:
             if kind == b"S":
                 self._skip_sparse_map(block)
             name = pax.get("path") or long_name or name
-            size = int(pax["size"]) if "size" in pax else size
+            size = _pax_size(pax["size"]) if "size" in pax else size
             described = _KINDS.get(kind, f"of type {kind!r}")
             if any(key.startswith("GNU.sparse.") for key in pax):
                 described = "a sparse file"
@@ -85,10 +88,6 @@ class TarReader:
         self._skip(self.pending - member.size)
         self.pending = 0
         return data
-
-    def skip(self) -> None:
-        self._skip(self.pending)
-        self.pending = 0
 
     def _header(self, block: bytes) -> tuple[bytes, str, int]:
         try:
@@ -156,6 +155,13 @@ def _number(field: bytes, what: str) -> int:
         return int(digits or b"0", 8)
     except ValueError:
         raise TarFormatError(f"a header's {what} is not a number ({digits[:16]!r})") from None
+
+
+def _pax_size(text: str) -> int:
+    """A pax ``size`` record (decimal; what a member over 8 GiB has)."""
+    if not text.isdigit():
+        raise TarFormatError(f"a pax header's size is not a number ({text[:16]!r})")
+    return int(text)
 
 
 def _pax_records(data: bytes) -> dict[str, str]:
