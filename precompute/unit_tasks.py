@@ -8,6 +8,7 @@ of that one's.
 from __future__ import annotations
 
 import itertools
+import posixpath
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -166,6 +167,10 @@ def known_sources(store: Any, *, rejects: bool, clips: bool = False) -> dict[str
 
 
 def same_input(source: str, shown: str) -> bool:
-    """Whether ``source`` (a source_uri, a reject's source) names the input ``shown`` or a member of it."""
-    return source == shown or source.startswith(shown + "#")
+    """Whether ``source`` (a source_uri, a reject's source) names the input ``shown`` or a member of
+    it: by its file name, so an input spelled or placed otherwise than in an earlier run (a relative
+    path from another folder, the tars copied to a bucket) resumes rather than repeats every id."""
+    if source == shown or source.startswith(shown + "#"):
+        return True
+    return posixpath.basename(source.split("#", 1)[0].split("?", 1)[0]) == posixpath.basename(shown.split("?", 1)[0])
 

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -159,6 +160,11 @@ def test_an_id_in_two_parquet_files_is_one_sample_and_a_reject_naming_the_other(
     assert summary.samples_written == 1 and summary.rejected == 1 and "c0" in store.sample_ids()
     reasons = {r["source"].rsplit("/", 1)[-1]: r["reason"] for r in store.rejects.to_pylist()}
     assert f"an earlier input has it ({tmp_path / 'a.parquet'}#1)" in reasons["c.parquet#1"]
+    # The same file in another folder is the same input (moved, or named by another path): a resume.
+    (tmp_path / "moved").mkdir()
+    shutil.copy(tmp_path / "a.parquet", tmp_path / "moved" / "a.parquet")
+    moved = encode([str(tmp_path / "moved" / "a.parquet")], out, cluster)
+    assert moved.samples_written == 0 and moved.rejected == 0 and len(featstore.open(out).rejects) == 2
 
 
 def test_llava_json_for_a_vlm(tmp_path, cluster):
