@@ -124,11 +124,11 @@ def unit_tasks(units: list[SourceUnit], store: featstore.Store, config: EncodeCo
         return []
     retry = config.data.retry_rejects and store.num_rejected() > 0
     salt = retry_salt(store) if retry else ""
-    # id -> where it came from: the worker tells a resume (same input) from a duplicate id (another input).
+    # id -> (where it came from, its media's hash): the worker tells a resume from a duplicate id.
     leave_out = known_sources(store, rejects=not config.data.retry_rejects, clips=config.frames.clips is not None)
-    by_prefix: dict[str, dict[str, str]] = {}
-    for sample_id, source in leave_out.items():
-        by_prefix.setdefault(sample_id.split(":", 1)[0] + ":", {})[sample_id] = source
+    by_prefix: dict[str, dict[str, tuple[str, str]]] = {}
+    for sample_id, known in leave_out.items():
+        by_prefix.setdefault(sample_id.split(":", 1)[0] + ":", {})[sample_id] = known
     per_part = config.run.samples_per_task
     tasks = []
     for unit in units:

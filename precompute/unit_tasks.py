@@ -7,6 +7,7 @@ of that one's.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import posixpath
 from collections.abc import Callable, Iterator
@@ -106,7 +107,8 @@ class _UnitParts:
         """The next ``part_size`` members as (row, bytes), lazily: decoding starts as they arrive;
         the others' (reject, reason) into ``rejects``. A member whose id is committed or rejected
         already is left out if that was this input's (a resume), and is a reject naming the other
-        input if it was another's."""
+        input if it was another's, or if its bytes are not the committed ones (two shards of one
+        name from two datasets: ``laion/00000.tar``, then ``coyo/00000.tar``)."""
         assert self.task.unit is not None
         for member in itertools.islice(members, self.task.part_size):
             if member.reject is not None:
@@ -116,8 +118,8 @@ class _UnitParts:
                 earlier = self.task.skip.get(member.row.sample_id)
                 if earlier is None:
                     yield member.row, member.data
-                elif not same_input(earlier, self.task.unit.shown):
-                    rejects.append((member.row, duplicate_reason(member.row.sample_id, earlier)))
+                elif not same_input(earlier[0], self.task.unit.shown) or _other_content(earlier[1], member.data):
+                    rejects.append((member.row, duplicate_reason(member.row.sample_id, earlier[0])))
 
     def pass_over(self, members: Iterator[Member]) -> None:
         """Reads past a committed part's members, encoding and keeping nothing of them."""
@@ -148,21 +150,24 @@ class _UnitParts:
         self.pool.shutdown(cancel_pending=False)
 
 
-def known_sources(store: Any, *, rejects: bool, clips: bool = False) -> dict[str, str]:
-    """Committed ids (and with ``rejects`` rejected ones) -> where each came from: a sample's
-    ``source_uri``, a reject's source ('' where a store does not say). With ``clips``, the video
-    of each clip id ``<id>=<frame>`` too (its clips commit together, in one part)."""
+def known_sources(store: Any, *, rejects: bool, clips: bool = False) -> dict[str, tuple[str, str]]:
+    """Committed ids (and with ``rejects`` rejected ones) -> (where each came from, the sha256 of
+    its media): a sample's ``source_uri`` and ``content_hash``, a reject's source ('' where a
+    store does not say). With ``clips``, the video of each clip id ``<id>=<frame>`` too (its
+    clips commit together, in one part)."""
     index = store.index
-    ids = index.column("id").to_pylist() if "id" in index.column_names else []
-    uris = index.column("source_uri").to_pylist() if "source_uri" in index.column_names else [None] * len(ids)
-    known = {i: s or "" for i, s in zip(ids, uris, strict=True)}
+
+    def column(name: str) -> list:
+        return index.column(name).to_pylist() if name in index.column_names else [None] * index.num_rows
+
+    known = {i: (s or "", h or "") for i, s, h in zip(column("id"), column("source_uri"), column("content_hash"), strict=True) if i}
     if rejects and store.num_rejected() and "id" in store.rejects.column_names:
         table = store.rejects
         for sample_id, source in zip(table.column("id").to_pylist(), table.column("source").to_pylist(), strict=True):
             if sample_id:
-                known.setdefault(sample_id, source or "")
+                known.setdefault(sample_id, (source or "", ""))
     if clips:
-        known.update({parent: source for sample_id, source in list(known.items()) if (parent := clip_parent(sample_id)) is not None})
+        known.update({parent: entry for sample_id, entry in list(known.items()) if (parent := clip_parent(sample_id)) is not None})
     return known
 
 
@@ -173,4 +178,9 @@ def same_input(source: str, shown: str) -> bool:
     if source == shown or source.startswith(shown + "#"):
         return True
     return posixpath.basename(source.split("#", 1)[0].split("?", 1)[0]) == posixpath.basename(shown.split("?", 1)[0])
+
+
+def _other_content(content_hash: str, data: bytes | None) -> bool:
+    """Whether ``data`` is not the media a committed sample was made from (unknown: it is)."""
+    return bool(content_hash) and data is not None and hashlib.sha256(data).hexdigest() != content_hash
 

@@ -167,6 +167,28 @@ def test_an_id_in_two_parquet_files_is_one_sample_and_a_reject_naming_the_other(
     assert moved.samples_written == 0 and moved.rejected == 0 and len(featstore.open(out).rejects) == 2
 
 
+def test_a_tar_of_the_same_name_from_another_dataset_is_rejected_not_skipped(tmp_path, cluster):
+    """Ids of tars are ``<stem>:<key>``: ``coyo/00000.tar`` after ``laion/00000.tar`` into one store
+    repeats them. Members with other bytes are rejects naming the committed ones (not left out as
+    if resumed); the same tar copied elsewhere is a resume."""
+    for folder, offset in (("laion", 0), ("coyo", 500), ("copy", 0)):
+        (tmp_path / folder).mkdir()
+        with tarfile.open(tmp_path / folder / "00000.tar", "w") as archive:
+            for n in range(3):
+                add_member(archive, f"k{n}.png", png(offset + n))
+                add_member(archive, f"k{n}.txt", f"{folder} {n}".encode())
+    out = str(tmp_path / "store")
+    assert encode([str(tmp_path / "laion" / "00000.tar")], out, cluster).samples_written == 3
+    copied = encode([str(tmp_path / "copy" / "00000.tar")], out, cluster)
+    assert copied.samples_written == 0 and copied.rejected == 0
+    other = encode([str(tmp_path / "coyo" / "00000.tar")], out, cluster)
+    store = featstore.open(out)
+    assert other.samples_written == 0 and other.rejected == 3 and len(store) == 3
+    reasons = {r["source"]: r["reason"] for r in store.rejects.to_pylist()}
+    assert reasons[f"{tmp_path / 'coyo' / '00000.tar'}#k1.png"].startswith(
+        f"duplicate id '00000:k1': an earlier input has it ({tmp_path / 'laion' / '00000.tar'}#k1.png)")
+
+
 def test_llava_json_for_a_vlm(tmp_path, cluster):
     path = write_llava(tmp_path, 4)
     records = json.loads(path.read_text())
