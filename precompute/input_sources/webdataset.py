@@ -10,8 +10,8 @@ keys of two shards never collide and a member keeps its id on every run; ``sourc
 ``<tar>#<member>``.
 
 Planning names each tar as one unit and reads nothing of it. The worker that encodes it reads
-it once, front to back (``tar_reader``, in large blocks on an object store). Member
-names are data: an absolute name, ``..``, a link, a device or a FIFO member is a reject, never
+it once, front to back (``tar_reader``, in large blocks on an object store). Member names are
+data: an absolute name, ``..``, a link, a device, a FIFO or a sparse member is a reject, never
 followed, and a member over ``data.max_input_bytes`` is a reject, never read.
 """
 
