@@ -1,6 +1,6 @@
 """Daemon threads with futures, for work that may hang on an input (a FIFO, a stuck network
 read): an encode task's decoding threads, the in-process executor's task threads, a live
-encoder's pinned thread (``mmcache.train.live.reattach``).
+encoder's pinned thread (``mmcache.train.live.reattach``), a unit's reader (``handed_over``).
 """
 
 from __future__ import annotations
@@ -8,7 +8,11 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class DaemonPool:
@@ -48,3 +52,28 @@ class DaemonPool:
                     item[0].cancel()
         for _ in range(self._threads):
             self._queue.put(None)
+
+
+def handed_over(items: Iterator[T], name: str) -> Iterator[T]:
+    """``items``, iterated on a daemon thread of its own and handed over as each arrives: the
+    caller works on the first while the thread reads on (a tar's members: its reads overlap the
+    encoding of those read already). What ``items`` raises is raised here, after the items
+    before it. The caller iterates to the end, or leaves the thread to finish ``items`` alone."""
+    handoff: queue.SimpleQueue = queue.SimpleQueue()
+    end = object()
+
+    def run() -> None:
+        try:
+            for item in items:
+                handoff.put((item, None))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, raised there
+            handoff.put((end, exc))
+            return
+        handoff.put((end, None))
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    while (entry := handoff.get())[0] is not end:
+        yield entry[0]
+    if entry[1] is not None:
+        raise entry[1]
+

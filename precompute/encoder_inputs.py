@@ -103,8 +103,13 @@ def prepare_clip_sections(data: bytes, uri: str, modality: Literal["image", "vid
 
 
 def section_input(section: str, data: bytes, uri: str, modality: Literal["image", "video"], *, rule: SizeRule,
-                  resize: ResizeConfig, frames: FrameSampling) -> tuple[PreparedMedia, np.ndarray]:
-    """(the prepared media, the encoder's input) of one source for one visual section."""
+                  resize: ResizeConfig, frames: FrameSampling, first_frame: int | None = None) -> tuple[PreparedMedia, np.ndarray]:
+    """(the prepared media, the encoder's input) of one source for one visual section; of a
+    video, the clip from ``first_frame`` (a sample's recorded ``frame_indices[0]``: under
+    ``frames.clips`` a video gives several), else its first clip."""
+    if modality == "video" and first_frame is not None:
+        prepared = prepare_video_clips(data, uri, resize=resize, sampling=frames, rule=rule, first_frame=first_frame)[0]
+        return prepared, encoder_input(section, modality, prepared.pixels)
     prepared = prepare_sections(data, uri, modality, {section: rule}, resize=resize, frames=frames)[section]
     return prepared, encoder_input(section, modality, prepared.pixels)
 

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from PIL import Image
 
 from mmcache.featstore.errors import ConfigError
-from mmcache.precompute.clips import CLIP_POLICIES, ClipConfig, bucket_count, span_frames
+from mmcache.precompute.clips import FrameSampling, clip_from, select_clips, select_frames
+from mmcache.precompute.media_error import MediaError
 from mmcache.precompute.sizing import bucket_sizes, center_crop_box, crop_and_resize, size_for_aspect
 
 # Landscape and portrait variants of the usual photo/video aspect ratios (width / height).
@@ -45,15 +46,6 @@ _SIXTEEN_BIT_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N"}
 _PILLOW_DECODE_ERRORS = (OSError, SyntaxError, EOFError, ValueError, struct.error)
 _IMAGE_MAGIC = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"BM", b"II*\x00", b"MM\x00*")
 _VIDEO_MAGIC = (b"\x1a\x45\xdf\xa3", b"RIFF", b"OggS", b"FLV", b"\x00\x00\x01\xba")
-
-
-class MediaError(ValueError):
-    """A source file cannot be turned into encoder input; ``reason`` is short, for a rejects table."""
-
-    def __init__(self, reason: str, uri: str = ""):
-        super().__init__(f"{uri}: {reason}" if uri else reason)
-        self.reason = reason
-        self.uri = uri
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,40 +91,6 @@ class ResizeConfig:
             raise ConfigError(f"resize.target_area must be positive, got {self.target_area}")
         if any(r <= 0 for r in self.aspect_ratios):
             raise ConfigError(f"resize.aspect_ratios must be positive, got {self.aspect_ratios}")
-
-
-@dataclass(kw_only=True)
-class FrameSampling:
-    """Which frames of a video to keep. ``stride`` and ``target_fps`` are alternatives (step through
-    the video every ``stride`` frames, or at ``source_fps / target_fps``); ``num_frames`` caps how
-    many are taken from the start (all reachable frames when None). ``force_4k_plus_1`` trims the
-    count to 4k+1; encoders whose temporal rule is 4k+1 force it anyway. ``clips``: several clip
-    samples per video (``precompute.clips``; None: one clip from the first frame, the sample's id
-    the video's). ``buckets``: frame counts, of which a video gets the largest it fills (instead
-    of ``num_frames``, which rejects a shorter video)."""
-
-    num_frames: int | None = None
-    stride: int | None = None
-    target_fps: float | None = None
-    force_4k_plus_1: bool = False
-    clips: ClipConfig | None = None
-    buckets: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.stride is not None and self.target_fps is not None:
-            raise ConfigError("frames: set stride or target_fps, not both")
-        if self.stride is not None and self.stride < 1:
-            raise ConfigError(f"frames.stride must be >= 1, got {self.stride}")
-        if self.target_fps is not None and self.target_fps <= 0:
-            raise ConfigError(f"frames.target_fps must be positive, got {self.target_fps}")
-        if self.num_frames is not None and self.num_frames < 1:
-            raise ConfigError(f"frames.num_frames must be >= 1, got {self.num_frames}")
-        if self.force_4k_plus_1 and self.num_frames is not None and self.num_frames % 4 != 1:
-            raise ConfigError(f"frames.num_frames={self.num_frames} is not 4k+1 (1, 5, 9, 13, ...)")
-        if self.buckets and self.num_frames is not None:
-            raise ConfigError("frames: set num_frames or buckets, not both (buckets: a video gets the largest count it fills)")
-        if any(b < 1 for b in self.buckets):
-            raise ConfigError(f"frames.buckets must be frame counts >= 1, got {self.buckets}")
 
 
 @dataclass(kw_only=True)
@@ -315,58 +273,6 @@ def prepare_image(data: bytes, uri: str, *, resize: ResizeConfig, rule: SizeRule
 # ----------------------------------------------------------------------------- videos
 
 
-def _frame_step(sampling: FrameSampling, source_fps: float) -> float:
-    if sampling.stride is not None:
-        return float(sampling.stride)
-    if sampling.target_fps is not None:
-        # Never invent frames: a source slower than the target keeps every frame, and the
-        # recorded fps says so.
-        return max(1.0, source_fps / sampling.target_fps)
-    return 1.0
-
-
-def _frame_count(sampling: FrameSampling, reachable: int, four_k_plus_1: bool, need: str, uri: str) -> int:
-    """How many frames a clip takes, of the ``reachable`` ones (``need``: the message's tail)."""
-    wanted = sampling.num_frames
-    if wanted is not None and four_k_plus_1 and wanted % 4 != 1:
-        raise ConfigError(f"frames.num_frames={wanted} is not 4k+1, which this encoder requires")
-    if sampling.buckets:
-        fits = bucket_count(sampling.buckets, reachable, four_k_plus_1)
-        if fits is None:
-            raise MediaError(f"too few frames: the smallest of frames.buckets is {min(sampling.buckets)}{need}", uri)
-        return fits
-    if wanted is None:
-        wanted = (reachable - 1) // 4 * 4 + 1 if four_k_plus_1 else reachable
-    if wanted < 1 or reachable < wanted:
-        raise MediaError(f"too few frames: need {max(wanted, 1)}{need}", uri)
-    return wanted
-
-
-def select_clips(total_frames: int, source_fps: float, sampling: FrameSampling, *, require_4k_plus_1: bool = False,
-                 span: tuple[float | None, float | None] = (None, None), uri: str = "") -> tuple[list[list[int]], float]:
-    """The frame indices (decode order) of each clip to keep, and the fps of a kept sequence:
-    one clip from the first frame of ``span`` (seconds: start, end) unless ``sampling.clips``."""
-    step = _frame_step(sampling, source_fps)
-    first, stop = span_frames(total_frames, source_fps, *span)
-    if span != (None, None) and stop <= first:
-        raise MediaError(f"no frames in start={span[0]}s .. end={span[1]}s: the video has {total_frames} at {source_fps:g} fps", uri)
-    available = stop - first
-    reachable = 0 if available <= 0 else math.floor((available - 1) / step + 1e-9) + 1
-    need = f" at step {step:g}, video has {total_frames}" + ("" if span == (None, None) else f" ({available} in start..end)")
-    wanted = _frame_count(sampling, reachable, require_4k_plus_1 or sampling.force_4k_plus_1, need, uri)
-    offsets = [math.floor(i * step + 1e-6) for i in range(wanted)]
-    clips = sampling.clips or ClipConfig()
-    reach = math.floor(wanted * step + 1e-6)  # where a clip right after this one starts
-    starts = CLIP_POLICIES[clips.policy](first, stop - 1 - offsets[-1], reach, clips)
-    return [[start + offset for offset in offsets] for start in starts], source_fps / step
-
-
-def select_frames(total_frames: int, source_fps: float, sampling: FrameSampling, *, require_4k_plus_1: bool = False, uri: str = "") -> tuple[list[int], float]:
-    """Indices (in decode order) of the frames of a video's first clip, and the fps of the kept sequence."""
-    clips, fps = select_clips(total_frames, source_fps, sampling, require_4k_plus_1=require_4k_plus_1, uri=uri)
-    return clips[0], fps
-
-
 def prepare_video(data: bytes, uri: str, *, resize: ResizeConfig, sampling: FrameSampling, rule: SizeRule,
                   max_pixels: int | None = None) -> PreparedMedia:
     """Decode the chosen frames of a video's first clip, all cropped with one box; pixels are T x H x W x 3."""
@@ -374,9 +280,11 @@ def prepare_video(data: bytes, uri: str, *, resize: ResizeConfig, sampling: Fram
 
 
 def prepare_video_clips(data: bytes, uri: str, *, resize: ResizeConfig, sampling: FrameSampling, rule: SizeRule,
-                        max_pixels: int | None = None, span: tuple[float | None, float | None] = (None, None)) -> list[PreparedMedia]:
-    """Each clip ``select_clips`` chooses, decoded in one pass over the video, every frame cropped
-    with one box; pixels are T x H x W x 3 per clip."""
+                        max_pixels: int | None = None, span: tuple[float | None, float | None] = (None, None),
+                        first_frame: int | None = None) -> list[PreparedMedia]:
+    """Each clip ``select_clips`` chooses (with ``first_frame``: only the one from that frame,
+    ``clips.clip_from``), decoded in one pass over the video, every frame cropped with one box;
+    pixels are T x H x W x 3 per clip."""
     import av  # PyAV pulls in FFmpeg; import it only where videos are actually read
 
     if not data:
@@ -384,6 +292,8 @@ def prepare_video_clips(data: bytes, uri: str, *, resize: ResizeConfig, sampling
     total, fps, orig = _probe_video(av, data, uri)
     check_pixels(*orig, max_pixels, uri)  # per frame: each is decoded whole before it is resized
     clips, kept_fps = select_clips(total, fps, sampling, require_4k_plus_1=rule.temporal == "4k+1", span=span, uri=uri)
+    if first_frame is not None:
+        clips = [clip_from(clips, first_frame, total, uri)]
     size = choose_size(*orig, resize=resize, rule=rule)
     box = center_crop_box(*orig, *size)
     frames = _decode_frames(av, data, uri, sorted({i for clip in clips for i in clip}), orig, lambda image: np.asarray(

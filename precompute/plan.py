@@ -22,12 +22,12 @@ from typing import Any
 
 from mmcache import featstore
 from mmcache.featstore.format import EXCLUSIVE_COMMIT_VERSION
-from mmcache.precompute.clips import clip_parents
 from mmcache.precompute.config import EncodeConfig
 from mmcache.precompute.input_sources import InputStream, SourceUnit
 from mmcache.precompute.inputs import InputRow, Reject
 from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec
 from mmcache.precompute.survey import GroupKey, Survey, rejected_sources, row_classifier
+from mmcache.precompute.unit_tasks import known_sources
 
 
 @dataclass(kw_only=True)
@@ -173,15 +173,11 @@ def unit_tasks(units: list[SourceUnit], store: featstore.Store, config: EncodeCo
         return []
     retry = config.data.retry_rejects and store.num_rejected() > 0
     salt = retry_salt(store) if retry else ""
-    leave_out = set(store.sample_ids())
-    if not config.data.retry_rejects and store.num_rejected():
-        rejected_ids = store.rejects.column("id").to_pylist() if "id" in store.rejects.column_names else []
-        leave_out.update(i for i in rejected_ids if i)
-    if config.frames.clips is not None:
-        leave_out |= clip_parents(leave_out)  # a member whose clips committed (they commit in one part)
-    by_prefix: dict[str, set[str]] = {}
-    for sample_id in leave_out:
-        by_prefix.setdefault(sample_id.split(":", 1)[0] + ":", set()).add(sample_id)
+    # id -> (where it came from, its media's hash): the worker tells a resume from a duplicate id.
+    leave_out = known_sources(store, rejects=not config.data.retry_rejects, clips=config.frames.clips is not None)
+    by_prefix: dict[str, dict[str, tuple[str, str]]] = {}
+    for sample_id, known in leave_out.items():
+        by_prefix.setdefault(sample_id.split(":", 1)[0] + ":", {})[sample_id] = known
     per_part = part_size
     tasks = []
     for unit in units:
@@ -190,7 +186,7 @@ def unit_tasks(units: list[SourceUnit], store: featstore.Store, config: EncodeCo
         name = f"u-{hashlib.sha256(body.encode()).hexdigest()[:24]}"
         if name in store.shards:
             continue
-        skip = frozenset(by_prefix.get(unit.id_prefix, ()) if unit.id_prefix else leave_out)
+        skip = by_prefix.get(unit.id_prefix, {}) if unit.id_prefix else leave_out
         tasks.append(TaskSpec(shard=name, rows=[], fields=fields, unit=unit, skip=skip, part_size=per_part))
     return tasks
 

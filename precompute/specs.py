@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +42,11 @@ class TaskSpec:
     fields: list[str]  # the fields this task writes (an encoder runs only if it makes one of them)
     new_samples: bool = True  # False: adding fields to committed samples (their media were checked then)
     # A tar or Parquet row groups that the task reads itself (rows is then empty), and the ids in
-    # it to leave out: committed already, or rejected before (unless data.retry_rejects).
+    # it to leave out: committed already, or rejected before (unless data.retry_rejects), each
+    # with where it came from and its media's sha256 (source_uri and content_hash; a reject's
+    # source): from another input, or with other bytes, it is a duplicate id.
     unit: SourceUnit | None = None
-    skip: frozenset[str] = frozenset()
+    skip: Mapping[str, tuple[str, str]] = field(default_factory=dict)
     part_size: int = 0  # a unit's samples per shard: each full part commits as <shard>-pNNNNN, the rest as <shard>
     deaths: int = 0  # worker deaths of the tasks these rows were split from (precompute.worker_deaths)
 

@@ -25,7 +25,7 @@ from mmcache.featstore.reader import open_store
 from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.clips import clip_id
 from mmcache.precompute.commit_ahead import commit_ahead
-from mmcache.precompute.daemon_pool import DaemonPool
+from mmcache.precompute.daemon_pool import DaemonPool, handed_over
 from mmcache.precompute.encoder_inputs import GEOMETRY, encoder_input, prepare_clip_sections, size_rule_for, text_input
 from mmcache.precompute.inputs import InputRow
 from mmcache.precompute.media import MediaError
@@ -278,10 +278,12 @@ def _encode_rows(task: TaskSpec, store, specs, device, threads, settings: TaskSe
     # task, nor the process, from finishing once the deadline turned it into a reject.
     pool = DaemonPool(settings.decode_threads, "decode")
     try:
-        # ``given``: a unit's rows with their bytes, read as this comprehension asks for them
-        # (each decode starts while the next is read); else the task's rows, each read on its thread.
-        futures = [(row, pool.submit(_prepare_row, row, rules, task.new_samples, settings, data))
-                   for row, data in (given if given is not None else ((r, None) for r in task.rows))]
+        submitted = ((row, pool.submit(_prepare_row, row, rules, task.new_samples, settings, data))
+                     for row, data in (given if given is not None else ((r, None) for r in task.rows)))
+        # ``given``: a unit's rows with their bytes, read on a thread of its own that hands each
+        # to a decoder as it arrives, so batches encode while the rest is read; else the task's
+        # rows, each read on its decoding thread.
+        futures = handed_over(submitted, "read-unit") if given is not None else list(submitted)
         for batch in _bucketed(futures, settings.batch_size, reject, MediaError, deadline, timeout):
             _encode_batch(batch, encoders, reject, done, primary)
     finally:

@@ -7,13 +7,17 @@ of that one's.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import posixpath
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
+from mmcache.precompute.clips import clip_parent
 from mmcache.precompute.daemon_pool import DaemonPool
 from mmcache.precompute.input_sources import Member, open_unit
+from mmcache.precompute.input_sources.base import duplicate_reason
 from mmcache.precompute.inputs import InputRow, Reject
 from mmcache.precompute.sources import InputFileError, read_failure
 from mmcache.precompute.specs import TaskSettings, TaskSpec
@@ -40,7 +44,10 @@ def encode_unit(task: TaskSpec, settings: TaskSettings, result: Any, committed: 
             else:
                 part = type(result)(shard=name)
                 sub = replace(task, shard=name, rows=[], unit=None)
-                done = encode_rows(sub, part, parts.rows(members, part))
+                found: list = []  # the members' own rejects, kept apart while they are read on another thread
+                done = encode_rows(sub, part, parts.rows(members, found))
+                part.rejects.extend(found)
+                part.rejected += len(found)
                 following = next(members, None)
                 if following is None:
                     parts.commit(replace(sub, shard=task.shard), done, replace(part, shard=task.shard), last=True)
@@ -96,15 +103,23 @@ class _UnitParts:
         self.pool = DaemonPool(1, "commit-part")
         self.pending: Any = None
 
-    def rows(self, members: Iterator[Member], part: Any) -> Iterator[tuple[InputRow, bytes | None]]:
-        """The next ``part_size`` members as (row, bytes), lazily: decoding starts as they arrive."""
+    def rows(self, members: Iterator[Member], rejects: list) -> Iterator[tuple[InputRow, bytes | None]]:
+        """The next ``part_size`` members as (row, bytes), lazily: decoding starts as they arrive;
+        the others' (reject, reason) into ``rejects``. A member whose id is committed or rejected
+        already is left out if that was this input's (a resume), and is a reject naming the other
+        input if it was another's, or if its bytes are not the committed ones (two shards of one
+        name from two datasets: ``laion/00000.tar``, then ``coyo/00000.tar``)."""
+        assert self.task.unit is not None
         for member in itertools.islice(members, self.task.part_size):
             if member.reject is not None:
                 if member.reject.sample_id not in self.task.skip:
-                    part.rejects.append((member.reject, member.reject.reason))
-                    part.rejected += 1
-            elif member.row is not None and member.row.sample_id not in self.task.skip:
-                yield member.row, member.data
+                    rejects.append((member.reject, member.reject.reason))
+            elif member.row is not None:
+                earlier = self.task.skip.get(member.row.sample_id)
+                if earlier is None:
+                    yield member.row, member.data
+                elif not same_input(earlier[0], self.task.unit.shown) or _other_content(earlier[1], member.data):
+                    rejects.append((member.row, duplicate_reason(member.row.sample_id, earlier[0])))
 
     def pass_over(self, members: Iterator[Member]) -> None:
         """Reads past a committed part's members, encoding and keeping nothing of them."""
@@ -133,3 +148,39 @@ class _UnitParts:
     def close(self) -> None:
         self.wait()
         self.pool.shutdown(cancel_pending=False)
+
+
+def known_sources(store: Any, *, rejects: bool, clips: bool = False) -> dict[str, tuple[str, str]]:
+    """Committed ids (and with ``rejects`` rejected ones) -> (where each came from, the sha256 of
+    its media): a sample's ``source_uri`` and ``content_hash``, a reject's source ('' where a
+    store does not say). With ``clips``, the video of each clip id ``<id>=<frame>`` too (its
+    clips commit together, in one part)."""
+    index = store.index
+
+    def column(name: str) -> list:
+        return index.column(name).to_pylist() if name in index.column_names else [None] * index.num_rows
+
+    known = {i: (s or "", h or "") for i, s, h in zip(column("id"), column("source_uri"), column("content_hash"), strict=True) if i}
+    if rejects and store.num_rejected() and "id" in store.rejects.column_names:
+        table = store.rejects
+        for sample_id, source in zip(table.column("id").to_pylist(), table.column("source").to_pylist(), strict=True):
+            if sample_id:
+                known.setdefault(sample_id, (source or "", ""))
+    if clips:
+        known.update({parent: entry for sample_id, entry in list(known.items()) if (parent := clip_parent(sample_id)) is not None})
+    return known
+
+
+def same_input(source: str, shown: str) -> bool:
+    """Whether ``source`` (a source_uri, a reject's source) names the input ``shown`` or a member of
+    it: by its file name, so an input spelled or placed otherwise than in an earlier run (a relative
+    path from another folder, the tars copied to a bucket) resumes rather than repeats every id."""
+    if source == shown or source.startswith(shown + "#"):
+        return True
+    return posixpath.basename(source.split("#", 1)[0].split("?", 1)[0]) == posixpath.basename(shown.split("?", 1)[0])
+
+
+def _other_content(content_hash: str, data: bytes | None) -> bool:
+    """Whether ``data`` is not the media a committed sample was made from (unknown: it is)."""
+    return bool(content_hash) and data is not None and hashlib.sha256(data).hexdigest() != content_hash
+

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -138,6 +139,56 @@ def test_parquet_with_image_bytes(tmp_path, cluster):
     assert encode([str(tmp_path / "train-00000.parquet")], out, cluster).tasks == 0
 
 
+def test_an_id_in_two_parquet_files_is_one_sample_and_a_reject_naming_the_other(tmp_path, cluster):
+    write_media_parquet(tmp_path / "a.parquet", [png(n) for n in range(3)], ["a0", "a1", "same id"], ids=["a0", "a1", "twice"])
+    write_media_parquet(tmp_path / "b.parquet", [png(n) for n in range(10, 12)], ["same id, other file", "b1"], ids=["twice", "b1"])
+    out = str(tmp_path / "store")
+    both = [str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")]
+    # The two files' tasks run at once; the first input to have an id keeps it, whichever commits first.
+    summary = encode(both, out, cluster)
+    store = featstore.open(out)
+    assert summary.samples_written == 4 and summary.rejected == 1 and sorted(store.sample_ids()) == ["a0", "a1", "b1", "twice"]
+    assert by_id(store)["twice"]["source_uri"] == f"{tmp_path / 'a.parquet'}#2"
+    (reject,) = store.rejects.to_pylist()
+    assert reject["id"] == "twice" and reject["source"] == f"{tmp_path / 'b.parquet'}#0"
+    assert f"an earlier input has it ({tmp_path / 'a.parquet'}#2)" in reject["reason"]
+    assert encode(both, out, cluster).tasks == 0  # both done: a re-run reads neither again
+    # A later file with an id an earlier run committed from another input: a reject naming it.
+    write_media_parquet(tmp_path / "c.parquet", [png(20), png(21)], ["c0", "again"], ids=["c0", "a1"])
+    summary = encode([str(tmp_path / "c.parquet")], out, cluster)
+    store = featstore.open(out)
+    assert summary.samples_written == 1 and summary.rejected == 1 and "c0" in store.sample_ids()
+    reasons = {r["source"].rsplit("/", 1)[-1]: r["reason"] for r in store.rejects.to_pylist()}
+    assert f"an earlier input has it ({tmp_path / 'a.parquet'}#1)" in reasons["c.parquet#1"]
+    # The same file in another folder is the same input (moved, or named by another path): a resume.
+    (tmp_path / "moved").mkdir()
+    shutil.copy(tmp_path / "a.parquet", tmp_path / "moved" / "a.parquet")
+    moved = encode([str(tmp_path / "moved" / "a.parquet")], out, cluster)
+    assert moved.samples_written == 0 and moved.rejected == 0 and len(featstore.open(out).rejects) == 2
+
+
+def test_a_tar_of_the_same_name_from_another_dataset_is_rejected_not_skipped(tmp_path, cluster):
+    """Ids of tars are ``<stem>:<key>``: ``coyo/00000.tar`` after ``laion/00000.tar`` into one store
+    repeats them. Members with other bytes are rejects naming the committed ones (not left out as
+    if resumed); the same tar copied elsewhere is a resume."""
+    for folder, offset in (("laion", 0), ("coyo", 500), ("copy", 0)):
+        (tmp_path / folder).mkdir()
+        with tarfile.open(tmp_path / folder / "00000.tar", "w") as archive:
+            for n in range(3):
+                add_member(archive, f"k{n}.png", png(offset + n))
+                add_member(archive, f"k{n}.txt", f"{folder} {n}".encode())
+    out = str(tmp_path / "store")
+    assert encode([str(tmp_path / "laion" / "00000.tar")], out, cluster).samples_written == 3
+    copied = encode([str(tmp_path / "copy" / "00000.tar")], out, cluster)
+    assert copied.samples_written == 0 and copied.rejected == 0
+    other = encode([str(tmp_path / "coyo" / "00000.tar")], out, cluster)
+    store = featstore.open(out)
+    assert other.samples_written == 0 and other.rejected == 3 and len(store) == 3
+    reasons = {r["source"]: r["reason"] for r in store.rejects.to_pylist()}
+    assert reasons[f"{tmp_path / 'coyo' / '00000.tar'}#k1.png"].startswith(
+        f"duplicate id '00000:k1': an earlier input has it ({tmp_path / 'laion' / '00000.tar'}#k1.png)")
+
+
 def test_llava_json_for_a_vlm(tmp_path, cluster):
     path = write_llava(tmp_path, 4)
     records = json.loads(path.read_text())
@@ -159,6 +210,30 @@ def _committed_shards(store: Path) -> int:
     return len([p for p in index.iterdir() if p.suffix == ".parquet"]) if index.exists() else 0
 
 
+def _killed_mid_way(cmd: list[str], out: Path, parts: int = 2) -> int:
+    """Runs ``cmd`` (an encode into ``out``), kills its whole process group once ``parts`` shards
+    are committed, and returns how many samples the store holds then."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.time() + 240
+    while _committed_shards(out) < parts and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    assert proc.poll() is None, "the job finished before it could be killed; make it bigger"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    return len(featstore.open(str(out)))
+
+
+def _rerun_completes(cmd: list[str], out: Path, partial: int, total: int) -> list[str]:
+    """Runs ``cmd`` again to the end: only what the killed run had not committed is encoded, and
+    the store verifies. Returns the store's ids."""
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    written = int(re.search(r"encoded (\d+) sample", rerun.stdout).group(1))
+    assert written == total - partial, rerun.stdout  # committed parts are not encoded again
+    assert subprocess.run([str(Path(sys.executable).parent / "mmcache"), "verify", str(out)], capture_output=True).returncode == 0
+    return featstore.open(str(out)).index.column("id").to_pylist()
+
+
 def test_killed_tar_encode_resumes_exactly_once(tmp_path):
     shards = tmp_path / "shards"
     shards.mkdir()
@@ -169,23 +244,35 @@ def test_killed_tar_encode_resumes_exactly_once(tmp_path):
     # 50k of them to make two, so parts are capped at 16 samples here, to be killed between parts.
     cmd = [str(Path(sys.executable).parent / "mmcache"), "encode", "--config", "tiny", "--input", str(shards / "{00000..00002}.tar"),
            "--output", str(out), "--set", "run.samples_per_task=16"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    deadline = time.time() + 240
-    while _committed_shards(out) < 2 and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    assert proc.poll() is None, "the job finished before it could be killed; make it bigger"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(30)
-    partial = featstore.open(str(out))
-    assert 0 < len(partial) < 192
-    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert rerun.returncode == 0, rerun.stderr
-    written = int(re.search(r"encoded (\d+) sample", rerun.stdout).group(1))
-    assert written == 192 - len(partial), rerun.stdout  # committed parts are not encoded again
-    store = featstore.open(str(out))
-    ids = store.index.column("id").to_pylist()
-    assert len(ids) == 192 and len(set(ids)) == 192 and len(store.shards) == 12
-    assert subprocess.run([str(Path(sys.executable).parent / "mmcache"), "verify", str(out)], capture_output=True).returncode == 0
+    partial = _killed_mid_way(cmd, out)
+    assert 0 < partial < 192
+    ids = _rerun_completes(cmd, out, partial, 192)
+    assert len(ids) == 192 and len(set(ids)) == 192 and len(featstore.open(str(out)).shards) == 12
+
+
+def test_killed_encode_of_video_tars_with_clips_resumes_exactly_once(tmp_path):
+    """Tars of videos, two clips each (``frames.clips``): killed after some parts committed, the
+    re-run encodes each remaining video's clips once, and every clip id ``<id>=<frame>`` is there once."""
+    from tests.test_media import write_gray_ramp_video
+
+    video = write_gray_ramp_video(tmp_path / "ramp.mp4", frames=30, fps=24)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for shard in range(2):
+        with tarfile.open(shards / f"{shard:05d}.tar", "w") as archive:
+            for n in range(40):  # 16 videos per part (capped as above): 3 parts per tar
+                add_member(archive, f"v{n:03d}.mp4", video)
+                add_member(archive, f"v{n:03d}.txt", f"gray ramp {shard} {n}".encode())
+    out = tmp_path / "store"
+    cmd = [str(Path(sys.executable).parent / "mmcache"), "encode", "--config", "tiny", "--input", str(shards / "*.tar"),
+           "--output", str(out), "--set", "frames.clips.policy=head", "--set", "frames.clips.count=2", "--set", "run.samples_per_task=16"]
+    partial = _killed_mid_way(cmd, out)
+    assert 0 < partial < 160 and partial % 2 == 0  # a video's clips commit together
+    ids = _rerun_completes(cmd, out, partial, 160)
+    expected = {f"{shard:05d}:v{n:03d}={frame}" for shard in range(2) for n in range(40) for frame in (0, 10)}
+    assert len(ids) == 160 and set(ids) == expected
+    frames = {r["id"]: r["frame_indices"] for r in featstore.open(str(out)).index.to_pylist()}
+    assert frames["00001:v039=10"] == [10, 12, 14, 16, 18]
 
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"

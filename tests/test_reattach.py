@@ -16,6 +16,7 @@ from tests.joint_store import dataset, encode
 from mmcache.train.live.reattach import (
     EncoderMismatchError,
     EncoderRecordError,
+    LiveInputError,
     MediaMovedError,
     reattach_encoder,
     sample_rows,
@@ -60,6 +61,24 @@ def test_differentiable_features_round_to_the_stored_values(store):
     sum(t.sum() for t in tensors).backward()
     grads = [p.grad for p in live.module().parameters() if p.grad is not None]
     assert grads and all(bool(g.isfinite().all()) for g in grads)
+
+
+def test_every_clip_of_a_video_is_rebuilt_from_its_recorded_frames(tmp_path):
+    """Under ``frames.clips`` a video gives several samples; each is rebuilt live from the frames its
+    provenance records (not the video's first clip), and equals its cached features."""
+    manifest = dataset(tmp_path / "data", images=1, videos=1)  # a video of 10-19 frames: two uniform clips
+    s = featstore.open(encode(manifest, tmp_path / "store", "frames.clips.policy=uniform", "frames.clips.count=2"))
+    rows = sample_rows(s, s.sample_ids())
+    clips = sorted((row["id"], list(row["frame_indices"])) for row in rows if row["modality"] == "video")
+    assert len(clips) == 2 and clips[0][1][0] == 0 < clips[1][1][0]  # the later clip starts after frame 0
+    assert [i.rsplit("=", 1)[1] for i, _ in clips] == [str(frames[0]) for _, frames in clips]
+    live = reattach_encoder(s, "latent")
+    for row, got in zip(rows, live.encode_rows(rows), strict=True):
+        np.testing.assert_allclose(as_float(got), as_float(s.read(row["id"], ["latent"])["latent"]), rtol=2 ** -7, atol=1e-6)
+    later = next(row for row in rows if row["id"] == clips[1][0])
+    # Frames no clip of the rule starts at are refused, naming the rule's frame count.
+    with pytest.raises(LiveInputError, match="no clip of 5 frames starts at frame 40"):
+        live.encode_rows([{**later, "frame_indices": [40, 42, 44, 46, 48]}])
 
 
 def test_moved_media_name_the_root_to_pass(store, tmp_path):

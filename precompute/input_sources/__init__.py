@@ -12,7 +12,7 @@ from typing import Any
 
 from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.input_sources import files, llava, parquet_media, webdataset  # noqa: F401  (they register)
-from mmcache.precompute.input_sources.base import SOURCES, InputSource, Member, SourceOptions, SourceRead, SourceUnit
+from mmcache.precompute.input_sources.base import SOURCES, InputSource, Member, SourceOptions, SourceRead, SourceUnit, duplicate_reason
 from mmcache.precompute.input_sources.expand import expand_inputs
 from mmcache.precompute.inputs import EmptyInputError, InputRow, ManifestError, Reject, RowKey
 
@@ -46,17 +46,17 @@ def read_all(patterns: str | list[str], options: SourceOptions) -> InputSet:
     urls = expand_inputs(patterns, options.storage_options)
     single = len(urls) == 1
     each = options if single else dataclasses.replace(options, allow_empty=True)
-    out, seen = InputSet(), set[str]()
+    out, seen = InputSet(), dict[str, str]()  # seen: id -> its source
     for url in urls:
         read: SourceRead = source_for(url).read(url, each)
         for row in read.rows:
             if row.sample_id in seen:
-                out.rejects.append(Reject(source=row.source, reason=f"duplicate id {row.sample_id!r} (an earlier input has it)", sample_id=row.sample_id))
+                out.rejects.append(Reject(source=row.source, reason=duplicate_reason(row.sample_id, seen[row.sample_id]), sample_id=row.sample_id))
                 continue
-            seen.add(row.sample_id)
+            seen[row.sample_id] = redact_url(url)
             out.rows.append(dataclasses.replace(row, input=redact_url(url)))
         out.rejects.extend(read.rejects)
-        add_units(out.units, read.units)
+        add_units(out.units, _with_duplicates(read, seen))
     if not single and not (out.rows or out.rejects or out.units) and not options.allow_empty:
         shown = ", ".join(redact_url(u) for u in urls[:3])
         raise EmptyInputError(f"inputs {shown}: no rows at all; nothing to encode (pass --allow-empty to accept an empty input)")
@@ -88,6 +88,8 @@ class InputStream:
         self.options = options if len(self.urls) == 1 else dataclasses.replace(options, allow_empty=True)
         self.units: list[SourceUnit] = []
         self._whole: dict[int, SourceRead] = {}
+        # Ids the client knows of containers' rows (a Parquet id column): the first input keeps each.
+        self._unit_ids: dict[str, str] = {}
 
     def batches(self, keys_only: bool = False) -> Iterator[tuple[int, SourceRead]]:
         """(the input's position in ``urls``, a batch of its rows and rejects), in input order;
@@ -107,9 +109,25 @@ class InputStream:
 
     def _read_whole(self, url: str, source: InputSource) -> SourceRead:
         read = source.read(url, self.options)
-        add_units(self.units, read.units)
+        add_units(self.units, _with_duplicates(read, self._unit_ids))
         shown = redact_url(url)
         return SourceRead(rows=[dataclasses.replace(row, input=shown) for row in read.rows], rejects=read.rejects, units=read.units)
+
+
+def _with_duplicates(read: SourceRead, seen: dict[str, str]) -> list[SourceUnit]:
+    """``read``'s units, each told which of its rows (where the client knows their ids:
+    ``unit_ids``) have an id an earlier input or row has: its worker rejects those, naming the
+    earlier one (the first row to have an id keeps it, whatever order the tasks run in)."""
+    units = []
+    for index, unit in enumerate(read.units):
+        earlier = []
+        for sample_id, source in read.unit_ids[index] if read.unit_ids else ():
+            if sample_id in seen:
+                earlier.append((source, seen[sample_id]))
+            else:
+                seen[sample_id] = source
+        units.append(dataclasses.replace(unit, duplicates=tuple(earlier)) if earlier else unit)
+    return units
 
 
 def open_unit(unit: SourceUnit, storage_options: dict[str, Any] | None, max_bytes: int) -> Iterator[Member]:

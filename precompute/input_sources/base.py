@@ -57,6 +57,8 @@ class SourceUnit:
     caption_key: str = "caption"
     allow_empty_caption: bool = False
     estimated_samples: int = 0
+    # (source, earlier source) of its rows whose id an earlier input or row has: rejects naming it.
+    duplicates: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +75,9 @@ class SourceRead:
     rows: list[Any] = field(default_factory=list)  # InputRows, or only their RowKeys (InputStream.batches)
     rejects: list[Reject] = field(default_factory=list)
     units: list[SourceUnit] = field(default_factory=list)
+    # Per unit, the (id, source) of its samples where the client reads them cheaply (a Parquet
+    # id column): what read_all checks against the other inputs' ids. Empty: ids known on the worker only.
+    unit_ids: list[list[tuple[str, str]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,3 +139,7 @@ def file_stem(path: str) -> str:
     if _SAFE_STEM.fullmatch(stem):
         return stem
     return f"{re.sub(r'[^A-Za-z0-9._=+-]', '_', stem).strip('._=+-')[:60] or 'input'}-{hashlib.sha1(stem.encode()).hexdigest()[:8]}"
+
+
+def duplicate_reason(sample_id: str, earlier: str) -> str:
+    return f"duplicate id {sample_id!r}: an earlier input has it ({earlier}); give one of them other ids"

@@ -19,7 +19,7 @@ from typing import Any
 from mmcache.featstore.retry import remote_filesystem, with_retries
 from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.input_sources.base import (
-    InputSource, Member, SourceOptions, SourceRead, SourceUnit, file_stem, open_input, register,
+    InputSource, Member, SourceOptions, SourceRead, SourceUnit, duplicate_reason, file_stem, open_input, register,
 )
 from mmcache.precompute.input_sources.files import read_rows
 from mmcache.precompute.inputs import (
@@ -61,7 +61,25 @@ def read_parquet(url: str, options: SourceOptions) -> SourceRead:
                                 row_groups=(group,), first_row=first, columns=columns,
                                 allow_empty_caption=options.allow_empty_caption, estimated_samples=rows))
         first += rows
-    return SourceRead(units=units)
+    # Given ids may repeat in another file, which the workers could not see: the client reads the
+    # id column (only it) so that the first input to have an id keeps it (read_all).
+    ids = with_retries(lambda: _id_column(fs, path, pq), shown, "read") if "id" in names else None
+    unit_ids = [] if ids is None else [[(row_id(ids[n], "", n), f"{shown}#{n}") for n in range(u.first_row, u.first_row + u.estimated_samples)]
+                                       for u in units]
+    return SourceRead(units=units, unit_ids=unit_ids)
+
+
+def _id_column(fs: Any, path: str, pq: Any) -> list[Any]:
+    protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
+    if protocol in ("file", "local"):
+        return pq.read_table(os.fspath(path), columns=["id"], use_threads=False).column("id").to_pylist()
+    with fs.open(path, "rb", block_size=1 << 20) as fh:
+        return pq.ParquetFile(fh, pre_buffer=False).read(columns=["id"], use_threads=False).column("id").to_pylist()
+
+
+def row_id(given: Any, prefix: str, number: int) -> str:
+    """A row's sample id: its ``id`` cell, else ``<prefix><row number>`` (the file's stem)."""
+    return str(given) if given not in (None, "") else f"{prefix}{number}"
 
 
 def _footer(fs: Any, path: str, pq: Any) -> Any:
@@ -82,17 +100,17 @@ def stream_parquet(unit: SourceUnit, storage_options: dict[str, Any] | None, max
         # which can abort the process at exit: featstore.index.parquet_file); this may run in the
         # client itself under the in-process executor.
         parquet = pq.ParquetFile(fh, pre_buffer=False)
-        number, seen = unit.first_row, set[str]()
+        number, seen, earlier = unit.first_row, set[str](), dict(unit.duplicates)
         for batch in parquet.iter_batches(row_groups=list(unit.row_groups), columns=list(dict.fromkeys(columns.values())),
                                           batch_size=64, use_threads=False):
             for record in batch.to_pylist():
-                yield _member(unit, columns, record, number, seen, max_bytes)
+                yield _member(unit, columns, record, number, seen, earlier, max_bytes)
                 number += 1
 
 
-def _member(unit: SourceUnit, columns: dict[str, str], record: dict[str, Any], number: int, seen: set[str], max_bytes: int) -> Member:
-    given = record.get(columns["id"]) if "id" in columns else None
-    sample_id = str(given) if given not in (None, "") else f"{unit.id_prefix}{number}"
+def _member(unit: SourceUnit, columns: dict[str, str], record: dict[str, Any], number: int, seen: set[str],
+            earlier: dict[str, str], max_bytes: int) -> Member:
+    sample_id = row_id(record.get(columns["id"]) if "id" in columns else None, unit.id_prefix, number)
     source = f"{unit.shown}#{number}"
     data, path, problem = _media(record.get(columns["media"]), columns["media"], max_bytes)
     caption, bad_caption = caption_text(record.get(columns["caption"])) if "caption" in columns else ("", None)
@@ -101,8 +119,8 @@ def _member(unit: SourceUnit, columns: dict[str, str], record: dict[str, Any], n
         problem = "empty caption: no visible text (set data.allow_empty_caption: true to allow it)"
     if problem is None and not safe_id(sample_id):
         problem = f"id {sample_id!r} is not a safe name (A-Z a-z 0-9 . _ : = + -)"
-    if problem is None and sample_id in seen:
-        problem = f"duplicate id {sample_id!r}"
+    if problem is None and (source in earlier or sample_id in seen):  # the planned duplicates; a safeguard
+        problem = duplicate_reason(sample_id, earlier.get(source, "this row group"))
     seen.add(sample_id)
     if problem is not None:
         return Member(reject=Reject(source=source, reason=problem, sample_id=sample_id))

@@ -10,8 +10,8 @@ keys of two shards never collide and a member keeps its id on every run; ``sourc
 ``<tar>#<member>``.
 
 Planning names each tar as one unit and reads nothing of it. The worker that encodes it reads
-it once, front to back (``tarfile`` stream mode, in large blocks on an object store). Member
-names are data: an absolute name, ``..``, a link, a device or a FIFO member is a reject, never
+it once, front to back (``tar_reader``, in large blocks on an object store). Member names are
+data: an absolute name, ``..``, a link, a device, a FIFO or a sparse member is a reject, never
 followed, and a member over ``data.max_input_bytes`` is a reject, never read.
 """
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import posixpath
-import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,12 +26,8 @@ from typing import Any
 from mmcache.featstore.retry import remote_filesystem, with_retries
 from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.input_sources.base import InputSource, Member, SourceOptions, SourceRead, SourceUnit, file_stem, open_input, register
+from mmcache.precompute.input_sources.tar_reader import TarFormatError, TarMember, TarReader
 from mmcache.precompute.inputs import InputRow, ManifestError, Reject, caption_problem, has_visible_text, modality_of, safe_id, sample_id_for
-
-_LINK_KINDS = ((tarfile.TarInfo.issym, "a symbolic link"), (tarfile.TarInfo.islnk, "a hard link"),
-               (tarfile.TarInfo.ischr, "a character device"), (tarfile.TarInfo.isblk, "a block device"),
-               (tarfile.TarInfo.isfifo, "a FIFO"))
-
 
 def read_tar(url: str, options: SourceOptions) -> SourceRead:
     """One unit per tar; only its existence is checked (a brace range's names were listed already)."""
@@ -62,70 +57,48 @@ class _Group:
 def stream_tar(unit: SourceUnit, storage_options: dict[str, Any] | None, max_bytes: int) -> Iterator[Member]:
     """The samples of one tar, read front to back once; what cannot be a sample is a reject."""
     with open_input(unit.uri, storage_options) as fh:
-        try:
-            archive = tarfile.open(fileobj=fh, mode="r|*")
-        except tarfile.TarError as exc:
-            yield Member(reject=Reject(source=unit.shown, reason=f"not a tar file ({exc})"))
-            return
-        yield from _samples(unit, archive, max_bytes)
+        yield from _samples(unit, TarReader(fh), max_bytes)
 
 
-def _samples(unit: SourceUnit, archive: tarfile.TarFile, max_bytes: int) -> Iterator[Member]:
+def _samples(unit: SourceUnit, archive: TarReader, max_bytes: int) -> Iterator[Member]:
     group: _Group | None = None
     finished: set[str] = set()
     while True:
         try:
             member = archive.next()
-        except (tarfile.TarError, EOFError) as exc:
+            if member is None:
+                break
+            name = member.name[2:] if member.name.startswith("./") else member.name
+            if member.kind == "directory" or posixpath.basename(name).startswith("."):
+                continue  # folders are structure; hidden files (._x, .DS_Store) are not samples
+            key, ext = split_key(name)
+            if group is None or key != group.key:
+                if group is not None:
+                    yield _sample(unit, group, finished)
+                group = _Group(key=key)
+            problem = _member_problem(member, name, max_bytes)
+            if problem is None:
+                data = archive.read(member)
+                if ext in group.parts:
+                    problem = f"two members of extension .{ext} ({group.parts[ext][0]!r}, {name!r})"
+                group.parts[ext] = (name, data)
+            group.problem = group.problem or problem
+        except TarFormatError as exc:  # not OSError: a network fault fails the task, which is retried
             if group is not None:
                 group.problem = group.problem or f"tar is truncated or corrupt in this sample ({exc})"
                 yield _sample(unit, group, finished)
-            yield Member(reject=Reject(source=unit.shown, reason=f"tar is truncated or corrupt after {len(finished)} sample(s) ({exc})"))
+            what = "not a tar file" if not finished and group is None else f"tar is truncated or corrupt after {len(finished)} sample(s)"
+            yield Member(reject=Reject(source=unit.shown, reason=f"{what} ({exc})"))
             return
-        if member is None:
-            break
-        name = member.name[2:] if member.name.startswith("./") else member.name
-        if member.isdir() or posixpath.basename(name).startswith("."):
-            continue  # folders are structure; hidden files (._x, .DS_Store) are not samples
-        key, ext = split_key(name)
-        if group is None or key != group.key:
-            if group is not None:
-                yield _sample(unit, group, finished)
-            group = _Group(key=key)
-        problem = _member_problem(member, name, max_bytes)
-        if problem is None:
-            try:
-                data = _read_member(archive, member)
-            except (tarfile.TarError, EOFError) as exc:  # not OSError: a network fault retries the task
-                group.problem = group.problem or f"member {name!r} is truncated ({exc})"
-                yield _sample(unit, group, finished)
-                yield Member(reject=Reject(source=unit.shown, reason=f"tar is truncated after {len(finished)} sample(s)"))
-                return
-            if ext in group.parts:
-                problem = f"two members of extension .{ext} ({group.parts[ext][0]!r}, {name!r})"
-            group.parts[ext] = (name, data)
-        group.problem = group.problem or problem
     if group is not None:
         yield _sample(unit, group, finished)
 
 
-def _read_member(archive: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
-    handle = archive.extractfile(member)
-    assert handle is not None, "a regular member has a file object"
-    data = handle.read()
-    if len(data) != member.size:
-        raise tarfile.ReadError(f"read {len(data)} of {member.size} bytes")
-    return data
-
-
-def _member_problem(member: tarfile.TarInfo, name: str, max_bytes: int) -> str | None:
+def _member_problem(member: TarMember, name: str, max_bytes: int) -> str | None:
     if name.startswith("/") or ".." in name.split("/") or "\\" in name:
         return f"member name {name!r} is absolute or leaves the tar's root; not read"
-    for test, kind in _LINK_KINDS:
-        if test(member):
-            return f"member {name!r} is {kind}, not a regular file; not followed"
-    if not member.isreg():
-        return f"member {name!r} is not a regular file"
+    if member.kind != "file":
+        return f"member {name!r} is {member.kind}, not a regular file; not followed"
     if member.size > max_bytes:
         return f"member {name!r} is larger than data.max_input_bytes ({member.size:,} > {max_bytes:,} bytes); raise the limit to encode it"
     return None

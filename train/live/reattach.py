@@ -356,7 +356,9 @@ class LiveEncoder:
 
     def _pixels(self, row: Mapping[str, Any]) -> np.ndarray:
         url, data = self._source(row)
-        prepared, pixels = self._prepare(data, url, str(row.get("modality")), f"sample {row.get('id')!r}")
+        recorded = row.get("frame_indices")  # a video's clip: the one it was cached from (frames.clips gives several)
+        prepared, pixels = self._prepare(data, url, str(row.get("modality")), f"sample {row.get('id')!r}",
+                                         first_frame=int(recorded[0]) if recorded else None)
         self._check_geometry(row, prepared.provenance)
         return pixels
 
@@ -377,11 +379,13 @@ class LiveEncoder:
             self._out_shapes[shape] = tuple(self.encode_inputs([np.zeros(shape, np.uint8)])[0].shape)
         return self._out_shapes[shape]
 
-    def _prepare(self, data: bytes, url: str, modality: str, what: str) -> tuple[Any, np.ndarray]:
+    def _prepare(self, data: bytes, url: str, modality: str, what: str, first_frame: int | None = None) -> tuple[Any, np.ndarray]:
         """(the prepared media, the encoder's input): decoded, resized and framed by the recorded
-        rule with ``mmcache encode``'s own code (``precompute.encoder_inputs``)."""
+        rule with ``mmcache encode``'s own code (``precompute.encoder_inputs``), a video's clip
+        from ``first_frame``."""
         try:
-            return section_input(self.section, data, url, modality, rule=self._size_rule(), resize=self.resize, frames=self.frames)  # type: ignore[arg-type]
+            return section_input(self.section, data, url, modality, rule=self._size_rule(), resize=self.resize,  # type: ignore[arg-type]
+                                 frames=self.frames, first_frame=first_frame)
         except MediaError as exc:
             raise LiveInputError(f"{what}: {exc}") from None
 

@@ -1,0 +1,105 @@
+"""The tar reader of the WebDataset source on tars that ``tarfile`` writes in each of its formats
+(and compressions), checked against ``tarfile``'s own listing; cut and corrupt tars fail with the
+reader's error, never a wrong member."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+
+import pytest
+
+from mmcache.precompute.input_sources.tar_reader import TarFormatError, TarReader
+
+# A name over 100 bytes (GNU long name / pax path), one a ustar prefix splits, non-ASCII, a folder.
+NAMES = ["a/" + "long" * 40 + ".png", "d" * 90 + "/" + "e" * 90 + ".txt", "caf\u00e9/\u00e9t\u00e9.json", "plain.txt"]
+
+
+def build(fmt: int, mode: str = "w") -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode=mode, format=fmt) as archive:
+        folder = tarfile.TarInfo("a")
+        folder.type = tarfile.DIRTYPE
+        archive.addfile(folder)
+        for n, name in enumerate(NAMES):
+            data = bytes([n]) * (700 * n + 3)
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+        link = tarfile.TarInfo("link.png")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        archive.addfile(link)
+        archive.addfile(tarfile.TarInfo("after.txt"), io.BytesIO(b""))
+    return buffer.getvalue()
+
+
+def listing(raw: bytes) -> list[tuple[str, str, bytes]]:
+    reader = TarReader(io.BytesIO(raw))
+    out = []
+    while (member := reader.next()) is not None:
+        out.append((member.name, member.kind, reader.read(member) if member.kind == "file" else b""))
+    return out
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+@pytest.mark.parametrize("mode", ["w", "w:gz", "w:bz2", "w:xz"])
+def test_members_as_tarfile_lists_them(fmt, mode):
+    raw = _ustar(mode) if fmt == tarfile.USTAR_FORMAT else build(fmt, mode)
+    with tarfile.open(fileobj=io.BytesIO(raw)) as archive:
+        expected = [(m.name, "directory" if m.isdir() else "a symbolic link" if m.issym() else "file",
+                     archive.extractfile(m).read() if m.isreg() else b"") for m in archive.getmembers()]
+    assert listing(raw) == expected and len(expected) >= 2
+
+
+def _ustar(mode: str) -> bytes:
+    """ustar holds no long or non-ASCII name: a name its prefix field splits, and a short one."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode=mode, format=tarfile.USTAR_FORMAT) as archive:
+        for n, name in enumerate(["d" * 90 + "/" + "e" * 90 + ".txt", "short.png"]):
+            info = tarfile.TarInfo(name)
+            info.size = 5 + n
+            archive.addfile(info, io.BytesIO(b"x" * info.size))
+    return buffer.getvalue()
+
+
+def test_a_pax_size_record_is_decimal():
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        info = tarfile.TarInfo("ten.bin")
+        info.size, info.pax_headers = 10, {"size": "10"}  # what a member over 8 GiB carries
+        archive.addfile(info, io.BytesIO(b"0123456789"))
+        archive.addfile(tarfile.TarInfo("next.txt"), io.BytesIO(b""))
+    assert listing(buffer.getvalue()) == [("ten.bin", "file", b"0123456789"), ("next.txt", "file", b"")]
+
+
+def test_skipping_a_member_lands_on_the_next():
+    reader = TarReader(io.BytesIO(build(tarfile.PAX_FORMAT)))
+    names = []
+    while (member := reader.next()) is not None:
+        names.append(member.name)  # never read: next() passes over the data
+    assert names == ["a", *NAMES, "link.png", "after.txt"]
+
+
+def test_cut_and_corrupt_tars_are_errors():
+    raw = build(tarfile.PAX_FORMAT)
+    with pytest.raises(TarFormatError, match="not a tar file"):
+        listing(b"this is not a tar, just some text" * 40)
+    with pytest.raises(TarFormatError, match="cut short"):
+        listing(raw[: raw.index(bytes([2]) * 100) + 50])  # inside the third member's data
+    with pytest.raises(TarFormatError, match="cut short"):
+        listing(raw[:1024 + 100])  # inside a header
+    corrupt = bytearray(raw)
+    at = raw.index(b"plain.txt")
+    corrupt[at:at + 5] = b"PLAIN"  # the name changed, the checksum not
+    with pytest.raises(TarFormatError, match="checksum does not match"):
+        listing(bytes(corrupt))
+    huge = io.BytesIO()
+    with tarfile.open(fileobj=huge, mode="w", format=tarfile.GNU_FORMAT) as archive:
+        long_name = tarfile.TarInfo("././@LongLink")
+        long_name.type, long_name.size = tarfile.GNUTYPE_LONGNAME, 2 << 20  # a "name" of 2 MiB: never read
+        archive.addfile(long_name, io.BytesIO(b"n" * (2 << 20)))
+    with pytest.raises(TarFormatError, match="extended header of 2,097,152 bytes"):
+        listing(huge.getvalue())
+    zipped = build(tarfile.PAX_FORMAT, "w:gz")
+    with pytest.raises(TarFormatError, match="EOFError|cut short"):
+        listing(zipped[: len(zipped) // 2])
