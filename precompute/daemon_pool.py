@@ -5,6 +5,7 @@ encoder's pinned thread (``mmcache.train.live.reattach``), a unit's reader (``ha
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue
 import threading
@@ -54,26 +55,50 @@ class DaemonPool:
             self._queue.put(None)
 
 
-def handed_over(items: Iterator[T], name: str) -> Iterator[T]:
+def handed_over(items: Iterator[T], name: str, ahead: int) -> Iterator[T]:
     """``items``, iterated on a daemon thread of its own and handed over as each arrives: the
     caller works on the first while the thread reads on (a tar's members: its reads overlap the
-    encoding of those read already). What ``items`` raises is raised here, after the items
-    before it. The caller iterates to the end, or leaves the thread to finish ``items`` alone."""
-    handoff: queue.SimpleQueue = queue.SimpleQueue()
+    encoding of those read already), at most ``ahead`` items ahead of the caller, so a part of
+    thousands of members is never held in memory whole. What ``items`` raises is raised here,
+    after the items before it. A caller that stops early (closes this generator) stops the thread
+    at its next item."""
+    handoff: queue.Queue = queue.Queue(maxsize=max(1, ahead))
+    stop = threading.Event()
     end = object()
+
+    def put(entry: tuple) -> bool:
+        while not stop.is_set():
+            with contextlib.suppress(queue.Full):
+                handoff.put(entry, timeout=0.1)
+                return True
+        return False
 
     def run() -> None:
         try:
             for item in items:
-                handoff.put((item, None))
+                if not put((item, None)):
+                    return
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, raised there
-            handoff.put((end, exc))
+            put((end, exc))
             return
-        handoff.put((end, None))
+        put((end, None))
 
     threading.Thread(target=run, name=name, daemon=True).start()
-    while (entry := handoff.get())[0] is not end:
-        yield entry[0]
+    try:
+        while (entry := handoff.get())[0] is not end:
+            yield entry[0]
+    finally:
+        stop.set()
     if entry[1] is not None:
         raise entry[1]
 
+
+def kept_ahead(items: Iterator[T], ahead: int) -> Iterator[T]:
+    """``items``, advanced up to ``ahead`` items before the caller takes them: where advancing
+    submits work (a decode), that much runs ahead of the caller, and no more."""
+    window: collections.deque[T] = collections.deque()
+    for item in items:
+        window.append(item)
+        if len(window) > ahead:
+            yield window.popleft()
+    yield from window

@@ -25,7 +25,7 @@ from mmcache.featstore.reader import open_store
 from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.clips import clip_id
 from mmcache.precompute.commit_ahead import commit_ahead
-from mmcache.precompute.daemon_pool import DaemonPool, handed_over
+from mmcache.precompute.daemon_pool import DaemonPool, handed_over, kept_ahead
 from mmcache.precompute.encoder_inputs import GEOMETRY, encoder_input, prepare_clip_sections, size_rule_for, text_input
 from mmcache.precompute.inputs import InputRow
 from mmcache.precompute.media import MediaError
@@ -272,7 +272,6 @@ def _encode_rows(task: TaskSpec, store, specs, device, threads, settings: TaskSe
     primary = next((section for section in ("vae", "vit") if section in configured), None)
     done: list[tuple[InputRow, dict[str, np.ndarray], dict[str, Any]]] = []
     timeout = settings.task_timeout or None
-    deadline = None if timeout is None else time.monotonic() + timeout
     # Decoding runs ahead on CPU threads (Pillow and PyAV release the GIL) while the encoder works
     # on the batches already formed. A thread stuck on an input (a hung read) must not keep the
     # task, nor the process, from finishing once the deadline turned it into a reject.
@@ -283,8 +282,11 @@ def _encode_rows(task: TaskSpec, store, specs, device, threads, settings: TaskSe
         # ``given``: a unit's rows with their bytes, read on a thread of its own that hands each
         # to a decoder as it arrives, so batches encode while the rest is read; else the task's
         # rows, each read on its decoding thread.
-        futures = handed_over(submitted, "read-unit") if given is not None else list(submitted)
-        for batch in _bucketed(futures, settings.batch_size, reject, MediaError, deadline, timeout):
+        # Decoding runs at most a few batches ahead of the encoder: a task is up to
+        # run.samples_per_task inputs, and their decoded pixels must not all wait in memory at once.
+        ahead = 2 * settings.batch_size + settings.decode_threads
+        futures = handed_over(submitted, "read-unit", ahead) if given is not None else kept_ahead(submitted, ahead)
+        for batch in _bucketed(futures, settings.batch_size, reject, MediaError, timeout):
             _encode_batch(batch, encoders, reject, done, primary)
     finally:
         pool.shutdown()
@@ -314,13 +316,14 @@ def _prepare_row(row: InputRow, rules: dict[str, Any], new_sample: bool, setting
             for clip in clips]
 
 
-def _bucketed(futures, batch_size: int, reject, media_error, deadline: float | None = None, timeout: float | None = None) -> Iterator[list[tuple[InputRow, Any]]]:
+def _bucketed(futures, batch_size: int, reject, media_error, timeout: float | None = None) -> Iterator[list[tuple[InputRow, Any]]]:
     """Prepared inputs grouped by shape (the encoder stacks a batch), in batches of batch_size.
-    An input not read and decoded by ``deadline`` (monotonic) is rejected."""
+    An input not read and decoded within ``timeout`` seconds of being waited for is rejected (the
+    wait starts once the inputs before it are taken: a task's size does not eat into it)."""
     buckets: dict[tuple, list[tuple[InputRow, Any]]] = {}
     for row, future in futures:
         try:
-            samples = future.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            samples = future.result(timeout=timeout)
         except media_error as exc:
             reject(row, exc.reason)
             continue
