@@ -175,7 +175,7 @@ def _start(stack: contextlib.ExitStack, config: EncodeConfig, input_url: str | l
 
     if executor is None:
         placement = choose_placement(config, scheduler=None, workers=workers, output_url=output_url, samples=job_size)
-        executor = stack.enter_context(open_executor(placement))
+        executor = stack.enter_context(open_executor(placement, output_url))
     loading = executor.load_encoders(specs, config.device)
     snapshot = existing[0] if existing else open_existing(output_url, storage_options)
     return _Started(executor=executor, placement=placement, specs=specs, rows=rows, rejects=rejects, units=inputs.units, existing=snapshot,
