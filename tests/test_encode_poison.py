@@ -27,7 +27,7 @@ from mmcache import featstore
 from mmcache.featstore.verify import verify_store
 from mmcache.precompute.demo_data import make_dataset
 from mmcache.precompute.pipeline import run_encode
-from mmcache.precompute.worker_deaths import DIED_REASON
+from mmcache.precompute.worker_deaths import DIED_REASON, died_reason
 from tests.test_encode import tiny_config, write_manifest
 from tests.test_encode_faults import StallingServer
 
@@ -157,7 +157,9 @@ def test_a_poison_input_that_kills_the_default_in_process_run_is_a_reject_on_the
     assert journals2 == [], journals2  # the clean finish removed the dead run's journal
     store = featstore.open(str(out))
     (reject,) = store.rejects.to_pylist()
-    assert reject["source"] == poison and reject["reason"] == DIED_REASON
+    # Its worker's nanny saw how it ended: the reason names it (the OOM killer's signal here).
+    assert reject["source"] == poison and reject["reason"] == died_reason("killed, signal 9"), reject
+    assert "(killed, signal 9); likely out of memory" in reject["reason"]
     ids = Counter(store.index.column("id").to_pylist())
     assert len(ids) == len(rows) - 1 and set(ids.values()) == {1}  # every task-mate exactly once
     assert verify_store(store).ok
@@ -185,3 +187,6 @@ def test_a_task_whose_worker_died_is_split_and_a_lone_input_that_died_again_is_r
     assert (verdict(single, 1), verdict(single, 2)) == ("run", "reject")
     # Split from a task that died: dying alone once more is its second death.
     assert verdict(TaskSpec(shard="t-2", rows=rows[:1], fields=["latent"], deaths=1), 1) == "reject"
+    # The reason names how the process ended when its nanny said; without that, the general one.
+    assert died_reason("") == DIED_REASON
+    assert "(exited with status 3); a crash in its decoder?" in died_reason("exited with status 3")
