@@ -55,9 +55,10 @@ def previous_death(output_url: str) -> str:
     in-process run on this store that died (and its tasks in flight), or "" when none did."""
     for _, record in _journals(output_url):
         if _dead(record):
-            tasks = ", ".join(record.get("tasks", [])) or "none"
-            return (f"a previous run on this store (process {record.get('pid')}) died mid-task (task(s) in flight: {tasks}); "
-                    "this run isolates tasks in worker processes, where an input that kills its worker becomes a reject")
+            tasks = ", ".join(record.get("tasks", []))
+            when = f"mid-task (task(s) in flight: {tasks})" if tasks else "before its tasks ran"
+            return (f"a previous run on this store (process {record.get('pid')}) died {when}; this run isolates tasks in "
+                    "worker processes, where an input that kills its worker becomes a reject")
     return ""
 
 
@@ -76,7 +77,7 @@ class Journal:
 
     def __init__(self, output_url: str) -> None:
         me = psutil.Process()
-        self._record = {"pid": me.pid, "started": me.create_time(), "host": socket.gethostname(), "tasks": []}
+        self._record = {"pid": me.pid, "started": me.create_time(), "host": socket.gethostname()}
         self._tasks: list[str] = []
         self._lock = threading.Lock()
         self.path: Path | None = journal_dir() / f"{store_key(output_url)}-{me.pid}-{int(me.create_time())}.json"
@@ -127,9 +128,8 @@ class _InFlight:
     def __init__(self, journal: Journal, shard: str) -> None:
         self.journal, self.shard = journal, shard
 
-    def __enter__(self) -> int:
+    def __enter__(self) -> None:
         self.journal._update(self.shard, True)
-        return 0  # earlier attempts that died: none (a death here ends this process)
 
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
         self.journal._update(self.shard, False)

@@ -87,7 +87,11 @@ def _exit_of(client: Any, attempt: dict) -> str:
     if "pid" not in attempt:
         return ""
     line = re.compile(_DEATH_LINE.format(pid=int(attempt["pid"])))
-    for worker, entries in client.get_worker_logs(nanny=True).items():
+    try:
+        logs = client.get_worker_logs(nanny=True)
+    except OSError:  # a nanny of the cluster did not answer: the reject goes on with the general reason
+        return ""
+    for worker, entries in logs.items():
         if urlsplit(worker).hostname != attempt.get("host"):
             continue  # the same pid on another machine is another process
         for _, text in entries:  # newest first

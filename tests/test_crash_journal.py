@@ -87,7 +87,7 @@ def test_a_reused_pid_and_a_damaged_journal(cache):
     # This process's pid, but not its start time: the pid was reused after the journal's run died.
     reused = cache / f"{key}-{os.getpid()}-5.json"
     reused.write_text(json.dumps({"pid": os.getpid(), "started": 5.0, "host": socket.gethostname(), "tasks": []}))
-    assert f"process {os.getpid()}" in crash_journal.previous_death(url)
+    assert f"process {os.getpid()}) died before its tasks ran" in crash_journal.previous_death(url)
     damaged = cache / f"{key}-7-7.json"
     damaged.write_text("{not json")
     crash_journal.forget_deaths(url)
