@@ -113,7 +113,12 @@ def _journals(cache: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted((cache / "mmcache" / "journals").glob("*.json"))]
 
 
-def test_a_poison_input_that_kills_the_default_in_process_run_is_a_reject_on_the_next(media, tmp_path):
+# Dask's own limit on a task's worker deaths before it gives up on it (KilledWorker): by default
+# (3) it runs the task again after each death; a cluster set to 0 fails it at once, and the job
+# submits it again itself (precompute.executors.DaskExecutor.result).
+@pytest.mark.parametrize("dask_env", [{}, {"DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES": "0"}],
+                         ids=["dask-default", "allowed-failures=0"])
+def test_a_poison_input_that_kills_the_default_in_process_run_is_a_reject_on_the_next(media, tmp_path, dask_env):
     """The default executor of a small job runs the tasks on threads of `mmcache encode` itself:
     an input that kills its decoder kills the command. The next run of the same command finds the
     dead run's crash journal and runs the tasks in worker processes, where the poison kills its
@@ -129,7 +134,7 @@ def test_a_poison_input_that_kills_the_default_in_process_run_is_a_reject_on_the
     # The default config; a URL input needs data.allow_outside_root.
     cmd = [sys.executable, "-m", "mmcache.precompute.cli", "encode", "--config", "tiny", "--input", str(manifest),
            "--output", str(out), "--set", "data.allow_outside_root=true"]
-    env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache), **dask_env}
     runs = []
     try:
         for _ in range(3):
