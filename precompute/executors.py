@@ -4,7 +4,9 @@
   the tasks run on a few threads (torch, Pillow and PyAV release the GIL), so a small job starts
   as fast as a plain loop would: no cluster to spawn, no interpreter per worker importing torch
   and loading the models again. What it cannot give: a task whose process is killed (an OOM
-  kill) is not run again elsewhere; the job dies, and running it again resumes it.
+  kill) is not run again elsewhere; the job dies. Its crash journal (precompute.crash_journal)
+  tells the next run on the store, which then takes ``processes``: an input that kills its
+  decoder is rejected there instead of killing every run.
 - ``processes``: a Dask LocalCluster of worker processes (one per device, or per CPU core up
   to 4). A killed worker is restarted by its nanny and its task runs again on a live worker,
   split in halves (precompute.worker_deaths: an input that kills its worker twice is a reject);
@@ -15,8 +17,8 @@
   start-up is the client's imports of distributed and featstore, and a few round trips.
 
 ``auto`` (the default of ``run.executor``) takes threads for a job of at most
-``run.threads_max_samples`` samples on at most one device, and processes otherwise; ``--workers``
-asks for processes. The outcome is the same store either way (the same tasks and shards).
+``run.threads_max_samples`` samples on at most one device, unless an in-process run on the store
+died mid-task, and processes otherwise; ``--workers`` asks for processes. The outcome is the same store either way (the same tasks and shards).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from mmcache.featstore.reader import open_store
+from mmcache.precompute import crash_journal
 from mmcache.precompute.config import EncodeConfig, default_cache_dir
 from mmcache.precompute.devices import resolve_device, worker_device
 from mmcache.precompute.feature_bytes import FieldsOutline, outline
@@ -104,6 +107,8 @@ def choose_placement(config: EncodeConfig, *, scheduler: str | None, workers: in
         kind, reason = run.executor, f"run.executor={run.executor}"
     elif device_count > 1:
         kind, reason = "processes", f"one worker per device ({device_count} {device_type})"
+    elif died := crash_journal.previous_death(output_url):
+        kind, reason = "processes", died  # an input may kill this process again (precompute.crash_journal)
     elif (n := samples()) <= run.threads_max_samples:
         kind, reason = "threads", f"{n} sample(s) to encode <= run.threads_max_samples={run.threads_max_samples}"
     else:
@@ -147,9 +152,9 @@ class ThreadExecutor:
     kind = "threads"
     dashboard_link = None
 
-    def __init__(self, placement: Placement) -> None:
+    def __init__(self, placement: Placement, journal: crash_journal.Journal) -> None:
         self.notes: list[str] = []  # what the job's log says of where it runs
-        self.placement = placement
+        self.placement, self.journal = placement, journal
         self.device = worker_device(placement.device_type, placement.device_count, 0)
         self.client = ThreadClient(placement.workers)
         self.workers = placement.workers
@@ -170,8 +175,8 @@ class ThreadExecutor:
     def submit_task(self, task: TaskSpec, output_url: str, storage_options: dict[str, Any] | None, specs: list[EncoderSpec],
                     settings: TaskSettings, known: Any) -> Future:
         return self.client.submit(
-            encode_task, task, store_url=output_url, storage_options=storage_options, specs=specs, device=self.device,
-            threads=self.placement.threads, settings=settings, known_shards=known, cache=PROCESS_ENCODERS, retries=3,
+            _journaled, self.journal.running(task.shard), task, store_url=output_url, storage_options=storage_options, specs=specs,
+            device=self.device, threads=self.placement.threads, settings=settings, known_shards=known, cache=PROCESS_ENCODERS, retries=3,
         )
 
     def as_completed(self, futures: list) -> _Completion:
@@ -179,6 +184,11 @@ class ThreadExecutor:
 
     def result(self, future: Future, task: TaskSpec) -> TaskResult | None:
         return future.result()
+
+
+def _journaled(in_flight: Any, task: TaskSpec, **kwargs: Any) -> TaskResult:
+    with in_flight:  # the task is in this process's crash journal while it runs
+        return encode_task(task, **kwargs)
 
 
 class _Completion:
@@ -302,8 +312,10 @@ class _AllOf:
 
 
 @contextlib.contextmanager
-def open_executor(placement: Placement) -> Iterator[ThreadExecutor | DaskExecutor]:
-    """This process's threads, or a local cluster (an external one: ``connect``)."""
+def open_executor(placement: Placement, output_url: str) -> Iterator[ThreadExecutor | DaskExecutor]:
+    """This process's threads, or a local cluster (an external one: ``connect``), for a job on the
+    store at ``output_url``. In-process, the job keeps a crash journal (precompute.crash_journal);
+    a clean finish clears the journals of earlier runs that died."""
     if placement.kind == "threads":
         import torch
 
@@ -311,12 +323,14 @@ def open_executor(placement: Placement) -> Iterator[ThreadExecutor | DaskExecuto
         # task threads, as a worker process would), and the caller gets its own back.
         saved = torch.get_num_threads()
         torch.set_num_threads(placement.threads)
-        executor = ThreadExecutor(placement)
-        try:
-            yield executor
-        finally:
-            executor.client.close()
-            torch.set_num_threads(saved)
+        with crash_journal.kept(output_url) as journal:
+            executor = ThreadExecutor(placement, journal)
+            try:
+                yield executor
+            finally:
+                executor.client.close()
+                torch.set_num_threads(saved)
+        crash_journal.forget_deaths(output_url)
         return
     assert placement.kind != "scheduler", "an external cluster is opened by connect()"
     from distributed import Client
@@ -328,6 +342,7 @@ def open_executor(placement: Placement) -> Iterator[ThreadExecutor | DaskExecuto
                                   f"start (killed while starting: out of memory?); going on with {executor.workers}")
         yield executor
         executor.close()  # not on an error: a cluster that failed must not hide why behind another
+    crash_journal.forget_deaths(output_url)
 
 
 @contextlib.contextmanager

@@ -178,7 +178,7 @@ def _start(stack: contextlib.ExitStack, config: EncodeConfig, input_url: str | l
     size = surveyed.todo + sum(u.estimated_samples or UNREAD_UNIT_SAMPLES for u in surveyed.units)
     if executor is None:
         placement = choose_placement(config, scheduler=None, workers=workers, output_url=output_url, samples=lambda: size)
-        executor = stack.enter_context(open_executor(placement))
+        executor = stack.enter_context(open_executor(placement, output_url))
     loading = executor.load_encoders(specs, config.device)
     return _Started(executor=executor, placement=placement, specs=specs, outline=fields_outline, inputs=inputs, survey=surveyed,
                     existing=existing, loading=loading)

@@ -32,7 +32,7 @@ from mmcache.precompute.media import MediaError
 from mmcache.precompute.sources import read_source
 from mmcache.precompute.unit_tasks import encode_unit
 from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec
-from mmcache.precompute.worker_deaths import DIED_REASON, verdict
+from mmcache.precompute.worker_deaths import Deaths, died_reason, verdict
 
 # Models load from local folders only, without progress bars or hub look-ups cluttering the
 # job's output. Set in the client (inherited by local workers) and again in every worker.
@@ -178,7 +178,7 @@ def encode_task(
     settings: TaskSettings,
     known_shards: list[str] | None = None,
     cache: EncoderCache | None = None,
-    attempt: contextlib.AbstractContextManager[int] | None = None,
+    attempt: contextlib.AbstractContextManager[Deaths] | None = None,
 ) -> TaskResult:
     """Encode one task into one committed shard; idempotent (a committed shard is skipped, and so
     is one another writer commits first). ``known_shards``: the shards the client planned from,
@@ -207,11 +207,11 @@ def encode_task(
                         encode_rows=lambda sub, part, given: _encode_rows(sub, store, specs, device, threads, settings, part, cache, given),
                         write_shard=lambda sub, done, part, ahead: _write_shard(sub, store, done, part, ahead))
         else:
-            with attempt or contextlib.nullcontext(0) as deaths:
-                action = verdict(task, deaths)
+            with attempt or contextlib.nullcontext(Deaths()) as deaths:
+                action = verdict(task, deaths.count)
                 if action == "split":
-                    return replace(result, died=deaths)
-                done = _rejected_as_poison(task, result) if action == "reject" else \
+                    return replace(result, died=deaths.count)
+                done = _rejected_as_poison(task, result, died_reason(deaths.exit)) if action == "reject" else \
                     _encode_rows(task, store, specs, device, threads, settings, result, cache)
             _write_shard(task, store, done, result, settings.commit_ahead_bytes)
         if not result.skipped:  # a shard another writer committed first took this task no time
@@ -221,10 +221,10 @@ def encode_task(
         store.close()
 
 
-def _rejected_as_poison(task: TaskSpec, result: TaskResult) -> list:
+def _rejected_as_poison(task: TaskSpec, result: TaskResult, reason: str) -> list:
     """The one row whose decoding killed its worker again and again, recorded as a reject."""
     result.poisoned = [row.source for row in task.rows]
-    result.rejects = [(row, DIED_REASON) for row in task.rows]
+    result.rejects = [(row, reason) for row in task.rows]
     result.rejected = len(task.rows)
     return []
 

@@ -12,7 +12,13 @@ names no input, and a re-run would die on it again. Instead:
   those apart);
 - a task of several rows whose attempt died is split in two (``split_task``; its rows carry the
   deaths on), down to one row; one row that died again, alone, is committed as a reject
-  (``DIED_REASON``), so a re-run skips it like any reject, and the rest of its task is encoded.
+  (``died_reason``), so a re-run skips it like any reject, and the rest of its task is encoded.
+
+The reason names how the worker's process ended ("killed, signal 9") when its nanny logged it:
+Dask's scheduler is never told a worker's exit status, only its nanny (the parent that reaps it)
+sees it, and logs it at INFO, which ``Client.get_worker_logs(nanny=True)`` returns. Each attempt
+records its process's pid and host, so the next one finds that process's line. A nanny whose
+logging is set above INFO, or a worker without a nanny, leaves the reason without it.
 
 Imports ``distributed`` in the functions a Dask worker or client calls: the in-process executor
 never needs it.
@@ -22,33 +28,77 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
+import re
+import signal
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
+from urllib.parse import urlsplit
 
 from mmcache.precompute.specs import TaskSpec
 
-METADATA_ROOT = "mmcache-attempts"  # the scheduler's task metadata: {root: {job: {shard: deaths}}}
+# The scheduler's task metadata: {root: {job: {shard: {"deaths": n, "host": ..., "pid": ...}}}}.
+METADATA_ROOT = "mmcache-attempts"
 # Deaths of tasks holding a row, the last with the row alone, after which it is a reject.
 DEATHS_TO_REJECT = 2
 DIED_REASON = ("worker died decoding this input (its process was killed: likely out of memory); "
                "check the file, or encode it on a machine with more memory with data.retry_rejects=true")
+# How a nanny logs its worker's end (distributed.nanny.WorkerProcess._death_message).
+_DEATH_LINE = r"Worker process {pid} (?:was killed by signal (\d+)|exited with status (\d+))"
+
+
+@dataclass(frozen=True)
+class Deaths:
+    count: int = 0  # earlier attempts of the task whose worker died while they ran it
+    exit: str = ""  # how the last one's process ended ("killed, signal 9"), when its nanny said
 
 
 @contextlib.contextmanager
-def counted_attempt(job: str, shard: str) -> Iterator[int]:
+def counted_attempt(job: str, shard: str) -> Iterator[Deaths]:
     """Count this attempt of task ``shard`` as running (on a Dask worker) while the block runs;
-    yields how many earlier attempts of it died running it."""
-    from distributed import get_client
+    yields how many earlier attempts of it died running it, and how the last one's process ended."""
+    from distributed import get_client, get_worker
 
     client = get_client()
     keys = [METADATA_ROOT, job, shard]
-    deaths = int(client.get_metadata(keys, default=0))
-    client.set_metadata(keys, deaths + 1)
+    last = client.get_metadata(keys, default=None) or {}
+    deaths = int(last.get("deaths", 0))
+    me = {"deaths": deaths + 1, "pid": os.getpid(), "host": urlsplit(get_worker().address).hostname}
+    client.set_metadata(keys, me)
     try:
-        yield deaths
+        yield Deaths(deaths, _exit_of(client, last) if deaths else "")
     finally:
-        client.set_metadata(keys, deaths)  # ended: not a death, whether it returned or raised
+        client.set_metadata(keys, {**me, "deaths": deaths})  # ended: not a death, whether it returned or raised
+
+
+def died_reason(exit: str) -> str:
+    """The reject reason of an input whose worker died decoding it, its process ended as ``exit``."""
+    if not exit:
+        return DIED_REASON
+    likely = "likely out of memory" if exit == f"killed, signal {int(signal.SIGKILL)}" else "a crash in its decoder?"
+    return (f"worker died decoding this input ({exit}); {likely}; check the file, or encode it on a machine with more "
+            "memory with data.retry_rejects=true")
+
+
+def _exit_of(client: Any, attempt: dict) -> str:
+    """How the process of an earlier ``attempt`` ended, from the newest line its host's nannies
+    logged about its pid; "" when none did."""
+    if "pid" not in attempt:
+        return ""
+    line = re.compile(_DEATH_LINE.format(pid=int(attempt["pid"])))
+    try:
+        logs = client.get_worker_logs(nanny=True)
+    except OSError:  # a nanny of the cluster did not answer: the reject goes on with the general reason
+        return ""
+    for worker, entries in logs.items():
+        if urlsplit(worker).hostname != attempt.get("host"):
+            continue  # the same pid on another machine is another process
+        for _, text in entries:  # newest first
+            if found := line.search(text):
+                killed, status = found.groups()
+                return f"killed, signal {killed}" if killed else f"exited with status {status}"
+    return ""
 
 
 def forget_job(client: Any, job: str) -> None:

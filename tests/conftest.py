@@ -7,6 +7,22 @@ import os
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _user_cache(tmp_path_factory):
+    """The suite's user cache (XDG_CACHE_HOME, for this process and every one it starts): the
+    encode runs' crash journals (precompute.crash_journal) go there, not into the real
+    ~/.cache. (Models built for `path: tiny` follow MMCACHE_CACHE, which stays as it is.)"""
+    saved = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("user-cache"))
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("XDG_CACHE_HOME", None)
+        else:
+            os.environ["XDG_CACHE_HOME"] = saved
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """A moto S3 server on a free loopback port, with the standard AWS variables pointing at it

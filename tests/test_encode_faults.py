@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -55,10 +56,12 @@ class StallingServer:
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         self.requested, self.released = threading.Event(), threading.Event()
+        self.peers: queue.SimpleQueue[int] = queue.SimpleQueue()  # each request's client port, in order
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def _stall(self) -> None:
+                outer.peers.put(self.client_address[1])
                 outer.requested.set()
                 outer.released.wait(120)
                 self.send_error(404)

@@ -68,7 +68,7 @@ def test_plan_is_pure_and_execute_gives_the_same_store(encoded, tmp_path):
     transform = TaskSettings.from_config(config, None).transform()
     store = open_or_create(str(out), fields, None, transform, lambda *_: None, None)
     placement = choose_placement(config, scheduler=None, workers=None, output_url=str(out), samples=lambda: 6)
-    with open_executor(placement) as executor:
+    with open_executor(placement, str(out)) as executor:
         before, loads = _files(out), PROCESS_ENCODERS.loads
         plan = _plan(config, manifest, store, executor.workers)
         tasks = list(plan.tasks)  # made as they are asked for: a second pass over the manifest
