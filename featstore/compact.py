@@ -180,9 +180,23 @@ def after_commit(storage: Storage, shard: str, every: int, commits: int) -> None
     whatever this does: a failure here is a warning."""
     if every <= 0 or (commits % every and fmt.crc32c(shard.encode()) % every):
         return
+    compact_when(storage, every, f"after shard {shard!r}")
+
+
+# A finished write job (``mmcache encode``) checkpoints an index of at least this many parts not
+# covered yet, so that its readers open from the shard table (a couple of objects, about a
+# millisecond locally) instead of one read per part; below it, reading the parts costs as little.
+AFTER_JOB = 8
+
+
+def compact_when(storage: Storage, uncovered: int, when: str) -> bool:
+    """Compact the index if at least ``uncovered`` parts are not covered by a checkpoint. The
+    commits are done whatever this does: a failure is a warning, not an error."""
     try:
-        if uncovered_parts(list_index(storage)) >= every:
+        if uncovered_parts(list_index(storage)) >= uncovered:
             compact_store(storage)
+            return True
     except (FeatstoreError, OSError) as exc:
-        warnings.warn(f"{storage.url}: automatic index compaction after shard {shard!r} failed ({exc}); the shard is committed, "
+        warnings.warn(f"{storage.url}: automatic index compaction {when} failed ({exc}); every shard is committed, "
                       f"and `mmcache compact {storage.url}` can be run at any time", CheckpointWarning, stacklevel=3)
+    return False

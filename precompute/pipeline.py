@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmcache import featstore
-from mmcache.featstore import secrets
+from mmcache.featstore import compact, secrets
 from mmcache.featstore.secrets import RedactedOptions
 from mmcache.precompute.config import EncodeConfig
 from mmcache.precompute.executors import (
@@ -139,6 +139,10 @@ def run_encode(
         for note in plan.notes:
             log(note)
         executed = execute(plan, job.executor, progress=progress, log=log)
+        if executed.tasks - executed.tasks_skipped >= compact.AFTER_JOB:
+            # Its readers (every rank of every run) then open from a checkpoint, not part by part;
+            # a job of a few shards costs no listing for it.
+            compact.compact_when(store.storage, compact.AFTER_JOB, "at the end of the job")
         return EncodeSummary(store_url=store.url, seconds=time.perf_counter() - t0 - startup, samples_skipped=plan.samples_skipped,
                              startup_seconds=startup, stale=len(stale), executor=job.placement.kind, **dataclasses.asdict(executed))
 

@@ -13,7 +13,9 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from mmcache import featstore
+from mmcache.featstore.compact import uncovered_parts
 from mmcache.featstore.config import load_config
+from mmcache.featstore.index import list_index
 from mmcache.precompute.cli import cli
 from mmcache.precompute.config import EncodeConfig
 from mmcache.precompute.demo_data import make_dataset
@@ -110,6 +112,7 @@ def test_300_tiny_samples_on_2_workers_leave_at_most_4_shards(tmp_path):
     store = featstore.open(str(tmp_path / "out"))
     assert summary.executor == "processes" and summary.samples_written == len(store) == 300
     assert len(store.shards) <= 4, sorted(store.shards)
+    assert uncovered_parts(list_index(store.storage)) == len(store.shards)  # a few parts: no checkpoint needed
 
 
 def test_a_few_tasks_per_worker_are_in_flight_and_the_next_follow_as_they_finish(tmp_path, monkeypatch):
@@ -141,3 +144,6 @@ def test_a_few_tasks_per_worker_are_in_flight_and_the_next_follow_as_they_finish
     summary = _encode(_tiny("run.samples_per_task=1"), str(manifest), out)
     assert summary.samples_written == 14 and len(taken) == 14
     assert max(behind) <= 0, behind  # never more than the limit taken and not committed
+    # The finished job checkpointed its 14 index parts: readers open from the shard table.
+    store = featstore.open(str(out))
+    assert uncovered_parts(list_index(store.storage)) == 0 and store.dense and len(store) == 14
