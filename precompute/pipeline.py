@@ -48,7 +48,7 @@ from mmcache.precompute.stale import describe as describe_stale
 from mmcache.precompute.stale import stale_samples
 from mmcache.precompute.survey import Survey, survey
 from mmcache.precompute.tasks import quiet_offline_env
-from mmcache.precompute.worker_deaths import DIED_REASON, split_task
+from mmcache.precompute.worker_deaths import split_task
 
 Executor = ThreadExecutor | DaskExecutor
 
@@ -258,8 +258,8 @@ def execute(plan: EncodePlan, executor: Executor, *, progress: bool | None = Non
             executed.tasks += len(again) - 1
             flight.submit(again, completed)
             continue
-        for source in result.poisoned:
-            log(f"rejected {source}: {DIED_REASON}")
+        for source, reason in result.poisoned:
+            log(f"rejected {source}: {reason}")
         executed.tasks_skipped += result.skipped
         executed.samples_written += result.samples
         executed.rejected += result.rejected

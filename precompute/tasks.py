@@ -60,7 +60,7 @@ class TaskResult:
     skipped: bool = False
     seconds: float = 0.0
     died: int = 0  # not run: its earlier attempts' worker died this often; the client splits it
-    poisoned: list = field(default_factory=list)  # sources rejected because their worker died decoding them
+    poisoned: list = field(default_factory=list)  # [source, reason] of inputs rejected because their worker died decoding them
     rejects: list = field(default_factory=list, repr=False)  # (row, reason); not sent back
 
     def summary(self) -> TaskResult:
@@ -223,7 +223,7 @@ def encode_task(
 
 def _rejected_as_poison(task: TaskSpec, result: TaskResult, reason: str) -> list:
     """The one row whose decoding killed its worker again and again, recorded as a reject."""
-    result.poisoned = [row.source for row in task.rows]
+    result.poisoned = [[row.source, reason] for row in task.rows]
     result.rejects = [(row, reason) for row in task.rows]
     result.rejected = len(task.rows)
     return []

@@ -162,7 +162,7 @@ def test_a_poison_input_that_kills_the_default_in_process_run_is_a_reject_on_the
     # (twice at least: the poison's task, split down to the poison, which dies alone once more).
     assert rc2 == 0 and "died mid-task" in err2 and "worker(s) (cpu; processes: a previous run" in err2, err2
     assert 2 <= len(killed2) <= 4 and pid2 not in killed2, killed2
-    assert f"rejected {poison}: {DIED_REASON}" in err2, err2
+    assert f"rejected {poison}: {died_reason('killed, signal 9')}" in err2, err2
     assert journals2 == [], journals2  # the clean finish removed the dead run's journal
     store = featstore.open(str(out))
     (reject,) = store.rejects.to_pylist()
