@@ -185,14 +185,35 @@ def _media(root: Path) -> list[Path]:
     exif[0x0112] = 6  # rotate 90° on display: the upright image is 40 x 100
     Image.fromarray(np.full((40, 100, 3), 128, np.uint8)).save(turned, exif=exif)
     found.append(turned)
+    # A PNG saying so in an eXIf chunk, and one whose eXIf comes after its pixels (Pillow finds
+    # that one only by decoding the picture; the header walk must notice it).
+    Image.fromarray(np.full((40, 100, 3), 128, np.uint8)).save(root / "turned.png", exif=exif)
+    found += [root / "turned.png", _exif_after_pixels(root / "turned.png", root / "turned-late.png")]
     if SHARED.is_dir():
         found += sorted(p for p in SHARED.rglob("*") if p.is_file())
     return found
 
 
+def _exif_after_pixels(source: Path, out: Path) -> Path:
+    """``source`` (a PNG) with its eXIf chunk moved to just before IEND."""
+    data = source.read_bytes()
+    chunks, at = [], 8
+    while at < len(data):
+        length = int.from_bytes(data[at:at + 4], "big")
+        chunks.append(data[at:at + 12 + length])
+        at += 12 + length
+    exif = [c for c in chunks if c[4:8] == b"eXIf"]
+    assert exif, "Pillow wrote no eXIf chunk"
+    rest = [c for c in chunks if c[4:8] != b"eXIf"]
+    out.write_bytes(data[:8] + b"".join(rest[:-1] + exif + rest[-1:]))
+    return out
+
+
 def test_prepared_shape_reads_what_prepare_gives(tmp_path):
+    """From the bytes, and from the file opened for its headers only (what the trainer plans with)."""
     from mmcache.precompute.inputs import modality_of
     from mmcache.precompute.media import FrameSampling, ResizeConfig, SizeRule, TilingConfig, prepare, prepared_shape
+    from mmcache.precompute.sources import open_source
 
     rules = [SizeRule(spatial_multiple=8), SizeRule(spatial_multiple=16, temporal="4k+1"), SizeRule(fixed_size=(32, 32)),
              SizeRule(fixed_size=(32, 32), tiling=TilingConfig(max_tiles=6))]
@@ -208,5 +229,7 @@ def test_prepared_shape_reads_what_prepare_gives(tmp_path):
                 continue
             want = prepare(data, str(path), modality=modality, resize=resize, rule=rule, sampling=frames).pixels.shape
             assert prepared_shape(data, str(path), modality=modality, resize=resize, rule=rule, sampling=frames) == want, (path, rule)
+            with open_source(str(path)) as source:
+                assert prepared_shape(source, str(path), modality=modality, resize=resize, rule=rule, sampling=frames) == want, (path, rule)
             checked += 1
-    assert checked >= 23  # 5 images x 4 rules + 1 video x 3 rules, without the shared media
+    assert checked >= 31  # 7 images x 4 rules + 1 video x 3 rules, without the shared media
