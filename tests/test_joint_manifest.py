@@ -96,8 +96,12 @@ def test_absent_samples_at_two_ranks(seven, data, live_run, tmp_path):
 
 
 def test_absent_samples_resume_exactly(seven, data, live_run, tmp_path):
-    train(seven, tmp_path / "split", f"data.manifest={data}", *LIVE, steps=2)
-    train(seven, tmp_path / "split", f"data.manifest={data}", *LIVE, steps=4, resume=True)
+    first = train(seven, tmp_path / "split", f"data.manifest={data}", *LIVE, steps=2)
+    assert any(line.startswith("data.on_missing=live: 3 samples sized from their media's headers") for line in first), first
+    resumed = train(seven, tmp_path / "split", f"data.manifest={data}", *LIVE, steps=4, resume=True)
+    # The resume plans from the sizes the first run kept (train.live.sizing), not from the media.
+    kept = tmp_path / "split" / "live_sizes.parquet"
+    assert any(line.startswith(f"data.on_missing=live: the sizes of 3 samples read from {kept}") for line in resumed), resumed
     assert losses(tmp_path / "split") == pytest.approx(losses(live_run), rel=1e-6)
     # Another sample list is another data order: refused before training.
     other = subset_manifest(data, 9, "nine.jsonl")

@@ -45,6 +45,7 @@ Planned = dict[tuple[str, str], tuple[int, ...]]  # (sample id, field) -> planne
 @dataclass(kw_only=True)
 class SizingReport:
     samples: int  # samples sized (every rank's)
+    own: int  # of those, the ones this rank opened the media of
     seconds: float
     ranks: int
     kept: str | None  # the file the sizes are kept in (None: not kept)
@@ -64,25 +65,26 @@ def size_ahead(live: Any, ids: Sequence[str], shape_of: Callable[[str], Any], ru
     asks of it), from ``run_dir``'s kept sizes when their key matches, else split over the ranks."""
     started = time.perf_counter()
     if not ids:  # (the same on every rank: the ids are the plan's)
-        return SizingReport(samples=0, seconds=0.0, ranks=_world(), kept=None, reused=False)
+        return SizingReport(samples=0, own=0, seconds=0.0, ranks=_world(), kept=None, reused=False)
     key = sizing_key(live, ids)
     path = run_dir / SIZES_FILE if run_dir is not None else None
     kept, note = read_sizes(path, key) if path is not None and path.exists() else (None, "")
     if kept is not None:
         live.planned.update(kept)
-        return SizingReport(samples=len(ids), seconds=time.perf_counter() - started, ranks=1, kept=str(path), reused=True)
-    planned, ranks = _size_shared(live, ids, shape_of)
+        return SizingReport(samples=len(ids), own=0, seconds=time.perf_counter() - started, ranks=1, kept=str(path), reused=True)
+    planned, ranks, own = _size_shared(live, ids, shape_of)
     live.planned.update(planned)
     if path is not None and _rank() == 0:
         write_sizes(path, key, planned)
-    return SizingReport(samples=len(ids), seconds=time.perf_counter() - started, ranks=ranks, kept=str(path) if path else None,
-                        reused=False, note=note)
+    return SizingReport(samples=len(ids), own=own, seconds=time.perf_counter() - started, ranks=ranks,
+                        kept=str(path) if path else None, reused=False, note=note)
 
 
-def _size_shared(live: Any, ids: Sequence[str], shape_of: Callable[[str], Any]) -> tuple[Planned, int]:
+def _size_shared(live: Any, ids: Sequence[str], shape_of: Callable[[str], Any]) -> tuple[Planned, int, int]:
     """Each rank sizes ``ids[rank::world]`` and all of them get every rank's shapes. A failure is
     raised on every rank (no rank is left waiting in the gather): the one of the first failing
-    sample in ``ids``' order, as a single process sizing them in order would raise it."""
+    sample in ``ids``' order, as a single process sizing them in order would raise it. Returns
+    the shapes, the ranks, and how many samples this rank sized itself."""
     share, error = _size_share(live, ids, shape_of)
     gathered = all_gather_json(share)
     failures = [part["error"] for part in gathered if part["error"] is not None]
@@ -92,7 +94,7 @@ def _size_shared(live: Any, ids: Sequence[str], shape_of: Callable[[str], Any]) 
             raise error
         raise _ERRORS.get(first["kind"], ConfigError)(first["message"])
     planned = {(sid, name): tuple(shape) for part in gathered for sid, name, shape in part["planned"]}
-    return planned, len(gathered)
+    return planned, len(gathered), len({sid for sid, _, _ in share["planned"]})
 
 
 def _size_share(live: Any, ids: Sequence[str], shape_of: Callable[[str], Any]) -> tuple[dict[str, Any], Exception | None]:
@@ -133,6 +135,7 @@ def write_sizes(path: Path, key: str, planned: Planned) -> None:
     items = sorted(planned.items())
     table = pa.table({"sample_id": [sid for (sid, _), _ in items], "field": [name for (_, name), _ in items],
                       "shape": pa.array([list(shape) for _, shape in items], type=pa.list_(pa.int64()))})
+    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     pq.write_table(table.replace_schema_metadata({_KEY: key.encode()}), partial)
     os.replace(partial, path)
