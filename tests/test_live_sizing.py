@@ -143,3 +143,26 @@ def test_a_damaged_file_fails_every_rank_with_the_first_bad_sample(seven, data, 
     two = run_on_ranks(functools.partial(_failure_case, seven, str(bad)), 2)
     assert one[0][0] == "LiveInputError" and "bad_a.png" in one[0][1]
     assert two == one * 2
+
+
+def test_headers_of_media_on_s3(s3_bucket, tmp_path):
+    """``open_source`` on an object store: the same checks, and the same shape as the bytes give."""
+    import fsspec
+
+    from mmcache.precompute.media import FrameSampling, MediaError, ResizeConfig, SizeRule, prepared_shape
+    from mmcache.precompute.sources import open_source
+
+    rng = np.random.default_rng(0)
+    picture = tmp_path / "photo.jpg"
+    Image.fromarray((rng.random((900, 1200, 3)) * 255).astype(np.uint8)).save(picture, quality=95)
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    fs.put(str(picture), f"{s3_bucket}/photo.jpg")
+    fs.touch(f"{s3_bucket}/empty.jpg")  # (s3fs's put of an empty file waits forever on moto)
+    rule, resize = SizeRule(spatial_multiple=8), ResizeConfig(target_area=4096)
+    with open_source(f"{s3_bucket}/photo.jpg") as source:
+        got = prepared_shape(source, "photo.jpg", modality="image", resize=resize, rule=rule, sampling=FrameSampling())
+    assert got == prepared_shape(picture.read_bytes(), "photo.jpg", modality="image", resize=resize, rule=rule)
+    for name, limit, reason in [("empty.jpg", None, "zero-byte file"), ("photo.jpg", 1000, "larger than data.max_input_bytes"),
+                                ("nowhere.jpg", None, "missing file")]:
+        with pytest.raises(MediaError, match=reason), open_source(f"{s3_bucket}/{name}", max_bytes=limit):
+            pass
