@@ -7,13 +7,15 @@ A real S3 endpoint over HTTP on 127.0.0.1 (the tests' moto server, in a child pr
 every request it answers and the length of its answer). A store of N samples of one tiny int32
 field, in shards of ``--per-shard`` samples, is written locally with the public API
 (``featstore.create`` + ``commit``; writers add index checkpoints as they go) and copied to the
-bucket (``featstore.copy_store``). Then ``--ranks`` of a job's ``--world`` ranks (spread over
+bucket (``featstore.copy_store``, which copies no index checkpoint), measured as it is and
+again after ``mmcache compact`` (one checkpoint covering every part: a store as encode jobs leave
+it, whose writers compact every so often). Then ``--ranks`` of a job's ``--world`` ranks (spread over
 it: rank 0, the last, and evenly between) each run, in a fresh process and one after another,
 what a rank does first: ``featstore.open(url)`` + ``len``, then read the first sample of its
 share (``read_at``). The server's recording of each rank's process gives its requests and the
 bytes it was sent; index bytes are those of ``index/`` and ``checkpoints/`` objects, set against
-the whole index (every shard's ``index/`` part: one copy of every row; a checkpoint holds a
-second copy of the rows it covers, shown beside it).
+the whole index: one copy of every row as the layout stores it (every shard's ``index/`` part;
+or the checkpoint's two objects, which hold the rows of all of them).
 
 Printed per store size: the mean and max per rank of requests (by kind) and bytes to open, to
 read the first sample, the per-rank index bytes against the whole index, and the growth of per-rank requests from the smaller store to the
@@ -110,7 +112,9 @@ def index_size(fs, bucket_path: str) -> tuple[int, int, int]:
     return sum(p["size"] for p in parts), sum(c["size"] for c in checkpoints), len(parts)
 
 
-def measure(server, env: dict[str, str], samples: int, args: argparse.Namespace, tmp: Path) -> dict:
+def measure(server, env: dict[str, str], samples: int, args: argparse.Namespace, tmp: Path) -> list[dict]:
+    """The ranks' counts on the store as copied (its index parts only: ``copy_store`` copies no
+    checkpoint) and again after ``mmcache compact`` (a checkpoint covering every part)."""
     import fsspec
 
     from mmcache import featstore
@@ -121,20 +125,28 @@ def measure(server, env: dict[str, str], samples: int, args: argparse.Namespace,
     bucket = server.make_bucket("many")
     url = f"{bucket}/{STORE}"
     featstore.copy_store(str(local), url)
-    fs = fsspec.filesystem("s3", skip_instance_cache=True)
-    parts_bytes, checkpoint_bytes, shards = index_size(fs, url.removeprefix("s3://"))
-    print(f"store of {samples:,} samples in {shards} shards written and copied in {time.perf_counter() - started:.0f} s", flush=True)
+    print(f"store of {samples:,} samples written and copied in {time.perf_counter() - started:.0f} s", flush=True)
     ranks = sorted({round(k * (args.world - 1) / max(1, args.ranks - 1)) for k in range(args.ranks)})
-    results = [run_rank(server, url, rank, args.world, env) for rank in ranks]
-    assert all(r["samples"] == samples for r in results)
-    return {"samples": samples, "shards": shards, "parts_bytes": parts_bytes, "checkpoint_bytes": checkpoint_bytes, "ranks": ranks, "results": results}
+    found = []
+    for layout in ("parts", "checkpoint"):
+        if layout == "checkpoint":
+            subprocess.run([str(Path(sys.executable).parent / "mmcache"), "compact", url], env=env, check=True, capture_output=True)
+        fs = fsspec.filesystem("s3", skip_instance_cache=True)
+        parts_bytes, checkpoint_bytes, shards = index_size(fs, url.removeprefix("s3://"))
+        results = [run_rank(server, url, rank, args.world, env) for rank in ranks]
+        assert all(r["samples"] == samples for r in results)
+        found.append({"samples": samples, "layout": layout, "shards": shards, "parts_bytes": parts_bytes, "checkpoint_bytes": checkpoint_bytes,
+                      "ranks": ranks, "results": results})
+    return found
 
 
 def report(found: dict) -> None:
     results = found["results"]
     whole = found["parts_bytes"] + found["checkpoint_bytes"]
-    print(f"\n{found['samples']:,} samples, {found['shards']} shards; index: parts {found['parts_bytes'] / 1024:.0f} KiB + "
+    print(f"\n{found['samples']:,} samples, {found['shards']} shards, index as {found['layout']}; index: parts {found['parts_bytes'] / 1024:.0f} KiB + "
           f"checkpoints {found['checkpoint_bytes'] / 1024:.0f} KiB = {whole / 1024:.0f} KiB; ranks {found['ranks']}")
+    # The whole index, one copy of every row as this layout stores it: every part, or the checkpoint.
+    whole_index = found["parts_bytes"] if found["layout"] == "parts" else found["checkpoint_bytes"]
     for phase in ("open", "read"):
         requests = [r[phase]["requests"] for r in results]
         sent = [r[phase]["bytes"] for r in results]
@@ -145,7 +157,7 @@ def report(found: dict) -> None:
         shown = ", ".join(f"{k} {v / len(results):.1f}" for k, v in sorted(kinds.items()))
         print(f"  {phase:>4}: requests/rank mean {statistics.mean(requests):.1f} max {max(requests)} ({shown}); "
               f"bytes/rank mean {statistics.mean(sent) / 1024:.2f} KiB; index bytes/rank {statistics.mean(index) / 1024:.2f} KiB "
-              f"= {statistics.mean(index) / found['parts_bytes']:.1%} of the whole index (its parts' bytes)")
+              f"= {statistics.mean(index) / whole_index:.1%} of the whole index ({whole_index / 1024:.0f} KiB)")
     print(f"  open seconds/rank mean {statistics.mean(r['seconds'] for r in results):.3f}")
 
 
@@ -166,16 +178,18 @@ def main() -> None:
     os.environ.update(server.env())
     try:
         with tempfile.TemporaryDirectory(prefix="many-ranks-bench-") as tmp:
-            found = [measure(server, env, n, args, Path(tmp)) for n in args.samples]
+            small, large = [measure(server, env, n, args, Path(tmp)) for n in args.samples]
     finally:
         server.stop()
-    for one in found:
+    for one in small + large:
         report(one)
-    small, large = found
-    for phase in ("open", "read"):
-        growth = statistics.mean(r[phase]["requests"] for r in large["results"]) / statistics.mean(r[phase]["requests"] for r in small["results"])
-        print(f"{phase}: per-rank requests at {large['samples']:,} samples / at {small['samples']:,} = {growth:.2f}x "
-              f"(store {large['samples'] / small['samples']:.0f}x larger; 1.00x: constant in the store's size)")
+    for at_small, at_large in zip(small, large, strict=True):
+        for phase in ("open", "read"):
+            growth = (statistics.mean(r[phase]["requests"] for r in at_large["results"])
+                      / statistics.mean(r[phase]["requests"] for r in at_small["results"]))
+            print(f"index as {at_small['layout']}, {phase}: per-rank requests at {at_large['samples']:,} samples / at "
+                  f"{at_small['samples']:,} = {growth:.2f}x (store {at_large['samples'] / at_small['samples']:.0f}x larger; "
+                  "1.00x: constant in the store's size)")
 
 
 if __name__ == "__main__":
