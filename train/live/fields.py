@@ -40,6 +40,7 @@ from mmcache.featstore.errors import ConfigError
 from mmcache.featstore.format import dtype_info
 from mmcache.train.live.manifest import has_media
 from mmcache.train.live.reattach import LiveEncoder, LiveInputError, reattach_field, sample_rows
+from mmcache.train.live.sizing import size_ahead
 
 RAW = "__live_input__:"  # sample-dict key prefix of a train field's prepared encoder input
 
@@ -157,8 +158,6 @@ class LiveFields:
     def size_ahead(self, ids: Sequence[str], shape_of: Callable[[str], Any], run_dir: Path | None) -> None:
         """Plan the shapes of the samples in ``ids`` lacking a field, before the planner asks for
         them one by one: split over the ranks, or read from the run folder (``train.live.sizing``)."""
-        from mmcache.train.live.sizing import size_ahead
-
         self.sizing = size_ahead(self, [i for i in ids if self.lacks(i)], shape_of, run_dir)
 
     def __bool__(self) -> bool:
