@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 from mmcache.featstore.errors import ConfigError
 from mmcache.precompute.clips import CLIP_POLICIES, ClipConfig, bucket_count, span_frames
+from mmcache.precompute.png_chunks import text_after_pixels
 from mmcache.precompute.sizing import bucket_sizes, center_crop_box, crop_and_resize, size_for_aspect
 
 # Landscape and portrait variants of the usual photo/video aspect ratios (width / height).
@@ -515,30 +516,13 @@ def _head(data: bytes | BinaryIO, size: int = 16) -> bytes:
 def _exif(image: Image.Image, data: bytes | BinaryIO) -> Image.Exif:
     """The image's EXIF (orientation), as ``exif_transpose`` will see it after decoding. Pillow's
     PNG ``getexif`` decodes the whole picture to look for an eXIf or XMP chunk after the pixel
-    data; a walk over the chunk headers (seeking over the pixels) tells whether there is any, and
-    only then is the picture loaded."""
+    data; its chunk structure tells whether there is any (``png_chunks``), and only then is the
+    picture loaded."""
     from PIL import Image as PILImage
 
-    if image.format != "PNG" or "exif" in image.info or _png_text_after_pixels(data):
+    if image.format != "PNG" or "exif" in image.info or text_after_pixels(data):
         return image.getexif()
     return PILImage.Image.getexif(image)  # what the PNG's chunks before its pixels say
-
-
-def _png_text_after_pixels(data: bytes | BinaryIO) -> bool:
-    """Whether a PNG has a metadata chunk (eXIf, or text that may hold XMP) after its first IDAT,
-    or cannot be walked to its IEND (then the caller loads it, and a damaged file says so)."""
-    fh = io.BytesIO(data) if isinstance(data, bytes) else data
-    fh.seek(8)
-    seen_pixels = False
-    while len(header := fh.read(8)) == 8:
-        length, kind = struct.unpack(">I4s", header)
-        if kind == b"IEND":
-            return False
-        if seen_pixels and kind in (b"eXIf", b"iTXt", b"tEXt", b"zTXt"):
-            return True
-        seen_pixels = seen_pixels or kind == b"IDAT"
-        fh.seek(length + 4, io.SEEK_CUR)  # the chunk's data and CRC
-    return True
 
 
 def _short(exc: Exception) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from PIL import Image
 from mmcache import featstore
 from tests import joint_store
 from tests.joint_store import ROOT, dataset, encode, fit_ranks, losses, manifest_rows, records, subset_manifest
+from mmcache.precompute.png_chunks import TAIL_BYTES
 from mmcache.train.cli import cli
 from mmcache.train.live.manifest import ManifestResumeError
 
@@ -193,13 +195,19 @@ def _media(root: Path) -> list[Path]:
     # that one only by decoding the picture; the header walk must notice it).
     Image.fromarray(np.full((40, 100, 3), 128, np.uint8)).save(root / "turned.png", exif=exif)
     found += [root / "turned.png", _exif_after_pixels(root / "turned.png", root / "turned-late.png")]
+    # A large one, its pixels in one IDAT chunk too long for the tail png_chunks reads first.
+    noise = np.random.default_rng(0).integers(0, 256, (300, 500, 3), np.uint8)
+    Image.fromarray(noise).save(root / "noise.png", exif=exif)
+    assert (root / "noise.png").stat().st_size > 2 * TAIL_BYTES
+    found += [root / "noise.png", _exif_after_pixels(root / "noise.png", root / "noise-late.png", one_idat=True)]
     if SHARED.is_dir():
         found += sorted(p for p in SHARED.rglob("*") if p.is_file())
     return found
 
 
-def _exif_after_pixels(source: Path, out: Path) -> Path:
-    """``source`` (a PNG) with its eXIf chunk moved to just before IEND."""
+def _exif_after_pixels(source: Path, out: Path, *, one_idat: bool = False) -> Path:
+    """``source`` (a PNG) with its eXIf chunk moved to just before IEND; with ``one_idat``, its
+    pixels in a single IDAT chunk (larger than the tail ``png_chunks`` looks in first)."""
     data = source.read_bytes()
     chunks, at = [], 8
     while at < len(data):
@@ -208,8 +216,12 @@ def _exif_after_pixels(source: Path, out: Path) -> Path:
         at += 12 + length
     exif = [c for c in chunks if c[4:8] == b"eXIf"]
     assert exif, "Pillow wrote no eXIf chunk"
-    rest = [c for c in chunks if c[4:8] != b"eXIf"]
-    out.write_bytes(data[:8] + b"".join(rest[:-1] + exif + rest[-1:]))
+    pixels = [c for c in chunks if c[4:8] == b"IDAT"]
+    if one_idat:
+        body = b"IDAT" + b"".join(c[8:-4] for c in pixels)
+        pixels = [(len(body) - 4).to_bytes(4, "big") + body + zlib.crc32(body).to_bytes(4, "big")]
+    head = [c for c in chunks if c[4:8] not in (b"eXIf", b"IDAT", b"IEND")]
+    out.write_bytes(data[:8] + b"".join(head + pixels + exif + chunks[-1:]))
     return out
 
 
@@ -236,4 +248,4 @@ def test_prepared_shape_reads_what_prepare_gives(tmp_path):
             with open_source(str(path)) as source:
                 assert prepared_shape(source, str(path), modality=modality, resize=resize, rule=rule, sampling=frames) == want, (path, rule)
             checked += 1
-    assert checked >= 31  # 7 images x 4 rules + 1 video x 3 rules, without the shared media
+    assert checked >= 39  # 9 images x 4 rules + 1 video x 3 rules, without the shared media
