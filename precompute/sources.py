@@ -68,14 +68,15 @@ def open_source(uri: str, storage_options: dict[str, Any] | None = None, max_byt
     with _as_media_errors(shown):
         if protocol in (None, "file", "local"):
             fh: Any = os.fdopen(_open_local(path, limit), "rb", buffering=_HEADER_BLOCK)
+            size = os.fstat(fh.fileno()).st_size
         else:
             fs, remote_path = remote_filesystem(uri, storage_options)
             fh = with_retries(lambda: fs.open(remote_path, "rb", block_size=_HEADER_BLOCK, cache_type="readahead"), shown, "open")
-            if fh.size > limit:
-                fh.close()
-                raise InputFileError(_too_large(fh.size, limit), shown)
+            size = getattr(fh, "size", None)  # None: a server that does not say (HTTP without a length)
     with fh:
-        if (fh.size if hasattr(fh, "size") else os.fstat(fh.fileno()).st_size) == 0:
+        if size is not None and size > limit:
+            raise MediaError(_too_large(size, limit), shown)
+        if size == 0:
             raise MediaError("zero-byte file", shown)
         yield fh
 
