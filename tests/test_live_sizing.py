@@ -122,6 +122,18 @@ def test_kept_sizes_serve_a_resume_and_a_new_manifest_is_sized_again(seven, data
     assert _plan_case(seven, str(data), str(run), 0, 1)["sizing"] == [3, 1, True, ""]
 
 
+def _own_folder_case(store: str, manifest: str, base: str, rank: int, world: int) -> dict:
+    return _plan_case(store, manifest, f"{base}/rank{rank}", rank, world)
+
+
+def test_kept_sizes_only_where_every_rank_has_them(seven, data, tmp_path):
+    """A run folder on each node's own disk: rank 0's holds the kept sizes, rank 1's does not.
+    Both size afresh (rank 0 alone reading them would leave rank 1 waiting in the gather)."""
+    _plan_case(seven, str(data), str(tmp_path / "rank0"), 0, 1)
+    two = run_on_ranks(functools.partial(_own_folder_case, seven, str(data), str(tmp_path)), 2)
+    assert [r["sizing"][:3] for r in two] == [[3, 2, False]] * 2 and two[0]["shapes"] == two[1]["shapes"]
+
+
 def _failure_case(store: str, manifest: str, rank: int, world: int) -> tuple[str, str]:
     try:
         _plan_case(store, manifest, None, rank, world)

@@ -69,6 +69,10 @@ def size_ahead(live: Any, ids: Sequence[str], shape_of: Callable[[str], Any], ru
     key = sizing_key(live, ids)
     path = run_dir / SIZES_FILE if run_dir is not None else None
     kept, note = read_sizes(path, key) if path is not None and path.exists() else (None, "")
+    # Every rank takes the same way (a rank that sized alone would wait in the gather forever):
+    # the kept sizes only where every rank has them (a run folder on one node's disk: not all do).
+    if not all(all_gather_json(kept is not None)):
+        kept = None
     if kept is not None:
         live.planned.update(kept)
         return SizingReport(samples=len(ids), own=0, seconds=time.perf_counter() - started, ranks=1, kept=str(path), reused=True)
