@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import numpy as np
 
@@ -114,9 +114,10 @@ def section_input(section: str, data: bytes, uri: str, modality: Literal["image"
     return prepared, encoder_input(section, modality, prepared.pixels)
 
 
-def planned_input_shape(section: str, data: bytes, uri: str, modality: Literal["image", "video"], *, rule: SizeRule,
+def planned_input_shape(section: str, data: bytes | BinaryIO, uri: str, modality: Literal["image", "video"], *, rule: SizeRule,
                         resize: ResizeConfig, frames: FrameSampling) -> tuple[int, ...]:
-    """The shape of ``section_input``'s encoder input, from the media's headers only (no decode)."""
+    """The shape of ``section_input``'s encoder input, from the media's headers only (no decode;
+    of a file, only its headers are read: ``media.prepared_shape``)."""
     pixels = prepared_shape(data, uri, modality=modality, resize=resize, rule=rule, sampling=frames)
     return encoder_input(section, modality, np.broadcast_to(np.zeros((), np.uint8), pixels)).shape
 

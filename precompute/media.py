@@ -23,7 +23,7 @@ import struct
 import warnings
 from dataclasses import dataclass, field
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal
 
 import numpy as np
 
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 from mmcache.featstore.errors import ConfigError
 from mmcache.precompute.clips import FrameSampling, clip_from, select_clips, select_frames
 from mmcache.precompute.media_error import MediaError
+from mmcache.precompute.png_chunks import text_after_pixels
 from mmcache.precompute.sizing import bucket_sizes, center_crop_box, crop_and_resize, size_for_aspect
 
 # Landscape and portrait variants of the usual photo/video aspect ratios (width / height).
@@ -150,18 +151,19 @@ def _quiet_pillow_bomb_warning() -> None:
     warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
 
-def _open_image(data: bytes, uri: str, max_pixels: int | None = None) -> Image.Image:
-    """Bytes -> a Pillow image with only its header parsed (its size checked against
-    ``max_pixels``); every way that fails as a MediaError."""
+def _open_image(data: bytes | BinaryIO, uri: str, max_pixels: int | None = None) -> Image.Image:
+    """Bytes (or a seekable file, read as far as the header) -> a Pillow image with only its
+    header parsed (its size checked against ``max_pixels``); every way that fails as a MediaError."""
     from PIL import Image, UnidentifiedImageError
 
-    if not data:
+    head = _head(data)
+    if not head:
         raise MediaError("empty file", uri)
     _quiet_pillow_bomb_warning()
     try:
-        image = Image.open(io.BytesIO(data))
+        image = Image.open(io.BytesIO(data) if isinstance(data, bytes) else data)
     except UnidentifiedImageError:
-        if data.startswith(_IMAGE_MAGIC) or (data[:4] == b"RIFF" and data[8:12] == b"WEBP"):
+        if head.startswith(_IMAGE_MAGIC) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP"):
             raise MediaError("truncated or corrupt image (header unreadable)", uri) from None
         raise MediaError("not an image file", uri) from None
     except Image.DecompressionBombError as exc:
@@ -345,16 +347,19 @@ def prepare(data: bytes, uri: str, *, modality: Literal["image", "video"], resiz
     return prepare_video(data, uri, resize=resize, sampling=sampling or FrameSampling(), rule=rule, max_pixels=max_pixels)
 
 
-def prepared_shape(data: bytes, uri: str, *, modality: Literal["image", "video"], resize: ResizeConfig, rule: SizeRule,
+def prepared_shape(data: bytes | BinaryIO, uri: str, *, modality: Literal["image", "video"], resize: ResizeConfig, rule: SizeRule,
                    sampling: FrameSampling | None = None) -> tuple[int, ...]:
     """The shape of ``prepare(...).pixels`` for these bytes, from the headers only (an image's size
     and EXIF orientation, a video's frame count and rate): what a trainer plans batches with
     before it decodes a sample it has no cached features for. Corrupt pixel data past a valid
-    header is found only by ``prepare``."""
+    header is found only by ``prepare``. Given a seekable file (``sources.open_source``) instead
+    of bytes, only the headers are read: a video's frame count is the one its container declares
+    (the packets are counted only where it declares none), so a truncated clip is found when it
+    is encoded, not here."""
     if modality == "video":
         import av
 
-        if not data:
+        if not _head(data):
             raise MediaError("empty file", uri)
         total, fps, orig = _probe_video(av, data, uri)
         indices, _ = select_frames(total, fps, sampling or FrameSampling(), require_4k_plus_1=rule.temporal == "4k+1", uri=uri)
@@ -364,7 +369,7 @@ def prepared_shape(data: bytes, uri: str, *, modality: Literal["image", "video"]
     orig = image.size
     try:
         # exif_transpose (decode_image) turns the image upright: orientations 5-8 swap its sides.
-        if image.getexif().get(0x0112) in (5, 6, 7, 8):
+        if _exif(image, data).get(0x0112) in (5, 6, 7, 8):
             orig = orig[::-1]
     except _PILLOW_DECODE_ERRORS as exc:
         raise MediaError(f"truncated or corrupt image ({exc})", uri) from None
@@ -377,10 +382,11 @@ def prepared_shape(data: bytes, uri: str, *, modality: Literal["image", "video"]
     return (height, width, 3)
 
 
-def _probe_video(av: Any, data: bytes, uri: str) -> tuple[int, float, tuple[int, int]]:
-    """(frame count, fps, (width, height)) from the container, checked against its packets."""
+def _probe_video(av: Any, data: bytes | BinaryIO, uri: str) -> tuple[int, float, tuple[int, int]]:
+    """(frame count, fps, (width, height)) from the container, checked against its packets; of a
+    file (not bytes), the declared count is taken as it is when there is one (no packet read)."""
     try:
-        with av.open(io.BytesIO(data), mode="r") as container:
+        with av.open(io.BytesIO(data) if isinstance(data, bytes) else data, mode="r") as container:
             if not container.streams.video:
                 raise MediaError("no video stream", uri)
             stream = container.streams.video[0]
@@ -391,17 +397,42 @@ def _probe_video(av: Any, data: bytes, uri: str) -> tuple[int, float, tuple[int,
                 raise MediaError("video has no frame rate", uri)
             size = (stream.codec_context.width, stream.codec_context.height)
             declared = stream.frames
+            if declared and not isinstance(data, bytes):
+                return declared, float(rate), size
             # Demuxing without decoding is cheap and tells how many frames the bytes really hold.
             packets = sum(1 for packet in container.demux(stream) if packet.size)
     except av.error.DecoderNotFoundError as exc:
         raise MediaError(f"unreadable video codec ({_short(exc)})", uri) from None
     except av.FFmpegError as exc:
-        if data[4:8] == b"ftyp" or data.startswith(_VIDEO_MAGIC):
+        head = _head(data)
+        if head[4:8] == b"ftyp" or head.startswith(_VIDEO_MAGIC):
             raise MediaError(f"truncated or corrupt video ({_short(exc)})", uri) from None
         raise MediaError("not a media file", uri) from None
     if declared and packets < declared:
         raise MediaError(f"truncated video: container lists {declared} frames, file holds {packets}", uri)
     return packets, float(rate), size
+
+
+def _head(data: bytes | BinaryIO, size: int = 16) -> bytes:
+    """The first bytes of the media (a file is left at its start, for the parser)."""
+    if isinstance(data, bytes):
+        return data[:size]
+    data.seek(0)
+    head = data.read(size)
+    data.seek(0)
+    return head
+
+
+def _exif(image: Image.Image, data: bytes | BinaryIO) -> Image.Exif:
+    """The image's EXIF (orientation), as ``exif_transpose`` will see it after decoding. Pillow's
+    PNG ``getexif`` decodes the whole picture to look for an eXIf or XMP chunk after the pixel
+    data; its chunk structure tells whether there is any (``png_chunks``), and only then is the
+    picture loaded."""
+    from PIL import Image as PILImage
+
+    if image.format != "PNG" or "exif" in image.info or text_after_pixels(data):
+        return image.getexif()
+    return PILImage.Image.getexif(image)  # what the PNG's chunks before its pixels say
 
 
 def _short(exc: Exception) -> str:

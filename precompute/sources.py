@@ -8,9 +8,11 @@ before any task runs; a task reads them here, and a file that cannot be read bec
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, BinaryIO
 
 from mmcache.featstore.errors import StorageError
 from mmcache.featstore.retry import describe, is_transient, remote_filesystem, with_retries
@@ -50,8 +52,52 @@ def read_source(uri: str, storage_options: dict[str, Any] | None = None, max_byt
     local = protocol in (None, "file", "local")
     if local and root is not None and not under_root(os.path.realpath(path), root):
         raise MediaError(OUTSIDE_ROOT, shown)
-    try:
+    with _as_media_errors(shown, local):
         data = read_local_file(path, limit) if local else with_retries(fetch, shown, "read")
+    if len(data) > limit:
+        raise MediaError(f"file is larger than data.max_input_bytes ({limit:,} bytes); raise the limit to encode it", shown)
+    if not data:
+        raise MediaError("zero-byte file", shown)
+    return data
+
+
+@contextlib.contextmanager
+def open_source(uri: str, storage_options: dict[str, Any] | None = None, max_bytes: int | None = None) -> Iterator[BinaryIO]:
+    """A source file opened for its headers only (a trainer sizing media it has not encoded):
+    checked as ``read_source`` checks it (a regular file within ``max_bytes``, not empty), then
+    read only as far as the parser asks; an object store's file fetches small ranges on demand."""
+    import fsspec
+
+    limit = DEFAULT_MAX_INPUT_BYTES if max_bytes is None else max_bytes
+    shown = redact_url(uri)
+    protocol, path = fsspec.core.split_protocol(uri)
+    local = protocol in (None, "file", "local")
+    with _as_media_errors(shown, local):
+        if local:
+            fh: Any = os.fdopen(_open_local(path, limit), "rb", buffering=_HEADER_BLOCK)
+            size = os.fstat(fh.fileno()).st_size
+        else:
+            fs, remote_path = remote_filesystem(uri, storage_options)
+            fh = with_retries(lambda: fs.open(remote_path, "rb", block_size=_HEADER_BLOCK, cache_type="readahead"), shown, "open")
+            size = getattr(fh, "size", None)  # None: a server that does not say (HTTP without a length)
+    with fh:
+        if size is not None and size > limit:
+            raise MediaError(_too_large(size, limit), shown)
+        if size == 0:
+            raise MediaError("zero-byte file", shown)
+        yield fh
+
+
+# Headers are small; a JPEG's EXIF or an MP4's sample table fits a few of these reads.
+_HEADER_BLOCK = 1 << 16
+
+
+@contextlib.contextmanager
+def _as_media_errors(shown: str, local: bool) -> Iterator[None]:
+    """A file that must not or cannot be read, as the MediaError a task rejects it with (an
+    object store's other errors are left to fail the task: they may be transient)."""
+    try:
+        yield
     except InputFileError as exc:
         raise MediaError(exc.reason, shown) from None
     except FileNotFoundError as exc:
@@ -63,11 +109,6 @@ def read_source(uri: str, storage_options: dict[str, Any] | None = None, max_byt
         if not local:
             raise
         raise MediaError(f"cannot stat the file ({exc.strerror})", shown) from None
-    if len(data) > limit:
-        raise MediaError(f"file is larger than data.max_input_bytes ({limit:,} bytes); raise the limit to encode it", shown)
-    if not data:
-        raise MediaError("zero-byte file", shown)
-    return data
 
 
 def under_root(path: str, root: str | None) -> bool:
@@ -97,14 +138,8 @@ def read_local_file(path: str, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> byte
     """The bytes of a regular local file of at most ``max_bytes``, raising ``InputFileError``
     otherwise. The type is checked before opening, and the open itself does not block (a FIFO
     swapped in after the check): only then is the open file checked again and read."""
-    problem = stat_problem(os.stat(path), max_bytes)
-    if problem:
-        raise InputFileError(problem, path)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    fd = _open_local(path, max_bytes)
     try:
-        problem = stat_problem(os.fstat(fd), max_bytes)
-        if problem:
-            raise InputFileError(problem, path)
         chunks, total = [], 0
         while chunk := os.read(fd, min(8 << 20, max_bytes + 1 - total)):
             chunks.append(chunk)
@@ -114,6 +149,19 @@ def read_local_file(path: str, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> byte
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def _open_local(path: str, max_bytes: int) -> int:
+    """A descriptor of a regular local file of at most ``max_bytes``, or ``InputFileError``."""
+    problem = stat_problem(os.stat(path), max_bytes)
+    if problem:
+        raise InputFileError(problem, path)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    problem = stat_problem(os.fstat(fd), max_bytes)
+    if problem:
+        os.close(fd)
+        raise InputFileError(problem, path)
+    return fd
 
 
 def stat_problem(st: os.stat_result, max_bytes: int) -> str | None:

@@ -54,6 +54,7 @@ class Request:
     start: float
     end: float
     if_none_match: str | None  # the header of a conditional PUT (create only if absent)
+    nbytes: int | None = None  # the answer's body length (its Content-Length; 0 for a HEAD)
 
 
 def rounds(requests: list[Request]) -> int:
@@ -91,13 +92,20 @@ class S3Server:
             start = time.perf_counter()
             if self.latency:
                 time.sleep(self.latency)
+            sent: list[int] = []
+
+            def answer(status, headers, exc_info=None):
+                sent[:] = [int(v) for k, v in headers if k.lower() == "content-length"]
+                return start_response(status, headers, exc_info)
+
             try:
-                return app(environ, start_response)
+                return app(environ, answer)
             finally:
                 if self._records:
                     bucket, _, key = unquote(environ.get("PATH_INFO", "")).lstrip("/").partition("/")
-                    req = Request(environ["REQUEST_METHOD"], bucket, key, unquote(environ.get("QUERY_STRING", "")), start, time.perf_counter(),
-                                  environ.get("HTTP_IF_NONE_MATCH"))
+                    method = environ["REQUEST_METHOD"]
+                    req = Request(method, bucket, key, unquote(environ.get("QUERY_STRING", "")), start, time.perf_counter(),
+                                  environ.get("HTTP_IF_NONE_MATCH"), 0 if method == "HEAD" else (sent[0] if sent else None))
                     with self._lock:
                         for record in self._records:
                             record.append(req)

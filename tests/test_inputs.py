@@ -14,7 +14,7 @@ import pytest
 
 from mmcache.precompute.inputs import EmptyInputError, ManifestError, read_inputs, sample_id_for
 from mmcache.precompute.media import MediaError
-from mmcache.precompute.sources import read_source
+from mmcache.precompute.sources import open_source, read_source
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 64  # bytes enough for the reading rules (decoding is not tested here)
 
@@ -108,6 +108,28 @@ def test_reading_never_blocks_and_only_reads_regular_files(root):
     with pytest.raises(MediaError, match="a character device"):
         without_hanging(read_source, str(root / "zero.png"))
     assert read_source(str(root / "good.png")) == PNG
+
+
+def _open_and_read(uri: str, max_bytes: int | None = None) -> bytes:
+    with open_source(uri, max_bytes=max_bytes) as source:
+        return source.read()
+
+
+def test_opening_for_headers_holds_the_same_rules(root):
+    """``open_source`` (a trainer sizing media from their headers) refuses what ``read_source`` does."""
+    with pytest.raises(MediaError, match="not a regular file \\(a named pipe\\)"):
+        without_hanging(_open_and_read, str(root / "pipe.png"))
+    with pytest.raises(MediaError, match="a character device"):
+        without_hanging(_open_and_read, str(root / "zero.png"))
+    (root / "big.png").write_bytes(PNG + b"\0" * 1000)
+    with pytest.raises(MediaError, match="larger than data.max_input_bytes"):
+        _open_and_read(str(root / "big.png"), max_bytes=500)
+    (root / "empty.png").write_bytes(b"")
+    with pytest.raises(MediaError, match="zero-byte file"):
+        _open_and_read(str(root / "empty.png"))
+    with pytest.raises(MediaError, match="missing file"):
+        _open_and_read(str(root / "absent.png"))
+    assert _open_and_read(str(root / "good.png")) == PNG
 
 
 def test_size_cap_before_reading(root):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from PIL import Image
 from mmcache import featstore
 from tests import joint_store
 from tests.joint_store import ROOT, dataset, encode, fit_ranks, losses, manifest_rows, records, subset_manifest
+from mmcache.precompute.png_chunks import TAIL_BYTES
 from mmcache.train.cli import cli
 from mmcache.train.live.manifest import ManifestResumeError
 
@@ -96,8 +98,12 @@ def test_absent_samples_at_two_ranks(seven, data, live_run, tmp_path):
 
 
 def test_absent_samples_resume_exactly(seven, data, live_run, tmp_path):
-    train(seven, tmp_path / "split", f"data.manifest={data}", *LIVE, steps=2)
-    train(seven, tmp_path / "split", f"data.manifest={data}", *LIVE, steps=4, resume=True)
+    first = train(seven, tmp_path / "split", f"data.manifest={data}", *LIVE, steps=2)
+    assert any(line.startswith("data.on_missing=live: 3 samples sized from their media's headers") for line in first), first
+    resumed = train(seven, tmp_path / "split", f"data.manifest={data}", *LIVE, steps=4, resume=True)
+    # The resume plans from the sizes the first run kept (train.live.sizing), not from the media.
+    kept = tmp_path / "split" / "live_sizes.parquet"
+    assert any(line.startswith(f"data.on_missing=live: the sizes of 3 samples read from {kept}") for line in resumed), resumed
     assert losses(tmp_path / "split") == pytest.approx(losses(live_run), rel=1e-6)
     # Another sample list is another data order: refused before training.
     other = subset_manifest(data, 9, "nine.jsonl")
@@ -185,14 +191,45 @@ def _media(root: Path) -> list[Path]:
     exif[0x0112] = 6  # rotate 90° on display: the upright image is 40 x 100
     Image.fromarray(np.full((40, 100, 3), 128, np.uint8)).save(turned, exif=exif)
     found.append(turned)
+    # A PNG saying so in an eXIf chunk, and one whose eXIf comes after its pixels (Pillow finds
+    # that one only by decoding the picture; the header walk must notice it).
+    Image.fromarray(np.full((40, 100, 3), 128, np.uint8)).save(root / "turned.png", exif=exif)
+    found += [root / "turned.png", _exif_after_pixels(root / "turned.png", root / "turned-late.png")]
+    # A large one, its pixels in one IDAT chunk too long for the tail png_chunks reads first.
+    noise = np.random.default_rng(0).integers(0, 256, (300, 500, 3), np.uint8)
+    Image.fromarray(noise).save(root / "noise.png", exif=exif)
+    assert (root / "noise.png").stat().st_size > 2 * TAIL_BYTES
+    found += [root / "noise.png", _exif_after_pixels(root / "noise.png", root / "noise-late.png", one_idat=True)]
     if SHARED.is_dir():
         found += sorted(p for p in SHARED.rglob("*") if p.is_file())
     return found
 
 
+def _exif_after_pixels(source: Path, out: Path, *, one_idat: bool = False) -> Path:
+    """``source`` (a PNG) with its eXIf chunk moved to just before IEND; with ``one_idat``, its
+    pixels in a single IDAT chunk (larger than the tail ``png_chunks`` looks in first)."""
+    data = source.read_bytes()
+    chunks, at = [], 8
+    while at < len(data):
+        length = int.from_bytes(data[at:at + 4], "big")
+        chunks.append(data[at:at + 12 + length])
+        at += 12 + length
+    exif = [c for c in chunks if c[4:8] == b"eXIf"]
+    assert exif, "Pillow wrote no eXIf chunk"
+    pixels = [c for c in chunks if c[4:8] == b"IDAT"]
+    if one_idat:
+        body = b"IDAT" + b"".join(c[8:-4] for c in pixels)
+        pixels = [(len(body) - 4).to_bytes(4, "big") + body + zlib.crc32(body).to_bytes(4, "big")]
+    head = [c for c in chunks if c[4:8] not in (b"eXIf", b"IDAT", b"IEND")]
+    out.write_bytes(data[:8] + b"".join(head + pixels + exif + chunks[-1:]))
+    return out
+
+
 def test_prepared_shape_reads_what_prepare_gives(tmp_path):
+    """From the bytes, and from the file opened for its headers only (what the trainer plans with)."""
     from mmcache.precompute.inputs import modality_of
     from mmcache.precompute.media import FrameSampling, ResizeConfig, SizeRule, TilingConfig, prepare, prepared_shape
+    from mmcache.precompute.sources import open_source
 
     rules = [SizeRule(spatial_multiple=8), SizeRule(spatial_multiple=16, temporal="4k+1"), SizeRule(fixed_size=(32, 32)),
              SizeRule(fixed_size=(32, 32), tiling=TilingConfig(max_tiles=6))]
@@ -208,5 +245,7 @@ def test_prepared_shape_reads_what_prepare_gives(tmp_path):
                 continue
             want = prepare(data, str(path), modality=modality, resize=resize, rule=rule, sampling=frames).pixels.shape
             assert prepared_shape(data, str(path), modality=modality, resize=resize, rule=rule, sampling=frames) == want, (path, rule)
+            with open_source(str(path)) as source:
+                assert prepared_shape(source, str(path), modality=modality, resize=resize, rule=rule, sampling=frames) == want, (path, rule)
             checked += 1
-    assert checked >= 23  # 5 images x 4 rules + 1 video x 3 rules, without the shared media
+    assert checked >= 39  # 9 images x 4 rules + 1 video x 3 rules, without the shared media

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -84,6 +85,24 @@ def broadcast_json(value: Any) -> Any:
     return json.loads(data.numpy().tobytes().decode())
 
 
+def all_gather_json(value: Any) -> list[Any]:
+    """Every rank's JSON-serialisable ``value``, in rank order, on every rank (bytes: no pickle)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    payload = json.dumps(value).encode()
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=group)
+    longest = max(int(size) for size in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    parts = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
+    dist.all_gather(parts, mine, group=group)
+    return [json.loads(part[: int(size)].numpy().tobytes().decode()) for part, size in zip(parts, sizes, strict=True)]
+
+
 def snapshot_digest(shards: list[str]) -> str:
     """A short name for a snapshot (the sorted shard names), to compare ranks and runs."""
     return hashlib.sha256(json.dumps(sorted(shards)).encode()).hexdigest()[:16]
@@ -141,6 +160,7 @@ class StreamOptions:
     window: int | None = None  # shards per window of the epoch order (None: a global shuffle), see train.order
     on_missing: str = "error"  # data.on_missing: what to do with samples lacking a field
     exclude: frozenset[str] = frozenset()  # the held-out validation split, never trained on
+    run_dir: Path | None = None  # where the sizes of samples encoded live are kept for a resume (train.live.sizing)
 
 
 @dataclass(kw_only=True)
@@ -255,6 +275,8 @@ class FeatureStream:
         planner = data
         if self.live:
             planner = planning_adapter(data, store, self.live)  # sizes what samples lack by its live encoding
+            # Those from their media's headers, once, split over the ranks (or read back on resume).
+            self.live.size_ahead(self.ids, lambda i: self._shape(planner, i), self.options.run_dir)
         self.shapes = [self._shape(planner, i) for i in self.ids]
         self.groups = [data.group_key(s) for s in self.shapes]
         self.tokens = [int(tokens_per_sample(s)) for s in self.shapes]

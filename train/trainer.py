@@ -162,7 +162,7 @@ class Trainer:
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
         start = _resume(plan, run, model, optimizer, scheduler, joint, log)
-        stream, recorded = _stream(plan, meshes, joint, say, log)
+        stream, recorded = _stream(plan, meshes, joint, say, log, run)
         store_bytes = recorded.pop("store_bytes")  # the epoch cache's yardstick, not run.json's
         trainer = cls(plan=plan, run_dir=run, device=device, meshes=meshes, joint=joint, model=model, optimizer=optimizer,
                       scheduler=scheduler, objective=plan.family.resolve_objective(config.objective or None), stream=stream,
@@ -340,8 +340,9 @@ def _resume(plan: RunPlan, run: Path, model, optimizer, scheduler, joint: JointE
     return start
 
 
-def _stream(plan: RunPlan, meshes: ParallelMeshes, joint: JointEncoders, say, log) -> tuple[FeatureStream, dict[str, Any]]:
-    """This rank's feature stream, less the held-out split; and what run.json records of it."""
+def _stream(plan: RunPlan, meshes: ParallelMeshes, joint: JointEncoders, say, log, run: Path) -> tuple[FeatureStream, dict[str, Any]]:
+    """This rank's feature stream, less the held-out split (the sizes of samples encoded live kept
+    in ``run``); and what run.json records of it."""
     config, store, adapter = plan.config, plan.store, plan.adapter
     family, model_config = plan.family, plan.model_config
     held_out = validation_ids(store, list(adapter.required_fields), config.data.validation_fraction, config.data.validation_ids,
@@ -351,7 +352,7 @@ def _stream(plan: RunPlan, meshes: ParallelMeshes, joint: JointEncoders, say, lo
     options = StreamOptions(global_batch=config.data.global_batch, seed=config.seed, dp_size=plan.dims.dp_size, dp_rank=meshes.dp_rank,
                             balance=config.balance, cost=config.balance.cost_model(getattr(model_config, "dim", 64)),
                             tokens_per_sample=lambda shape: family.tokens_per_sample(model_config, shape), repeat=config.data.repeat,
-                            window=order.window, on_missing=config.data.on_missing, exclude=frozenset(held_out))
+                            window=order.window, on_missing=config.data.on_missing, exclude=frozenset(held_out), run_dir=run)
     dropout = CaptionDropout(store, plan.fields, config.data.caption_dropout, config.seed, joint.live.produced) if config.data.caption_dropout else None
     stream = FeatureStream(store, data=adapter, options=options, live=joint.live, caption_dropout=dropout, manifest=plan.manifest)
     say(order.describe(stream.order.num_shards))
@@ -363,6 +364,8 @@ def _stream(plan: RunPlan, meshes: ParallelMeshes, joint: JointEncoders, say, lo
         log(f"training on {stream.num_samples} of the {stream.named} samples: {stream.skipped} lack {' or '.join(map(repr, adapter.required_fields))}")
     if plan.manifest is not None:
         say(manifest_line(plan.manifest, store, stream, config.data.on_missing))
+    if joint.live.sizing is not None and joint.live.sizing.samples:
+        say(joint.live.sizing.line())
     if joint.live.fillable and stream.is_live.any():
         say(f"data.on_missing=live: {int(stream.is_live.sum())} of the {stream.num_samples} samples lack "
             f"{' or '.join(map(repr, sorted(joint.live.fillable)))} and are encoded live")

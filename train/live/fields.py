@@ -28,6 +28,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -39,6 +40,7 @@ from mmcache.featstore.errors import ConfigError
 from mmcache.featstore.format import dtype_info
 from mmcache.train.live.manifest import has_media
 from mmcache.train.live.reattach import LiveEncoder, LiveInputError, reattach_field, sample_rows
+from mmcache.train.live.sizing import size_ahead
 
 RAW = "__live_input__:"  # sample-dict key prefix of a train field's prepared encoder input
 
@@ -64,7 +66,8 @@ class LiveFields:
         # data.manifest (train.live.manifest.TrainingManifest): samples the store lacks, every
         # field made live from its rows; and the conversations a live tokenizer field needs.
         self.manifest = manifest
-        self._planned: dict[tuple[str, str], tuple[int, ...]] = {}  # (absent sample, field) -> its planned shape
+        self.planned: dict[tuple[str, str], tuple[int, ...]] = {}  # (absent sample, field) -> its planned shape
+        self.sizing: Any | None = None  # train.live.sizing.SizingReport of the planned shapes
         self.split: Any | None = None  # train.parallel.encoders.SampleSplit under sequence parallelism
         self.encoded: Counter[str] = Counter()  # field -> samples of the run's batches this rank encoded
         self.idle_runs: Counter[str] = Counter()  # field -> trained-encoder runs on no sample of its own (SP)
@@ -143,10 +146,19 @@ class LiveFields:
         a store sample without it): what the batch planner sizes the sample by before anything is
         encoded, checked again when it is encoded."""
         key = (sample_id, name)
-        if key not in self._planned:
+        if key not in self.planned:
             row = sample_rows(self.store, [sample_id], self.manifest)[0]
-            self._planned[key] = self.fields[name].encoder.planned_shape(row)
-        return self._planned[key]
+            self.planned[key] = self.fields[name].encoder.planned_shape(row)
+        return self.planned[key]
+
+    def lacks(self, sample_id: str) -> bool:
+        """Whether the planner sizes some field of the sample by its live encoding (``planned_shape``)."""
+        return sample_id not in self.store or any(not self.store.has_field(sample_id, name) for name in self.fields)
+
+    def size_ahead(self, ids: Sequence[str], shape_of: Callable[[str], Any], run_dir: Path | None) -> None:
+        """Plan the shapes of the samples in ``ids`` lacking a field, before the planner asks for
+        them one by one: split over the ranks, or read from the run folder (``train.live.sizing``)."""
+        self.sizing = size_ahead(self, [i for i in ids if self.lacks(i)], shape_of, run_dir)
 
     def __bool__(self) -> bool:
         return bool(self.fields)
@@ -213,7 +225,7 @@ class LiveFields:
         arrays = live.encoder.encode_rows(rows) if rows else []
         self.encoded[name] += len(rows)
         for sample_id, array in zip(ids, arrays, strict=True):
-            planned = self._planned.get((sample_id, name))
+            planned = self.planned.get((sample_id, name))
             if planned is not None and tuple(array.shape) != planned:
                 raise LiveInputError(
                     f"sample {sample_id!r}: its {name!r} encoded live has shape {tuple(array.shape)}, but its media's headers "
@@ -226,7 +238,7 @@ class LiveFields:
         cached shape, or the shape the batch planner found; else 1 (the split then balances counts)."""
         if sample_id in self.store and self.store.has_field(sample_id, name):
             return math.prod(self.store.shape(sample_id, name))
-        planned = self._planned.get((sample_id, name))
+        planned = self.planned.get((sample_id, name))
         return math.prod(planned) if planned is not None else 1
 
     def gather(self, pending: Pending | None) -> None:

@@ -11,8 +11,9 @@ the data pipeline from the manifest row, decoded and resized by the recorded pre
 
 Sizing an absent sample for the batch planner reads only its media's header (its prepared size
 and frame count, ``mmcache.precompute.media.prepared_shape``) and runs the field's encoder once per
-distinct input shape on zeros; the plan is then a function of the manifest, the store snapshot and
-the seed alone, as for cached samples (same at any world size, and on resume).
+distinct input shape on zeros, once per run, split over the ranks and kept in the run folder
+(``mmcache.train.live.sizing``); the plan is then a function of the manifest, the store snapshot
+and the seed alone, as for cached samples (same at any world size, and on resume).
 
 The manifest also gives the conversations that a tokenizer field was encoded from (the store keeps
 only their sha256): a live tokenizer field needs it for samples encoded from conversations.

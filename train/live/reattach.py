@@ -60,7 +60,7 @@ from mmcache.precompute.encoders import UnknownEncoderError, build_encoder
 from mmcache.precompute.encoders.base import torch_dtype
 from mmcache.precompute.inputs import conversations_digest, modality_of
 from mmcache.precompute.media import MediaError
-from mmcache.precompute.sources import read_source
+from mmcache.precompute.sources import open_source, read_source
 from mmcache.precompute.tasks import quiet_offline_env
 from mmcache.train.live.reproduce import pinned_thread, round_through
 
@@ -340,16 +340,7 @@ class LiveEncoder:
         try:
             data = read_source(url, self.storage_options)
         except MediaError as exc:
-            if exc.reason == "missing file" and row.get("from_manifest"):
-                raise MediaMovedError(f"sample {sid!r}: its source {row.get('source_path')} in data.manifest is missing ({url})") from None
-            if exc.reason == "missing file":
-                root = _recorded_root(row)
-                raise MediaMovedError(
-                    f"sample {sid!r}: its source {url} is missing (recorded {row.get('source_uri')}); if the media moved, pass "
-                    f"--media ROOT, the folder that now holds {row.get('source_path') or 'the manifest paths'}"
-                    + (f" (it was {root})" if root else "")
-                ) from None
-            raise LiveInputError(f"sample {sid!r}: {exc}") from None
+            raise _unreadable(row, url, exc) from None
         if row.get("content_hash") and hashlib.sha256(data).hexdigest() != row["content_hash"]:
             raise LiveInputError(f"sample {sid!r}: {url} changed since it was encoded (content hash differs); its cached features are stale: re-encode it")
         return url, data
@@ -369,12 +360,15 @@ class LiveEncoder:
         count) and one encoder pass on zeros per distinct input shape."""
         if self.is_text:
             return tuple(self.encode_rows([row])[0].shape)
-        url, data = self._source(row)
+        # Only the headers are read, and no content hash is checked: the shape planned here and
+        # the recorded hash are both checked again when the sample is encoded (``_pixels``).
+        url = self.locate(row)
         try:
-            shape = planned_input_shape(self.section, data, url, str(row.get("modality")), rule=self._size_rule(),  # type: ignore[arg-type]
-                                        resize=self.resize, frames=self.frames)
+            with open_source(url, self.storage_options) as source:
+                shape = planned_input_shape(self.section, source, url, str(row.get("modality")), rule=self._size_rule(),  # type: ignore[arg-type]
+                                            resize=self.resize, frames=self.frames)
         except MediaError as exc:
-            raise LiveInputError(f"sample {row.get('id')!r}: {exc}") from None
+            raise _unreadable(row, url, exc) from None
         if shape not in self._out_shapes:
             self._out_shapes[shape] = tuple(self.encode_inputs([np.zeros(shape, np.uint8)])[0].shape)
         return self._out_shapes[shape]
@@ -463,6 +457,21 @@ class LiveEncoder:
 
     def module(self) -> torch.nn.Module:
         return self.encoder.trainable_module()
+
+
+def _unreadable(row: Mapping[str, Any], url: str, exc: MediaError) -> ReattachError:
+    """What a sample's unreadable source raises: moved media say where to point --media."""
+    sid = row.get("id")
+    if exc.reason == "missing file" and row.get("from_manifest"):
+        return MediaMovedError(f"sample {sid!r}: its source {row.get('source_path')} in data.manifest is missing ({url})")
+    if exc.reason == "missing file":
+        root = _recorded_root(row)
+        return MediaMovedError(
+            f"sample {sid!r}: its source {url} is missing (recorded {row.get('source_uri')}); if the media moved, pass "
+            f"--media ROOT, the folder that now holds {row.get('source_path') or 'the manifest paths'}"
+            + (f" (it was {root})" if root else "")
+        )
+    return LiveInputError(f"sample {sid!r}: {exc}")
 
 
 def _recorded_root(row: Mapping[str, Any]) -> str | None:
