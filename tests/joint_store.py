@@ -57,7 +57,7 @@ def train(store: str, out: Path, *sets: str, steps: int = 5, resume: bool = Fals
     from mmcache.train.config import TrainConfig
     from mmcache.train.trainer import fit
 
-    config = load_config(TrainConfig, preset, "train", ["log_every=1", "data.prefetch=1", *sets])
+    config = load_config(TrainConfig, preset, "train", ["log_every=1", *sets])
     config.data.media_root = media
     lines: list[str] = []
     try:
@@ -71,7 +71,7 @@ def fit_ranks(store: str, out: Path, *sets: str, nproc: int = 2, steps: int = 5)
     """``torchrun --nproc-per-node NPROC -m mmcache.train.cli fit`` on the tiny-dit preset plus ``sets``."""
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "mmcache.train.cli", "fit",
             "--config", "tiny-dit", "--features", store, "--out", str(out), "--steps", str(steps),
-            "--set", "log_every=1", "--set", "data.prefetch=1", *[a for s in sets for a in ("--set", s)]]
+            "--set", "log_every=1", *[a for s in sets for a in ("--set", s)]]
     env = {"OMP_NUM_THREADS": "1", "PATH": str(BIN) + ":/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
