@@ -476,12 +476,24 @@ class Store:
             count = math.prod(shape)
             # The ranges first: they bound the index row's shape by the shard's data before anything is allocated.
             ranges = self._ranges(shard, spec, offset, count) if count else []
-            array = np.empty(shape, dtype=spec.numpy_dtype)
-            if count:
-                self.storage.read_ranges(self.shards[shard].data_key(name), ranges, array.reshape(-1).view(np.uint8))
+            array = self._field_bytes(shard, name, ranges, count * spec.numpy_dtype.itemsize).view(spec.numpy_dtype).reshape(shape)
             if self.verify_reads and fmt.crc32c(array) != crc:
                 raise CorruptionError(f"{self.url}: sample {self._id_of(row)!r} field {name!r} in shard {shard!r} fails its checksum")
             out[name] = array
+        return out
+
+    def _field_bytes(self, shard: str, name: str, ranges: list[tuple[int, int]], nbytes: int) -> np.ndarray:
+        """A field's bytes, flat: where the storage maps objects (local disk) and they are one range
+        (the writer puts a sample's chunks back to back), a read-only view of the mapped object,
+        checked in place by the caller: no copy at all; else read into a new buffer."""
+        key = self.shards[shard].data_key(name)
+        if len(ranges) == 1:
+            view = self.storage.view_range(key, self.shards[shard].objects[key]["nbytes"], *ranges[0])
+            if view is not None:
+                return view
+        out = np.empty(nbytes, dtype=np.uint8)
+        if ranges:
+            self.storage.read_ranges(key, ranges, out)
         return out
 
     def read_rows(self, rows: Sequence[int], fields: Sequence[str] | None = None) -> list[dict[str, np.ndarray]]:
