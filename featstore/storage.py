@@ -1,7 +1,7 @@
 """A small key/value storage layer under the feature store: local disk or any fsspec URL.
 
 Two implementations of one interface, chosen from the URL. Local paths go straight to the OS
-(``os.preadv`` into caller-owned buffers, ``mmap`` for full scans, write-to-temp +
+(``mmap`` for reads and scans, ``os.preadv`` into caller-owned buffers, write-to-temp +
 ``os.replace`` for atomic commits),
 because per-call overhead, not bandwidth, decides small reads. Everything else (``memory://``,
 ``s3://``, ...) goes through fsspec, whose single-object PUTs are atomic and whose
