@@ -13,7 +13,8 @@ written:
   warm   every file read whole first (so in the page cache), then the timed pass
   epoch2 a second random pass in the same process as ``warm`` (the mappings a reader keeps)
 
-Ours reads by position (``read_at``) and by id (``read``); litdata by index (``dataset[i]``).
+Ours reads by position (``read_at``), by id (``read``) and by position as torch tensors
+(``format="torch"``: writable, so copies of what is mapped); litdata by index (``dataset[i]``).
 "before" is the reader of --base (default: `git merge-base HEAD main`), checked out with
 `git worktree add --detach` into a temporary folder (see open_bench.py: each child prints where
 its featstore came from, and the run stops if it is not the tree it was meant to be). Prints
@@ -31,7 +32,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -39,6 +42,7 @@ from open_bench import REPO, package_root, run_child  # noqa: E402
 
 SHAPE = (16, 128, 256)
 MODES = ("cold", "warm")
+HOWS = ("position", "id", "torch")  # read_at, read, read_at(format="torch")
 
 
 def build(root: Path, samples: int) -> dict[str, Path]:
@@ -94,6 +98,31 @@ def _prepare(path: Path, mode: str) -> None:
             os.close(fd)
 
 
+def _getter(source: str, path: str, n: int) -> Callable[[int], Any]:
+    """Sample ``i``'s latent (as a flat uint16 array) from ``source``."""
+    import numpy as np
+
+    from mmcache import featstore
+
+    if source == "litdata":
+        from litdata import StreamingDataset
+
+        dataset = StreamingDataset(path)
+        return lambda i: dataset[i]["latent"].view(np.uint16).reshape(-1)
+    if source == "npy":
+        files = sorted(Path(path).glob("*.npy"))
+        return lambda i: np.load(files[i]).view(np.uint16).reshape(-1)
+    store = featstore.open(path)
+    if source == "id":
+        ids = [f"s{i:06d}" for i in range(n)]
+        return lambda i: store.read(ids[i])["latent"].view(np.uint16).reshape(-1)
+    if source == "torch":
+        import torch
+
+        return lambda i: store.read_at(i, format="torch")["latent"].view(torch.int16).reshape(-1).numpy().view(np.uint16)
+    return lambda i: store.read_at(i)["latent"].view(np.uint16).reshape(-1)
+
+
 def child(source: str, path: str, mode: str, heads_path: str) -> dict:
     import numpy as np
 
@@ -103,34 +132,17 @@ def child(source: str, path: str, mode: str, heads_path: str) -> dict:
     # once per process, more than the reads of 300 warm samples.
     import awscrt.checksums  # noqa: F401
     import ml_dtypes  # noqa: F401
+    import torch  # noqa: F401
 
     heads = np.load(heads_path)
     order = np.random.default_rng(1).permutation(len(heads)).tolist()
     _prepare(Path(path), mode)
-    if source == "litdata":
-        from litdata import StreamingDataset
-
-        dataset = StreamingDataset(path)
-        def get(i: int) -> np.ndarray:
-            return dataset[i]["latent"]
-    elif source == "npy":
-        files = sorted(Path(path).glob("*.npy"))
-        def get(i: int) -> np.ndarray:
-            return np.load(files[i])
-    else:
-        store = featstore.open(path)
-        if source == "id":
-            ids = [f"s{i:06d}" for i in range(len(heads))]
-            def get(i: int) -> np.ndarray:
-                return store.read(ids[i])["latent"]
-        else:
-            def get(i: int) -> np.ndarray:
-                return store.read_at(i)["latent"]
+    get = _getter(source, path, len(heads))
     rates = []
     for _ in range(2 if mode == "warm" else 1):  # warm: then a second pass in the same process
         t0 = time.perf_counter()
         for i in order:
-            if not np.array_equal(get(i).view(np.uint16).reshape(-1)[:8], heads[i]):
+            if not np.array_equal(get(i)[:8], heads[i]):
                 raise SystemExit(f"{source}: sample {i} does not hold what was written")
         rates.append(len(order) / (time.perf_counter() - t0))
     return {"rates": rates, "code": os.path.realpath(featstore.__file__)}
@@ -140,7 +152,7 @@ def child(source: str, path: str, mode: str, heads_path: str) -> dict:
 def measure(trees: dict[str, tuple[Path, Path]], paths: dict[str, Path], heads: Path, baseline: str, reps: int) -> dict:
     """samples/s per (source, mode): best of ``reps``, every source once per round (same load)."""
     after_root, after_tree = trees["after"]
-    sources = [(f"{label}:{how}", root, tree, how, paths["store"]) for label, (root, tree) in trees.items() for how in ("position", "id")]
+    sources = [(f"{label}:{how}", root, tree, how, paths["store"]) for label, (root, tree) in trees.items() for how in HOWS]
     sources.append((baseline, after_root, after_tree, baseline, paths[baseline]))
     out: dict = {}
     for mode in MODES:
@@ -157,7 +169,7 @@ def measure(trees: dict[str, tuple[Path, Path]], paths: dict[str, Path], heads: 
 def report(out: dict, baseline: str) -> None:
     print(f"\nsamples/s (1 MiB bf16, random order, best of runs) | after/before | after/{baseline}")
     for label in ("cold", "warm", "epoch2"):
-        for how in ("position", "id"):
+        for how in HOWS:
             before, after, other = out[(f"before:{how}", label)], out[(f"after:{how}", label)], out[(baseline, label)]
             print(f"{label:6s} by {how:8s}: before {before:7,.0f}  after {after:7,.0f}  {baseline} {other:7,.0f}"
                   f" | {after / before:5.2f}x | {after / other:5.2f}x")
