@@ -84,3 +84,13 @@ def test_mapped_objects_are_kept_up_to_a_bound_and_reads_stay_right(written, mon
         for name, want in arrays.items():
             assert_same(got[name], want)  # views of maps dropped from the cache are still valid
     store.close()
+
+
+def test_a_truncated_object_is_refused_before_it_is_mapped(written):
+    url, samples = written
+    store = featstore.open(url)
+    shard = store.index.column("shard")[len(samples) - 1].as_py()
+    path = os.path.join(url, store.shards[shard].data_key("latent"))
+    os.truncate(path, 100)  # a map past the end would SIGBUS when read
+    with pytest.raises(CorruptionError, match="truncated"):
+        store.read_at(len(samples) - 1)
