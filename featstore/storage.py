@@ -350,7 +350,7 @@ class LocalStorage(Storage):
                 while len(self._views) > self.MAX_MAPS:
                     self._views.popitem(last=False)  # unmapped once no view of it is held
         first = start - start % mmap.PAGESIZE
-        _prefault(held[0], first, end - first, self._path(key))
+        _prefault(held[0], first, end - first, f"{self.url}/{key}")
         return held[1][start:end]
 
     @staticmethod
@@ -459,14 +459,14 @@ _POPULATE_READ: int | None = getattr(mmap, "MADV_POPULATE_READ", 22 if sys.platf
 _populate_unknown: list[bool] = []  # holds False once the kernel said it has no such advice
 
 
-def _prefault(mapped: mmap.mmap, start: int, length: int, path: Path) -> None:
+def _prefault(mapped: mmap.mmap, start: int, length: int, where: str) -> None:
     if _POPULATE_READ is not None and not _populate_unknown:
         try:
             mapped.madvise(_POPULATE_READ, start, length)
             return
         except OSError as exc:
             if exc.errno == errno.EFAULT:  # a page past the end: the file shrank after it was mapped
-                raise CorruptionError(f"{path}: truncated while mapped (committed objects never change)") from None
+                raise CorruptionError(f"{where}: truncated while mapped (committed objects never change)") from None
             if exc.errno != errno.EINVAL:
                 raise
             _populate_unknown.append(False)  # a kernel before 5.14: faults populate it instead
