@@ -137,9 +137,11 @@ def package_root(tree: Path, where: Path) -> Path:
     return where
 
 
-def run_child(root: Path, tree: Path, args: list[str]) -> dict:
+def run_child(root: Path, tree: Path, args: list[str], script: str = __file__) -> dict:
+    """``script`` run with ``args`` in a fresh ``python -S`` whose mmcache is ``tree``'s (through
+    ``root``, see package_root); its last line of output, as JSON, must name where its featstore came from."""
     paths = [str(root), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
-    code = (f"import sys; sys.path[:0] = {paths!r}; sys.argv = {[__file__, *args]!r}; __file__ = {__file__!r}; "
+    code = (f"import sys; sys.path[:0] = {paths!r}; sys.argv = {[script, *args]!r}; __file__ = {script!r}; "
             "exec(compile(open(__file__).read(), __file__, 'exec'))")
     done = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, check=False, env={**os.environ, "PYTHONPATH": ""})
     if done.returncode:

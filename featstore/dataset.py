@@ -238,7 +238,7 @@ class StreamingDataset(Resumable):
     def _tensors(self, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
         out = {}
         for name, array in arrays.items():
-            tensor = as_tensor(array)  # shares the freshly read buffer: no copy, bf16 kept
+            tensor = as_tensor(array)  # a fresh buffer shared, a read-only local view copied; bf16 kept
             if name in self._scales:
                 shift, scale = (v.view(-1, *([1] * (tensor.dim() - 1))) for v in self._scales[name])
                 tensor = (tensor.to(torch.float32) - shift) * scale

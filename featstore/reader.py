@@ -2,8 +2,9 @@
 
 ``Store`` takes one snapshot of the committed shards when it opens (the index parts listed then)
 and serves every read from it, so a reader of a store that is still growing sees one consistent
-set of shards. A sample read is, per field, one ranged read computed from the zarr shard index
-(``os.preadv`` locally, ``cat_ranges`` on fsspec), checked against the CRC-32C in the index;
+set of shards. A sample read is, per field, one byte range computed from the zarr shard index,
+checked against the CRC-32C in the index: locally a read-only view of the mapped shard object,
+checked in place (no copy at all); elsewhere one ranged read (``cat_ranges`` on fsspec);
 a sample is found by id (``read``) or by its position in the snapshot (``read_at``, ``store[i]``).
 Full scans read whole blocks of shards instead (featstore.scan).
 """
@@ -381,8 +382,10 @@ class Store:
 
     def read(self, sample_id: str, fields: Sequence[str] | None = None, *, format: str = "numpy", with_meta: bool = False) -> dict[str, Any] | Sample:
         """One sample by id, exactly as written (dtype and shape): ``fields``, or every field it
-        has. ``format="torch"`` gives tensors sharing the read buffers (bfloat16 stays
-        bfloat16); ``with_meta=True`` a ``Sample`` that also carries its id and metadata."""
+        has. The arrays of a local store are read-only views of its mapped objects (``np.array(x)``
+        for one to write to); ``format="torch"`` gives tensors (bfloat16 stays bfloat16) sharing a
+        freshly read buffer, or copies of those read-only views; ``with_meta=True`` a ``Sample``
+        that also carries its id and metadata."""
         row = self.row(sample_id)
         arrays = in_format(self.read_row(row, fields), format)
         return Sample(self._id_of(row), arrays, self._meta_of(row)) if with_meta else arrays
@@ -476,12 +479,24 @@ class Store:
             count = math.prod(shape)
             # The ranges first: they bound the index row's shape by the shard's data before anything is allocated.
             ranges = self._ranges(shard, spec, offset, count) if count else []
-            array = np.empty(shape, dtype=spec.numpy_dtype)
-            if count:
-                self.storage.read_ranges(self.shards[shard].data_key(name), ranges, array.reshape(-1).view(np.uint8))
+            array = self._field_bytes(shard, name, ranges, count * spec.numpy_dtype.itemsize).view(spec.numpy_dtype).reshape(shape)
             if self.verify_reads and fmt.crc32c(array) != crc:
                 raise CorruptionError(f"{self.url}: sample {self._id_of(row)!r} field {name!r} in shard {shard!r} fails its checksum")
             out[name] = array
+        return out
+
+    def _field_bytes(self, shard: str, name: str, ranges: list[tuple[int, int]], nbytes: int) -> np.ndarray:
+        """A field's bytes, flat: where the storage maps objects (local disk) and they are one range
+        (the writer puts a sample's chunks back to back), a read-only view of the mapped object,
+        checked in place by the caller: no copy at all; else read into a new buffer."""
+        key = self.shards[shard].data_key(name)
+        if len(ranges) == 1:
+            view = self.storage.view_range(key, self.shards[shard].objects[key]["nbytes"], *ranges[0])
+            if view is not None:
+                return view
+        out = np.empty(nbytes, dtype=np.uint8)
+        if ranges:
+            self.storage.read_ranges(key, ranges, out)
         return out
 
     def read_rows(self, rows: Sequence[int], fields: Sequence[str] | None = None) -> list[dict[str, np.ndarray]]:

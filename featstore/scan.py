@@ -249,7 +249,9 @@ class Scanner:
                     wanted.setdefault(names, []).append(row)
         out: dict[int, dict[str, np.ndarray]] = {}
         for names, group in wanted.items():
-            out.update(zip(group, store.read_rows(group, list(names)), strict=True))
+            # Copies of what reads map read-only: a scan's arrays are the caller's to write to.
+            read = ({f: a if a.flags.writeable else a.copy() for f, a in sample.items()} for sample in store.read_rows(group, list(names)))
+            out.update(zip(group, read, strict=True))
         return out
 
     # ---- handing out (the caller's thread) -------------------------------------------------

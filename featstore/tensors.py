@@ -69,5 +69,7 @@ def in_format(sample: dict[str, np.ndarray], format: str) -> dict[str, Any]:
     if format == "numpy":
         return sample
     if format == "torch":
-        return {name: numpy_to_tensor(array) for name, array in sample.items()}
+        # as_tensor: a local read's arrays are read-only views of the mapped store, which torch
+        # (that has no read-only tensors) gets as copies; a fresh buffer is shared.
+        return {name: as_tensor(array) for name, array in sample.items()}
     raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
