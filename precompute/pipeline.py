@@ -281,7 +281,7 @@ class _Flight:
         self.limit = IN_FLIGHT_PER_WORKER * max(1, executor.workers)
         self.known = set(plan.known_shards)
         self.shared: Any = None
-        self.shared_size = -1
+        self.shared_size = 0
         self.running: dict[Any, TaskSpec] = {}
 
     def refill(self, completed: Any) -> int:
@@ -294,7 +294,10 @@ class _Flight:
         if not tasks:
             return
         self.known.update(task.shard for task in tasks)
-        if len(self.known) != self.shared_size:
+        # Shared again only when the list has doubled: a task that is not told of a sibling
+        # submitted since reads that sibling's index part at its commit (correct, one request),
+        # while sharing on every refill would send the whole growing list each time.
+        if len(self.known) >= 2 * self.shared_size:
             self.shared, self.shared_size = self.executor.share(sorted(self.known)), len(self.known)
         plan = self.plan
         for task in tasks:
