@@ -121,11 +121,16 @@ def test_overfit_dit_draws_its_training_images(overfit):
     # On the defaults alone (the preset grown to width 128, guidance 1.0, the recorded decoder), two
     # runs here: trained 19.2 / 23.2 / 20.0 / 26.0 and 19.6 / 23.3 / 20.4 / 23.6 dB (means 22.1,
     # 21.7), untrained 9.9 / 13.7 / 9.9 / 12.3 in both; the same run sampled with guidance 4 drew
-    # 13.2 dB mean (it trained without caption dropout).
-    for caption in IMAGES.values():
-        assert after[caption] - before[caption] >= 5.0, (caption, after, before)
+    # 13.2 dB mean (it trained without caption dropout). The store's sample order decides which
+    # timestep each image draws in a step, like a seed: since encode sizes tasks by bytes (one
+    # shard here, another order) the same run gives 18.0 / 18.7 / 19.8 / 25.3 dB (mean 20.5), the
+    # cat (the untrained sample's best match, 13.7 dB) gaining 5.0 dB. So: each image gains >= 4 dB
+    # and the four >= 7 dB on average; width 64 (mean gain ~3 dB) or guidance 4 (~2 dB) fail it.
+    gains = [after[c] - before[c] for c in IMAGES.values()]
+    for caption, gain in zip(IMAGES.values(), gains, strict=True):
+        assert gain >= 4.0, (caption, after, before)
         assert after[caption] >= 16.0, (caption, after)
-    assert np.mean(list(after.values())) >= 20.0, after
+    assert np.mean(gains) >= 7.0 and np.mean(list(after.values())) >= 20.0, (after, before)
     # The caption chooses the picture: each sample is far closer to its own image than to any other
     # (measured: >= 7 dB closer), so it is not one blend of the four.
     for caption, picture in trained.items():
