@@ -85,24 +85,6 @@ def broadcast_json(value: Any) -> Any:
     return json.loads(data.numpy().tobytes().decode())
 
 
-def all_gather_json(value: Any) -> list[Any]:
-    """Every rank's JSON-serialisable ``value``, in rank order, on every rank (bytes: no pickle)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [value]
-    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-    payload = json.dumps(value).encode()
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=group)
-    longest = max(int(size) for size in sizes)
-    mine = torch.zeros(longest, dtype=torch.uint8)
-    mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    parts = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
-    dist.all_gather(parts, mine, group=group)
-    return [json.loads(part[: int(size)].numpy().tobytes().decode()) for part, size in zip(parts, sizes, strict=True)]
-
-
 def snapshot_digest(shards: list[str]) -> str:
     """A short name for a snapshot (the sorted shard names), to compare ranks and runs."""
     return hashlib.sha256(json.dumps(sorted(shards)).encode()).hexdigest()[:16]

@@ -87,9 +87,12 @@ def out_of_memory(exc: BaseException) -> str | None:
 
 
 def all_gather_json(value: Any) -> list[Any]:
-    """Every rank's JSON-serialisable ``value``, in rank order (bytes in tensors over gloo: no pickle)."""
+    """Every rank's JSON-serialisable ``value``, in rank order (bytes in tensors over gloo: no
+    pickle); ``[value]`` in a process of its own."""
     import json
 
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
     group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
     payload = json.dumps(value).encode()
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]

@@ -10,7 +10,6 @@ count.
 from __future__ import annotations
 
 import json
-import uuid
 
 import fsspec
 import numpy as np
@@ -31,20 +30,6 @@ from mmcache.featstore.verify import verify_store
 from tests.featstore.conformance import FIELDS, assert_same, ragged_samples
 from tests.featstore.test_concurrency import Interleave, _one_ulp_apart, _writer
 from tests.s3_server import FAKE_KEY_ID, FAKE_SECRET, FaultProxy
-
-
-@pytest.fixture(params=["local", "memory", "s3"])
-def url(request, tmp_path):
-    if request.param == "local":
-        yield str(tmp_path / "store")
-    elif request.param == "memory":
-        name = f"compact-{uuid.uuid4().hex[:8]}"
-        yield f"memory://{name}"
-        fs = fsspec.filesystem("memory")
-        if fs.exists(f"/{name}"):
-            fs.rm(f"/{name}", recursive=True)
-    else:
-        yield f"{request.getfixturevalue('s3_bucket')}/store"
 
 
 def build(url: str) -> dict[str, dict[str, np.ndarray]]:

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import uuid
 
-import fsspec
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -28,20 +26,6 @@ from mmcache.featstore.verify import verify_store
 from tests.featstore.test_compact import view, without_checkpoints
 
 SHARDS, PER_SHARD = 6, 5
-
-
-@pytest.fixture(params=["local", "memory", "s3"])
-def url(request, tmp_path):
-    if request.param == "local":
-        yield str(tmp_path / "store")
-    elif request.param == "memory":
-        name = f"two-level-{uuid.uuid4().hex[:8]}"
-        yield f"memory://{name}"
-        fs = fsspec.filesystem("memory")
-        if fs.exists(f"/{name}"):
-            fs.rm(f"/{name}", recursive=True)
-    else:
-        yield f"{request.getfixturevalue('s3_bucket')}/store"
 
 
 def dense_store(url: str) -> str:
