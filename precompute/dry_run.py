@@ -54,9 +54,10 @@ class DryRun:
             f"{len(s.rejects)} row(s) rejected while reading" + (f" ({shown})" if shown else ""),
             f"store: {self.store}; {s.skipped} row(s) already in it or rejected before",
             f"to encode: {s.todo} sample(s) ({kinds}){units}",
-            f"tasks: {self.tasks} of up to {self.rows_per_task} row(s) on {self.workers} worker(s) -> ~{self.shards} shard(s)",
+            f"tasks: {self.tasks}" + (f" (rows: up to {self.rows_per_task} a task)" if s.todo else "")
+            + f" on {self.workers} worker(s) -> ~{self.shards} shard(s)",
             f"estimated: ~{_size(self.sample_bytes)} per sample, ~{_size(total)} in all "
-            f"(a shard ~{_size(min(self.shard_bytes, self.rows_per_task * self.sample_bytes))}; run.shard_bytes={_size(self.shard_bytes)})",
+            f"(a shard ~{_size(min(self.shard_bytes, total / max(1, self.shards)))}; run.shard_bytes={_size(self.shard_bytes)})",
         ]
 
 
