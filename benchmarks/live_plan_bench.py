@@ -39,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from open_bench import before_and_after  # the benchmarks' folder is first on sys.path when run as a script
+
 ROOT = Path(__file__).resolve().parents[1]
 STORED = 8  # samples the store holds
 SIZES = [(640, 480), (480, 640), (512, 512), (768, 432)]  # photo-sized, four aspect ratios
@@ -171,18 +173,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.rank is not None:
         return rank_main(args)
-    base = args.base or subprocess.run(["git", "merge-base", "HEAD", "main"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    with tempfile.TemporaryDirectory(prefix="live-plan-bench-") as tmp:
-        old = Path(tmp) / "before"
-        subprocess.run(["git", "worktree", "add", "--detach", str(old), base], cwd=ROOT, check=True, capture_output=True)
-        try:
-            run_all(args, Path(tmp), old, base)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT, check=True)
+    with before_and_after(args.base) as trees, tempfile.TemporaryDirectory(prefix="live-plan-bench-") as tmp:
+        run_all(args, Path(tmp), trees["before"][1])
 
 
-def run_all(args: argparse.Namespace, tmp: Path, old: Path, base: str) -> None:
-    print(f"before: {base[:12]} (worktree {old}); after: {ROOT} ({_head()}); {os.cpu_count()} CPU cores")
+def run_all(args: argparse.Namespace, tmp: Path, old: Path) -> None:
+    print(f"after: {ROOT} ({_head()}); {os.cpu_count()} CPU cores")
     print(f"{'absent':>7} {'ranks':>5} {'before s':>9} {'after s':>8} {'ratio':>7} {'resumed s':>10}  digest")
     for size in args.sizes:
         store, manifest = make_data(tmp / f"n{size}", size)

@@ -27,6 +27,7 @@ and the run stops if it is not the tree it was meant to be.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -35,6 +36,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -129,6 +131,25 @@ def child_small(url: str, reps: int = 50) -> dict:
 
 
 # ---- the parent ----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def before_and_after(base: str | None) -> Iterator[dict[str, tuple[Path, Path]]]:
+    """{"before": (package root, tree), "after": ...}: ``base`` (default: where this branch left
+    main) checked out in a temporary worktree, removed afterwards, beside this checkout."""
+    base = base or subprocess.run(["git", "-C", str(REPO), "merge-base", "HEAD", "main"], capture_output=True, text=True,
+                                  check=True).stdout.strip()
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    if base == head:
+        raise SystemExit("the 'before' commit is this checkout's HEAD (on main, after a merge): pass --base <commit>")
+    with tempfile.TemporaryDirectory(prefix="bench-before-") as tmp:
+        old = Path(tmp) / "old"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(old), base], check=True, capture_output=True)
+        try:
+            print(f"before: {base[:12]} (a worktree at {old}); after: {REPO}", flush=True)
+            yield {"before": (package_root(old, Path(tmp) / "root-old"), old), "after": (package_root(REPO, Path(tmp) / "root-new"), REPO)}
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(old)], check=True)
+
+
 def package_root(tree: Path, where: Path) -> Path:
     """A folder whose mmcache/ links to ``tree``'s packages (what the editable install maps)."""
     (where / "mmcache").mkdir(parents=True)
@@ -204,16 +225,8 @@ def main() -> None:
     cache.mkdir(parents=True, exist_ok=True)
     stores = [build(cache, *map(int, size.split(":"))) for size in args.sizes.split(",") if size]
     small = [build(cache, *map(int, args.small.split(":")), compact=compact) for compact in (False, True)] if args.small else []
-    base = args.base or subprocess.run(["git", "-C", str(REPO), "merge-base", "HEAD", "main"], capture_output=True, text=True, check=True).stdout.strip()
-    with tempfile.TemporaryDirectory(prefix="open-bench-") as tmp:
-        old = Path(tmp) / "old"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(old), base], check=True, capture_output=True)
-        try:
-            trees = {"before": (package_root(old, Path(tmp) / "root-old"), old), "after": (package_root(REPO, Path(tmp) / "root-new"), REPO)}
-            print(f"before: {base[:12]} (a worktree at {old}); after: {REPO}", flush=True)
-            out = measure(trees, stores, small, args.reps)
-        finally:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(old)], check=True)
+    with before_and_after(args.base) as trees:
+        out = measure(trees, stores, small, args.reps)
     report(out, stores, small)
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from open_bench import REPO, package_root, run_child  # noqa: E402
+from open_bench import before_and_after, run_child  # noqa: E402
 
 SHAPE = (16, 128, 256)
 MODES = ("cold", "warm")
@@ -186,16 +185,8 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     paths = build(root, args.samples)
     baseline = "litdata" if paths["litdata"].exists() else "npy"
-    base = args.base or subprocess.run(["git", "-C", str(REPO), "merge-base", "HEAD", "main"], capture_output=True, text=True, check=True).stdout.strip()
-    with tempfile.TemporaryDirectory(prefix="read-bench-") as tmp:
-        old = Path(tmp) / "old"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(old), base], check=True, capture_output=True)
-        try:
-            trees = {"before": (package_root(old, Path(tmp) / "root-old"), old), "after": (package_root(REPO, Path(tmp) / "root-new"), REPO)}
-            print(f"before: {base[:12]} (a worktree at {old}); after: {REPO}", flush=True)
-            out = measure(trees, paths, root / f"heads-{args.samples}.npy", baseline, args.reps)
-        finally:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(old)], check=True)
+    with before_and_after(args.base) as trees:
+        out = measure(trees, paths, root / f"heads-{args.samples}.npy", baseline, args.reps)
     report(out, baseline)
 
 
