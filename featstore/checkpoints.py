@@ -153,7 +153,8 @@ def parse_checkpoint(parts_raw: bytes, rows_raw: bytes, digest: str, marker: str
     return checkpoint
 
 
-def _parse_parts(parts_raw: bytes, digest: str, marker: str, url: str, rows: Callable[[], pa.Table], nbytes: int) -> Checkpoint:
+def _parse_parts(parts_raw: bytes, digest: str, marker: str, url: str, rows: Callable[[], pa.Table], nbytes: int,
+                 ids: Callable[[], np.ndarray] | None = None) -> Checkpoint:
     """The parts object of a checkpoint (its shard table); ``rows`` reads the rows object."""
     key = f"{CHECKPOINT_DIR}/{digest}"
     where = f"{url}/{key}"
@@ -187,7 +188,7 @@ def _parse_parts(parts_raw: bytes, digest: str, marker: str, url: str, rows: Cal
             raise CorruptionError(f"{where}: {got.num_rows} rows but its parts hold {start}")
         return got
 
-    return Checkpoint(key, marker, parts, nbytes, samples if type(samples) is int else None, table)
+    return Checkpoint(key, marker, parts, nbytes, samples if type(samples) is int else None, table, ids)
 
 
 def _parse_rows(rows_raw: bytes, where: str) -> pa.Table:
@@ -235,9 +236,7 @@ def open_checkpoint(storage: Storage, digest: str, marker: str) -> Checkpoint:
             raise CorruptionError(f"{storage.url}/{ids_key(digest)}: the id hashes of an index checkpoint do not match the SHA-256 its marker records")
         return np.frombuffer(raw, dtype="<u8")
 
-    checkpoint = _parse_parts(parts_raw, digest, marker, storage.url, rows, len(parts_raw) + seal[1])
-    checkpoint._ids = ids if seal[2] is not None else None
-    return checkpoint
+    return _parse_parts(parts_raw, digest, marker, storage.url, rows, len(parts_raw) + seal[1], ids if seal[2] is not None else None)
 
 
 def marker_doc(parts: int, rows: int, parts_raw: bytes, rows_raw: bytes, ids_raw: bytes) -> bytes:

@@ -189,14 +189,12 @@ def after_commit(storage: Storage, shard: str, every: int, commits: int) -> None
 AFTER_JOB = 8
 
 
-def compact_when(storage: Storage, uncovered: int, when: str) -> bool:
+def compact_when(storage: Storage, uncovered: int, when: str) -> None:
     """Compact the index if at least ``uncovered`` parts are not covered by a checkpoint. The
     commits are done whatever this does: a failure is a warning, not an error."""
     try:
         if uncovered_parts(list_index(storage)) >= uncovered:
             compact_store(storage)
-            return True
     except (FeatstoreError, OSError) as exc:
         warnings.warn(f"{storage.url}: automatic index compaction {when} failed ({exc}); every shard is committed, "
                       f"and `mmcache compact {storage.url}` can be run at any time", CheckpointWarning, stacklevel=3)
-    return False

@@ -200,8 +200,9 @@ def _summaries_differ(storage: Storage, checkpoint: checkpoints.Checkpoint, dige
     """Why what a checkpoint says of its ids (their count, their hashes: what readers answer
     ``len`` from, docs/FORMAT.md "Two-level index") is not what its rows hold ('' when it is)."""
     ids = checkpoint.table.column("id")
-    if checkpoint.samples is not None and checkpoint.samples != pc.count_distinct(ids).as_py():
-        return f"it says its rows hold {checkpoint.samples} distinct ids, they hold {pc.count_distinct(ids).as_py()}"
+    distinct = pc.count_distinct(ids).as_py()
+    if checkpoint.samples is not None and checkpoint.samples != distinct:
+        return f"it says its rows hold {checkpoint.samples} distinct ids, they hold {distinct}"
     try:
         hashes = checkpoints.open_checkpoint(storage, digest, marker).id_hashes()
     except (CorruptionError, FileNotFoundError) as exc:
