@@ -337,8 +337,13 @@ def open_executor(placement: Placement, output_url: str) -> Iterator[ThreadExecu
             finally:
                 executor.client.close()
                 torch.set_num_threads(saved)
-        crash_journal.forget_deaths(output_url)
-        return
+    else:
+        yield from _local_cluster_executor(placement)
+    # A clean finish (an error skips this): the journals of runs that died before it are done with.
+    crash_journal.forget_deaths(output_url)
+
+
+def _local_cluster_executor(placement: Placement) -> Iterator[DaskExecutor]:
     assert placement.kind != "scheduler", "an external cluster is opened by connect()"
     from distributed import Client
 
@@ -349,7 +354,7 @@ def open_executor(placement: Placement, output_url: str) -> Iterator[ThreadExecu
                                   f"start (killed while starting: out of memory?); going on with {executor.workers}")
         yield executor
         executor.close()  # not on an error: a cluster that failed must not hide why behind another
-    crash_journal.forget_deaths(output_url)
+
 
 
 @contextlib.contextmanager

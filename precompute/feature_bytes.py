@@ -25,10 +25,6 @@ class FieldsOutline:
     fields: dict[str, str]
     sample_bytes: dict[str, int]
 
-    @property
-    def text_fields(self) -> set[str]:
-        return {name for name, modality in self.fields.items() if modality == "text"}
-
     def mean_bytes(self, kinds: Mapping[str, int]) -> int:
         """The mean estimated bytes of a sample over rows counted by kind (``kinds``)."""
         rows = sum(kinds.values())

@@ -178,16 +178,15 @@ def unit_tasks(units: list[SourceUnit], store: featstore.Store, config: EncodeCo
     by_prefix: dict[str, dict[str, tuple[str, str]]] = {}
     for sample_id, known in leave_out.items():
         by_prefix.setdefault(sample_id.split(":", 1)[0] + ":", {})[sample_id] = known
-    per_part = part_size
     tasks = []
     for unit in units:
         # Not named by the fields: a unit done is done (adding a field to its samples is not supported yet, see unit_notes).
-        body = json.dumps([unit.kind, unit.shown, list(unit.row_groups), per_part] + ([salt] if salt else []))
+        body = json.dumps([unit.kind, unit.shown, list(unit.row_groups), part_size] + ([salt] if salt else []))
         name = f"u-{hashlib.sha256(body.encode()).hexdigest()[:24]}"
         if name in store.shards:
             continue
         skip = by_prefix.get(unit.id_prefix, {}) if unit.id_prefix else leave_out
-        tasks.append(TaskSpec(shard=name, rows=[], fields=fields, unit=unit, skip=skip, part_size=per_part))
+        tasks.append(TaskSpec(shard=name, rows=[], fields=fields, unit=unit, skip=skip, part_size=part_size))
     return tasks
 
 
