@@ -25,6 +25,7 @@ import torch
 
 from mmcache import featstore
 from mmcache.featstore.errors import ConfigError, FingerprintMismatchError
+from mmcache.train.failures import cpu_group
 from mmcache.train.balance import BalanceConfig, CostModel, MicroBatch, imbalance, plan_global_batch
 from mmcache.train.live.manifest import describe_absent, planning_adapter
 from mmcache.train.order import EpochOrder, shard_positions
@@ -76,7 +77,7 @@ def broadcast_json(value: Any) -> Any:
     """Rank 0's JSON-serialisable ``value`` on every rank (as bytes in a tensor: no pickle)."""
     import torch.distributed as dist
 
-    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    group = cpu_group()
     payload = json.dumps(value).encode() if dist.get_rank() == 0 else b""
     size = torch.tensor([len(payload)], dtype=torch.int64)
     dist.broadcast(size, src=0, group=group)

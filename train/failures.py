@@ -86,6 +86,22 @@ def out_of_memory(exc: BaseException) -> str | None:
             "or shard it over more ranks (torchrun --nproc-per-node)")
 
 
+_CPU_GROUP: dict[Any, Any] = {}  # default group -> its gloo companion (a re-initialised process gets a new one)
+
+
+def cpu_group() -> Any:
+    """A process group for small CPU tensors (JSON in bytes): the default one under gloo, else one
+    gloo group made on first use and kept (``new_group`` is a collective every rank calls once: made
+    per call, a new group leaked at every checkpoint under NCCL)."""
+    if dist.get_backend() == "gloo":
+        return None
+    world = dist.group.WORLD
+    if world not in _CPU_GROUP:
+        _CPU_GROUP.clear()
+        _CPU_GROUP[world] = dist.new_group(backend="gloo")
+    return _CPU_GROUP[world]
+
+
 def all_gather_json(value: Any) -> list[Any]:
     """Every rank's JSON-serialisable ``value``, in rank order (bytes in tensors over gloo: no
     pickle); ``[value]`` in a process of its own."""
@@ -93,7 +109,7 @@ def all_gather_json(value: Any) -> list[Any]:
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [value]
-    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    group = cpu_group()
     payload = json.dumps(value).encode()
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
     dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=group)

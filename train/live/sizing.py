@@ -31,7 +31,7 @@ from typing import Any
 from mmcache import featstore
 from mmcache.featstore.errors import ConfigError
 from mmcache.precompute.encoder_inputs import transform_record
-from mmcache.train.data import MissingSamplesError
+from mmcache.train.data import MissingSamplesError, snapshot_digest
 from mmcache.train.failures import all_gather_json
 from mmcache.train.live.reattach import LiveInputError, MediaMovedError
 
@@ -126,8 +126,8 @@ def sizing_key(live: Any, ids: Sequence[str]) -> str:
         encoder = field.encoder
         fields[name] = {"section": encoder.section, "encoder": encoder.recorded.get("digest"), "media_root": encoder.media_root,
                         "transform": None if encoder.is_text else transform_record(encoder.resize, encoder.frames, encoder.size_multiple)}
-    body = {"version": 1, "manifest": live.manifest.digest() if live.manifest is not None else None,
-            "snapshot": hashlib.sha256(json.dumps(sorted(live.store.shards)).encode()).hexdigest(),
+    body = {"version": 2, "manifest": live.manifest.digest() if live.manifest is not None else None,
+            "snapshot": snapshot_digest(list(live.store.shards)),
             "samples": hashlib.sha256("\n".join(ids).encode()).hexdigest(), "fields": fields}
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
