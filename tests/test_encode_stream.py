@@ -24,15 +24,11 @@ from mmcache.precompute.input_sources import files
 from mmcache.precompute.pipeline import run_encode
 from mmcache.precompute.sources import OUTSIDE_ROOT
 from mmcache.precompute.tasks import PROCESS_ENCODERS
+from tests.test_encode import write_manifest
 
 
 def _rows(manifest: Path) -> list[dict]:
     return [json.loads(line) for line in manifest.read_text().splitlines()]
-
-
-def _write(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def _encode(config: EncodeConfig, inputs, out: Path, **kw):
@@ -47,7 +43,7 @@ def test_dry_run_prints_the_plan_a_run_then_follows_and_loads_and_writes_nothing
     manifest = make_dataset(tmp_path / "data", num_images=5, num_videos=1)
     rows = _rows(manifest)
     rows += [{**rows[0], "caption": "the same id again"}, {"path": rows[1]["path"], "caption": "   ", "id": "blank"}]
-    manifest = _write(manifest, rows)
+    manifest = write_manifest(manifest, rows)
     out, loads = tmp_path / "out", PROCESS_ENCODERS.loads
     shown = CliRunner().invoke(cli, ["encode", "--config", "tiny", "--input", str(manifest), "--output", str(out), "--dry-run"])
     assert shown.exit_code == 0, shown.output
@@ -76,7 +72,7 @@ def test_local_files_are_checked_by_the_task_that_reads_them(tmp_path):
     os.symlink(tmp_path / "secret.png", data / "escape.png")
     os.mkfifo(data / "pipe.png")
     (data / "big.png").write_bytes(b"\0" * (limit + 1))
-    manifest = _write(manifest, _rows(manifest) + [{"path": name, "caption": "x"} for name in ("escape.png", "pipe.png", "big.png")])
+    manifest = write_manifest(manifest, _rows(manifest) + [{"path": name, "caption": "x"} for name in ("escape.png", "pipe.png", "big.png")])
     config = _tiny(f"data.max_input_bytes={limit}")
     plan = dry_run(config, str(manifest), str(tmp_path / "out"))
     assert plan.survey.todo == 5 and not plan.survey.rejects
@@ -92,8 +88,8 @@ def test_duplicate_ids_are_found_across_batches_and_inputs(tmp_path, monkeypatch
     monkeypatch.setattr(files, "BATCH_ROWS", 2)  # every few rows a batch of its own
     data = tmp_path / "data"
     rows = _rows(make_dataset(data, num_images=4, num_videos=0))
-    first = _write(data / "a.jsonl", rows + [{**rows[0], "caption": "again, 4 rows later"}])
-    second = _write(data / "b.jsonl", [{**rows[1], "caption": "in the second input"}, {"path": rows[2]["path"], "caption": "new", "id": "n"}])
+    first = write_manifest(data / "a.jsonl", rows + [{**rows[0], "caption": "again, 4 rows later"}])
+    second = write_manifest(data / "b.jsonl", [{**rows[1], "caption": "in the second input"}, {"path": rows[2]["path"], "caption": "new", "id": "n"}])
     plan = dry_run(_tiny(), [str(first), str(second)], str(tmp_path / "out"))
     assert (plan.survey.rows, plan.survey.duplicates, plan.survey.todo) == (7, 2, 5)
     summary = _encode(_tiny(), [str(first), str(second)], tmp_path / "out")
@@ -107,7 +103,7 @@ def test_duplicate_ids_are_found_across_batches_and_inputs(tmp_path, monkeypatch
 def test_300_tiny_samples_on_2_workers_leave_at_most_4_shards(tmp_path):
     data = tmp_path / "data"
     rows = _rows(make_dataset(data, num_images=6, num_videos=0))
-    manifest = _write(data / "many.jsonl", [{**rows[i % 6], "id": f"s{i:03d}"} for i in range(300)])
+    manifest = write_manifest(data / "many.jsonl", [{**rows[i % 6], "id": f"s{i:03d}"} for i in range(300)])
     summary = _encode(_tiny(), str(manifest), tmp_path / "out", workers=2)
     store = featstore.open(str(tmp_path / "out"))
     assert summary.executor == "processes" and summary.samples_written == len(store) == 300
@@ -122,7 +118,7 @@ def test_a_few_tasks_per_worker_are_in_flight_and_the_next_follow_as_they_finish
 
     data = tmp_path / "data"
     rows = _rows(make_dataset(data, num_images=4, num_videos=0))
-    manifest = _write(data / "m.jsonl", [{**rows[i % 4], "id": f"s{i:02d}"} for i in range(14)])
+    manifest = write_manifest(data / "m.jsonl", [{**rows[i % 4], "id": f"s{i:02d}"} for i in range(14)])
     out, taken, behind = tmp_path / "out", [], []
     execute = pipeline.execute
 
