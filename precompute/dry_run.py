@@ -20,7 +20,8 @@ from mmcache.precompute.executors import choose_placement
 from mmcache.precompute.feature_bytes import outline
 from mmcache.precompute.input_sources import InputStream
 from mmcache.precompute.output_store import open_existing
-from mmcache.precompute.pipeline import UNREAD_UNIT_SAMPLES, source_options
+from mmcache.precompute.pipeline import source_options
+from mmcache.precompute.progress import UNREAD_UNIT_SAMPLES
 from mmcache.precompute.plan import rows_per_task
 from mmcache.precompute.specs import encoder_specs, takes_text_only
 from mmcache.precompute.survey import Survey, survey

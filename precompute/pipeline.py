@@ -42,6 +42,7 @@ from mmcache.precompute.feature_bytes import FieldsOutline, outline
 from mmcache.precompute.input_sources import InputStream, SourceOptions
 from mmcache.precompute.output_store import commit_plan_rejects, open_existing, open_or_create
 from mmcache.precompute.plan import EncodePlan, plan_encode
+from mmcache.precompute.progress import UNREAD_UNIT_SAMPLES, ProgressMeter, SampleTotal
 from mmcache.precompute.prompts import store_prompt_embeddings
 from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec, encoder_specs, takes_text_only, with_client_paths
 from mmcache.precompute.stale import describe as describe_stale
@@ -88,10 +89,6 @@ class _Started:
     survey: Survey  # the inputs' first pass: counts, rejects, duplicates (precompute.survey)
     existing: featstore.Store | None  # the output store's snapshot before this job (None: no store yet)
     loading: Any  # the encoders loading where the tasks run: .result() -> {fields, loaded}
-
-
-# A tar's sample count is known once read: it counts as this many when choosing where a job runs.
-UNREAD_UNIT_SAMPLES = 32
 
 
 @preserved_environ()
@@ -245,7 +242,8 @@ def execute(plan: EncodePlan, executor: Executor, *, progress: bool | None = Non
     from the plan as one finishes. A task whose worker died running it comes back unrun, and runs
     again as two halves (precompute.worker_deaths). Duplicate ids found meanwhile are recorded last."""
     commit_plan_rejects(plan.store, plan.plan_rejects)
-    meter = ProgressMeter(plan.samples, enabled=sys.stderr.isatty() if progress is None else progress)
+    total = SampleTotal(plan.samples, plan.units)
+    meter = ProgressMeter(total, enabled=sys.stderr.isatty() if progress is None else progress)
     flight = _Flight(plan, executor)
     completed = executor.as_completed([])
     executed = Executed(tasks=0, rejected=len(plan.plan_rejects))
@@ -263,7 +261,7 @@ def execute(plan: EncodePlan, executor: Executor, *, progress: bool | None = Non
         executed.tasks_skipped += result.skipped
         executed.samples_written += result.samples
         executed.rejected += result.rejected
-        meter.update(result.samples + result.rejected + result.dropped, result.rejected)
+        meter.update(result.samples + result.rejected + result.dropped, result.rejected, task.unit)
         executed.tasks += flight.refill(completed)
     meter.close()
     commit_plan_rejects(plan.store, plan.duplicate_rejects)
@@ -304,35 +302,3 @@ class _Flight:
             future = self.executor.submit_task(task, plan.output_url, plan.storage_options, plan.specs, plan.settings, self.shared)
             self.running[future] = task
             completed.add(future)
-
-
-class ProgressMeter:
-    """One status line on stderr (samples/s, ETA, rejects) when it is a terminal; quiet otherwise."""
-
-    def __init__(self, total: int, *, enabled: bool) -> None:
-        self.total, self.enabled = total, enabled
-        self.done = self.rejected = 0
-        self.start = time.perf_counter()
-        self.last_line = 0.0
-
-    # Without a terminal (batch logs), a plain line at most this often.
-    LOG_EVERY_S = 30.0
-
-    def update(self, done: int, rejected: int) -> None:
-        self.done += done
-        self.rejected += rejected
-        elapsed = time.perf_counter() - self.start
-        rate = self.done / elapsed if elapsed > 0 else 0.0
-        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-        eta_text = f"{eta:5.0f}s" if eta != float("inf") else "    ?"
-        line = f"{self.done}/{self.total} samples  {rate:6.1f}/s  ETA {eta_text}  rejected {self.rejected}"
-        if self.enabled:
-            sys.stderr.write(f"\r{line}   ")
-            sys.stderr.flush()
-        elif elapsed - self.last_line >= self.LOG_EVERY_S and self.done < self.total:
-            self.last_line = elapsed
-            sys.stderr.write(line + "\n")
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")

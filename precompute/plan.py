@@ -44,6 +44,7 @@ class EncodePlan:
     # (by a concurrent run); execute adds the names of the tasks it has submitted.
     known_shards: list[str]
     samples: int = 0  # rows to encode, and the rows of Parquet row groups (a tar's count is known once read)
+    units: list[SourceUnit] = field(default_factory=list)  # the units its tasks read (tars: progress estimates their samples)
     plan_rejects: list[Reject] = field(default_factory=list)  # rows the input readers rejected, not recorded yet
     # Duplicate ids, confirmed while the tasks are made: complete once ``tasks`` is exhausted.
     duplicate_rejects: list[Reject] = field(default_factory=list)
@@ -75,6 +76,7 @@ def plan_encode(config: EncodeConfig, *, inputs: InputStream, survey: Survey, st
     plan = EncodePlan(output_url=output_url, store=store, storage_options=storage_options, specs=specs, settings=settings,
                       tasks=iter(()), known_shards=sorted(set(store.shards) | {t.shard for t in units}),
                       samples=survey.todo + sum(t.unit.estimated_samples for t in units if t.unit),
+                      units=[t.unit for t in units if t.unit],
                       plan_rejects=[r for r in survey.rejects if r.source not in rejected_before],
                       samples_skipped=survey.skipped, notes=notes)
     groups = _RowGroups(store, fields, config, survey, per_task, salt, plan.duplicate_rejects, rejected_before)

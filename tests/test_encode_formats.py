@@ -43,14 +43,15 @@ def cluster():
 def encode(inputs: list[str], out: str, cluster, preset: str = "tiny", overrides: list[str] | None = None, **kw):
     config = load_config(EncodeConfig, preset, "encode", overrides or [])
     kw.setdefault("log", lambda *_: None)
-    return run_encode(config, inputs, out, scheduler=cluster[0], progress=False, **kw)
+    kw.setdefault("progress", False)
+    return run_encode(config, inputs, out, scheduler=cluster[0], **kw)
 
 
 def by_id(store) -> dict[str, dict]:
     return {row["id"]: row for row in store.index.to_pylist()}
 
 
-def test_tar_shards_locally_then_grown(tmp_path, cluster):
+def test_tar_shards_locally_then_grown(tmp_path, cluster, capsys):
     shards = tmp_path / "shards"
     shards.mkdir()
     # 20 samples in the first tar: two parts (the tiny preset's 16 samples per task, then 4).
@@ -58,7 +59,10 @@ def test_tar_shards_locally_then_grown(tmp_path, cluster):
     (shards / "00000.parquet").write_bytes(b"img2dataset's metadata beside the tar")  # not selected: not an input
     (shards / "00000_stats.json").write_text("{}")
     out = str(tmp_path / "store")
-    summary = encode([str(shards / "{00000..00001}.tar")], out, cluster)
+    summary = encode([str(shards / "{00000..00001}.tar")], out, cluster, progress=True)
+    # The progress total settles on what the tars held (planning reads no tar: it estimates them).
+    last = capsys.readouterr().err.split("\r")[-1].split()[0]
+    assert last == "32/32", last  # 26 samples and 6 rejects
     store = featstore.open(out)
     assert sorted(store.sample_ids()) == sorted(good) and summary.samples_written == len(good) == 26
     reasons = {r["id"]: r["reason"] for r in store.rejects.to_pylist()}

@@ -56,7 +56,8 @@ class SourceUnit:
     columns: tuple[tuple[str, str], ...] = ()  # (role, column): media, caption, id
     caption_key: str = "caption"
     allow_empty_caption: bool = False
-    estimated_samples: int = 0
+    estimated_samples: int = 0     # known from planning (Parquet row counts); 0: unknown until read
+    nbytes: int = 0                # the file's size where planning stat-ed it (a tar): sizes the progress total
     # (source, earlier source) of its rows whose id an earlier input or row has: rejects naming it.
     duplicates: tuple[tuple[str, str], ...] = ()
 

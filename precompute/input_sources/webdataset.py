@@ -33,10 +33,13 @@ def read_tar(url: str, options: SourceOptions) -> SourceRead:
     """One unit per tar; only its existence is checked (a brace range's names were listed already)."""
     fs, path = remote_filesystem(url, options.storage_options)
     shown = redact_url(url)
-    if not with_retries(lambda: fs.exists(path), shown, "stat"):
-        raise ManifestError(f"input {shown!r} does not exist")
+    try:
+        # One request, as an existence check would be: its size lets progress estimate its samples.
+        info = with_retries(lambda: fs.info(path), shown, "stat")
+    except FileNotFoundError:
+        raise ManifestError(f"input {shown!r} does not exist") from None
     stem = file_stem(path)
-    return SourceRead(units=[SourceUnit(kind="webdataset", uri=url, shown=shown, id_prefix=f"{stem}:",
+    return SourceRead(units=[SourceUnit(kind="webdataset", uri=url, shown=shown, id_prefix=f"{stem}:", nbytes=int(info.get("size") or 0),
                                         caption_key=options.caption_key, allow_empty_caption=options.allow_empty_caption)])
 
 
