@@ -80,6 +80,7 @@ def plan_encode(config: EncodeConfig, *, inputs: InputStream, survey: Survey, st
                       plan_rejects=[r for r in survey.rejects if r.source not in rejected_before],
                       samples_skipped=survey.skipped, notes=notes)
     groups = _RowGroups(store, fields, config, survey, per_task, salt, plan.duplicate_rejects, rejected_before)
+    groups.unit_skips = {t.unit.id_prefix: t.skip for t in units if t.unit and t.unit.id_prefix}
     plan.tasks = itertools.chain(groups.tasks(inputs), units)
     return plan
 
@@ -103,6 +104,10 @@ class _RowGroups:
         self.digest, self.per_task, self.salt = fields_digest(fields), per_task, salt
         self.suspects, self.duplicates, self.rejected_before = survey.duplicate_hashes, duplicates, rejected_before
         self.first: dict[int, dict[str, int]] = {}  # a suspect hash -> the ids seen with it -> their input
+        # Id prefix of a tar (or Parquet file) of the job -> what its task leaves out. A row of this
+        # job whose id has that prefix joins it, before the unit tasks are made (they come after
+        # the rows' tasks), so a member with that id is a reject naming the row, not dropped unsaid.
+        self.unit_skips: dict[str, dict[str, tuple[str, str]]] = {}
 
     def tasks(self, inputs: InputStream) -> Iterator[TaskSpec]:
         pending: dict[GroupKey, list[InputRow]] = {}
@@ -110,6 +115,8 @@ class _RowGroups:
             for row in batch.rows:
                 if self._duplicate(row, index) or row.source in self.rejected_before or (key := self.lacking(row)) is None:
                     continue
+                if self.unit_skips and (skip := self.unit_skips.get(row.sample_id.split(":", 1)[0] + ":")) is not None:
+                    skip.setdefault(row.sample_id, (row.source, ""))
                 group = pending.setdefault(key, [])
                 group.append(row)
                 if len(group) == self.per_task:
@@ -187,7 +194,8 @@ def unit_tasks(units: list[SourceUnit], store: featstore.Store, config: EncodeCo
         name = f"u-{hashlib.sha256(body.encode()).hexdigest()[:24]}"
         if name in store.shards:
             continue
-        skip = by_prefix.get(unit.id_prefix, {}) if unit.id_prefix else leave_out
+        # One dict per prefix, shared by its units: the job's own rows of that prefix join it (_RowGroups).
+        skip = by_prefix.setdefault(unit.id_prefix, {}) if unit.id_prefix else leave_out
         tasks.append(TaskSpec(shard=name, rows=[], fields=fields, unit=unit, skip=skip, part_size=part_size))
     return tasks
 

@@ -193,6 +193,25 @@ def test_a_tar_of_the_same_name_from_another_dataset_is_rejected_not_skipped(tmp
         f"duplicate id '00000:k1': an earlier input has it ({tmp_path / 'laion' / '00000.tar'}#k1.png)")
 
 
+def test_a_manifest_row_and_a_tar_member_of_one_id_in_one_job_keep_the_row_and_reject_the_member(tmp_path, cluster):
+    """Tar ids are known only on the worker; a row of the same job with a member's id is told to
+    its task, so the member is a reject naming the row (it used to be dropped without a word)."""
+    with tarfile.open(tmp_path / "00000.tar", "w") as archive:
+        for n in range(2):
+            add_member(archive, f"k{n}.png", png(n))
+            add_member(archive, f"k{n}.txt", f"member {n}".encode())
+    (tmp_path / "row.png").write_bytes(png(50))
+    manifest = tmp_path / "rows.jsonl"
+    manifest.write_text(json.dumps({"id": "00000:k1", "path": "row.png", "caption": "a row"}) + "\n")
+    out = str(tmp_path / "store")
+    summary = encode([str(manifest), str(tmp_path / "00000.tar")], out, cluster)
+    store = featstore.open(out)
+    assert sorted(store.sample_ids()) == ["00000:k0", "00000:k1"] and summary.rejected == 1
+    assert by_id(store)["00000:k1"]["caption"] == "a row"
+    (reject,) = store.rejects.to_pylist()
+    assert reject["source"] == f"{tmp_path / '00000.tar'}#k1.png" and "an earlier input has it (row.png)" in reject["reason"], reject
+
+
 def test_llava_json_for_a_vlm(tmp_path, cluster):
     path = write_llava(tmp_path, 4)
     records = json.loads(path.read_text())
