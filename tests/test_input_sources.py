@@ -137,6 +137,29 @@ def test_parquet_manifest_and_wrong_columns(tmp_path):
     assert read_all(str(tmp_path / "odd.parquet"), SourceOptions(media_column="pixels")).units
 
 
+def test_a_parquet_manifest_is_streamed_in_batches_and_a_media_file_s_units_kept_once(tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from mmcache.precompute.input_sources import InputStream, files
+
+    monkeypatch.setattr(files, "BATCH_ROWS", 2)
+    for n in range(5):
+        (tmp_path / f"{n}.png").write_bytes(png(n))
+    pq.write_table(pa.table({"path": [f"{n}.png" for n in range(5)], "caption": [f"row {n}" for n in range(5)]}), tmp_path / "m.parquet")
+    write_media_parquet(tmp_path / "media.parquet", [png(1), png(2)], ["a", "b"])
+    stream = InputStream([str(tmp_path / "m.parquet"), str(tmp_path / "media.parquet")], SourceOptions())
+    for _ in range(2):  # planning's two passes
+        sizes = [(index, len(batch.rows)) for index, batch in stream.batches()]
+        assert sizes == [(0, 2), (0, 2), (0, 1), (1, 0)], sizes  # never the whole manifest at once
+        assert [u.shown for u in stream.units] == [str(tmp_path / "media.parquet")]
+    rows = [r for _, batch in stream.batches() for r in batch.rows]
+    assert [(r.sample_id, r.caption) for r in rows] == [(f"{n}.png", f"row {n}") for n in range(5)]
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(ManifestError, match="not a valid parquet file"):
+        list(InputStream(str(tmp_path / "bad.parquet"), SourceOptions()).batches())
+
+
 def test_llava_rows_resolve_from_the_json_folder_or_media_root(tmp_path):
     path = write_llava(tmp_path, 3)
     records = json.loads(path.read_text())

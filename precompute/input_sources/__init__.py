@@ -75,10 +75,10 @@ def add_units(units: list[SourceUnit], new: list[SourceUnit]) -> None:
 
 
 class InputStream:
-    """Every input of a job, for the planner to read in batches, once per pass: a manifest is
-    streamed again each time (``InputSource.batches``); a folder, a LLaVA JSON or a container's
-    footer is read whole the first time and kept (as before this class: their rows fit in memory).
-    ``units`` is complete once one pass has ended."""
+    """Every input of a job, for the planner to read in batches, once per pass: a manifest
+    (JSONL, CSV, Parquet) is streamed again each time (``InputSource.batches``), and so is a media
+    Parquet file's footer; a folder, a LLaVA JSON or a tar's name is read whole the first time and
+    kept (their rows fit in memory). ``units`` is complete once one pass has ended."""
 
     def __init__(self, patterns: str | list[str], options: SourceOptions) -> None:
         patterns = [patterns] if isinstance(patterns, str) else list(patterns)
@@ -90,6 +90,7 @@ class InputStream:
         self._whole: dict[int, SourceRead] = {}
         # Ids the client knows of containers' rows (a Parquet id column): the first input keeps each.
         self._unit_ids: dict[str, str] = {}
+        self._units_of: set[int] = set()  # inputs read in batches whose units are in ``units``
 
     def batches(self, keys_only: bool = False) -> Iterator[tuple[int, SourceRead]]:
         """(the input's position in ``urls``, a batch of its rows and rejects), in input order;
@@ -98,6 +99,9 @@ class InputStream:
             source = source_for(url)
             if source.batches is not None:
                 for batch in source.batches(url, self.options, not keys_only):
+                    if batch.units and index not in self._units_of:  # read again on each pass, kept from the first
+                        add_units(self.units, _with_duplicates(batch, self._unit_ids))
+                        self._units_of.add(index)
                     yield index, batch
                 continue
             if index not in self._whole:

@@ -1,7 +1,7 @@
 """Today's two inputs as registry entries: a manifest (JSONL, CSV, or Parquet with a ``path``
 column) and a folder of media with same-stem ``.txt`` captions. A folder is walked on the client
-by ``precompute.inputs`` (its rules: contained paths, regular files, sizes). A JSONL or CSV
-manifest is streamed: read in batches of ``BATCH_ROWS`` records, again for each planning pass
+by ``precompute.inputs`` (its rules: contained paths, regular files, sizes). A manifest is
+streamed (a Parquet one through ``parquet_media``, which tells it from a media file): read in batches of ``BATCH_ROWS`` records, again for each planning pass
 (``precompute.survey``), its rows' files checked by the task that reads each, so planning holds
 one batch of rows, not the job's, and stats no file."""
 
@@ -12,6 +12,7 @@ import itertools
 import json
 import posixpath
 from collections.abc import Iterator
+from typing import Any
 
 from mmcache.featstore.retry import remote_filesystem, with_retries
 from mmcache.featstore.secrets import redact_url
@@ -45,9 +46,7 @@ def manifest_batches(url: str, options: SourceOptions, build: bool = True) -> It
     count, has_path = 0, False
     try:
         with open_input(url, options.storage_options) as raw:
-            text = io.TextIOWrapper(raw, encoding="utf-8-sig", newline="")  # Excel's "CSV UTF-8" starts with a byte-order mark
-            batches = _csv_batches(text, shown) if path.lower().endswith(".csv") else _jsonl_batches(text, shown)
-            for batch in batches:
+            for batch in _record_batches(raw, path.lower(), shown):
                 count += len(batch)
                 has_path = has_path or any("path" in record for record in batch)
                 rows, rejects = record_rows(batch, rules, allow_empty_caption=options.allow_empty_caption,
@@ -61,6 +60,26 @@ def manifest_batches(url: str, options: SourceOptions, build: bool = True) -> It
         raise EmptyInputError(f"input {shown!r}: the manifest has no rows; nothing to encode (pass --allow-empty to accept an empty input)")
     if count and not has_path:
         raise ManifestError(f"input {shown!r}: no 'path' column; text-only rows leave their path empty, but the column must be there")
+
+
+def _record_batches(raw: Any, path: str, shown: str) -> Iterator[list[dict]]:
+    if path.endswith(".parquet"):
+        return _parquet_batches(raw, shown)
+    text = io.TextIOWrapper(raw, encoding="utf-8-sig", newline="")  # Excel's "CSV UTF-8" starts with a byte-order mark
+    return _csv_batches(text, shown) if path.endswith(".csv") else _jsonl_batches(text, shown)
+
+
+def _parquet_batches(raw: Any, shown: str) -> Iterator[list[dict]]:
+    """A Parquet manifest's records, ``BATCH_ROWS`` at a time (never the whole table)."""
+    import pyarrow.parquet as pq
+
+    try:
+        # No Arrow thread: one alive at exit can abort the process (featstore.index.parquet_file).
+        batches = pq.ParquetFile(raw, pre_buffer=False).iter_batches(batch_size=BATCH_ROWS, use_threads=False)
+        for batch in batches:
+            yield batch.to_pylist()
+    except (ValueError, OSError) as exc:  # pyarrow's ArrowInvalid
+        raise ManifestError(f"input {shown!r} is not a valid parquet file: {exc}") from None
 
 
 def _csv_batches(text: io.TextIOBase, shown: str) -> Iterator[list[dict]]:

@@ -21,7 +21,7 @@ from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.input_sources.base import (
     InputSource, Member, SourceOptions, SourceRead, SourceUnit, duplicate_reason, file_stem, open_input, register,
 )
-from mmcache.precompute.input_sources.files import read_rows
+from mmcache.precompute.input_sources.files import manifest_batches, read_rows
 from mmcache.precompute.inputs import (
     InputRow, ManifestError, Reject, caption_problem, caption_text, has_visible_text, modality_of, safe_id,
 )
@@ -32,6 +32,21 @@ CAPTION_COLUMNS = ("caption", "text")
 
 def read_parquet(url: str, options: SourceOptions) -> SourceRead:
     """A media Parquet file -> one unit per row group (from its footer); a manifest -> its rows."""
+    return _media_units(url, options) or read_rows(url, options)
+
+
+def parquet_batches(url: str, options: SourceOptions, build: bool = True) -> Iterator[SourceRead]:
+    """What planning reads of a Parquet input on each pass: a manifest's rows in batches, or a
+    media file's units (its footer and id column: small, read again rather than kept)."""
+    units = _media_units(url, options)
+    if units is None:
+        yield from manifest_batches(url, options, build)
+    else:
+        yield units
+
+
+def _media_units(url: str, options: SourceOptions) -> SourceRead | None:
+    """A media Parquet file's units (one per row group, from its footer); None for a manifest."""
     import pyarrow.parquet as pq
 
     fs, path = remote_filesystem(url, options.storage_options)
@@ -46,7 +61,7 @@ def read_parquet(url: str, options: SourceOptions) -> SourceRead:
     names = metadata.schema.to_arrow_schema().names  # top-level columns (not a struct's leaves)
     media = options.media_column or next((c for c in MEDIA_COLUMNS if c in names), None)
     if media is None and "path" in names:
-        return read_rows(url, options)  # a manifest: path, caption[, id]
+        return None  # a manifest: path, caption[, id]
     caption = options.caption_column or next((c for c in CAPTION_COLUMNS if c in names), None)
     missing = [what for what, column in (("media", media), ("caption", caption)) if column is None or column not in names]
     if missing and not (missing == ["caption"] and options.allow_empty_caption):
@@ -147,4 +162,4 @@ def _media(value: Any, column: str, max_bytes: int) -> tuple[bytes | None, str |
     return value, path, None
 
 
-register(InputSource(name="parquet", suffixes=(".parquet",), read=read_parquet, stream=stream_parquet))
+register(InputSource(name="parquet", suffixes=(".parquet",), read=read_parquet, stream=stream_parquet, batches=parquet_batches))
