@@ -100,6 +100,24 @@ def test_duplicate_ids_are_found_across_batches_and_inputs(tmp_path, monkeypatch
                        rows[1]["path"]: "duplicate id 'media:image_001.png' (an earlier input has it)"}
 
 
+def test_ids_of_one_hash_are_not_duplicates(tmp_path, monkeypatch):
+    """Planning keeps a 64-bit hash per row and confirms a suspected duplicate by its id: with a
+    hash that collides on purpose (the id's length), distinct ids all encode and only the true
+    duplicate is a reject."""
+    from mmcache.precompute import plan as plan_module
+    from mmcache.precompute import survey as survey_module
+
+    for module in (survey_module, plan_module):
+        monkeypatch.setattr(module, "hash", len, raising=False)  # module globals shadow the builtin
+    data = tmp_path / "data"
+    rows = _rows(make_dataset(data, num_images=3, num_videos=0))
+    manifest = write_manifest(data / "m.jsonl", [{**rows[i], "id": f"id{i}"} for i in range(3)] + [{**rows[0], "id": "id1"}])
+    summary = _encode(_tiny(), str(manifest), tmp_path / "out")
+    store = featstore.open(str(tmp_path / "out"))
+    assert sorted(store.sample_ids()) == ["id0", "id1", "id2"] and summary.rejected == 1
+    assert [r["reason"] for r in store.rejects.to_pylist()] == ["duplicate id 'id1'"]
+
+
 def test_300_tiny_samples_on_2_workers_leave_at_most_4_shards(tmp_path):
     data = tmp_path / "data"
     rows = _rows(make_dataset(data, num_images=6, num_videos=0))
