@@ -69,6 +69,11 @@ def remote_filesystem(url: str, storage_options: dict[str, Any] | None = None, p
     return fs, path
 
 
+def protocol_of(fs: Any) -> str:
+    """A filesystem's protocol name (fsspec gives a tuple of aliases for some: the first)."""
+    return fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
+
+
 # Exception classes of the HTTP stacks under fsspec (aiohttp, botocore, urllib3, s3fs), named
 # rather than imported so featstore needs none of them.
 _TRANSIENT_NAMES = frozenset({

@@ -37,7 +37,7 @@ from typing import IO, Any, NamedTuple
 from mmcache.featstore.errors import ConfigError, FeatstoreError, NotAStoreError, SchemaError
 from mmcache.featstore.format import MANIFEST_KEY, check_name, parse_root_group
 from mmcache.featstore.index import read_parquet
-from mmcache.featstore.retry import remote_filesystem, with_retries
+from mmcache.featstore.retry import protocol_of, remote_filesystem, with_retries
 from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.sources import DEFAULT_MAX_INPUT_BYTES, OUTSIDE_ROOT, InputFileError, read_local_file, stat_problem, under_root
 
@@ -152,7 +152,7 @@ def read_inputs(
     raises ``EmptyInputError`` unless ``allow_empty``. ``allow_text_only``: rows without a path
     but with text are text-only samples (else they are rejects)."""
     fs, path = remote_filesystem(input_url, storage_options)
-    protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
+    protocol = protocol_of(fs)
     shown = redact_url(str(input_url))
     if not with_retries(lambda: fs.exists(path), shown, "stat"):
         raise ManifestError(f"input {shown!r} does not exist")
@@ -179,7 +179,7 @@ def rows_from_records(records: list[dict[str, Any]], root_url: str, *, storage_o
     """Manifest-like records (path, caption, conversations, id) whose paths are relative to the
     folder ``root_url``, checked by the manifest's rules (a LLaVA JSON array's rows)."""
     fs, root = remote_filesystem(root_url, storage_options)
-    protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
+    protocol = protocol_of(fs)
     local = protocol in _LOCAL_PROTOCOLS
     rules = _Rules(root=posixpath.normpath(root), real_root=os.path.realpath(root) if local else None, protocol=protocol,
                    allow_outside_root=allow_outside_root, max_input_bytes=max_input_bytes)

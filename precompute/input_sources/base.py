@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from mmcache.featstore.retry import remote_filesystem
+from mmcache.featstore.retry import protocol_of, remote_filesystem
 from mmcache.precompute.inputs import InputRow, Reject
 from mmcache.precompute.sources import InputFileError, stat_problem
 
@@ -110,7 +110,7 @@ def open_input(uri: str, storage_options: dict[str, Any] | None, block_size: int
     regular file (a FIFO would block, a device never ends), opened without blocking; a remote one
     through fsspec in large blocks (a sequential read costs one request per ``block_size``)."""
     fs, path = remote_filesystem(uri, storage_options)
-    protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
+    protocol = protocol_of(fs)
     if protocol not in ("file", "local"):
         with fs.open(path, "rb", block_size=block_size) as fh:
             yield fh

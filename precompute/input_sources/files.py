@@ -14,7 +14,7 @@ import posixpath
 from collections.abc import Iterator
 from typing import Any
 
-from mmcache.featstore.retry import remote_filesystem, with_retries
+from mmcache.featstore.retry import protocol_of, remote_filesystem, with_retries
 from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.input_sources.base import InputSource, SourceOptions, SourceRead, open_input, register
 from mmcache.precompute.inputs import EmptyInputError, ManifestError, csv_records, jsonl_records, read_inputs, record_rows, stream_rules
@@ -37,7 +37,7 @@ def manifest_batches(url: str, options: SourceOptions, build: bool = True) -> It
     Errors of the manifest itself (not UTF-8, a bad line, no ``path`` column, no rows) raise
     ``ManifestError`` as ``read_inputs``'s do, once the batch or the manifest that shows them is read."""
     fs, path = remote_filesystem(url, options.storage_options)
-    protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
+    protocol = protocol_of(fs)
     shown = redact_url(url)
     if not with_retries(lambda: fs.exists(path), shown, "stat"):
         raise ManifestError(f"input {shown!r} does not exist")

@@ -13,7 +13,7 @@ import json
 import posixpath
 from typing import Any
 
-from mmcache.featstore.retry import remote_filesystem, with_retries
+from mmcache.featstore.retry import protocol_of, remote_filesystem, with_retries
 from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.input_sources.base import InputSource, SourceOptions, SourceRead, register
 from mmcache.precompute.inputs import InputFileError, ManifestError, read_local_file, rows_from_records
@@ -25,7 +25,7 @@ MAX_JSON_BYTES = 4 << 30
 def read_llava(url: str, options: SourceOptions) -> SourceRead:
     fs, path = remote_filesystem(url, options.storage_options)
     shown = redact_url(url)
-    protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
+    protocol = protocol_of(fs)
     try:
         raw = read_local_file(path, MAX_JSON_BYTES) if protocol in ("file", "local") else with_retries(lambda: fs.cat_file(path), shown, "read")
     except FileNotFoundError:

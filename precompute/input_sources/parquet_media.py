@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from mmcache.featstore.retry import remote_filesystem, with_retries
+from mmcache.featstore.retry import protocol_of, remote_filesystem, with_retries
 from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.input_sources.base import (
     InputSource, Member, SourceOptions, SourceRead, SourceUnit, duplicate_reason, file_stem, open_input, register,
@@ -85,7 +85,7 @@ def _media_units(url: str, options: SourceOptions) -> SourceRead | None:
 
 
 def _id_column(fs: Any, path: str, pq: Any) -> list[Any]:
-    protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
+    protocol = protocol_of(fs)
     if protocol in ("file", "local"):
         return pq.read_table(os.fspath(path), columns=["id"], use_threads=False).column("id").to_pylist()
     with fs.open(path, "rb", block_size=1 << 20) as fh:
@@ -98,7 +98,7 @@ def row_id(given: Any, prefix: str, number: int) -> str:
 
 
 def _footer(fs: Any, path: str, pq: Any) -> Any:
-    protocol = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
+    protocol = protocol_of(fs)
     if protocol in ("file", "local"):
         return pq.read_metadata(os.fspath(path))
     with fs.open(path, "rb", block_size=1 << 16, cache_type="bytes") as fh:
