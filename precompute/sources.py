@@ -74,7 +74,7 @@ def open_source(uri: str, storage_options: dict[str, Any] | None = None, max_byt
     local = protocol in (None, "file", "local")
     with _as_media_errors(shown, local):
         if local:
-            fh: Any = os.fdopen(_open_local(path, limit), "rb", buffering=_HEADER_BLOCK)
+            fh: Any = os.fdopen(open_local(path, limit), "rb", buffering=_HEADER_BLOCK)
             size = os.fstat(fh.fileno()).st_size
         else:
             fs, remote_path = remote_filesystem(uri, storage_options)
@@ -138,7 +138,7 @@ def read_local_file(path: str, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> byte
     """The bytes of a regular local file of at most ``max_bytes``, raising ``InputFileError``
     otherwise. The type is checked before opening, and the open itself does not block (a FIFO
     swapped in after the check): only then is the open file checked again and read."""
-    fd = _open_local(path, max_bytes)
+    fd = open_local(path, max_bytes)
     try:
         chunks, total = [], 0
         while chunk := os.read(fd, min(8 << 20, max_bytes + 1 - total)):
@@ -151,13 +151,19 @@ def read_local_file(path: str, max_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> byte
         os.close(fd)
 
 
-def _open_local(path: str, max_bytes: int) -> int:
-    """A descriptor of a regular local file of at most ``max_bytes``, or ``InputFileError``."""
+def open_local(path: str, max_bytes: int) -> int:
+    """A descriptor of a regular local file of at most ``max_bytes``, or ``InputFileError``. The
+    type is checked before opening and again on the open file (a FIFO swapped in between), and
+    the open does not block."""
     problem = stat_problem(os.stat(path), max_bytes)
     if problem:
         raise InputFileError(problem, path)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    problem = stat_problem(os.fstat(fd), max_bytes)
+    try:
+        problem = stat_problem(os.fstat(fd), max_bytes)
+    except OSError:
+        os.close(fd)
+        raise
     if problem:
         os.close(fd)
         raise InputFileError(problem, path)

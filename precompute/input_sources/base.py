@@ -24,7 +24,7 @@ from typing import IO, Any
 
 from mmcache.featstore.retry import protocol_of, remote_filesystem
 from mmcache.precompute.inputs import InputRow, Reject
-from mmcache.precompute.sources import InputFileError, stat_problem
+from mmcache.precompute.sources import open_local
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,18 +115,7 @@ def open_input(uri: str, storage_options: dict[str, Any] | None, block_size: int
         with fs.open(path, "rb", block_size=block_size) as fh:
             yield fh
         return
-    problem = stat_problem(os.stat(path), 1 << 62)  # the input's own size is not limited: its members are
-    if problem:
-        raise InputFileError(problem, path)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        problem = stat_problem(os.fstat(fd), 1 << 62)
-    except OSError:
-        os.close(fd)
-        raise
-    if problem:
-        os.close(fd)
-        raise InputFileError(problem, path)
+    fd = open_local(path, 1 << 62)  # the input's own size is not limited: its members are
     with os.fdopen(fd, "rb", buffering=1 << 20) as fh:
         yield fh
 
