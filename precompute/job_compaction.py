@@ -1,0 +1,58 @@
+"""What a finished ``mmcache encode`` job does to the store it wrote: rewrite its small shards
+into large ones (a data compaction, featstore.rewrite) when it holds clearly more of them than it
+should, then checkpoint the index (featstore.compact). Every shard is committed by then: a
+failure here is a warning in the log, and ``mmcache compact`` can be run at any time."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mmcache import featstore
+from mmcache.featstore import compact
+from mmcache.featstore.rewrite import SMALL_FRACTION, DataCompaction, Group, compact_data, shard_nbytes
+from mmcache.precompute.config import EncodeConfig
+
+
+def shards_wanted(store: featstore.Store, target_bytes: int, workers: int) -> int:
+    """How many shards the store should hold: max(workers, bytes / target)."""
+    total = sum(shard_nbytes(info) for info in store.shards.values())
+    return max(1, workers, math.ceil(total / target_bytes))
+
+
+def too_many_small(store: featstore.Store, target_bytes: int, workers: int) -> int:
+    """The number of small shards when they are more than twice what the store should hold, else 0."""
+    small = sum(1 for info in store.shards.values() if shard_nbytes(info) < target_bytes * SMALL_FRACTION)
+    return small if small > 2 * shards_wanted(store, target_bytes, workers) else 0
+
+
+def on_client(client: Any) -> Callable[[Callable[[Group], str | None], Sequence[Group]], list[str | None]]:
+    """Run each group's rewrite as a task of ``client`` (a Dask client's workers, or the thread
+    executor's): the bytes go through the workers, not through this process."""
+
+    def run(fn: Callable[[Group], str | None], groups: Sequence[Group]) -> list[str | None]:
+        return [future.result() for future in [client.submit(fn, group, pure=False) for group in groups]]
+
+    return run
+
+
+def compact_after_job(config: EncodeConfig, store: featstore.Store, storage_options: dict[str, Any] | None, *,
+                      client: Any, workers: int, tasks_done: int, log: Callable[[str], Any]) -> None:
+    """Compact the data, where it has too many small shards, and then the index (as the job
+    always did: when it committed ``compact.AFTER_JOB`` shards or more)."""
+    rewrote = False
+    settings = DataCompaction(target_bytes=int(config.run.shard_bytes), grace_s=config.run.compact_grace)
+    try:
+        current = featstore.open(store.url, storage_options)  # what the job left, not what it planned from
+        if config.run.compact_data and (small := too_many_small(current, settings.target_bytes, workers)):
+            summary = compact_data(current, settings, storage_options, run=on_client(client))
+            rewrote = bool(summary.written)
+            log(f"data compaction: {small} small shard(s) of {len(current.shards)}; {summary.line()}")
+    except (featstore.FeatstoreError, OSError) as exc:
+        log(f"warning: data compaction at the end of the job failed ({exc}); every shard is committed, "
+            f"and `mmcache compact {store.url}` can be run at any time")
+    if tasks_done >= compact.AFTER_JOB or rewrote:
+        # Its readers (every rank of every run) then open from a checkpoint, not part by part;
+        # a job of a few shards costs no listing for it.
+        compact.compact_when(store.storage, compact.AFTER_JOB if not rewrote else 1, "at the end of the job")
