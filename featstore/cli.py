@@ -204,7 +204,7 @@ def repair(url: str, storage_options: str | None) -> None:
 @cli.command()
 @click.argument("url")
 @storage_options_option
-@click.option("--rebuild", is_flag=True, help="Read every index part, ignoring existing checkpoints, and delete them afterwards (when `mmcache verify` says one disagrees with the parts).")
+@click.option("--rebuild", is_flag=True, help="Read every index part, ignoring existing checkpoints, and delete them afterwards (when `mmcache verify` says one disagrees with the parts); implies --index-only.")
 @click.option("--target-bytes", default="256MiB", show_default=True, metavar="SIZE",
               help="Rewrite shards under a quarter of this into shards of about this size (data compaction).")
 @click.option("--grace", "grace_s", type=float, default=DEFAULT_GRACE_S, show_default=True, metavar="SECONDS",
@@ -220,7 +220,7 @@ def compact(url: str, storage_options: str | None, rebuild: bool, target_bytes: 
         settings = DataCompaction(target_bytes=parse_size(target_bytes, "--target-bytes"), grace_s=grace_s)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
-    if not index_only:
+    if not index_only and not rebuild:  # a rebuild mends the index: no data is read through it first
         with _open(url, storage_options) as store:
             click.echo(_guarded(lambda: compact_data(store, settings, options)).line())
     try:  # the store's index is what this reads, once, below

@@ -21,10 +21,17 @@ def shards_wanted(store: featstore.Store, target_bytes: int, workers: int) -> in
     return max(1, workers, math.ceil(total / target_bytes))
 
 
+# Fewer small shards than this are left as they are: opening or reading a store of a few more
+# shards costs next to nothing, and a small job (or one re-run of a few rows) should not pay a
+# rewrite of everything it wrote (the index checkpoint waits for as many, compact.AFTER_JOB).
+MIN_SMALL_SHARDS = 8
+
+
 def too_many_small(store: featstore.Store, target_bytes: int, workers: int) -> int:
-    """The number of small shards when they are more than twice what the store should hold, else 0."""
+    """The number of small shards when they are at least ``MIN_SMALL_SHARDS`` and more than twice
+    what the store should hold, else 0."""
     small = sum(1 for info in store.shards.values() if shard_nbytes(info) < target_bytes * SMALL_FRACTION)
-    return small if small > 2 * shards_wanted(store, target_bytes, workers) else 0
+    return small if small >= MIN_SMALL_SHARDS and small > 2 * shards_wanted(store, target_bytes, workers) else 0
 
 
 def on_client(client: Any) -> Callable[[Callable[[Group], str | None], Sequence[Group]], list[str | None]]:

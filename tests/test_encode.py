@@ -357,21 +357,3 @@ def test_taef2_encode_decode_reconstructs_real_photos(tmp_path, cluster):
         mse = float(np.mean((decoded - reference) ** 2))
         psnr = 10 * np.log10(1.0 / mse)
         assert psnr >= 27.0, (row["id"], psnr)
-
-
-def test_300_tiny_samples_on_2_workers_leave_few_shards(dataset, tmp_path, cluster):
-    """Shards sized by bytes: tiny samples in small tasks (here 10 rows each, 15 shards) are
-    rewritten at the job's end (featstore.rewrite), and the default sizing adds few shards."""
-    images = [r for r in manifest_rows(dataset) if r["path"].endswith(".png")]
-    rows = [{**images[i % len(images)], "id": f"tiny-{i:03d}", "path": str(dataset.parent / images[i % len(images)]["path"])} for i in range(300)]
-    out = tmp_path / "store"
-    lines: list[str] = []
-    first = run_encode(load_config(EncodeConfig, "tiny", "encode", ["run.samples_per_task=10", "data.allow_outside_root=true"]), str(write_manifest(tmp_path / "half.jsonl", rows[:150])),
-                       str(out), scheduler=cluster[0], progress=False, log=lines.append)
-    store = featstore.open(str(out))
-    assert first.tasks == 15 and len(store.shards) <= 4 and len(store.replaced) == 15, lines
-    second = encode(load_config(EncodeConfig, "tiny", "encode", ["data.allow_outside_root=true"]), write_manifest(tmp_path / "all.jsonl", rows), out, cluster)
-    store = featstore.open(str(out))
-    ids = store.index.column("id").to_pylist()
-    assert second.samples_written == 150 and len(store.shards) <= 4 and sorted(ids) == sorted(r["id"] for r in rows)
-    assert subprocess.run([str(Path(sys.executable).parent / "mmcache"), "verify", str(out)], capture_output=True).returncode == 0

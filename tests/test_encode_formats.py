@@ -311,17 +311,17 @@ def test_taef2_latent_of_a_tar_member_decodes_to_its_image(tmp_path, cluster):
 
 
 def test_small_tar_shards_are_compacted_and_reruns_encode_nothing(tmp_path, cluster):
-    """Six small tars are six small shards: the job's end rewrites them into one, and re-runs,
+    """Eight small tars are eight small shards: the job's end rewrites them into one, and re-runs,
     within and after the grace period, encode nothing and duplicate nothing (featstore.rewrite)."""
     shards = tmp_path / "shards"
     shards.mkdir()
-    good = [f"{s:05d}:{k}" for s in range(6) for k in write_tar(shards / f"{s:05d}.tar", s, 3)]
+    good = [f"{s:05d}:{k}" for s in range(8) for k in write_tar(shards / f"{s:05d}.tar", s, 2)]
     out = str(tmp_path / "store")
     lines: list[str] = []
     summary = encode([str(shards / "*.tar")], out, cluster, log=lines.append)
     store = featstore.open(out)
-    assert summary.tasks == 6 and len(store.shards) == 1 and len(store.replaced) == 6, sorted(store.shards)
-    assert any(line.startswith("data compaction: 6 small shard(s)") for line in lines), lines
+    assert summary.tasks == 8 and len(store.shards) == 1 and len(store.replaced) == 8, sorted(store.shards)
+    assert any(line.startswith("data compaction: 8 small shard(s)") for line in lines), lines
     assert sorted(store.sample_ids()) == sorted(good)
     again = encode([str(shards / "*.tar")], out, cluster)
     assert again.tasks == 0 and again.samples_written == 0

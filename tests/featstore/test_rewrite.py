@@ -5,7 +5,6 @@ leave each sample once; replaced objects go only after the grace; verify covers 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 
