@@ -11,7 +11,15 @@ and re-runs the job once more: nothing may be encoded, and the store must still 
     python benchmarks/compact_resume.py                 # 10,000 samples, killed after 10 shards
     python benchmarks/compact_resume.py --samples 2000 --kill-after 4
 
-Prints the figures; exits 1 if any check fails.
+Prints the figures; exits 1 if any check fails. Measured (2 cores shared with other jobs):
+
+    samples 10000, tasks of 200 rows on 2 workers; killed (SIGKILL, process group) after 26.6s with 2000 committed
+    re-run: encoded 8000 (2000 + 8000 = 10000) in 92.5s; data compaction: 50 small shard(s) of 50; data: rewrote
+      1 shard(s) from 1 group(s) of small shards (50 shard(s) before); deleted 0 replaced shard(s) past the grace
+    after the re-run: rows 10000, distinct ids 10000, shards 1, replaced 50, verify OK
+    mmcache compact --grace 0: ... deleted 50 replaced shard(s) past the grace
+    re-run after the grace: encoded 0; rows 10000, distinct ids 10000, shards 1, verify OK
+    exactly once: OK
 """
 
 from __future__ import annotations
