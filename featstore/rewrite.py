@@ -81,7 +81,7 @@ def shard_nbytes(info: ShardInfo) -> int:
 
 def plan_groups(store: Store, target_bytes: int) -> list[Group]:
     """Groups of small shards, in snapshot order, of about ``target_bytes`` each (two shards or
-    more per group), each of shards holding the same fields. A shard holding a sample field that
+    more per group), the shards of a group holding the same fields. A shard holding a sample field that
     another shard holds too (racing writers) is left alone: `mmcache repair` settles it first."""
     raced = set() if store.dense else {shard for _, _, shard in store.duplicates} | _winners(store)
     open_groups: dict[tuple[str, ...], tuple[list[ShardInfo], int]] = {}
