@@ -11,7 +11,7 @@ from typing import Any
 
 from mmcache import featstore
 from mmcache.featstore import compact
-from mmcache.featstore.rewrite import SMALL_FRACTION, DataCompaction, Group, compact_data, shard_nbytes
+from mmcache.featstore.rewrite import SMALL_FRACTION, DataCompaction, Group, compact_data, delete_replaced, shard_nbytes
 from mmcache.precompute.config import EncodeConfig
 
 
@@ -56,6 +56,8 @@ def compact_after_job(config: EncodeConfig, store: featstore.Store, storage_opti
             summary = compact_data(current, settings, storage_options, run=on_client(client))
             rewrote = bool(summary.written)
             log(f"data compaction: {small} small shard(s) of {len(current.shards)}; {summary.line()}")
+        elif config.run.compact_data and current.replaced and (deleted := delete_replaced(current.storage, settings.grace_s)):
+            log(f"data compaction: deleted the objects of {len(deleted)} shard(s) replaced over run.compact_grace ago")
     except (featstore.FeatstoreError, OSError) as exc:
         log(f"warning: data compaction at the end of the job failed ({exc}); every shard is committed, "
             f"and `mmcache compact {store.url}` can be run at any time")
