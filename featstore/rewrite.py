@@ -30,9 +30,10 @@ from mmcache.featstore.storage import Storage
 from mmcache.featstore.writer import DEFAULT_SHARD_BYTES, Rewrite
 
 # Old objects outlive the switch by this long: a reader that opened before it loads the old
-# shards' rows and data when it first reads them. An hour covers an open-to-first-read gap of
-# any training step or scan; a reader kept open longer reopens (or sets a longer grace).
-DEFAULT_GRACE_S = 3600.0
+# shards' rows and data when it first reads them, and a training run keeps one snapshot open for
+# days (and resumes from it). A week, as Delta Lake keeps removed files by default; the replaced
+# shards are small ones, and `mmcache compact --grace 0` frees them at once when nothing reads.
+DEFAULT_GRACE_S = 7 * 24 * 3600.0
 # A shard is "small", and so rewritten, below this fraction of the target size: one between it
 # and the target is already few requests per byte, and rewriting it would cost more than it saves.
 SMALL_FRACTION = 0.25

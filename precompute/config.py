@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from mmcache.featstore.cache import parse_size
 from mmcache.featstore.errors import ConfigError
+from mmcache.featstore.rewrite import DEFAULT_GRACE_S
 from mmcache.precompute.media import FrameSampling, ResizeConfig
 
 # `path: tiny` in a preset means "the tiny random-weight model of this encoder", built once into
@@ -79,7 +80,7 @@ class RunConfig:
     # (featstore.rewrite); the objects they replace are deleted by a later compaction once
     # compact_grace seconds have passed (readers opened before the switch still read them).
     compact_data: bool = True
-    compact_grace: float = 3600.0
+    compact_grace: float = DEFAULT_GRACE_S  # a week (featstore.rewrite)
 
     def __post_init__(self) -> None:
         if self.commit_ahead_bytes not in (0, "0"):  # 0: off
