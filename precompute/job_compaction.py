@@ -45,19 +45,17 @@ def on_client(client: Any) -> Callable[[Callable[[Group], str | None], Sequence[
 
 
 def compact_after_job(config: EncodeConfig, store: featstore.Store, storage_options: dict[str, Any] | None, *,
-                      client: Any, workers: int, tasks_done: int, log: Callable[[str], Any]) -> None:
+                      client: Any, workers: int, tasks_done: int, samples_written: int, log: Callable[[str], Any]) -> None:
     """Compact the data, where it has too many small shards, and then the index (as the job
-    always did: when it committed ``compact.AFTER_JOB`` shards or more)."""
+    always did: when it committed ``compact.AFTER_JOB`` shards or more). ``store`` is the snapshot
+    the job planned from."""
     rewrote = False
-    settings = DataCompaction(target_bytes=int(config.run.shard_bytes), grace_s=config.run.compact_grace)
+    # At most this many small shards now (a small one holds at most samples_per_task rows; a tar's
+    # task commits one per part): below MIN_SMALL_SHARDS, with nothing replaced, no request is made.
+    bound = len(store.shards) + tasks_done + samples_written // config.run.samples_per_task
     try:
-        current = featstore.open(store.url, storage_options)  # what the job left, not what it planned from
-        if config.run.compact_data and (small := too_many_small(current, settings.target_bytes, workers)):
-            summary = compact_data(current, settings, storage_options, run=on_client(client))
-            rewrote = bool(summary.written)
-            log(f"data compaction: {small} small shard(s) of {len(current.shards)}; {summary.line()}")
-        elif config.run.compact_data and current.replaced and (deleted := delete_replaced(current.storage, settings.grace_s)):
-            log(f"data compaction: deleted the objects of {len(deleted)} shard(s) replaced over run.compact_grace ago")
+        if config.run.compact_data and (bound >= MIN_SMALL_SHARDS or store.replaced):
+            rewrote = _compact_data(config, store.url, storage_options, client=client, workers=workers, log=log)
     except (featstore.FeatstoreError, OSError) as exc:
         log(f"warning: data compaction at the end of the job failed ({exc}); every shard is committed, "
             f"and `mmcache compact {store.url}` can be run at any time")
@@ -65,3 +63,18 @@ def compact_after_job(config: EncodeConfig, store: featstore.Store, storage_opti
         # Its readers (every rank of every run) then open from a checkpoint, not part by part;
         # a job of a few shards costs no listing for it.
         compact.compact_when(store.storage, compact.AFTER_JOB if not rewrote else 1, "at the end of the job")
+
+
+def _compact_data(config: EncodeConfig, url: str, storage_options: dict[str, Any] | None, *, client: Any, workers: int,
+                  log: Callable[[str], Any]) -> bool:
+    """Rewrite the small shards of what the job left, if too many; else delete the objects of
+    shards replaced over the grace ago. Returns whether a shard was rewritten."""
+    settings = DataCompaction(target_bytes=int(config.run.shard_bytes), grace_s=config.run.compact_grace)
+    current = featstore.open(url, storage_options)  # what the job left, not what it planned from
+    if small := too_many_small(current, settings.target_bytes, workers):
+        summary = compact_data(current, settings, storage_options, run=on_client(client))
+        log(f"data compaction: {small} small shard(s) of {len(current.shards)}; {summary.line()}")
+        return bool(summary.written)
+    if current.replaced and (deleted := delete_replaced(current.storage, settings.grace_s)):
+        log(f"data compaction: deleted the objects of {len(deleted)} shard(s) replaced over run.compact_grace ago")
+    return False

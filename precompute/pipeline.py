@@ -141,7 +141,7 @@ def run_encode(
             log(note)
         executed = execute(plan, job.executor, progress=progress, log=log)
         compact_after_job(config, store, storage_options, client=job.executor.client, workers=job.executor.workers,
-                          tasks_done=executed.tasks - executed.tasks_skipped, log=log)
+                          tasks_done=executed.tasks - executed.tasks_skipped, samples_written=executed.samples_written, log=log)
         return EncodeSummary(store_url=store.url, seconds=time.perf_counter() - t0 - startup, samples_skipped=plan.samples_skipped,
                              startup_seconds=startup, stale=len(stale), executor=job.placement.kind, **dataclasses.asdict(executed))
 
