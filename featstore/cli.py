@@ -16,7 +16,9 @@ from mmcache.featstore import secrets
 from mmcache.featstore.checkpoints import CheckpointWarning
 from mmcache.featstore.compact import compact_store
 from mmcache.featstore.reader import open_store
+from mmcache.featstore.cache import parse_size
 from mmcache.featstore.repair import repair_store
+from mmcache.featstore.rewrite import DEFAULT_GRACE_S, DataCompaction, compact_data
 from mmcache.featstore.secrets import redact
 from mmcache.featstore.user_errors import UserErrorGroup, check_output_location, debug_option
 from mmcache.featstore.verify import store_info, verify_store
@@ -130,6 +132,8 @@ def verify(url: str, storage_options: str | None, quiet: bool) -> None:
     """Check every committed byte of the store at URL; exit 1 on any problem."""
     with _open(url, storage_options, strict=False) as store:
         report = _guarded(verify_store, store)
+    for line in report.replaced if not quiet else ():
+        click.echo(f"note: {line}", err=True)
     for line in report.warnings:
         click.echo(f"warning: {line}", err=True)
     for line in report.problems:
@@ -200,13 +204,27 @@ def repair(url: str, storage_options: str | None) -> None:
 @cli.command()
 @click.argument("url")
 @storage_options_option
-@click.option("--rebuild", is_flag=True, help="Read every index part, ignoring existing checkpoints, and delete them afterwards (when `mmcache verify` says one disagrees with the parts).")
-def compact(url: str, storage_options: str | None, rebuild: bool) -> None:
-    """Checkpoint the index of the store at URL: one Parquet object holding the rows of every
-    committed index part, so that opening the store reads it instead of every part. Deletes no
-    index part; safe while others read, write or compact. Writers also do this every so often."""
+@click.option("--rebuild", is_flag=True, help="Read every index part, ignoring existing checkpoints, and delete them afterwards (when `mmcache verify` says one disagrees with the parts); implies --index-only.")
+@click.option("--target-bytes", default="256MiB", show_default=True, metavar="SIZE",
+              help="Rewrite shards under a quarter of this into shards of about this size (data compaction).")
+@click.option("--grace", "grace_s", type=float, default=DEFAULT_GRACE_S, show_default=True, metavar="SECONDS",
+              help="Delete the objects of shards replaced by a data compaction at least this long ago.")
+@click.option("--index-only", is_flag=True, help="Only checkpoint the index: no data compaction, nothing deleted.")
+def compact(url: str, storage_options: str | None, rebuild: bool, target_bytes: str, grace_s: float, index_only: bool) -> None:
+    """Compact the store at URL: rewrite its small shards into shards of about --target-bytes
+    (each switch one atomic commit; the old objects deleted after --grace), then checkpoint its
+    index, so that opening it reads one Parquet object instead of every index part. Safe while
+    others read, write or compact. Writers and `mmcache encode` also do this every so often."""
+    options = parse_storage_options(storage_options)
+    try:
+        settings = DataCompaction(target_bytes=parse_size(target_bytes, "--target-bytes"), grace_s=grace_s)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    if not index_only and not rebuild:  # a rebuild mends the index: no data is read through it first
+        with _open(url, storage_options) as store:
+            click.echo(_guarded(lambda: compact_data(store, settings, options)).line())
     try:  # the store's index is what this reads, once, below
-        store = open_store(url, parse_storage_options(storage_options), load_index=False)
+        store = open_store(url, options, load_index=False)
     except featstore.FeatstoreError as exc:
         raise click.ClickException(redact(exc)) from None
     with store:

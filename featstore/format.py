@@ -264,6 +264,31 @@ def check_shard_name(name: Any) -> str:
     return name
 
 
+# A data compaction's shard (featstore.rewrite) is named ``<its first shard>-c<12 hex digits>``
+# (an earlier such suffix of that shard dropped). Readers look for a ``replaces`` list only in
+# the commit records of such names: an open from a checkpoint then decodes no other record.
+_REWRITE_SUFFIX = re.compile(r"-c[0-9a-f]{12}$")
+
+
+def rewrite_name(first: str, digest: str) -> str:
+    """The name of the shard that rewrites a group whose first shard is ``first``: it sorts right
+    after ``first`` (same commit time, see featstore.rewrite), so the samples keep their order."""
+    return check_shard_name(f"{_REWRITE_SUFFIX.sub('', first)[:180]}-c{digest[:12]}")
+
+
+def replaced_shards(shard: str, replaces: Any, key: str) -> tuple[str, ...]:
+    """The shards a commit record's ``replaces`` names (only a rewrite's name carries one)."""
+    if replaces is None or not _REWRITE_SUFFIX.search(shard):
+        return ()
+    if not (isinstance(replaces, list) and all(isinstance(r, str) and _SAFE_NAME.match(r) and r != shard for r in replaces)):
+        raise CorruptionError(f"{key}: shard {shard!r} replaces {replaces!r}, not a list of other shard names")
+    return tuple(replaces)
+
+
+def is_rewrite_name(shard: str) -> bool:
+    return bool(_REWRITE_SUFFIX.search(shard))
+
+
 def data_root(shard: str, token: str) -> str:
     """Where one writer's copy of a shard's data lives: unique to that writer (``token``), so that
     writers racing on one shard name never write the same object."""

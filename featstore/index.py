@@ -56,6 +56,7 @@ class ShardInfo:
     data_root: str = ""        # where its objects live (version 3: per writer; before: shards/<name>)
     rejects_key: str = ""
     committed_at: float = 0.0  # by the writer's clock; 0 for versions 1-2
+    replaces: tuple[str, ...] = ()  # a data compaction's shard: the shards it rewrote (featstore.rewrite)
 
     def data_key(self, field: str) -> str:
         return f"{self.data_root}/{field}/c/0"
@@ -102,9 +103,21 @@ def recorded_shard_info(name: str, key: str, nbytes: int, num_samples: int, num_
     the commit record's JSON (``record(row)``) when first read."""
     if why := fmt.recorded_names_problem(name, data_root, rejects_key, fields):
         raise CorruptionError(f"{key}: {why}")
+    # Only a rewrite's record is decoded at the open: other names carry no "replaces".
+    replaces = fmt.replaced_shards(name, _json(record(row), key).get("replaces"), key) if fmt.is_rewrite_name(name) else ()
     return ShardInfo(name, num_samples, num_rejected, RecordMapping(record, row, "fields", fields), RecordMapping(record, row, "objects"),
-                     key, nbytes, data_root, rejects_key, committed_at)
+                     key, nbytes, data_root, rejects_key, committed_at, replaces)
 
+
+
+def _json(text: str, key: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise CorruptionError(f"{key}: a commit record that is not JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise CorruptionError(f"{key}: a commit record that is not a JSON object")
+    return doc
 
 
 # ---- the listing ----------------------------------------------------------------------------
@@ -171,7 +184,8 @@ def shard_info(info: dict[str, Any], name: str, key: str, nbytes: int) -> ShardI
         raise CorruptionError(f"{key}: {why}")
     if stray := [k for k in objects if not (k == rejects or (k.startswith(root + "/") and ".." not in k.split("/")))]:
         raise CorruptionError(f"{key}: shard {name!r} lists an object {stray[0]!r} outside its data directory {root}")
-    return ShardInfo(name, counts[0], counts[1], layouts, objects, key, nbytes, root, rejects, float(info.get("committed_at") or 0.0))
+    replaces = fmt.replaced_shards(name, info.get("replaces"), key)
+    return ShardInfo(name, counts[0], counts[1], layouts, objects, key, nbytes, root, rejects, float(info.get("committed_at") or 0.0), replaces)
 
 
 def row_outside_data(table: pa.Table, info: ShardInfo) -> str | None:

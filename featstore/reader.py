@@ -25,7 +25,6 @@ import pyarrow as pa
 
 from mmcache.featstore import format as fmt
 from mmcache.featstore import manifest as manifests
-
 from mmcache.featstore.errors import CorruptionError, MissingFieldError, NotAStoreError, ReadOnlyError, SchemaError
 from mmcache.featstore.sample import Sample
 from mmcache.featstore.scan import DEFAULT_READAHEAD_BYTES, scan_samples
@@ -165,8 +164,9 @@ class Store:
         self.checkpoint = None if gathered.checkpoint is None else gathered.checkpoint.key
         self.checkpoint_covered = len(gathered.covered)
         self.shards: dict[str, ShardInfo] = {info.name: info for _, info in gathered.order}
-        # Committed objects never change: a caching layer may key its entries on their checksums.
-        # (Asked only of a storage that listens: a checkpoint's records are decoded when first used.)
+        self.replaced = gathered.replaced  # shard -> the data compaction that rewrote it: committed, not read
+        # Committed objects never change: a caching layer may key its entries on their checksums
+        # (asked only of a storage that listens: a checkpoint's records are decoded when first used).
         if type(self.storage).known_objects is not Storage.known_objects:
             self.storage.known_objects({key: obj for info in self.shards.values() for key, obj in info.objects.items()})
         self._starts = np.cumsum([0] + [info.num_samples for info in self.shards.values()], dtype=np.int64)
@@ -245,14 +245,14 @@ class Store:
         """Read the index parts committed since this snapshot (and not read by an earlier call)
         and note their samples, so that a writer's duplicate checks see them. Only a shard's ids
         and fields are kept: the read snapshot itself does not change. Returns the name of every
-        shard committed now (one listing answers both questions)."""
+        shard committed now, replaced ones included (one listing answers both questions)."""
         parts = index_parts(self.storage.list_dir(fmt.INDEX_DIR))
         new = [p for p in parts if p.shard not in self.shards and p.shard not in self._rechecked]
         for part, raw in zip(new, read_parts(self.storage, [p.key for p in new]), strict=True):
             table, info = parse_index_part(raw, part.shard, part.key, self.url, part.crc)
             self.note_committed(info.name, table.column("id").to_pylist(), list(info.layouts))
-        committed = {p.shard for p in parts}
-        return committed
+            self.replaced.update(dict.fromkeys(info.replaces, info.name))
+        return {p.shard for p in parts} | set(self.replaced)
 
     def note_committed(self, shard: str, sample_ids: list[str], fields: Sequence[str] | None = None) -> None:
         """Called by a writer of this store after a commit, so its duplicate checks see new ids.

@@ -11,6 +11,7 @@ moves or changes, so a reader that opened the store before keeps reading it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 
@@ -80,6 +81,16 @@ def repair_store(store: Store) -> RepairSummary:
 
 def _free_name(store: Store, shard: str) -> str:
     n = 1
-    while store.has_shard(f"{shard}-r{n}"):
+    while store.has_shard(name := _recommitted_name(shard, n)):
         n += 1
+    return name
+
+
+def _recommitted_name(shard: str, n: int) -> str:
+    """``<shard>-r<n>``, which sorts right after ``shard`` (so its samples keep their places). A
+    data compaction's shard gets ``<shard>-c<12 hex digits>`` instead: a name of its kind, without
+    which readers would not honour the ``replaces`` its record keeps (docs/FORMAT.md, "Data
+    compaction")."""
+    if fmt.is_rewrite_name(shard):
+        return fmt.check_shard_name(f"{shard}-c{hashlib.sha256(f'{shard}-r{n}'.encode()).hexdigest()[:12]}")
     return f"{shard}-r{n}"

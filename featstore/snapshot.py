@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from mmcache.featstore import format as fmt
 from mmcache.featstore.checkpoints import CheckpointWarning, find_checkpoint
 from mmcache.featstore.errors import CorruptionError, SnapshotError
 from mmcache.featstore.idhash import any_known, id_hashes
@@ -66,6 +67,7 @@ class GatheredParts:
     tables: dict[str, pa.Table]             # file name -> rows, of the parts read whole
     checkpoint: Any = None                  # the featstore.checkpoints.Checkpoint used, if any
     covered: dict[str, Any] = field(default_factory=dict)  # file name -> CoveredPart, the parts whose rows come from it
+    replaced: dict[str, str] = field(default_factory=dict)  # shard -> the data compaction's shard that replaces it (featstore.rewrite)
     _table: pa.Table | None = None
 
     @property
@@ -134,16 +136,20 @@ def gather_parts(storage: Storage, *, strict: bool, list_parts: bool = True, onl
     found = _Found({part.info.name: part.info for part in covered.values()}, dict(covered), {part.info.name: entry for entry, part in covered.items()})
     # Parts committed after the snapshot was taken (not ``wanted``) are left out.
     parts = [p for p in index_parts(e for e in listing if e not in covered) if wanted is None or p.shard in wanted]
-    found.read(storage, parts, strict)
+    # Data compactions' parts first: the parts they replace need not be read at all.
+    found.read(storage, [p for p in parts if fmt.is_rewrite_name(p.shard)], strict)
+    gone_by = {old for info in found.shards.values() for old in info.replaces}
+    found.read(storage, [p for p in parts if not fmt.is_rewrite_name(p.shard) and p.shard not in gone_by], strict)
+    replaced = found.leave_out_replaced(covered)
     # Commit order (then name): a sample field committed twice by racing writers is read from
     # the earliest commit, which is the one any reader that opened in between already saw.
     order = sorted(((found.entries[info.name], info) for info in found.shards.values()), key=lambda p: (p[1].committed_at, p[1].name))
-    if wanted is not None and (gone := sorted(wanted - set(found.shards) - set(found.damaged))):
+    if wanted is not None and (gone := sorted(wanted - set(found.shards) - set(found.damaged) - set(replaced))):
         raise SnapshotError(
             f"{storage.url}: {len(gone)} shard(s) of the requested snapshot are not committed there, e.g. {gone[0]!r}; "
             "the store was changed or is a different one"
         )
-    return GatheredParts(storage, listing, order, found.records, found.damaged, found.tables, checkpoint, covered)
+    return GatheredParts(storage, listing, order, found.records, found.damaged, found.tables, checkpoint, covered, replaced)
 
 
 @dataclass
@@ -174,6 +180,20 @@ class _Found:
             self.shards[part.shard] = info
             self.records[part.entry], self.entries[part.shard] = record, part.entry
             self.tables[part.entry] = table.append_column("shard", pa.array([part.shard] * table.num_rows, pa.string()))
+
+    def leave_out_replaced(self, covered: dict[str, Any]) -> dict[str, str]:
+        """Leave out every shard that a valid part's ``replaces`` names (a data compaction
+        rewrote it, featstore.rewrite): the commit of the rewrite is the switch, so a snapshot
+        holds either the old shards or the new one. Returns replaced shard -> its rewrite."""
+        replaced = {old: info.name for info in self.shards.values() for old in info.replaces}
+        for name in [n for n in self.shards if n in replaced]:
+            del self.shards[name]
+            entry = self.entries.pop(name)
+            for held in (self.records, self.tables, covered):
+                held.pop(entry, None)
+        for name in replaced:
+            self.damaged.pop(name, None)  # nobody reads it any more
+        return replaced
 
 
 def _concat(order: list[tuple[str, ShardInfo]], covered: dict[str, Any], rows: pa.Table | None, tables: dict[str, pa.Table]) -> pa.Table:

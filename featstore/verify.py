@@ -28,6 +28,7 @@ from mmcache.featstore.idhash import id_hashes
 from mmcache.featstore.index import list_index, parse_index_part_record
 from mmcache.featstore.prompts import PROMPTS_DIR, parse_part_name, read_part
 from mmcache.featstore.reader import Store
+from mmcache.featstore.rewrite import check_replaced
 from mmcache.featstore.storage import Storage
 
 
@@ -39,6 +40,7 @@ class VerifyReport:
     samples_checked: int = 0
     bytes_checked: int = 0
     prompts_checked: int = 0  # prompt-embedding objects
+    replaced: list[str] = field(default_factory=list)  # shards a data compaction replaced, still there (featstore.rewrite)
 
     @property
     def ok(self) -> bool:
@@ -103,6 +105,7 @@ def verify_store(store: Store, progress: Callable[[str], None] | None = None) ->
     check_checkpoints(store.storage, report.problems, report.warnings)
     _verify_prompts(store, report)
     committed = {info.data_root.rsplit("/", 1)[-1] for info in store.shards.values() if info.num_samples}
+    committed |= check_replaced(store, report)  # checked against the snapshot; not leftovers
     for leftover in store.storage.list_dir(fmt.SHARDS_DIR):
         if leftover not in committed and leftover != "zarr.json":
             report.warnings.append(f"shard {leftover!r} has data but no index part (a writer stopped before committing it); it is ignored")

@@ -34,6 +34,16 @@ Store = Any
 DEFAULT_SHARD_BYTES = 256 << 20
 
 
+@dataclass(frozen=True, kw_only=True)
+class Rewrite:
+    """A commit that rewrites committed shards (a data compaction, featstore.rewrite). Its rows
+    are copies of theirs by design, so none is left out as committed elsewhere; its record names
+    them (``replaces``) and takes the first one's commit time, hence its place in snapshot order."""
+
+    replaces: tuple[str, ...]
+    committed_at: float
+
+
 @dataclass
 class _Pending:
     sample_id: str
@@ -137,7 +147,7 @@ class StoreWriter:
         return array
 
     # ---- committing ---------------------------------------------------------------------
-    def commit(self, name: str | None = None) -> str | None:
+    def commit(self, name: str | None = None, *, rewrite: Rewrite | None = None) -> str | None:
         """Write the pending samples (and rejects) as one shard. Returns its name, or None when
         there was nothing to commit and no name was asked for.
 
@@ -159,7 +169,8 @@ class StoreWriter:
                 raise ShardCommittedError(f"shard {name!r} is already committed in {self._store.url}")
         # Samples this writer already knows to be committed elsewhere (its snapshot, its own
         # earlier commits) are left out before anything is written; no request is needed for it.
-        self._drop_committed_elsewhere()
+        if rewrite is None:
+            self._drop_committed_elsewhere()
         self._store.fix_ndims({f: a.ndim for f, a in self._pending[0].arrays.items()} if self._pending else {})
         self._store.require_format_version(fmt.EXCLUSIVE_COMMIT_VERSION)
         # Every object but the index part goes under a name unique to this writer and try, so
@@ -175,17 +186,19 @@ class StoreWriter:
         # index/ tells whether the name is taken and what was committed since the snapshot.
         # (Checking before the data writes too would cost every commit a round trip, to save
         # only a losing writer's uploads.)
-        if chosen or table.num_rows:
+        if rewrite is None and (chosen or table.num_rows):
             committed = self._store.refresh_committed()
             if chosen and name in committed:
                 self._clear_pending()
                 self._discard(objects)
                 discarded = "; this writer's copy was discarded" if objects else ""
                 raise ShardCommittedError(f"shard {name!r} is already committed in {self._store.url}{discarded}")
-        table, commit_info = self._without_committed_elsewhere(table, commit_info)
+        if rewrite is None:
+            table, commit_info = self._without_committed_elsewhere(table, commit_info)
         # Readers resolve a (sample id, field) that racing writers both committed by the
         # earliest commit, then the shard name: deterministic for every reader of the same shards.
-        part = index_part_bytes(table, {**commit_info, "committed_at": time.time()})
+        stamp = {"committed_at": time.time()} if rewrite is None else {"committed_at": rewrite.committed_at, "replaces": list(rewrite.replaces), "rewritten_at": time.time()}
+        part = index_part_bytes(table, {**commit_info, **stamp})
         # The commit point: until this object exists the shard is invisible to every reader; it
         # is created only if absent, so of two writers of one shard name exactly one commits.
         won = self._storage.write_new(fmt.index_part_key(name), part)

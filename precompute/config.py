@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from mmcache.featstore.cache import parse_size
 from mmcache.featstore.errors import ConfigError
+from mmcache.featstore.rewrite import DEFAULT_GRACE_S
 from mmcache.precompute.media import FrameSampling, ResizeConfig
 
 # `path: tiny` in a preset means "the tiny random-weight model of this encoder", built once into
@@ -74,6 +75,12 @@ class RunConfig:
     # the worker encodes its next task (precompute.commit_ahead); 0: each task commits before
     # the worker starts the next.
     commit_ahead_bytes: int | str = "1GiB"
+    # At the end of a job that leaves clearly more small shards (under shard_bytes / 4) than
+    # max(workers, bytes / shard_bytes), rewrite them into shards of about shard_bytes
+    # (featstore.rewrite); the objects they replace are deleted by a later compaction once
+    # compact_grace seconds have passed (readers opened before the switch still read them).
+    compact_data: bool = True
+    compact_grace: float = DEFAULT_GRACE_S  # a week (featstore.rewrite)
 
     def __post_init__(self) -> None:
         if self.commit_ahead_bytes not in (0, "0"):  # 0: off
@@ -87,6 +94,8 @@ class RunConfig:
                 raise ConfigError(f"run.{name} must be >= 1, got {getattr(self, name)}")
         if self.threads_max_samples < 0:
             raise ConfigError(f"run.threads_max_samples must be >= 0, got {self.threads_max_samples}")
+        if self.compact_grace < 0:
+            raise ConfigError(f"run.compact_grace must be >= 0 seconds, got {self.compact_grace}")
         if self.task_timeout < 0:
             raise ConfigError(f"run.task_timeout must be >= 0 seconds (0: no limit), got {self.task_timeout}")
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmcache import featstore
-from mmcache.featstore import compact, secrets
+from mmcache.featstore import secrets
 from mmcache.featstore.secrets import RedactedOptions
 from mmcache.precompute.config import EncodeConfig
 from mmcache.precompute.executors import (
@@ -40,6 +40,7 @@ from mmcache.precompute.executors import (
 )
 from mmcache.precompute.feature_bytes import FieldsOutline, outline
 from mmcache.precompute.input_sources import InputStream, SourceOptions
+from mmcache.precompute.job_compaction import compact_after_job
 from mmcache.precompute.output_store import commit_plan_rejects, open_existing, open_or_create
 from mmcache.precompute.plan import EncodePlan, plan_encode
 from mmcache.precompute.progress import UNREAD_UNIT_SAMPLES, ProgressMeter, SampleTotal
@@ -136,10 +137,8 @@ def run_encode(
         for note in plan.notes:
             log(note)
         executed = execute(plan, job.executor, progress=progress, log=log)
-        if executed.tasks - executed.tasks_skipped >= compact.AFTER_JOB:
-            # Its readers (every rank of every run) then open from a checkpoint, not part by part;
-            # a job of a few shards costs no listing for it.
-            compact.compact_when(store.storage, compact.AFTER_JOB, "at the end of the job")
+        compact_after_job(config, store, storage_options, client=job.executor.client, workers=job.executor.workers,
+                          tasks_done=executed.tasks - executed.tasks_skipped, samples_written=executed.samples_written, log=log)
         return EncodeSummary(store_url=store.url, seconds=time.perf_counter() - t0 - startup, samples_skipped=plan.samples_skipped,
                              startup_seconds=startup, stale=len(stale), executor=job.placement.kind, **dataclasses.asdict(executed))
 

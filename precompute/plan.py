@@ -74,7 +74,7 @@ def plan_encode(config: EncodeConfig, *, inputs: InputStream, survey: Survey, st
     notes = [f"adding {', '.join(missing)} to {n} sample(s) already in the store"
              for (missing, new), n in survey.groups.items() if not new] + unit_notes(inputs.units, store, list(fields))
     plan = EncodePlan(output_url=output_url, store=store, storage_options=storage_options, specs=specs, settings=settings,
-                      tasks=iter(()), known_shards=sorted(set(store.shards) | {t.shard for t in units}),
+                      tasks=iter(()), known_shards=sorted(set(store.shards) | set(store.replaced) | {t.shard for t in units}),
                       samples=survey.todo + sum(t.unit.estimated_samples for t in units if t.unit),
                       units=[t.unit for t in units if t.unit],
                       plan_rejects=[r for r in survey.rejects if r.source not in rejected_before],
@@ -192,7 +192,7 @@ def unit_tasks(units: list[SourceUnit], store: featstore.Store, config: EncodeCo
         # Not named by the fields: a unit done is done (adding a field to its samples is not supported yet, see unit_notes).
         body = json.dumps([unit.kind, unit.shown, list(unit.row_groups), part_size] + ([salt] if salt else []))
         name = f"u-{hashlib.sha256(body.encode()).hexdigest()[:24]}"
-        if name in store.shards:
+        if name in store.shards or name in store.replaced:  # done, and maybe compacted since (featstore.rewrite)
             continue
         # One dict per prefix, shared by its units: the job's own rows of that prefix join it (_RowGroups).
         skip = by_prefix.setdefault(unit.id_prefix, {}) if unit.id_prefix else leave_out

@@ -20,7 +20,7 @@ import pytest
 
 from mmcache import featstore
 from mmcache.featstore.config import load_config
-from mmcache.featstore.verify import store_info
+from mmcache.featstore.verify import store_info, verify_store
 from mmcache.precompute.config import EncodeConfig
 from mmcache.precompute.pipeline import run_encode
 from tests.input_data import add_member, png, write_llava, write_media_parquet, write_tar
@@ -270,7 +270,9 @@ def test_killed_tar_encode_resumes_exactly_once(tmp_path):
     partial = _killed_mid_way(cmd, out)
     assert 0 < partial < 192
     ids = _rerun_completes(cmd, out, partial, 192)
-    assert len(ids) == 192 and len(set(ids)) == 192 and len(featstore.open(str(out)).shards) == 12
+    store = featstore.open(str(out))
+    # Twelve parts of 16 samples were committed; the rerun's end rewrote them into one shard.
+    assert len(ids) == 192 and len(set(ids)) == 192 and len(store.shards) == 1 and len(store.replaced) == 12
 
 
 def test_killed_encode_of_video_tars_with_clips_resumes_exactly_once(tmp_path):
@@ -328,3 +330,29 @@ def test_taef2_latent_of_a_tar_member_decodes_to_its_image(tmp_path, cluster):
         reference = np.asarray(source.crop(box).resize((row["width"], row["height"]), Image.BICUBIC), dtype=np.float32) / 255
         psnr = 10 * np.log10(1.0 / float(np.mean((decoded - reference) ** 2)))
         assert psnr >= 27.0, (row["id"], psnr)
+
+
+def test_small_tar_shards_are_compacted_and_reruns_encode_nothing(tmp_path, cluster):
+    """Eight small tars are eight small shards: the job's end rewrites them into one, and re-runs,
+    within and after the grace period, encode nothing and duplicate nothing (featstore.rewrite)."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    good = [f"{s:05d}:{k}" for s in range(8) for k in write_tar(shards / f"{s:05d}.tar", s, 2)]
+    out = str(tmp_path / "store")
+    lines: list[str] = []
+    summary = encode([str(shards / "*.tar")], out, cluster, log=lines.append)
+    store = featstore.open(out)
+    assert summary.tasks == 8 and len(store.shards) == 1 and len(store.replaced) == 8, sorted(store.shards)
+    assert any(line.startswith("data compaction: 8 small shard(s)") for line in lines), lines
+    assert sorted(store.sample_ids()) == sorted(good)
+    # A re-run within the grace reads no tar; its end (the grace set to 0 here) deletes the old objects.
+    again = encode([str(shards / "*.tar")], out, cluster, overrides=["run.compact_grace=0"], log=lines.append)
+    assert again.tasks == 0 and again.samples_written == 0
+    assert "data compaction: deleted the objects of 8 shard(s)" in lines[-1], lines
+    assert not [d for d in os.listdir(f"{out}/shards") if d.split(".")[0] in store.replaced]
+    after_grace = encode([str(shards / "*.tar")], out, cluster)
+    assert after_grace.tasks == 0 and after_grace.samples_written == 0
+    ids = featstore.open(out).index.column("id").to_pylist()
+    assert sorted(ids) == sorted(good)
+    report = verify_store(featstore.open(out, strict=False))
+    assert report.ok and not report.warnings, (report.problems, report.warnings)

@@ -1,0 +1,80 @@
+"""What a finished ``mmcache encode`` job does to the store it wrote: rewrite its small shards
+into large ones (a data compaction, featstore.rewrite) when it holds clearly more of them than it
+should, then checkpoint the index (featstore.compact). Every shard is committed by then: a
+failure here is a warning in the log, and ``mmcache compact`` can be run at any time."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mmcache import featstore
+from mmcache.featstore import compact
+from mmcache.featstore.rewrite import SMALL_FRACTION, DataCompaction, Group, compact_data, delete_replaced, shard_nbytes
+from mmcache.precompute.config import EncodeConfig
+
+
+def shards_wanted(store: featstore.Store, target_bytes: int, workers: int) -> int:
+    """How many shards the store should hold: max(workers, bytes / target)."""
+    total = sum(shard_nbytes(info) for info in store.shards.values())
+    return max(1, workers, math.ceil(total / target_bytes))
+
+
+# Fewer small shards than this are left as they are: opening or reading a store of a few more
+# shards costs next to nothing, and a small job (or one re-run of a few rows) should not pay a
+# rewrite of everything it wrote (the index checkpoint waits for as many, compact.AFTER_JOB).
+MIN_SMALL_SHARDS = 8
+
+
+def too_many_small(store: featstore.Store, target_bytes: int, workers: int) -> int:
+    """The number of small shards when they are at least ``MIN_SMALL_SHARDS`` and more than twice
+    what the store should hold, else 0."""
+    small = sum(1 for info in store.shards.values() if shard_nbytes(info) < target_bytes * SMALL_FRACTION)
+    return small if small >= MIN_SMALL_SHARDS and small > 2 * shards_wanted(store, target_bytes, workers) else 0
+
+
+def on_client(client: Any) -> Callable[[Callable[[Group], str | None], Sequence[Group]], list[str | None]]:
+    """Run each group's rewrite as a task of ``client`` (a Dask client's workers, or the thread
+    executor's): the bytes go through the workers, not through this process."""
+
+    def run(fn: Callable[[Group], str | None], groups: Sequence[Group]) -> list[str | None]:
+        return [future.result() for future in [client.submit(fn, group, pure=False) for group in groups]]
+
+    return run
+
+
+def compact_after_job(config: EncodeConfig, store: featstore.Store, storage_options: dict[str, Any] | None, *,
+                      client: Any, workers: int, tasks_done: int, samples_written: int, log: Callable[[str], Any]) -> None:
+    """Compact the data, where it has too many small shards, and then the index (as the job
+    always did: when it committed ``compact.AFTER_JOB`` shards or more). ``store`` is the snapshot
+    the job planned from."""
+    rewrote = False
+    # At most this many small shards now (a small one holds at most samples_per_task rows; a tar's
+    # task commits one per part): below MIN_SMALL_SHARDS, with nothing replaced, no request is made.
+    bound = len(store.shards) + tasks_done + samples_written // config.run.samples_per_task
+    try:
+        if config.run.compact_data and (bound >= MIN_SMALL_SHARDS or store.replaced):
+            rewrote = _compact_data(config, store.url, storage_options, client=client, workers=workers, log=log)
+    except (featstore.FeatstoreError, OSError) as exc:
+        log(f"warning: data compaction at the end of the job failed ({exc}); every shard is committed, "
+            f"and `mmcache compact {store.url}` can be run at any time")
+    if tasks_done >= compact.AFTER_JOB or rewrote:
+        # Its readers (every rank of every run) then open from a checkpoint, not part by part;
+        # a job of a few shards costs no listing for it.
+        compact.compact_when(store.storage, compact.AFTER_JOB if not rewrote else 1, "at the end of the job")
+
+
+def _compact_data(config: EncodeConfig, url: str, storage_options: dict[str, Any] | None, *, client: Any, workers: int,
+                  log: Callable[[str], Any]) -> bool:
+    """Rewrite the small shards of what the job left, if too many; else delete the objects of
+    shards replaced over the grace ago. Returns whether a shard was rewritten."""
+    settings = DataCompaction(target_bytes=int(config.run.shard_bytes), grace_s=config.run.compact_grace)
+    current = featstore.open(url, storage_options)  # what the job left, not what it planned from
+    if small := too_many_small(current, settings.target_bytes, workers):
+        summary = compact_data(current, settings, storage_options, run=on_client(client))
+        log(f"data compaction: {small} small shard(s) of {len(current.shards)}; {summary.line()}")
+        return bool(summary.written)
+    if current.replaced and (deleted := delete_replaced(current.storage, settings.grace_s)):
+        log(f"data compaction: deleted the objects of {len(deleted)} shard(s) replaced over run.compact_grace ago")
+    return False
