@@ -275,6 +275,8 @@ class DaskExecutor:
         except Exception as exc:  # noqa: BLE001 - placement only; said, and the job goes on
             # The scheduler's replicate asserts when a worker died in the moment before it (seen
             # under SIGKILL tests); the list is a task result, recomputed where it is needed.
+            if self.watch.error is not None:  # no worker left at all: the job ends, saying that alone
+                raise self.watch.error from None
             warnings.warn(f"could not copy the job's shard list to every worker ({type(exc).__name__}: {exc}); "
                           "tasks fetch it from the worker that holds it", RuntimeWarning, stacklevel=2)
         return future

@@ -123,9 +123,15 @@ def local_watch(client: Any, cluster: Any, timeout: float) -> WorkerWatch:
     """The watch of a local ``cluster``. How its last worker died comes from its nannies' logs:
     they run in this process, so they are read here even with no worker left (a remote nanny is
     reached through its worker only, and an external cluster's watch says nothing of a cause)."""
+    from distributed.utils import sync
+
+    async def entries() -> list[tuple[float, str, str]]:
+        # On the cluster's event loop: the nannies append to their logs, and the cluster changes
+        # its nannies, there (read from another thread, a line logged meanwhile breaks the walk).
+        return [entry for nanny in cluster.workers.values() for entry in nanny.get_logs(timestamps=True)]
+
     def cause() -> str:
-        entries = [entry for nanny in list(cluster.workers.values()) for entry in nanny.get_logs(timestamps=True)]
-        return newest_death(text for _, _, text in sorted(entries, key=lambda e: e[0], reverse=True))
+        return newest_death(text for _, _, text in sorted(sync(cluster.loop, entries), key=lambda e: e[0], reverse=True))
 
     return WorkerWatch(client, timeout, where="the local cluster", cause=cause,
                        advice="is the machine out of memory, or does a worker fail as it starts? Free some memory, "
