@@ -41,6 +41,7 @@ from mmcache.precompute import crash_journal
 from mmcache.precompute.config import NO_WORKER_TIMEOUT, EncodeConfig, default_cache_dir
 from mmcache.precompute.devices import resolve_device, worker_device
 from mmcache.precompute.feature_bytes import FieldsOutline, outline
+from mmcache.precompute.nanny_log import nanny_log
 from mmcache.precompute.prompts import encode_and_store_prompts
 from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec, encoder_specs, takes_text_only
 from mmcache.precompute.daemon_pool import DaemonPool
@@ -365,8 +366,8 @@ def _local_cluster_executor(placement: Placement, no_worker_timeout: float, log:
     assert placement.kind != "scheduler", "an external cluster is opened by connect()"
     from distributed import Client
 
-    with (local_cluster(placement.workers, dashboard=_has_bokeh()) as cluster, Client(cluster) as client,
-          local_watch(client, cluster, no_worker_timeout) as watch):
+    with (nanny_log() as nannies, local_cluster(placement.workers, dashboard=_has_bokeh()) as cluster, Client(cluster) as client,
+          local_watch(client, nannies, no_worker_timeout) as watch):
         executor = DaskExecutor(client, placement, len(cluster.workers), watch=watch, log=log)
         if executor.workers < placement.workers:
             executor.notes.append(f"warning: {placement.workers - executor.workers} of {placement.workers} worker(s) could not "

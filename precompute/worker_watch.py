@@ -27,6 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import CancelledError
 from typing import Any
 
+from mmcache.precompute.nanny_log import NannyLines
 from mmcache.precompute.worker_deaths import newest_death
 
 KEPT = "the shards committed so far are kept, and a re-run encodes only what is left"
@@ -119,21 +120,11 @@ class WorkerWatch:
         return f"; the last worker process ended: {cause}" if cause else ""
 
 
-def local_watch(client: Any, cluster: Any, timeout: float) -> WorkerWatch:
-    """The watch of a local ``cluster``. How its last worker died comes from its nannies' logs:
-    they run in this process, so they are read here even with no worker left (a remote nanny is
-    reached through its worker only, and an external cluster's watch says nothing of a cause)."""
-    from distributed.utils import sync
-
-    async def entries() -> list[tuple[float, str, str]]:
-        # On the cluster's event loop: the nannies append to their logs, and the cluster changes
-        # its nannies, there (read from another thread, a line logged meanwhile breaks the walk).
-        return [entry for nanny in cluster.workers.values() for entry in nanny.get_logs(timestamps=True)]
-
-    def cause() -> str:
-        return newest_death(text for _, _, text in sorted(sync(cluster.loop, entries), key=lambda e: e[0], reverse=True))
-
-    return WorkerWatch(client, timeout, where="the local cluster", cause=cause,
+def local_watch(client: Any, nannies: NannyLines, timeout: float) -> WorkerWatch:
+    """The watch of a local cluster, whose nannies log in this process (``nannies``): how its last
+    worker died is read there even with no worker left (a remote nanny is reached through its
+    worker only, so an external cluster's watch says nothing of a cause)."""
+    return WorkerWatch(client, timeout, where="the local cluster", cause=lambda: newest_death(nannies.lines()),
                        advice="is the machine out of memory, or does a worker fail as it starts? Free some memory, "
                               "or encode with fewer --workers")
 

@@ -266,9 +266,10 @@ def test_no_worker_able_to_start_fails_in_bounded_time_with_one_line(media, tmp_
     assert line.startswith("Error: no Dask worker could start") and "fewer --workers" in line, stderr
 
 
-# A Dask worker preload, installed through Dask's config as a site would install one: the first
-# worker process SIGKILLs itself as its first task starts (after it registered: mid-job, as an OOM
-# kill would), and every worker process started after that exits as it starts, before it registers.
+# A Dask worker preload, installed through Dask's config as a site would install one: a worker
+# process SIGKILLs itself as its first task starts (after it registered: mid-job, as an OOM kill
+# would), and every worker process started after the first such kill exits as it starts, before it
+# registers.
 DIE_AT_FIRST_TASK = """
 import os, signal
 
@@ -295,13 +296,14 @@ SHORT_BOUND = 3
 
 
 def test_workers_that_die_at_every_restart_end_the_job_in_bounded_time_with_one_line(media, tmp_path):
-    """The only worker killed mid-job, and each restart of it dying as it starts (real deaths of
-    the worker's process): the job waited for its tasks forever, silently. Now it ends once it has
-    had no worker for run.no_worker_timeout, with one line saying how the last one ended."""
+    """Both workers killed mid-job, and each restart of them dying as it starts (real deaths of
+    the workers' processes): the job waited for its tasks forever, silently. Now it ends once it
+    has had no worker for run.no_worker_timeout, with one line saying how the last one ended (and
+    no traceback from a nanny whose restart the cluster's close cancelled)."""
     (preload := tmp_path / "die_at_first_task.py").write_text(DIE_AT_FIRST_TASK)
     mark, out = tmp_path / "died", tmp_path / "store"
     env = {"DASK_DISTRIBUTED__WORKER__PRELOAD": repr([str(preload)]), "MMCACHE_TEST_DIE_MARK": str(mark)}
-    proc = _encode_command(media / "manifest.jsonl", out, "--workers", "1", "--set", f"run.no_worker_timeout={SHORT_BOUND}", env=env)
+    proc = _encode_command(media / "manifest.jsonl", out, "--workers", "2", "--set", f"run.no_worker_timeout={SHORT_BOUND}", env=env)
     try:
         _, stderr = proc.communicate(timeout=120)
     finally:
