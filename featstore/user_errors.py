@@ -95,4 +95,5 @@ def check_output_location(path: str, option: str) -> None:
         raise click.ClickException(f"{option} {path}: {existing} is a file, so no folder can be made there; choose another path")
     probe = target if os.path.isdir(target) else existing
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise click.ClickException(f"{option} {path}: {probe} is not writable; choose a location you can write to")
+        why = "a read-only file system" if os.statvfs(probe).f_flag & os.ST_RDONLY else "permission denied"
+        raise click.ClickException(f"{option} {path}: {probe} is not writable ({why}); choose a location you can write to")

@@ -17,6 +17,10 @@ from mmcache.precompute.media import FrameSampling, ResizeConfig
 TINY_PATH = "tiny"
 
 
+# run.no_worker_timeout's default, also the bound of an executor made without a config (tests).
+NO_WORKER_TIMEOUT = 60.0
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("MMCACHE_CACHE", Path.home() / ".cache" / "mmcache"))
 
@@ -64,6 +68,11 @@ class RunConfig:
     # Seconds a task may spend reading and decoding its inputs; an input still not read then (a
     # FIFO, a hung network read) becomes a reject saying so. 0 = no limit.
     task_timeout: float = 1800.0
+    # Seconds a job on Dask workers (a local cluster, or --scheduler) may go without one live worker
+    # before it fails with one line saying so (precompute.worker_watch): every worker died and none
+    # could start again, or an external scheduler has none. Long enough for a nanny to restart a
+    # killed worker many times over; raise it for a cluster that scales up from zero workers.
+    no_worker_timeout: float = NO_WORKER_TIMEOUT
     # Where a job without --scheduler runs (precompute.executors): "threads" in this process (the
     # encoders load once and the first sample comes soonest), "processes" (a LocalCluster of
     # worker processes: a killed worker's task runs again on another), or "auto": threads for a
@@ -96,6 +105,8 @@ class RunConfig:
             raise ConfigError(f"run.threads_max_samples must be >= 0, got {self.threads_max_samples}")
         if self.compact_grace < 0:
             raise ConfigError(f"run.compact_grace must be >= 0 seconds, got {self.compact_grace}")
+        if not self.no_worker_timeout > 0:
+            raise ConfigError(f"run.no_worker_timeout must be > 0 seconds, got {self.no_worker_timeout}")
         if self.task_timeout < 0:
             raise ConfigError(f"run.task_timeout must be >= 0 seconds (0: no limit), got {self.task_timeout}")
 

@@ -11,6 +11,8 @@
   to 4). A killed worker is restarted by its nanny and its task runs again on a live worker,
   split in halves (precompute.worker_deaths: an input that kills its worker twice is a reject);
   one killed while the cluster starts is started again (``_start_workers``).
+  Every worker dead and none able to start again: the job fails after ``run.no_worker_timeout``
+  seconds, in one line (precompute.worker_watch).
 - ``scheduler``: an existing Dask cluster (``--scheduler``). Its workers keep their encoders
   loaded between jobs (see precompute.worker_plugin), and resolve the encoders' specs for the
   client (``DaskExecutor.resolve_specs``), which never imports torch: on a warm cluster a job's
@@ -36,14 +38,16 @@ from typing import Any
 
 from mmcache.featstore.reader import open_store
 from mmcache.precompute import crash_journal
-from mmcache.precompute.config import EncodeConfig, default_cache_dir
+from mmcache.precompute.config import NO_WORKER_TIMEOUT, EncodeConfig, default_cache_dir
 from mmcache.precompute.devices import resolve_device, worker_device
 from mmcache.precompute.feature_bytes import FieldsOutline, outline
+from mmcache.precompute.nanny_log import nanny_log
 from mmcache.precompute.prompts import encode_and_store_prompts
 from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec, encoder_specs, takes_text_only
 from mmcache.precompute.daemon_pool import DaemonPool
 from mmcache.precompute.tasks import PROCESS_ENCODERS, TaskResult, describe_encoders, encode_task, loaded_encoders
 from mmcache.precompute.worker_deaths import counted_attempt, forget_job
+from mmcache.precompute.worker_watch import WorkerWatch, local_watch, scheduler_watch
 
 # Dask settings for the workers of a LocalCluster (jobs/ sets the same for external clusters):
 # - the nanny's MALLOC_TRIM_THRESHOLD_ turns off glibc's adaptive mmap threshold, so every large
@@ -170,6 +174,9 @@ class ThreadExecutor:
     def share(self, value: Any) -> Any:
         return value  # one process: every task sees the same object
 
+    def map(self, fn: Callable, items: Iterable, **kwargs: Any) -> list[Future]:
+        return self.client.map(fn, items, **kwargs)
+
     def store_prompts(self, specs, requested, sections, prompts, store, output_url, storage_options) -> int:
         return encode_and_store_prompts(loaded_encoders(specs, self.device, self.placement.threads, PROCESS_ENCODERS), store, sections, prompts)
 
@@ -214,7 +221,8 @@ class _Completion:
 class DaskExecutor:
     """Tasks on a Dask cluster: a LocalCluster of worker processes, or an external one."""
 
-    def __init__(self, client: Any, placement: Placement, wait_for: int) -> None:
+    def __init__(self, client: Any, placement: Placement, wait_for: int, *, watch: WorkerWatch | None = None,
+                 log: Callable[[str], Any] = print) -> None:
         # lazy: worker_plugin imports distributed, only once a Dask client exists
         from mmcache.precompute.worker_plugin import EncoderPlugin
 
@@ -223,9 +231,11 @@ class DaskExecutor:
         self.dashboard_link = client.dashboard_link if _has_bokeh() else None
         # Idempotent: on a long-lived cluster the plugin a previous job left keeps its encoders.
         client.register_plugin(EncoderPlugin())
+        # The job's futures are tracked by the watch, which cancels them if every worker is gone for
+        # good; without one (a bare executor) the wait for workers is bounded all the same.
+        self.watch = watch or WorkerWatch(client, NO_WORKER_TIMEOUT, where="the cluster", advice="start workers for it")
         # A local cluster: all its workers; an external one: at least one (more may join later).
-        client.wait_for_workers(wait_for, timeout=300)
-        self.addresses = sorted(client.scheduler_info()["workers"])
+        self.addresses = self.watch.wait_for_workers(wait_for, log)
         self.workers = len(self.addresses)
         # Names this job's counts of running task attempts on the scheduler (worker_deaths).
         self.job = uuid.uuid4().hex
@@ -236,27 +246,28 @@ class DaskExecutor:
         fields and estimated bytes: ``feature_bytes.outline``), resolved by a worker: the encoder classes that check the options import torch, which the client of
         an external cluster need not (a worker has it already). ``path: tiny`` is built, by that
         worker, where this process would have built it (its MMCACHE_CACHE)."""
-        return self.client.submit(_specs_on_worker, config, str(default_cache_dir()), pure=False).result()
+        return self.watch.track(self.client.submit(_specs_on_worker, config, str(default_cache_dir()), pure=False)).result()
 
     def load_encoders(self, specs: list[EncoderSpec], requested: str) -> Any:
         """Every worker loads its encoders now, in parallel, rather than inside its first task. Each
         load asks for its worker but may run on any (allow_other_workers): pinned to a worker that
         died meanwhile (a nanny restarts it under a new address), it would wait forever."""
-        loads = [self.client.submit(_describe_on_worker, specs, requested, self.placement.threads, workers=[a],
-                                    allow_other_workers=True, pure=False)
+        loads = [self.watch.track(self.client.submit(_describe_on_worker, specs, requested, self.placement.threads, workers=[a],
+                                                     allow_other_workers=True, pure=False))
                  for a in self.addresses]
         return _AllOf(loads)
 
     def store_prompts(self, specs, requested, sections, prompts, store, output_url, storage_options) -> int:
         """Encoded and written by the first worker, with the encoders it has loaded: the client
         never loads a model, nor handles an embedding (a bfloat16 one would import ml_dtypes)."""
-        return self.client.submit(_prompts_on_worker, specs, requested, self.placement.threads, sections, prompts, output_url,
-                                  storage_options, store.manifest, workers=[self.addresses[0]], allow_other_workers=True,
-                                  pure=False).result()
+        return self.watch.track(self.client.submit(
+            _prompts_on_worker, specs, requested, self.placement.threads, sections, prompts, output_url, storage_options,
+            store.manifest, workers=[self.addresses[0]], allow_other_workers=True, pure=False,
+        )).result()
 
     def share(self, value: Any) -> Any:
         # A task's result, not scattered data: if the worker holding it dies, it is recomputed.
-        future = self.client.submit(list, value, pure=False)
+        future = self.watch.track(self.client.submit(list, value, pure=False))
         # Held by every worker: Dask places a task on a worker that holds its dependencies, so with
         # this one on a single worker every encode task queued there and work stealing moved them
         # late (measured: a worker idle 1.2 s of a 5 s job, 0.78x the encoders' throughput).
@@ -265,6 +276,8 @@ class DaskExecutor:
         except Exception as exc:  # noqa: BLE001 - placement only; said, and the job goes on
             # The scheduler's replicate asserts when a worker died in the moment before it (seen
             # under SIGKILL tests); the list is a task result, recomputed where it is needed.
+            if self.watch.error is not None:  # no worker left at all: the job ends, saying that alone
+                raise self.watch.error from None
             warnings.warn(f"could not copy the job's shard list to every worker ({type(exc).__name__}: {exc}); "
                           "tasks fetch it from the worker that holds it", RuntimeWarning, stacklevel=2)
         return future
@@ -277,10 +290,14 @@ class DaskExecutor:
         # ran comes back unrun, to be split (precompute.worker_deaths); a task Dask gave up on
         # (KilledWorker) is submitted again under a new key (``result``).
         tries = self._submitted[task.shard] = self._submitted.get(task.shard, -1) + 1
-        return self.client.submit(
+        return self.watch.track(self.client.submit(
             _run_on_worker, task, output_url, storage_options, specs, self.placement.threads, settings, known, self.job,
             key=f"encode-{task.shard}" + (f"-{tries}" if tries else ""), retries=3, pure=False,
-        )
+        ))
+
+    def map(self, fn: Callable, items: Iterable, **kwargs: Any) -> list:
+        """``client.map``, its futures tracked by the watch (precompute.stale's hashing)."""
+        return [self.watch.track(future) for future in self.client.map(fn, items, **kwargs)]
 
     def as_completed(self, futures: list) -> Any:
         from distributed import as_completed
@@ -319,10 +336,12 @@ class _AllOf:
 
 
 @contextlib.contextmanager
-def open_executor(placement: Placement, output_url: str) -> Iterator[ThreadExecutor | DaskExecutor]:
+def open_executor(placement: Placement, output_url: str, *, no_worker_timeout: float = NO_WORKER_TIMEOUT,
+                  log: Callable[[str], Any] = print) -> Iterator[ThreadExecutor | DaskExecutor]:
     """This process's threads, or a local cluster (an external one: ``connect``), for a job on the
     store at ``output_url``. In-process, the job keeps a crash journal (precompute.crash_journal);
-    a clean finish clears the journals of earlier runs that died."""
+    a clean finish clears the journals of earlier runs that died. A local cluster left without a
+    live worker for ``no_worker_timeout`` seconds ends the job (precompute.worker_watch)."""
     if placement.kind == "threads":
         import torch
 
@@ -338,17 +357,18 @@ def open_executor(placement: Placement, output_url: str) -> Iterator[ThreadExecu
                 executor.client.close()
                 torch.set_num_threads(saved)
     else:
-        yield from _local_cluster_executor(placement)
+        yield from _local_cluster_executor(placement, no_worker_timeout, log)
     # A clean finish (an error skips this): the journals of runs that died before it are done with.
     crash_journal.forget_deaths(output_url)
 
 
-def _local_cluster_executor(placement: Placement) -> Iterator[DaskExecutor]:
+def _local_cluster_executor(placement: Placement, no_worker_timeout: float, log: Callable[[str], Any]) -> Iterator[DaskExecutor]:
     assert placement.kind != "scheduler", "an external cluster is opened by connect()"
     from distributed import Client
 
-    with local_cluster(placement.workers, dashboard=_has_bokeh()) as cluster, Client(cluster) as client:
-        executor = DaskExecutor(client, placement, len(cluster.workers))
+    with (nanny_log() as nannies, local_cluster(placement.workers, dashboard=_has_bokeh()) as cluster, Client(cluster) as client,
+          local_watch(client, nannies, no_worker_timeout) as watch):
+        executor = DaskExecutor(client, placement, len(cluster.workers), watch=watch, log=log)
         if executor.workers < placement.workers:
             executor.notes.append(f"warning: {placement.workers - executor.workers} of {placement.workers} worker(s) could not "
                                   f"start (killed while starting: out of memory?); going on with {executor.workers}")
@@ -358,12 +378,14 @@ def _local_cluster_executor(placement: Placement) -> Iterator[DaskExecutor]:
 
 
 @contextlib.contextmanager
-def connect(placement: Placement, scheduler: str) -> Iterator[DaskExecutor]:
-    """The executor of an external cluster (``--scheduler``), ready once one worker is."""
+def connect(placement: Placement, scheduler: str, *, no_worker_timeout: float = NO_WORKER_TIMEOUT,
+            log: Callable[[str], Any] = print) -> Iterator[DaskExecutor]:
+    """The executor of an external cluster (``--scheduler``), ready once one worker is (waited for
+    ``no_worker_timeout`` seconds at most, and as long again for a worker once none is left)."""
     from distributed import Client
 
-    with Client(scheduler) as client:
-        executor = DaskExecutor(client, placement, 1)
+    with Client(scheduler) as client, scheduler_watch(client, scheduler, no_worker_timeout) as watch:
+        executor = DaskExecutor(client, placement, 1, watch=watch, log=log)
         yield executor
         executor.close()  # not on an error: a cluster that failed must not hide why behind another
 

@@ -120,7 +120,7 @@ def run_encode(
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         job = _start(stack, config, input_url, output_url, workers=workers, scheduler=scheduler,
-                     storage_options=storage_options, input_storage_options=input_storage_options)
+                     storage_options=storage_options, input_storage_options=input_storage_options, log=log)
         if job.executor.dashboard_link:
             log(f"dask dashboard: {job.executor.dashboard_link}")
         for note in job.executor.notes:
@@ -156,7 +156,7 @@ def source_options(config: EncodeConfig, storage_options: dict[str, Any] | None,
 
 def _start(stack: contextlib.ExitStack, config: EncodeConfig, input_url: str | list[str], output_url: str, *, workers: int | None,
            scheduler: str | None, storage_options: dict[str, Any] | None,
-           input_storage_options: dict[str, Any] | None) -> _Started:
+           input_storage_options: dict[str, Any] | None, log: Callable[[str], Any]) -> _Started:
     """The executor opened (on ``stack``), the encoders' specs resolved, the inputs surveyed
     (their first pass) against the output store's snapshot, read once."""
     executor: Executor | None = None
@@ -166,7 +166,7 @@ def _start(stack: contextlib.ExitStack, config: EncodeConfig, input_url: str | l
         # classes import torch, which this process, planning the job only, then never does: on
         # a warm cluster the job starts in the time of a few round trips.
         placement = choose_placement(config, scheduler=scheduler, workers=workers, output_url=output_url, samples=lambda: 0)
-        executor = stack.enter_context(connect(placement, scheduler))
+        executor = stack.enter_context(connect(placement, scheduler, no_worker_timeout=config.run.no_worker_timeout, log=log))
         specs, text_only, fields_outline = executor.resolve_specs(with_client_paths(config))
     else:
         specs = encoder_specs(config)
@@ -178,7 +178,7 @@ def _start(stack: contextlib.ExitStack, config: EncodeConfig, input_url: str | l
     size = surveyed.todo + sum(u.estimated_samples or UNREAD_UNIT_SAMPLES for u in surveyed.units)
     if executor is None:
         placement = choose_placement(config, scheduler=None, workers=workers, output_url=output_url, samples=lambda: size)
-        executor = stack.enter_context(open_executor(placement, output_url))
+        executor = stack.enter_context(open_executor(placement, output_url, no_worker_timeout=config.run.no_worker_timeout, log=log))
     loading = executor.load_encoders(specs, config.device)
     return _Started(executor=executor, placement=placement, specs=specs, outline=fields_outline, inputs=inputs, survey=surveyed,
                     existing=existing, loading=loading)
@@ -190,7 +190,7 @@ def _stale(job: _Started, store: featstore.Store, config: EncodeConfig, input_st
     if job.existing is None or not len(job.existing):
         return {}
     rows = (row for _, batch in job.inputs.batches() for row in batch.rows)
-    return stale_samples(rows, store, client=job.executor.client, storage_options=input_storage_options,
+    return stale_samples(rows, store, client=job.executor, storage_options=input_storage_options,
                          check_content=config.data.check_content)
 
 

@@ -31,7 +31,7 @@ import hashlib
 import os
 import re
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -44,8 +44,10 @@ METADATA_ROOT = "mmcache-attempts"
 DEATHS_TO_REJECT = 2
 DIED_REASON = ("worker died decoding this input (its process was killed: likely out of memory); "
                "check the file, or encode it on a machine with more memory with data.retry_rejects=true")
-# How a nanny logs its worker's end (distributed.nanny.WorkerProcess._death_message).
-_DEATH_LINE = r"Worker process {pid} (?:was killed by signal (\d+)|exited with status (\d+))"
+# How a nanny logs its worker's end (distributed.nanny.WorkerProcess._death_message), and its
+# memory monitor's kill of a worker over distributed.worker.memory.terminate (worker_memory).
+_DEATH_LINE = re.compile(r"Worker process (\d+) (?:was killed by signal (\d+)|exited with status (\d+))")
+_MEMORY_LINE = re.compile(r"\(pid=(\d+)\) exceeded (\d+)% memory budget")
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,6 @@ def _exit_of(client: Any, attempt: dict) -> str:
     logged about its pid; "" when none did."""
     if "pid" not in attempt:
         return ""
-    line = re.compile(_DEATH_LINE.format(pid=int(attempt["pid"])))
     try:
         logs = client.get_worker_logs(nanny=True)
     except OSError:  # a nanny of the cluster did not answer: the reject goes on with the general reason
@@ -95,10 +96,29 @@ def _exit_of(client: Any, attempt: dict) -> str:
         if urlsplit(worker).hostname != attempt.get("host"):
             continue  # the same pid on another machine is another process
         for _, text in entries:  # newest first
-            if found := line.search(text):
-                killed, status = found.groups()
-                return f"killed, signal {killed}" if killed else f"exited with status {status}"
+            if (death := _death(text)) and death[0] == int(attempt["pid"]):
+                return death[1]
     return ""
+
+
+def _death(text: str) -> tuple[int, str] | None:
+    """(pid, how it ended: "killed, signal 9") of a nanny's line on its worker's end, else None."""
+    if not (found := _DEATH_LINE.search(text)):
+        return None
+    pid, killed, status = found.groups()
+    return int(pid), f"killed, signal {killed}" if killed else f"exited with status {status}"
+
+
+def newest_death(lines: Iterable[str]) -> str:
+    """How the newest worker death that nanny log ``lines`` (newest first) tell of came about:
+    "exited with status 7", "killed, signal 15, over 95% of its memory limit" when the nanny's
+    memory monitor killed it; "" when they tell of none."""
+    lines = list(lines)
+    death = next(filter(None, map(_death, lines)), None)
+    if death is None:
+        return ""
+    over = next((m.group(2) for m in map(_MEMORY_LINE.search, lines) if m and int(m.group(1)) == death[0]), None)
+    return f"{death[1]}, over {over}% of its memory limit (distributed.worker.memory.terminate)" if over else death[1]
 
 
 def forget_job(client: Any, job: str) -> None:

@@ -24,6 +24,7 @@ from mmcache import featstore
 from mmcache.featstore.verify import verify_store
 from mmcache.precompute.demo_data import make_dataset
 from mmcache.precompute.pipeline import run_encode
+from mmcache.precompute.worker_deaths import newest_death
 from tests.test_encode import encode, tiny_config, write_manifest
 
 
@@ -228,10 +229,10 @@ class SpawnKiller:
         self.thread.join(10)
 
 
-def _encode_command(manifest: Path, out: Path, *extra: str) -> subprocess.Popen:
+def _encode_command(manifest: Path, out: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "mmcache.precompute.cli", "encode", "--config", "tiny", "--input", str(manifest),
            "--output", str(out), *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
 
 
 def test_a_worker_killed_while_the_cluster_starts_is_started_again(media, tmp_path):
@@ -263,6 +264,85 @@ def test_no_worker_able_to_start_fails_in_bounded_time_with_one_line(media, tmp_
     assert len(killer.killed) >= 2 * 3  # each worker, three tries
     (line,) = [line for line in stderr.splitlines() if line.strip()]
     assert line.startswith("Error: no Dask worker could start") and "fewer --workers" in line, stderr
+
+
+# A Dask worker preload, installed through Dask's config as a site would install one: a worker
+# process SIGKILLs itself as its first task starts (after it registered: mid-job, as an OOM kill
+# would), and every worker process started after the first such kill exits as it starts, before it
+# registers.
+DIE_AT_FIRST_TASK = """
+import os, signal
+
+from distributed import WorkerPlugin
+
+MARK = os.environ["MMCACHE_TEST_DIE_MARK"]
+
+
+class DieAtFirstTask(WorkerPlugin):
+    def transition(self, key, start, finish, **kwargs):
+        if finish == "executing":
+            open(MARK, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+async def dask_setup(worker):
+    if os.path.exists(MARK):
+        os._exit(7)
+    await worker.plugin_add(DieAtFirstTask(), name="die-at-first-task")
+"""
+# The tests' run.no_worker_timeout: the default (60 s) is long by design, to outlast many restarts
+# of a killed worker; the behaviour at the end of the bound is the default's.
+SHORT_BOUND = 3
+
+
+def test_workers_that_die_at_every_restart_end_the_job_in_bounded_time_with_one_line(media, tmp_path):
+    """Both workers killed mid-job, and each restart of them dying as it starts (real deaths of
+    the workers' processes): the job waited for its tasks forever, silently. Now it ends once it
+    has had no worker for run.no_worker_timeout, with one line saying how the last one ended (and
+    no traceback from a nanny whose restart the cluster's close cancelled)."""
+    (preload := tmp_path / "die_at_first_task.py").write_text(DIE_AT_FIRST_TASK)
+    mark, out = tmp_path / "died", tmp_path / "store"
+    env = {"DASK_DISTRIBUTED__WORKER__PRELOAD": repr([str(preload)]), "MMCACHE_TEST_DIE_MARK": str(mark)}
+    proc = _encode_command(media / "manifest.jsonl", out, "--workers", "2", "--set", f"run.no_worker_timeout={SHORT_BOUND}", env=env)
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1 and mark.exists(), stderr
+    assert time.time() - mark.stat().st_mtime >= SHORT_BOUND, "the job ended before the bound"
+    assert [line for line in stderr.splitlines() if line.strip()] == [
+        "Error: every Dask worker of the local cluster died and none was running again for 3s (run.no_worker_timeout); "
+        "the last worker process ended: exited with status 7: is the machine out of memory, or does a worker fail as it "
+        "starts? Free some memory, or encode with fewer --workers; the shards committed so far are kept, and a re-run "
+        "encodes only what is left",
+    ], stderr
+
+
+def test_an_external_scheduler_without_workers_says_so_then_fails_in_bounded_time(media, tmp_path):
+    from distributed import LocalCluster
+
+    with LocalCluster(n_workers=0, processes=False, protocol="tcp", host="127.0.0.1", dashboard_address=None) as bare:
+        start = time.monotonic()
+        proc = _encode_command(media / "manifest.jsonl", tmp_path / "store", "--scheduler", bare.scheduler_address,
+                               "--set", f"run.no_worker_timeout={SHORT_BOUND}")
+        _, stderr = proc.communicate(timeout=SHORT_BOUND + 60)
+    assert proc.returncode == 1 and time.monotonic() - start >= SHORT_BOUND, stderr
+    where = f"the scheduler at {bare.scheduler_address}"
+    assert [line for line in stderr.splitlines() if line.strip()] == [
+        f"waiting up to 3s for a Dask worker to join {where} (run.no_worker_timeout)",
+        f"Error: no Dask worker was running on {where} after 3s (run.no_worker_timeout): start workers for it "
+        f"(`dask worker {bare.scheduler_address}`), or check their logs for why they die; raise run.no_worker_timeout "
+        "for a cluster that scales up from zero workers",
+    ], stderr
+
+
+def test_how_the_last_worker_ended_is_read_from_its_nannys_lines():
+    """The lines as distributed's nanny and memory monitor log them (newest first)."""
+    lines = ["Worker process 41 was killed by signal 15",
+             "Worker tcp://127.0.0.1:3 (pid=41) exceeded 95% memory budget. Restarting...",
+             "Worker process 40 exited with status 7"]
+    assert newest_death(lines) == "killed, signal 15, over 95% of its memory limit (distributed.worker.memory.terminate)"
+    assert newest_death(lines[2:]) == "exited with status 7" and newest_death(["Restarting worker"]) == ""
 
 
 def test_a_worker_killed_while_its_encoders_load_leaves_a_job_that_finishes(media, tmp_path):

@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from tests import test_train
+from tests import test_cli_errors, test_train
+from tests.test_cli_errors import without_override
 from tests.test_train import BIN, ROOT, fit
 
 store = test_train.store  # the fixture: the trainer tests' real tiny DiT store
+read_only_folder = test_cli_errors.read_only_folder  # the fixture: a read-only tmpfs for root
 # tiny-dit saves a checkpoint every 20 steps (about 2.6 MB here): 25 steps write step 20, then
 # fill a 4 MiB disk with step 25's.
 STEPS = "25"
@@ -67,6 +69,26 @@ def test_disk_full_during_a_checkpoint_is_one_line_and_resume_is_exact(store, re
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)  # room made
     fit(store, run, "--steps", STEPS, "--resume", nproc=nproc)
     assert (run / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
+
+
+def test_an_unwritable_out_is_one_line_at_two_ranks(store, read_only_folder):
+    """Every rank meets it before the ranks meet (each printed it): the node's first rank alone says it."""
+    machine_line(fit(store, read_only_folder / "run", "--steps", "2", nproc=2, check=False), f"{read_only_folder} is not writable")
+
+
+def test_a_denied_checkpoint_folder_is_one_line(store, tmp_path):
+    """A real EACCES (root without the capability to write anywhere: without_override) inside torch's
+    checkpoint writer (two ranks take the same path: the full disk above). The folder is made
+    beforehand, empty and denied, so the run is started with --resume (a checkpoints folder marks
+    a run) and starts at step 0."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True, mode=0o555)
+    command = [*without_override(), str(BIN / "mmtrain"), "fit", "--config", "tiny-dit", "--features", store, "--out", str(run),
+               "--steps", "2", "--resume", "--set", "checkpoint.every=1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                            env={"OMP_NUM_THREADS": "1", "PATH": f"{BIN}:/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    machine_line(result, str(run / "checkpoints" / "step-00000001.partial"), "Permission denied",
+                 "choose a location you can write to", "checkpoint of step 1 was not written")
 
 
 def test_host_out_of_memory_is_one_line(store, tmp_path):

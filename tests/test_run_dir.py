@@ -21,6 +21,9 @@ def test_a_finished_run_is_kept_unless_resumed_or_overwritten(store, tmp_path):
     assert again.returncode == 1
     (line,) = [ln for ln in again.stderr.splitlines() if ln.startswith("Error:")]
     assert "holds a run already" in line and "--resume" in line and "--overwrite" in line and "Traceback" not in again.stderr
+    # At two ranks, every rank learns it alike: rank 0 alone says it (torchrun adds its summary).
+    ranks = fit(store, run, "--steps", "3", nproc=2, check=False)
+    assert ranks.returncode == 1 and [ln for ln in ranks.stderr.splitlines() if ln.startswith("Error:")] == [line], ranks.stderr
     assert {name: (run / name).read_bytes() for name in before} == before  # untouched
     both = fit(store, run, "--steps", "3", "--resume", "--overwrite", check=False)
     assert both.returncode == 1 and "give one of them" in both.stderr

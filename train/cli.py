@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import time
+from collections.abc import Iterator
 
 import click
 
@@ -13,6 +16,13 @@ from mmcache.featstore.cli import parse_storage_options, storage_options_option
 from mmcache.featstore.config import load_config
 from mmcache.featstore.user_errors import UserErrorGroup, check_output_location, debug_option, debug_requested, user_message
 from mmcache.train.live.manifest import TrainingManifest
+
+
+# Under torchrun, how long a rank that is not its node's first waits, on a user error met before the
+# ranks' process group exists, for torchrun to stop it: its node's first rank met the same error,
+# printed it and exited, and torchrun checks its workers every 0.1 s. Past the wait the error was
+# not alike after all (this rank alone met it), and this rank prints its own.
+ALIKE_ERROR_WAIT_S = 10.0
 
 
 @click.group(cls=UserErrorGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -37,24 +47,25 @@ def cli(debug: bool) -> None:
 def fit(config_name, features, run_dir, steps, resume, overwrite, overrides, dry_run, cache_dir, media_root, storage_options) -> None:
     """Train on the features at --features (or those of data.sources, mixed by weight). ``--resume`` loads the checkpoint's torch DCP metadata,
     which is pickled: resume only run folders you trust."""
-    # lazy: keeps `mmtrain --help` from importing torch
-    from mmcache.train.config import TrainConfig
-
-    config = load_config(TrainConfig, config_name, "train", overrides)
-    if cache_dir:
-        config.data.cache_dir = cache_dir
-    if media_root:
-        config.data.media_root = media_root
-    options = parse_storage_options(storage_options)
-    if dry_run:
+    with _printed_by_first_rank():
         # lazy: keeps `mmtrain --help` from importing torch
-        from mmcache.train.trainer import dry_run as describe
+        from mmcache.train.config import TrainConfig
 
-        click.echo(json.dumps(describe(config, features, options, run_dir=run_dir, resume=resume), indent=2, default=str))
-        return
-    if not run_dir:
-        raise click.UsageError("--out RUN_DIR is required to train")
-    check_output_location(run_dir, "--out")
+        config = load_config(TrainConfig, config_name, "train", overrides)
+        if cache_dir:
+            config.data.cache_dir = cache_dir
+        if media_root:
+            config.data.media_root = media_root
+        options = parse_storage_options(storage_options)
+        if dry_run:
+            # lazy: keeps `mmtrain --help` from importing torch
+            from mmcache.train.trainer import dry_run as describe
+
+            click.echo(json.dumps(describe(config, features, options, run_dir=run_dir, resume=resume), indent=2, default=str))
+            return
+        if not run_dir:
+            raise click.UsageError("--out RUN_DIR is required to train")
+        check_output_location(run_dir, "--out")
     # lazy: keeps `mmtrain --help` from importing torch
     import torch.distributed as dist
 
@@ -83,6 +94,21 @@ def fit(config_name, features, run_dir, steps, resume, overwrite, overrides, dry
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+@contextlib.contextmanager
+def _printed_by_first_rank() -> Iterator[None]:
+    """A user error met before the ranks' process group exists (the config, --out) is met alike by
+    every rank of a node, from the same arguments on the same machine: under torchrun its first
+    rank (LOCAL_RANK 0) prints it, and the others wait (``ALIKE_ERROR_WAIT_S``) to be stopped by
+    torchrun once it has, so the run prints one line, not one per rank."""
+    try:
+        yield
+    except Exception as exc:
+        later_rank = os.environ.get("TORCHELASTIC_RUN_ID") is not None and os.environ.get("LOCAL_RANK", "0") != "0"
+        if later_rank and (isinstance(exc, click.ClickException) or user_message(exc)) and not debug_requested():
+            time.sleep(ALIKE_ERROR_WAIT_S)
+        raise
 
 
 def _stop_every_rank(exc: ValueError) -> None:

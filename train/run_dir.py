@@ -35,6 +35,12 @@ RUN_FILES = ("run.json", "metrics.jsonl", "model.safetensors", "checkpoints", "s
 RUN_MARKERS = ("run.json", "checkpoints", "model.safetensors")
 
 
+class RunDirTaken(ConfigError):
+    """--out holds a run already, or another fit holds it."""
+
+    every_rank = True  # every rank learns it from rank 0's broadcast: rank 0 alone prints it (train.cli)
+
+
 @contextlib.contextmanager
 def claim_run_dir(run: Path, *, resume: bool, overwrite: bool) -> Iterator[None]:
     """Held for the whole run: the checks above, then the lock (rank 0), released on exit."""
@@ -49,7 +55,7 @@ def claim_run_dir(run: Path, *, resume: bool, overwrite: bool) -> Iterator[None]
     problem = broadcast_json(problem)
     try:
         if problem:
-            raise ConfigError(problem)
+            raise RunDirTaken(problem)
         yield
     finally:
         if fd is not None:
