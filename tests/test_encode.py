@@ -9,9 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -302,34 +300,6 @@ def test_kill_minus_9_then_rerun_gives_each_input_once(dataset, tmp_path):
     ids = featstore.open(str(out)).index.column("id").to_pylist()
     assert len(ids) == 13 and len(set(ids)) == 13
     assert subprocess.run([str(Path(sys.executable).parent / "mmcache"), "verify", str(out)], capture_output=True).returncode == 0
-
-
-def test_killed_worker_is_survived(dataset, tmp_path):
-    from distributed import Client
-
-    from mmcache.precompute.executors import local_cluster
-
-    out = tmp_path / "store"
-    with local_cluster(2) as local, Client(local) as client:
-        pids = client.run(os.getpid)
-        errors: list[BaseException] = []
-
-        def job():
-            try:
-                encode(tiny_config("run.samples_per_task=1"), dataset, out, (local.scheduler_address,))
-            except BaseException as exc:  # reported below: the test fails with it
-                errors.append(exc)
-
-        thread = threading.Thread(target=job)
-        thread.start()
-        deadline = time.time() + 240
-        while _committed_shards(out) < 2 and time.time() < deadline:
-            time.sleep(0.05)
-        os.kill(next(iter(pids.values())), signal.SIGKILL)
-        thread.join(300)
-        assert not thread.is_alive() and not errors, errors
-    ids = Counter(featstore.open(str(out)).index.column("id").to_pylist())
-    assert len(ids) == 13 and set(ids.values()) == {1}
 
 
 @pytest.mark.skipif(not (TAEF2 / "taef2_encoder.pth").is_file(), reason=f"TAESD-F2 weights not found at {TAEF2} (../shared is test data, absent here)")
