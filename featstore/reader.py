@@ -409,6 +409,11 @@ class Store:
         arrays = in_format(self.read_row(row, fields), format)
         return Sample(self._id_of(row), arrays, self._meta_of(row)) if with_meta else arrays
 
+    def shape_at(self, position: int, field: str) -> tuple[int, ...]:
+        """The shape of ``field`` of the sample at ``position``, from the index: in a dense store
+        from its shard's rows alone (loaded on first use, as a read by position loads them)."""
+        return self._field_row(self._row_at(position), field)[1]
+
     def __getitem__(self, key: int | str) -> dict[str, Any]:
         """``store[i]`` is ``read_at(i)``, ``store["id"]`` is ``read("id")``: every field, numpy.
         With ``len()`` this makes a store a map-style dataset."""
