@@ -6,6 +6,10 @@ the world size. Every rank
 computes the same balanced plan for it from the index alone (shapes are in the index, so no data
 is read to plan), then reads only its own samples, in a background thread a few steps ahead. The
 data position to checkpoint is therefore just the step.
+
+Which samples, and what the stream knows of each before reading it: train.selection lists them
+(the general case); over one dense store with nothing live, train.positions goes by position and
+sizes each step's samples when the step is planned, with nothing per sample for the whole store.
 """
 
 from __future__ import annotations
