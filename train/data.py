@@ -167,7 +167,7 @@ class FeatureStream:
         self.named, self.absent_skipped, self.skipped = n, 0, 0
         self.reads, self.is_live = None, None
         self._fields = tuple(run_fields(data, store))
-        self._sizes = StepSizes(store, data, self.ids, options.tokens_per_sample, self._shape)
+        self._sizes = StepSizes(store, data, options.tokens_per_sample, self._shape)
         self.order = EpochOrder.of_dense(options.seed, store, options.window)
 
     def _listed(self, store: featstore.Store, data, options: StreamOptions, manifest) -> None:
