@@ -3,6 +3,8 @@ general stream that lists every sample, and nothing per sample built for the who
 
 from __future__ import annotations
 
+import dataclasses
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -50,10 +52,20 @@ class Listed:
         return getattr(self._inner, name)
 
 
-def streams(url: str, *, dp_size: int, window: int | None) -> tuple[list[FeatureStream], list[FeatureStream]]:
+@dataclasses.dataclass(kw_only=True)
+class WideText(LatentTextData):
+    """An adapter that reads a second field for some samples only (the text of the widest
+    latents): the stream by position learns it when it first reads it and codes the shard again."""
+
+    def sample_shape(self, sample_id: str) -> tuple:
+        latent = super().sample_shape(sample_id)
+        return latent + ((self.store.shape(sample_id, self.text_field)[0],) if latent[2] == 6 else ())
+
+
+def streams(url: str, *, dp_size: int, window: int | None, adapter=LatentTextData) -> tuple[list[FeatureStream], list[FeatureStream]]:
     def one(rank: int, listed: bool) -> FeatureStream:
         store = featstore.open(url)
-        data = LatentTextData(store=store, latent_field="latent", text_field="text_emb")
+        data = adapter(store=store, latent_field="latent", text_field="text_emb")
         options = StreamOptions(global_batch=6, seed=4, dp_size=dp_size, dp_rank=rank, balance=BalanceConfig(), cost=CostModel(),
                                 tokens_per_sample=lambda shape: int(np.prod(shape[1:])), window=window)
         return FeatureStream(store, data=Listed(data) if listed else data, options=options)
@@ -66,10 +78,10 @@ def share(data) -> list:
             for mb, samples in data.micro_batches]
 
 
-@pytest.mark.parametrize("dp_size", [1, 3])
-@pytest.mark.parametrize("window", [None, 2])
-def test_by_position_gives_the_listed_streams_batches(url, dp_size, window):
-    lean, listed = streams(url, dp_size=dp_size, window=window)
+@pytest.mark.parametrize(("dp_size", "window", "adapter"), [(1, None, LatentTextData), (3, None, LatentTextData), (1, 2, LatentTextData),
+                                                          (3, 2, LatentTextData), (3, None, WideText)])
+def test_by_position_gives_the_listed_streams_batches(url, dp_size, window, adapter):
+    lean, listed = streams(url, dp_size=dp_size, window=window, adapter=adapter)
     assert all(s.by_position for s in lean) and not any(s.by_position for s in listed)
     assert lean[0].order.num_shards == listed[0].order.num_shards == SHARDS
     for step in range(2 * SHARDS * PER_SHARD // 6 + 2):  # two epochs and more: steps cross epoch boundaries
@@ -96,3 +108,38 @@ def test_the_default_config_streams_a_plain_store_by_position(url):
     assert all(sum(len(mb.indices) for mb, _ in d.micro_batches) == 4 for d in steps)
     # The store never built its per-sample structures (a list of every id, shapes, rows by id).
     assert "_ids" not in plan.store.__dict__ and "_row_of" not in plan.store.__dict__
+
+
+def test_a_vlm_store_by_position_and_its_token_limit(tmp_path):
+    """The VLM's adapter (optional image field, packed tokens): the same batches by position as
+    listed, and a sample over data.max_tokens refused, named, when its shard is first sized."""
+    from mmcache.train.config import DataSection
+    from mmcache.train.models import get_model_family
+    from mmcache.train.packing import SampleTooLongError
+    from tests.vlm_store import random_store
+
+    url = random_store(str(tmp_path / "vlm"), 12, seed=3, text_only_every=0)  # every sample with an image: dense
+    family = get_model_family("vlm")
+    config = family.resolve_config("tiny")
+
+    def one(listed: bool, max_tokens: int = 256) -> FeatureStream:
+        store = featstore.open(url)
+        data = family.data(config, DataSection(max_tokens=max_tokens), store)
+        options = StreamOptions(global_batch=4, seed=1, dp_size=2, dp_rank=1, balance=BalanceConfig(), cost=CostModel(),
+                                tokens_per_sample=lambda shape: family.tokens_per_sample(config, shape))
+        return FeatureStream(store, data=Listed(data) if listed else data, options=options)
+
+    lean, listed = one(False), one(True)
+    assert lean.by_position and not listed.by_position
+    for step in range(7):  # two epochs and more
+        x, y = lean.plan(step), listed.plan(step)
+        assert x.global_indices == y.global_indices and x.tokens == y.tokens
+        assert [(mb.indices, [s[SAMPLE_ID] for s in samples]) for mb, samples in x.micro_batches] == \
+               [(mb.indices, [s[SAMPLE_ID] for s in samples]) for mb, samples in y.micro_batches]
+    longest = max(range(12), key=lambda i: listed.tokens[i])
+    limit = listed.tokens[longest] - 1
+    with pytest.raises(SampleTooLongError, match=listed.ids[longest]):
+        one(True, limit)  # listed: before step 1
+    refusing = one(False, limit)  # by position: when the step's shards are sized
+    with pytest.raises(SampleTooLongError, match=rf"data.max_tokens={limit} .*{listed.ids[longest]!r} \({limit + 1} tokens\)"):
+        refusing.plan(0)

@@ -78,10 +78,6 @@ class StepShapes:
         return self._store.shape_at(self.at[sample_id], field)
 
 
-class _Relearn(Exception):
-    """The adapter read a field it had not read before: the shards sized so far are sized again."""
-
-
 class StepSizes:
     """``sizes(indices)``: the micro-batch groups and token counts of those positions, from the
     codes of their shards (sized on first use, see the module docstring). One planning thread
@@ -102,15 +98,10 @@ class StepSizes:
     def __call__(self, indices: Sequence[int]) -> tuple[list[Hashable], list[int]]:
         positions = np.asarray(indices, dtype=np.int64)
         numbers = np.searchsorted(self.starts, positions, side="right") - 1
-        while True:
-            try:
-                codes = np.empty(len(positions), dtype=np.int64)
-                for number in np.unique(numbers).tolist():
-                    mine = numbers == number
-                    codes[mine] = self._codes(number)[positions[mine] - self.starts[number]]
-                break
-            except _Relearn:
-                continue
+        codes = np.empty(len(positions), dtype=np.int64)
+        for number in np.unique(numbers).tolist():
+            mine = numbers == number
+            codes[mine] = self._codes(number)[positions[mine] - self.starts[number]]
         sized = [self.sizes[c] for c in codes.tolist()]
         return [group for group, _ in sized], [tokens for _, tokens in sized]
 
@@ -128,7 +119,9 @@ class StepSizes:
 
     def _size_shard(self, number: int) -> np.ndarray:
         """Each sample's code in shard ``number``: samples alike in the asked fields' shapes share
-        one, and a new one is sized through the adapter from a sample that has it."""
+        one, and a new one is sized through the adapter from a sample that has it. (The adapter's
+        ``sample_shape`` is a function of the shapes it reads: the DataAdapter contract, "from the
+        index only".)"""
         start, name = int(self.starts[number]), self.names[number]
         count = int(self.starts[number + 1]) - start
         while True:
@@ -139,12 +132,10 @@ class StepSizes:
             sized, asked = self._size([start + int(first[k]) for k in new])
             if asked <= set(self.asked):
                 break
-            relearn = bool(self.codes) or bool(self.asked)
+            # A field read for the first time: this shard's samples are coded again with it. What
+            # was coded before stays right: samples alike in the fields the adapter read for them
+            # lead it down the same reads, to the same size (their keys name the fields they used).
             self.asked = tuple(sorted(set(self.asked) | asked))
-            if relearn:  # what was sized without these fields may have lumped different samples together
-                self.codes.clear()
-                self.kept = 0
-                raise _Relearn
         self._check_tokens(start, inverse, new, sized, first)
         for k, size in zip(new, sized, strict=True):
             self.kinds[keys[k]] = len(self.sizes)
