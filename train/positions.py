@@ -169,8 +169,8 @@ def _shape_codes(values: np.ndarray, bounds: np.ndarray, count: int) -> tuple[np
     widths = np.diff(bounds[: count + 1])
     if count and (widths == widths[0]).all() and widths[0] > 0:  # one ndim: as a matrix, in numpy
         matrix = values[bounds[0]: bounds[count]].reshape(count, int(widths[0]))
-        distinct, inverse = np.unique(matrix, axis=0, return_inverse=True)
-        return inverse.reshape(-1), [tuple(row) for row in distinct.tolist()]
+        inverse, first = _row_codes(matrix)
+        return inverse, [tuple(row) for row in matrix[first].tolist()]
     shapes = [tuple(values[a:b].tolist()) for a, b in zip(bounds[:count].tolist(), bounds[1: count + 1].tolist(), strict=True)]
     index: dict[tuple[int, ...], int] = {}
     return np.array([index.setdefault(shape, len(index)) for shape in shapes], dtype=np.int64), list(index)
@@ -180,5 +180,18 @@ def _combined(codes: list[np.ndarray], count: int) -> tuple[np.ndarray, np.ndarr
     """(per sample its combination of the fields' codes, numbered; the first sample of each)."""
     if not codes:
         return np.zeros(count, dtype=np.int64), np.zeros(1 if count else 0, dtype=np.int64)
-    _, first, inverse = np.unique(np.stack(codes, axis=1), axis=0, return_index=True, return_inverse=True)
+    return _row_codes(np.stack(codes, axis=1))
+
+
+def _row_codes(matrix: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(per row a number, alike for equal rows; the first row of each number) of an int matrix.
+    Rows are numbered as one int each where their ranges allow (a sort of ints: several times
+    faster than ``np.unique(axis=0)``'s, the larger cost of sizing a shard)."""
+    low = matrix.min(axis=0)
+    span = matrix.max(axis=0) - low + 1
+    if float(np.prod(span.astype(np.float64))) < 2.0**62:
+        scale = np.concatenate([[1], np.cumprod(span[:-1])]).astype(np.int64)
+        _, first, inverse = np.unique((matrix - low).astype(np.int64) @ scale, return_index=True, return_inverse=True)
+    else:
+        _, first, inverse = np.unique(matrix, axis=0, return_index=True, return_inverse=True)
     return inverse.reshape(-1), first
