@@ -16,7 +16,8 @@ does before and during its first steps, as rank --rank of --ranks data-parallel 
   sizing   for steps 1..--steps-1, the global batch and its groups and token counts (what the
            two paths do differently at each step), seconds per step
 
-as seconds and RSS growth (VmRSS after minus before; VmHWM: the peak), "before" through the
+as seconds and RSS growth (VmRSS after minus before; VmHWM: the peak, which in the steps is the
+balancer's at 1,000 ranks on both paths), "before" through the
 general stream that lists every sample (forced: an adapter the stream cannot size by position),
 "after" through the stream by position (train.positions), both of this checkout and in one run.
 Their global batches are checked equal step by step (a digest of the steps' sample ids).
@@ -115,16 +116,19 @@ def child(path: str, url: str, window: str, rank: int, ranks: int, global_batch:
     first = stream.plan(0)  # step 1: the balanced plan of the whole global batch, then this rank's reads
     first_s = time.perf_counter() - t1
     digest = hashlib.sha256(json.dumps([stream.ids[i] for i in first.global_indices]).encode())
-    t2 = time.perf_counter()
+    sizing = 0.0
     for step in range(1, steps):
         # What the two paths do differently at each step: the global batch and its sizes (the
         # balancer and the reads that follow are the same code on the same sizes).
+        t2 = time.perf_counter()
         indices = stream.global_indices(step)
-        digest.update(json.dumps([[stream.ids[i] for i in indices], stream._sizes(indices)]).encode())
+        sized = stream._sizes(indices)
+        sizing += time.perf_counter() - t2
+        digest.update(json.dumps([indices, sized]).encode())  # positions: the same samples on both paths (ids compared at step 0)
     after = _status()
     return {"path": path, "by_position": stream.by_position, "samples": stream.num_samples, "shards": stream.order.num_shards,
             "plan_s": built, "plan_rss_mb": mid["VmRSS"] - before["VmRSS"], "plan_hwm_mb": mid["VmHWM"] - before["VmHWM"],
-            "first_step_s": first_s, "size_s": (time.perf_counter() - t2) / max(1, steps - 1),
+            "first_step_s": first_s, "size_s": sizing / max(1, steps - 1),
             "steps_rss_mb": after["VmRSS"] - mid["VmRSS"], "steps_hwm_mb": after["VmHWM"] - mid["VmHWM"], "digest": digest.hexdigest()[:16]}
 
 

@@ -9,7 +9,7 @@ data position to checkpoint is therefore just the step.
 
 Which samples, and what the stream knows of each before reading it: train.selection lists them
 (the general case); over one dense store with nothing live, train.positions goes by position and
-sizes each step's samples when the step is planned, with nothing per sample for the whole store.
+sizes a shard's samples when a step first touches it, with nothing listed for the whole store.
 """
 
 from __future__ import annotations
