@@ -19,7 +19,7 @@ import json
 import queue
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,6 +142,13 @@ class FeatureStream:
     ``live`` (train.live.fields.LiveFields): fields made live are not needed from the cache.
     ``manifest`` (train.live.manifest.TrainingManifest): the samples to train on, in its order,
     some perhaps absent from the store (on_missing live: every field made live)."""
+
+    # Per stream position: listed (train.selection), or looked up by position (train.positions).
+    ids: Sequence[str]  # a list, or a dense store's PositionIds
+    rows: Any  # index rows: an int64 array (-1: absent from the store), or a range (a position is its row)
+    reads: list[tuple[str, ...]] | None  # the fields each reads from the cache (None: the run's fields, for all)
+    is_live: np.ndarray | None  # whether any of its fields is made live (None: none is)
+    _sizes: Callable[[Sequence[int]], tuple[list[Hashable], list[int]]]  # positions -> micro-batch groups, token counts
 
     def __init__(self, store: featstore.Store, *, data, options: StreamOptions, live=None, caption_dropout=None, manifest=None) -> None:
         self.store, self.data, self.options = store, data, options
