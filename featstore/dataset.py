@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,6 +37,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from mmcache import featstore
 from mmcache.featstore.latents import latent_normalisation
 from mmcache.featstore.order import EpochOrder, shard_positions
+from mmcache.featstore.rows import PositionIds
 from mmcache.featstore.tensors import as_tensor
 
 READ_BATCH = 16  # samples per read_rows call: one batch of concurrent ranged reads on an object store
@@ -150,12 +151,16 @@ class StreamingDataset(Resumable):
         if store.dense and all(f in store.fields for f in self.fields):
             # Every sample, each one row, in position order: nothing per sample is built, and a
             # rank's reads load only the shards they touch (featstore.rows).
-            self._ids, self._rows = _PositionIds(store), None
+            self._ids, self._rows = PositionIds(store), None
         else:
             self._ids = store.sample_ids(with_fields=self.fields)
             self._rows = np.array([store.row(i) for i in self._ids], dtype=np.int64)
-        rows = np.arange(len(store), dtype=np.int64) if self._rows is None else self._rows
-        self._order = EpochOrder(self.seed, shard_positions(store, rows), self.window) if self.shuffle else None
+        if not self.shuffle:
+            self._order = None
+        elif self._rows is None:
+            self._order = EpochOrder.of_dense(self.seed, store, self.window)
+        else:
+            self._order = EpochOrder(self.seed, shard_positions(store, self._rows), self.window)
         self._scales = {}
         if self.normalize:
             for name in self.fields:
@@ -248,26 +253,6 @@ class StreamingDataset(Resumable):
     def resume_key(self) -> dict[str, Any]:
         return {"url": self.url, "seed": self.seed, "shuffle": self.shuffle, "window": self.window,
                 "num_samples": self.num_samples(), "drop_last": self.drop_last}
-
-
-class _PositionIds(Sequence[str]):
-    """The ids of a dense store's samples by position, looked up when asked (``Store.id_at``)."""
-
-    def __init__(self, store: featstore.Store) -> None:
-        self._store = store
-
-    def __len__(self) -> int:
-        return len(self._store)
-
-    @overload
-    def __getitem__(self, position: int) -> str: ...
-    @overload
-    def __getitem__(self, position: slice) -> Sequence[str]: ...
-
-    def __getitem__(self, position: int | slice) -> str | Sequence[str]:
-        if isinstance(position, slice):
-            return [self._store.id_at(p) for p in range(*position.indices(len(self)))]
-        return self._store.id_at(int(position))
 
 
 # ---- batches of samples of different shapes -----------------------------------------------------

@@ -29,15 +29,26 @@ class EpochOrder:
     """``order(epoch)``: a permutation of the stream's positions ``0..len(shard_of)-1``."""
 
     def __init__(self, seed: int, shard_of: np.ndarray, window: int | None) -> None:
-        assert window is None or window >= 1, window  # data.shuffle_window is checked at config load
-        self.seed = seed
-        self.num_samples = len(shard_of)
         # Positions grouped by shard, each group ascending (a stable sort): the input of the
         # per-window shuffle must not depend on anything but the snapshot.
         by = np.argsort(shard_of, kind="stable")
         present, starts = np.unique(shard_of[by], return_index=True)
-        self.groups = np.split(by, starts[1:]) if len(by) else []
-        self.num_shards = len(present)
+        self._setup(seed, len(shard_of), np.split(by, starts[1:]) if len(by) else [], window)
+
+    @classmethod
+    def of_dense(cls, seed: int, store: Store, window: int | None) -> EpochOrder:
+        """The order of every sample of a dense store (a sample's position is its row): the same
+        permutations as ``EpochOrder(seed, shard_positions(store, arange(len(store))), window)``,
+        from the shard table alone. Each shard's positions are one range, kept as its bounds, so
+        nothing per sample is held but the epoch's permutation itself."""
+        order = cls.__new__(cls)
+        order._setup(seed, int(sum(info.num_samples for info in store.shards.values())), _dense_groups(store), window)
+        return order
+
+    def _setup(self, seed: int, num_samples: int, groups: list[np.ndarray] | list[range], window: int | None) -> None:
+        assert window is None or window >= 1, window  # data.shuffle_window is checked at config load
+        self.seed, self.num_samples, self.groups = seed, num_samples, groups
+        self.num_shards = len(groups)
         self.window = None if window is None or window >= self.num_shards else window
 
     def __call__(self, epoch: int) -> np.ndarray:
@@ -47,7 +58,19 @@ class EpochOrder:
         shards = rng.permutation(self.num_shards)
         # Windows of near-equal shard counts (none above ``window``): the last is not a stub.
         windows = np.array_split(shards, math.ceil(self.num_shards / self.window))
-        return np.concatenate([rng.permutation(np.concatenate([self.groups[k] for k in w])) for w in windows])
+        return np.concatenate([rng.permutation(np.concatenate([self._group(k) for k in w])) for w in windows])
+
+    def _group(self, k: int) -> np.ndarray:
+        group = self.groups[k]
+        return np.arange(group.start, group.stop, dtype=np.int64) if isinstance(group, range) else group
+
+
+def _dense_groups(store: Store) -> list[range]:
+    """A dense store's positions by shard, in the order of the shard numbers ``shard_positions``
+    gives (the shards sorted by name), shards without samples left out as that order leaves them."""
+    starts = np.cumsum([0] + [info.num_samples for info in store.shards.values()], dtype=np.int64)
+    spans = {name: range(int(a), int(b)) for name, a, b in zip(store.shards, starts[:-1], starts[1:], strict=True)}
+    return [spans[name] for name in sorted(spans) if len(spans[name])]
 
 
 def shard_positions(store: Store, rows: np.ndarray) -> np.ndarray:

@@ -409,6 +409,24 @@ class Store:
         arrays = in_format(self.read_row(row, fields), format)
         return Sample(self._id_of(row), arrays, self._meta_of(row)) if with_meta else arrays
 
+    def shape_at(self, position: int, field: str) -> tuple[int, ...]:
+        """The shape of ``field`` of the sample at ``position``, from the index: in a dense store
+        from its shard's rows alone (loaded on first use, as a read by position loads them)."""
+        return self._field_row(self._row_at(position), field)[1]
+
+    def shard_shapes(self, shard: str, field: str) -> tuple[np.ndarray, np.ndarray]:
+        """The shapes of ``field`` of every sample of ``shard`` of a dense store at once, as the
+        index's list column holds them: (flat values, bounds), sample ``i``'s shape being
+        ``values[bounds[i]:bounds[i + 1]]``. From the shard's rows alone (a planner's bulk
+        ``shape_at``)."""
+        if not self.dense:
+            raise SchemaError(f"{self.url}: shard_shapes needs a dense store (every shard with every field, each sample once)")
+        if field not in self.fields:
+            raise SchemaError(f"{self.url} has no field {field!r} (fields: {sorted(self.fields)})")
+        number = self._locate(self._shard_rows[shard].start)[0]
+        rows = self._loaded.get(number)
+        return rows.shape_values[field], rows.shape_bounds[field]
+
     def __getitem__(self, key: int | str) -> dict[str, Any]:
         """``store[i]`` is ``read_at(i)``, ``store["id"]`` is ``read("id")``: every field, numpy.
         With ``len()`` this makes a store a map-style dataset."""

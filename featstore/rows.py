@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import Protocol, overload
 
 import numpy as np
 import pyarrow as pa
@@ -84,3 +85,30 @@ class LoadedRows:
         with self._lock:
             self._shards.clear()
             self._rows = 0
+
+
+class _ByPosition(Protocol):  # a Store (not imported: the reader imports this module)
+    def id_at(self, position: int) -> str: ...
+
+    def __len__(self) -> int: ...
+
+
+class PositionIds(Sequence[str]):
+    """The ids of a dense store's samples by position, looked up when asked (``Store.id_at``):
+    what a reader holds instead of a list of every id (featstore.dataset, the trainer's stream)."""
+
+    def __init__(self, store: _ByPosition) -> None:
+        self._store = store
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    @overload
+    def __getitem__(self, position: int) -> str: ...
+    @overload
+    def __getitem__(self, position: slice) -> Sequence[str]: ...
+
+    def __getitem__(self, position: int | slice) -> str | Sequence[str]:
+        if isinstance(position, slice):
+            return [self._store.id_at(p) for p in range(*position.indices(len(self)))]
+        return self._store.id_at(int(position))

@@ -6,6 +6,10 @@ the world size. Every rank
 computes the same balanced plan for it from the index alone (shapes are in the index, so no data
 is read to plan), then reads only its own samples, in a background thread a few steps ahead. The
 data position to checkpoint is therefore just the step.
+
+Which samples, and what the stream knows of each before reading it: train.selection lists them
+(the general case); over one dense store with nothing live, train.positions goes by position and
+sizes a shard's samples when a step first touches it, with nothing listed for the whole store.
 """
 
 from __future__ import annotations
@@ -15,21 +19,23 @@ import json
 import queue
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from mmcache import featstore
-from mmcache.featstore.errors import ConfigError, FingerprintMismatchError
+from mmcache.featstore.errors import FingerprintMismatchError
+from mmcache.featstore.rows import PositionIds
 from mmcache.train.failures import cpu_group
-from mmcache.train.balance import BalanceConfig, CostModel, MicroBatch, imbalance, plan_global_batch
-from mmcache.train.live.manifest import describe_absent, planning_adapter
+from mmcache.train.balance import MicroBatch, imbalance, plan_global_batch
+from mmcache.train.live.manifest import planning_adapter
 from mmcache.train.order import EpochOrder, shard_positions
 from mmcache.train.packing import SAMPLE_ID
+from mmcache.train.positions import StepSizes, by_position
+from mmcache.train.selection import MissingSamplesError, StreamOptions, check_counts, select_samples
 from mmcache.train.sources import MixOrder, StoreMix
 
 
@@ -127,94 +133,6 @@ def sample_reads(adapter, store: featstore.Store, sample_id: str, *, produced: C
     return required, optional
 
 
-@dataclass(kw_only=True)
-class StreamOptions:
-    """How a ``FeatureStream`` cuts a store into steps (the config's data/balance sections and
-    this rank's place in the mesh, resolved)."""
-
-    global_batch: int
-    seed: int
-    dp_size: int = 1
-    dp_rank: int = 0
-    balance: BalanceConfig = field(default_factory=BalanceConfig)
-    cost: CostModel = field(default_factory=CostModel)
-    tokens_per_sample: Callable[[tuple], int]  # a sample's token count from its shape (the cost model's input)
-    repeat: bool = False  # allow a global batch larger than the samples (repeating them)
-    window: int | None = None  # shards per window of the epoch order (None: a global shuffle), see train.order
-    on_missing: str = "error"  # data.on_missing: what to do with samples lacking a field
-    exclude: frozenset[str] = frozenset()  # the held-out validation split, never trained on
-    run_dir: Path | None = None  # where the sizes of samples encoded live are kept for a resume (train.live.sizing)
-
-
-@dataclass(kw_only=True)
-class _Selection:
-    ids: list[str]  # the samples to train on, in order
-    named: int  # samples the run was asked to train on
-    absent_skipped: int  # of those, absent from the store and skipped (on_missing: skip)
-    skipped: int  # in the store but lacking a required field
-
-
-def select_samples(store: featstore.Store, required: list[str], cached: list[str], options: StreamOptions, manifest=None) -> _Selection:
-    """The samples to train on: those with every ``cached`` field (or all, as data.on_missing
-    says), in the manifest's order when there is one, less the held-out split."""
-    ids = store.sample_ids(with_fields=cached) if cached else store.sample_ids()
-    universe = store.sample_ids() if manifest is None else [i for i in manifest.sample_ids(store) if i in store]
-    if manifest is not None:
-        have = set(ids)
-        ids = [i for i in universe if i in have]
-    if options.on_missing == "error" and len(ids) < len(universe):
-        _refuse_lacking(store, universe, set(ids), cached)
-    absent = manifest.absent(store) if manifest is not None else []
-    named = len(universe) + len(absent)
-    if absent:
-        ids = _absent_samples(store, ids, absent, named, options.on_missing, manifest)
-    exclude = options.exclude
-    ids = [i for i in ids if i not in exclude]
-    if not ids:
-        counts = store.samples_per_field()
-        raise featstore.SchemaError(
-            f"{store.url} has no samples with all of {required} to train on "
-            f"(samples per field: {', '.join(f'{f}: {counts.get(f, 0)}' for f in required)})"
-        )
-    if options.global_batch > len(ids) and not options.repeat:
-        raise ConfigError(
-            f"data.global_batch={options.global_batch} is larger than the {len(ids)} samples of {store.url} that have "
-            f"all of {required}: each step would repeat samples. Lower data.global_batch to at "
-            f"most {len(ids)}, or --set data.repeat=true to repeat them on purpose"
-        )
-    if options.global_batch < options.dp_size:
-        raise featstore.SchemaError(f"data.global_batch={options.global_batch} is smaller than the {options.dp_size} data-parallel ranks; raise it")
-    return _Selection(ids=ids, named=named, absent_skipped=len(absent) if absent and options.on_missing == "skip" else 0,
-                      skipped=len(universe) - sum(1 for i in ids if i in store) - len(exclude & set(universe)))
-
-
-def _refuse_lacking(store: featstore.Store, universe: list[str], have: set[str], cached: list[str]) -> None:
-    lacking = [i for i in universe if i not in have]
-    counts = {f: sum(1 for i in lacking if not store.has_field(i, f)) for f in cached}
-    raise MissingSamplesError(
-        f"{len(lacking)} of the {len(universe)} samples of {store.url} lack a field this run reads from the cache "
-        f"({', '.join(f'{f}: {n} lack it' for f, n in counts.items() if n)}), "
-        f"e.g. {', '.join(lacking[:5])}; encode them (mmcache encode adds missing fields to committed samples), "
-        "or --set data.on_missing=skip to train on the rest, or data.on_missing=live to encode them live"
-    )
-
-
-def _absent_samples(store: featstore.Store, ids: list[str], absent: list[str], named: int, on_missing: str, manifest) -> list[str]:
-    """``ids`` given the manifest's samples absent from the store: refused (error), left out
-    (skip), or trained on with every field encoded live (live)."""
-    if on_missing == "error":
-        raise MissingSamplesError(
-            f"{describe_absent(absent, named, store, manifest)}; encode them (mmcache encode --input {manifest.url} "
-            f"--output {store.url} adds them), or --set data.on_missing=skip to train on the rest, or data.on_missing=live to encode them live"
-        )
-    if on_missing == "live":
-        if bad := [i for i in absent if i not in manifest.rows]:
-            raise MissingSamplesError(f"{describe_absent(bad, named, store, manifest)}: they cannot be encoded live; fix those rows, or --set data.on_missing=skip")
-        keep = set(ids) | set(absent)
-        return [i for i in manifest.sample_ids(store) if i in keep]
-    return ids
-
-
 class FeatureStream:
     """Balanced, deterministic global batches of a store, for one data-parallel rank.
 
@@ -225,19 +143,49 @@ class FeatureStream:
     ``manifest`` (train.live.manifest.TrainingManifest): the samples to train on, in its order,
     some perhaps absent from the store (on_missing live: every field made live)."""
 
+    # Per stream position: listed (train.selection), or looked up by position (train.positions).
+    ids: Sequence[str]  # a list, or a dense store's PositionIds
+    rows: Any  # index rows: an int64 array (-1: absent from the store), or a range (a position is its row)
+    reads: list[tuple[str, ...]] | None  # the fields each reads from the cache (None: the run's fields, for all)
+    is_live: np.ndarray | None  # whether any of its fields is made live (None: none is)
+    _sizes: Callable[[Sequence[int]], tuple[list[Hashable], list[int]]]  # positions -> micro-batch groups, token counts
+
     def __init__(self, store: featstore.Store, *, data, options: StreamOptions, live=None, caption_dropout=None, manifest=None) -> None:
-        required = list(data.required_fields)
-        produced, fillable = (live.produced, live.fillable) if live else (set(), set())
-        chosen = select_samples(store, required, [f for f in required if f not in produced and f not in fillable], options, manifest)
         self.store, self.data, self.options = store, data, options
         self.global_batch, self.seed = options.global_batch, options.seed
         self.dp_size, self.dp_rank = options.dp_size, options.dp_rank
         self.balance, self.cost = options.balance, options.cost
+        self.live = live if live else None
+        self.dropout = caption_dropout  # train.live.dropout.CaptionDropout or None
+        self.cache = store.storage.local_cache
+        # A dense store with nothing live goes by position: nothing per sample is built for the
+        # whole store (train.positions); the batches are the same either way.
+        self.by_position = by_position(store, data, live=self.live, manifest=manifest, exclude=options.exclude)
+        if self.by_position:
+            self._positions(store, data, options)
+        else:
+            self._listed(store, data, options, manifest)
+
+    def _positions(self, store: featstore.Store, data, options: StreamOptions) -> None:
+        """Every sample of a dense store, by position: its row, the same fields read for all."""
+        n = len(store)
+        check_counts(store, list(data.required_fields), n, options)
+        self.ids, self.rows, self.num_samples = PositionIds(store), range(n), n
+        self.named, self.absent_skipped, self.skipped = n, 0, 0
+        self.reads, self.is_live = None, None
+        self._fields = tuple(run_fields(data, store))
+        self._sizes = StepSizes(store, data, options.tokens_per_sample, self._shape)
+        self.order = EpochOrder.of_dense(options.seed, store, options.window)
+
+    def _listed(self, store: featstore.Store, data, options: StreamOptions, manifest) -> None:
+        """The samples to train on listed, each with what it reads and its size (select_samples)."""
+        live = self.live
+        required = list(data.required_fields)
+        produced, fillable = (live.produced, live.fillable) if live else (set(), set())
+        chosen = select_samples(store, required, [f for f in required if f not in produced and f not in fillable], options, manifest)
         self.ids, self.num_samples = chosen.ids, len(chosen.ids)
         self.named, self.absent_skipped, self.skipped = chosen.named, chosen.absent_skipped, chosen.skipped
         self.rows = np.array([store.row(i) if i in store else -1 for i in self.ids], dtype=np.int64)  # -1: absent from the store
-        self.live = live if live else None
-        self.dropout = caption_dropout  # train.live.dropout.CaptionDropout or None
         # Per sample, the fields read from the cache (the rest are made live), and whether any of
         # its fields is made live (what metrics.jsonl counts as live_samples; an optional field
         # made live is encoded for the samples that have it, not read).
@@ -247,11 +195,11 @@ class FeatureStream:
         self.is_live = np.array([len(r) < len(required) or any(store.has_field(i, f) for f in live_optional)
                                  for (r, _), i in zip(reads, self.ids, strict=True)], dtype=bool)
         self._size_samples(data, store, options.tokens_per_sample)
+        self._sizes = lambda indices: ([self.groups[i] for i in indices], [self.tokens[i] for i in indices])
         shard_of = self._shard_of(store)
         # Several sources (data.sources): each one's share of every epoch, by weight.
         self.order = (MixOrder(options.seed, shard_of, options.window, store.source_of(self.rows), store.weights, [x.url for x in store.stores])
                       if isinstance(store, StoreMix) else EpochOrder(options.seed, shard_of, options.window))
-        self.cache = store.storage.local_cache
 
     def _size_samples(self, data, store: featstore.Store, tokens_per_sample) -> None:
         """Each sample's shape, micro-batch group and token count, from the index alone."""
@@ -306,8 +254,7 @@ class FeatureStream:
 
     def plan(self, step: int) -> StepData:
         indices = self.global_indices(step)
-        groups = [self.groups[i] for i in indices]
-        tokens = [self.tokens[i] for i in indices]
+        groups, tokens = self._sizes(indices)
         plan = plan_global_batch(groups, tokens, self.dp_size, self.balance, self.cost)
         costs = [self.cost(t) for t in tokens]
         parts = [[j for mb in rank_plan if mb.loss_scale for j in mb.indices] for rank_plan in plan]
@@ -326,7 +273,8 @@ class FeatureStream:
             cache = {k: after[k] - before[k] for k in after if k != "hit_rate"}
         mine = [(mb, [next(read) for _ in mb.indices]) for mb in plan[self.dp_rank]]
         return StepData(step=step, micro_batches=mine, global_indices=indices, samples=len(indices), tokens=sum(tokens),
-                        imbalance=imbalance(costs, parts), cache=cache, live_samples=int(self.is_live[indices].sum()),
+                        imbalance=imbalance(costs, parts), cache=cache,
+                        live_samples=int(self.is_live[indices].sum()) if self.is_live is not None else 0,
                         captions_dropped=sum(drop), pending=pending, source_samples=self._per_source(indices))
 
     def _per_source(self, indices: list[int]) -> list[int] | None:
@@ -347,7 +295,7 @@ class FeatureStream:
         dropped = self.dropout.fields if self.dropout else ()
         by_fields: dict[tuple[str, ...], list[int]] = {}
         for k, position in enumerate(positions):
-            fields = self.reads[position]
+            fields = self.reads[position] if self.reads is not None else self._fields
             if blank and blank[k]:
                 fields = tuple(f for f in fields if f not in dropped)
             by_fields.setdefault(fields, []).append(k)
@@ -420,7 +368,3 @@ class FeatureStream:
         if self.live is not None:
             self.live.gather(item.pending)
         item.pending = None
-
-
-class MissingSamplesError(featstore.SchemaError):
-    """Samples lack a field the run reads, and data.on_missing does not say what to do."""

@@ -366,7 +366,7 @@ def _stream(plan: RunPlan, meshes: ParallelMeshes, joint: JointEncoders, say, lo
         say(manifest_line(plan.manifest, store, stream, config.data.on_missing))
     if joint.live.sizing is not None and joint.live.sizing.samples:
         say(joint.live.sizing.line())
-    if joint.live.fillable and stream.is_live.any():
+    if joint.live.fillable and stream.is_live is not None and stream.is_live.any():
         say(f"data.on_missing=live: {int(stream.is_live.sum())} of the {stream.num_samples} samples lack "
             f"{' or '.join(map(repr, sorted(joint.live.fillable)))} and are encoded live")
     recorded = {"data_order": {"shuffle_window": order.window, "shards": stream.order.num_shards}, "fingerprints": plan.fingerprints,

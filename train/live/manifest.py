@@ -21,7 +21,6 @@ only their sha256): a live tokenizer field needs it for samples encoded from con
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -32,6 +31,7 @@ from mmcache import featstore
 from mmcache.featstore.errors import ConfigError
 from mmcache.precompute.encoder_inputs import text_only_rows_are_samples
 from mmcache.precompute.inputs import read_inputs
+from mmcache.train.models.registry import on_store
 
 
 class ManifestResumeError(ConfigError):
@@ -161,9 +161,10 @@ class PlannedStore:
 def planning_adapter(data: Any, store: featstore.Store, live: Any) -> Any:
     """The model family's data adapter reading shapes from a ``PlannedStore``: the batch planner
     sizes samples that lack a field through the family's own ``sample_shape``."""
-    if not dataclasses.is_dataclass(data) or isinstance(data, type) or not hasattr(data, "store"):
+    planner = on_store(data, PlannedStore(store, live))
+    if planner is None:
         raise ConfigError(f"{type(data).__name__} (the model family's data adapter) does not read shapes from a store attribute, so samples absent from the store cannot be sized for it")
-    return dataclasses.replace(data, store=PlannedStore(store, live))
+    return planner
 
 
 def manifest_line(manifest: TrainingManifest, store: featstore.Store, stream: Any, on_missing: str) -> str:

@@ -46,11 +46,13 @@ class LatentTextData:
                 raise featstore.SchemaError(f"{store.url} has no field {name!r} (fields: {sorted(store.fields)}); set data.latent_field / data.text_field")
         latent, text = store.fields[self.latent_field], store.fields[self.text_field]
         # Sizes come from the schema, so one preset trains on stores of any encoder.
-        first = (store.sample_ids(with_fields=[latent.name, text.name]) or [None])[0]
-        if first is None and not (latent.meta.get("latent_channels") and text.meta.get("hidden_size")):
-            raise featstore.SchemaError(f"{store.url} has no sample with both {latent.name!r} and {text.name!r} to size the model from")
-        channels = latent.meta.get("latent_channels") or store.shape(first, latent.name)[0]
-        text_dim = text.meta.get("hidden_size") or store.shape(first, text.name)[1]
+        channels, text_dim = latent.meta.get("latent_channels"), text.meta.get("hidden_size")
+        if not (channels and text_dim):  # else from a sample (listing the ids: only when the schema does not say)
+            first = (store.sample_ids(with_fields=[latent.name, text.name]) or [None])[0]
+            if first is None:
+                raise featstore.SchemaError(f"{store.url} has no sample with both {latent.name!r} and {text.name!r} to size the model from")
+            channels = channels or store.shape(first, latent.name)[0]
+            text_dim = text_dim or store.shape(first, text.name)[1]
         return {"in_channels": int(channels), "text_dim": int(text_dim)}
 
     def sample_shape(self, sample_id: str) -> tuple:

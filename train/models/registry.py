@@ -86,6 +86,15 @@ class DataAdapter(Protocol):
     def collate(self, samples: list[dict[str, Any]], device: torch.device, dtype: torch.dtype) -> Any: ...
 
 
+def on_store(data: Any, store: Any) -> Any:
+    """``data`` (a family's adapter) sizing samples through ``store`` instead of its own (a view
+    that answers ``shape``/``has_field`` differently: samples encoded live, or one step's samples
+    of a dense store), or None when the adapter does not read shapes through a ``store`` field."""
+    if not dataclasses.is_dataclass(data) or isinstance(data, type) or not hasattr(data, "store"):
+        return None
+    return dataclasses.replace(data, store=store)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelFamily:
     name: str

@@ -42,6 +42,8 @@ def validation_ids(store: featstore.Store, required: list[str], fraction: float,
     """The held-out split, sorted: ids hashing below ``fraction`` plus ``listed`` (which must be
     in the store with the fields training needs); ``named``: the samples data.manifest names,
     the only ones the run sees."""
+    if fraction <= 0 and not listed:
+        return []  # nothing held out: no list of every id (a large store's trainer goes without one, train.positions)
     have = store.sample_ids(with_fields=required)
     if named is not None:
         named = set(named)
