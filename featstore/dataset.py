@@ -38,6 +38,7 @@ from mmcache import featstore
 from mmcache.featstore.latents import latent_normalisation
 from mmcache.featstore.order import EpochOrder, shard_positions
 from mmcache.featstore.rows import PositionIds
+from mmcache.featstore.snapshot import snapshot_digest
 from mmcache.featstore.tensors import as_tensor
 
 READ_BATCH = 16  # samples per read_rows call: one batch of concurrent ranged reads on an object store
@@ -251,8 +252,8 @@ class StreamingDataset(Resumable):
         return out
 
     def resume_key(self) -> dict[str, Any]:
-        return {"url": self.url, "seed": self.seed, "shuffle": self.shuffle, "window": self.window,
-                "num_samples": self.num_samples(), "drop_last": self.drop_last}
+        return {"url": self.url, "snapshot": snapshot_digest(self.shards), "seed": self.seed, "shuffle": self.shuffle,
+                "window": self.window, "num_samples": self.num_samples(), "drop_last": self.drop_last}
 
 
 # ---- batches of samples of different shapes -----------------------------------------------------

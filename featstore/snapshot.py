@@ -18,6 +18,8 @@ that racing writers both committed is read from the earliest commit; the others 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,6 +35,12 @@ from mmcache.featstore.errors import CorruptionError, SnapshotError
 from mmcache.featstore.idhash import any_known, id_hashes
 from mmcache.featstore.index import IndexPart, ShardInfo, index_parts, list_index, parse_index_part_record, read_parts, shard_info
 from mmcache.featstore.storage import Storage
+
+
+def snapshot_digest(shards: Sequence[str]) -> str:
+    """A short name for a snapshot (its sorted shard names), to compare ranks, runs and resumes:
+    a data compaction keeps the sample count but changes the shards, and with them the order."""
+    return hashlib.sha256(json.dumps(sorted(shards)).encode()).hexdigest()[:16]
 
 
 @dataclass

@@ -14,7 +14,6 @@ sizes a shard's samples when a step first touches it, with nothing listed for th
 
 from __future__ import annotations
 
-import hashlib
 import json
 import queue
 import threading
@@ -29,6 +28,7 @@ import torch
 from mmcache import featstore
 from mmcache.featstore.errors import FingerprintMismatchError
 from mmcache.featstore.rows import PositionIds
+from mmcache.featstore.snapshot import snapshot_digest  # noqa: F401 - its home is featstore.snapshot (the dataset's resume uses it)
 from mmcache.train.failures import cpu_group
 from mmcache.train.balance import MicroBatch, imbalance, plan_global_batch
 from mmcache.train.live.manifest import planning_adapter
@@ -90,11 +90,6 @@ def broadcast_json(value: Any) -> Any:
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(int(size), dtype=torch.uint8)
     dist.broadcast(data, src=0, group=group)
     return json.loads(data.numpy().tobytes().decode())
-
-
-def snapshot_digest(shards: list[str]) -> str:
-    """A short name for a snapshot (the sorted shard names), to compare ranks and runs."""
-    return hashlib.sha256(json.dumps(sorted(shards)).encode()).hexdigest()[:16]
 
 
 def check_fingerprints(store: featstore.Store, fields: list[str], expected: dict[str, str], allow_mismatch: bool) -> dict[str, Any]:

@@ -176,3 +176,22 @@ def test_readers_and_a_writer_beside_a_compaction_see_each_sample_once(tmp_path)
     final = open_store(url)
     assert sorted(final.sample_ids()) == sorted(old | {sid for sid, _, _ in new})
     assert verify_store(open_store(url, strict=False)).ok
+
+
+def test_a_dataset_saved_before_a_compaction_refuses_to_resume_mid_epoch_after_it(tmp_path):
+    """A compaction keeps the sample count but changes the shards, and so the windowed order: the
+    saved position would name other samples. The resume key names the snapshot."""
+    pytest.importorskip("torch")
+    from mmcache.featstore.dataset import StreamingDataset
+
+    url = str(tmp_path / "store")
+    tiny_shards(url)
+    before = StreamingDataset(url, shuffle=True, window=2, seed=1)
+    seen = [sample["id"] for _, sample in zip(range(10), before, strict=False)]
+    state = before.state_dict()
+    assert len(seen) == 10 and state["yielded"] == 10
+    compact_data(open_store(url), DataCompaction(target_bytes=1 << 20))
+    after = StreamingDataset(url, shuffle=True, window=2, seed=1)
+    assert len(after.shards) < len(before.shards)
+    with pytest.raises(ValueError, match="snapshot: saved"):
+        after.load_state_dict(state)
