@@ -39,6 +39,7 @@ from mmcache.featstore.checkpoints import (
     CHECKPOINT_METADATA_KEY,
     CHECKPOINT_VERSION,
     KEEP,
+    Checkpoint,
     CheckpointWarning,
     checkpoint_keys,
     digest_of,
@@ -132,10 +133,13 @@ def compact_store(storage: Storage, *, keep: int = KEEP, rebuild: bool = False) 
 
 
 def _prune(storage: Storage, current: str, keep: int, everything: bool = False) -> list[str]:
-    """Delete checkpoints less complete than ``current`` beyond the ``keep`` newest, and any whose
-    objects are damaged or gone. Marker first: a reader that listed it and then finds the objects
-    gone takes the next checkpoint, or reads the parts."""
-    found = markers(list_index(storage))
+    """Delete checkpoints less complete than ``current`` beyond the ``keep`` newest, any whose
+    objects are damaged or gone, and any that would rank above ``current`` but cover parts no
+    longer listed as they were (deleted after a data compaction replaced them, or by repair):
+    readers would pick it and use little of it. Marker first: a reader that listed it and then
+    finds the objects gone takes the next checkpoint, or reads the parts."""
+    listing = list_index(storage)
+    found = markers(listing)
     mine = next((m for m in found if f"{CHECKPOINT_DIR}/{m[1]}" == current), None)
     pruned, kept = [], 0
     for parts, digest, marker in found:
@@ -143,8 +147,10 @@ def _prune(storage: Storage, current: str, keep: int, everything: bool = False) 
         if key == current:
             kept += 1
             continue
-        healthy = not everything and _healthy(storage, digest, marker)
-        if healthy and (kept < keep or (mine is not None and parts >= mine[0])):
+        checkpoint = None if everything else _healthy(storage, digest, marker)
+        above = mine is not None and parts >= mine[0]
+        stale = above and checkpoint is not None and _covers_gone(checkpoint, listing)
+        if checkpoint is not None and not stale and (kept < keep or above):
             kept += 1
             continue  # a recent one readers may have listed, or a concurrent compactor's
         storage.delete(f"{fmt.INDEX_DIR}/{marker}")
@@ -154,22 +160,30 @@ def _prune(storage: Storage, current: str, keep: int, everything: bool = False) 
     return pruned
 
 
-def _healthy(storage: Storage, digest: str, marker: str) -> bool:
+def _healthy(storage: Storage, digest: str, marker: str) -> Checkpoint | bool | None:
+    """The checkpoint read back whole; True for a newer mmcache's (not ours to judge); None if
+    it is damaged or gone."""
     try:
-        read_checkpoint(storage, digest, marker)
+        return read_checkpoint(storage, digest, marker)
     except FormatVersionError:
-        return True  # a newer mmcache's: not ours to judge
+        return True
     except (FileNotFoundError, CorruptionError):
-        return False
-    return True
+        return None
+
+
+def _covers_gone(checkpoint: Checkpoint | bool, listing: dict[str, str]) -> bool:
+    return not isinstance(checkpoint, bool) and any(listing.get(entry) != part.listed for entry, part in checkpoint.parts.items())
 
 
 def uncovered_parts(listing: dict[str, str]) -> int:
     """Index parts in a listing beyond what its most complete checkpoint covers (by the count
-    in the marker's name: nothing is read)."""
+    in the marker's name: nothing is read). A checkpoint counting more parts than are listed
+    covers some deleted since (replaced by a data compaction, or by repair): readers would read
+    it in vain, so its own count adds to the listed parts, all of which it may have missed."""
     parts = len(index_parts(listing))
     found = markers(listing)
-    return parts - (found[0][0] if found else 0)
+    best = found[0][0] if found else 0
+    return parts - best if best <= parts else parts + best
 
 
 def after_commit(storage: Storage, shard: str, every: int, commits: int) -> None:
