@@ -141,7 +141,8 @@ def test_a_poison_input_that_kills_the_default_in_process_run_is_a_reject_on_the
     env = {**os.environ, "XDG_CACHE_HOME": str(cache), **dask_env}
     runs = []
     try:
-        for _ in range(3):
+        # The third run (nothing left to do) is the same under either Dask setting: run once.
+        for _ in range(2 if dask_env else 3):
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
             killer = Killer(server, proc.pid)
             try:
@@ -153,7 +154,7 @@ def test_a_poison_input_that_kills_the_default_in_process_run_is_a_reject_on_the
             runs.append((proc.pid, proc.returncode, stdout, stderr, killer.killed, _journals(cache)))
     finally:
         server.release()
-    (pid1, rc1, _, _, killed1, journals1), (pid2, rc2, out2, err2, killed2, journals2), (_, rc3, out3, err3, killed3, journals3) = runs
+    (pid1, rc1, _, _, killed1, journals1), (pid2, rc2, out2, err2, killed2, journals2) = runs[:2]
     # 1: in-process, the poison's read kills the command itself; its journal names the tasks in
     # flight (the poison's, and maybe its sibling's on the other thread).
     assert killed1 == [pid1] and rc1 == -signal.SIGKILL, runs[0]
@@ -173,6 +174,9 @@ def test_a_poison_input_that_kills_the_default_in_process_run_is_a_reject_on_the
     assert len(ids) == len(rows) - 1 and set(ids.values()) == {1}  # every task-mate exactly once
     assert verify_store(store).ok
     # 3: nothing left to do, and back in-process: nothing asks for the poison again.
+    if dask_env:
+        return
+    (_, rc3, out3, err3, killed3, journals3) = runs[2]
     assert rc3 == 0 and killed3 == [] and journals3 == [], err3
     assert "encoded 0 sample(s)" in out3 and "thread(s) of this process" in err3, (out3, err3)
 
