@@ -221,7 +221,9 @@ def compact(url: str, storage_options: str | None, rebuild: bool, target_bytes: 
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
     if not index_only and not rebuild:  # a rebuild mends the index: no data is read through it first
-        with _open(url, storage_options) as store:
+        # Not strict: a damaged index part is left out (and so never rewritten), as the index
+        # step below lists it; the rest is still compacted.
+        with _open(url, storage_options, strict=False) as store:
             click.echo(_guarded(lambda: compact_data(store, settings, options)).line())
     try:  # the store's index is what this reads, once, below
         store = open_store(url, options, load_index=False)

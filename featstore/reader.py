@@ -302,8 +302,9 @@ class Store:
         return sample_id in self._row_of
 
     def has_shard(self, name: str) -> bool:
-        """True when shard ``name`` is committed (checked against storage, not the snapshot)."""
-        if name in self.shards:
+        """True when shard ``name`` is committed (checked against storage, not the snapshot); a
+        shard a data compaction replaced was committed, even once its objects are deleted."""
+        if name in self.shards or name in self.replaced:
             return True
         return any((parsed := fmt.parse_index_part_name(entry)) and parsed[0] == name for entry in self.storage.list_names(fmt.INDEX_DIR, f"{name}."))
 

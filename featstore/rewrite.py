@@ -213,7 +213,10 @@ def delete_replaced(storage: Storage, grace_s: float, now: float | None = None) 
     deleted = []
     for shard in sorted(s for s in listed if age.get(s, -1.0) >= grace_s):
         key = f"{fmt.INDEX_DIR}/{listed[shard]}"
-        raw = storage.read(key)
+        try:
+            raw = storage.read(key)
+        except FileNotFoundError:
+            continue  # another compaction deleted it since our listing
         table, record = parse_index_part_record(raw, shard, key, storage.url, fmt.parse_index_part_name(listed[shard])[1])  # type: ignore[index]
         # Checked like any record before use: it names only objects of its own shard.
         for obj in sorted(shard_info(record, shard, key, len(raw)).objects):

@@ -34,47 +34,50 @@ def too_many_small(store: featstore.Store, target_bytes: int, workers: int) -> i
     return small if small >= MIN_SMALL_SHARDS and small > 2 * shards_wanted(store, target_bytes, workers) else 0
 
 
-def on_client(client: Any) -> Callable[[Callable[[Group], str | None], Sequence[Group]], list[str | None]]:
-    """Run each group's rewrite as a task of ``client`` (a Dask client's workers, or the thread
-    executor's): the bytes go through the workers, not through this process."""
+def on_executor(executor: Any) -> Callable[[Callable[[Group], str | None], Sequence[Group]], list[str | None]]:
+    """Run each group's rewrite as a task of the job's executor (a Dask cluster's workers, or the
+    thread executor's): the bytes go through the workers, not through this process, and a Dask
+    job's tasks are tracked by its worker watch (no live worker left: they end, not hang)."""
 
     def run(fn: Callable[[Group], str | None], groups: Sequence[Group]) -> list[str | None]:
-        return [future.result() for future in [client.submit(fn, group, pure=False) for group in groups]]
+        return [future.result() for future in executor.map(fn, groups, pure=False)]
 
     return run
 
 
 def compact_after_job(config: EncodeConfig, store: featstore.Store, storage_options: dict[str, Any] | None, *,
-                      client: Any, workers: int, tasks_done: int, samples_written: int, log: Callable[[str], Any]) -> None:
+                      executor: Any, workers: int, tasks_done: int, samples_written: int, log: Callable[[str], Any]) -> None:
     """Compact the data, where it has too many small shards, and then the index (as the job
     always did: when it committed ``compact.AFTER_JOB`` shards or more). ``store`` is the snapshot
     the job planned from."""
-    rewrote = False
+    changed = False
     # At most this many small shards now (a small one holds at most samples_per_task rows; a tar's
     # task commits one per part): below MIN_SMALL_SHARDS, with nothing replaced, no request is made.
     bound = len(store.shards) + tasks_done + samples_written // config.run.samples_per_task
     try:
         if config.run.compact_data and (bound >= MIN_SMALL_SHARDS or store.replaced):
-            rewrote = _compact_data(config, store.url, storage_options, client=client, workers=workers, log=log)
-    except (featstore.FeatstoreError, OSError) as exc:
-        log(f"warning: data compaction at the end of the job failed ({exc}); every shard is committed, "
+            changed = _compact_data(config, store.url, storage_options, executor=executor, workers=workers, log=log)
+    except Exception as exc:  # noqa: BLE001 - whatever it was (a worker lost, a full disk), every shard is committed: said, not raised
+        log(f"warning: data compaction at the end of the job failed ({type(exc).__name__}: {exc}); every shard is committed, "
             f"and `mmcache compact {store.url}` can be run at any time")
-    if tasks_done >= compact.AFTER_JOB or rewrote:
+    if tasks_done >= compact.AFTER_JOB or changed:
         # Its readers (every rank of every run) then open from a checkpoint, not part by part;
         # a job of a few shards costs no listing for it.
-        compact.compact_when(store.storage, compact.AFTER_JOB if not rewrote else 1, "at the end of the job")
+        compact.compact_when(store.storage, compact.AFTER_JOB if not changed else 1, "at the end of the job")
 
 
-def _compact_data(config: EncodeConfig, url: str, storage_options: dict[str, Any] | None, *, client: Any, workers: int,
+def _compact_data(config: EncodeConfig, url: str, storage_options: dict[str, Any] | None, *, executor: Any, workers: int,
                   log: Callable[[str], Any]) -> bool:
     """Rewrite the small shards of what the job left, if too many; else delete the objects of
-    shards replaced over the grace ago. Returns whether a shard was rewritten."""
+    shards replaced over the grace ago. Returns whether the index changed (a shard rewritten, or
+    replaced parts deleted: a checkpoint of them is stale)."""
     settings = DataCompaction(target_bytes=int(config.run.shard_bytes), grace_s=config.run.compact_grace)
     current = featstore.open(url, storage_options)  # what the job left, not what it planned from
     if small := too_many_small(current, settings.target_bytes, workers):
-        summary = compact_data(current, settings, storage_options, run=on_client(client))
+        summary = compact_data(current, settings, storage_options, run=on_executor(executor))
         log(f"data compaction: {small} small shard(s) of {len(current.shards)}; {summary.line()}")
         return bool(summary.written)
     if current.replaced and (deleted := delete_replaced(current.storage, settings.grace_s)):
         log(f"data compaction: deleted the objects of {len(deleted)} shard(s) replaced over run.compact_grace ago")
+        return True
     return False

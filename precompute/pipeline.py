@@ -137,7 +137,7 @@ def run_encode(
         for note in plan.notes:
             log(note)
         executed = execute(plan, job.executor, progress=progress, log=log)
-        compact_after_job(config, store, storage_options, client=job.executor.client, workers=job.executor.workers,
+        compact_after_job(config, store, storage_options, executor=job.executor, workers=job.executor.workers,
                           tasks_done=executed.tasks - executed.tasks_skipped, samples_written=executed.samples_written, log=log)
         return EncodeSummary(store_url=store.url, seconds=time.perf_counter() - t0 - startup, samples_skipped=plan.samples_skipped,
                              startup_seconds=startup, stale=len(stale), executor=job.placement.kind, **dataclasses.asdict(executed))
@@ -260,7 +260,7 @@ def execute(plan: EncodePlan, executor: Executor, *, progress: bool | None = Non
         executed.tasks_skipped += result.skipped
         executed.samples_written += result.samples
         executed.rejected += result.rejected
-        meter.update(result.samples + result.rejected + result.dropped, result.rejected, task.unit)
+        meter.update(result.samples + result.rejected + result.dropped, result.rejected, task.unit, result.members)
         executed.tasks += flight.refill(completed)
     meter.close()
     commit_plan_rejects(plan.store, plan.duplicate_rejects)

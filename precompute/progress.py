@@ -35,16 +35,19 @@ class SampleTotal:
             else:
                 self.unsized += 1
 
-    def unit_read(self, unit: SourceUnit, samples: int) -> None:
-        """``unit``'s task has finished, having found ``samples`` samples (rejects included)."""
+    def unit_read(self, unit: SourceUnit, samples: int, members: int) -> None:
+        """``unit``'s task has finished: ``samples`` samples of this job (rejects included) of
+        the ``members`` it read (with those committed before: a resumed or skipped unit read
+        fewer, or none, and says nothing of its bytes then)."""
         if unit.estimated_samples:
             return
         self.known += samples
         if unit.nbytes:
             self.sized_bytes -= unit.nbytes
             self.sized -= 1
-            self.read_bytes += unit.nbytes
-            self.read_samples += samples
+            if members:
+                self.read_bytes += unit.nbytes
+                self.read_samples += members
         else:
             self.unsized -= 1
 
@@ -67,12 +70,13 @@ class ProgressMeter:
     # Without a terminal (batch logs), a plain line at most this often.
     LOG_EVERY_S = 30.0
 
-    def update(self, done: int, rejected: int, unit: SourceUnit | None = None) -> None:
-        """``done`` more samples (``rejected`` of them rejects), those of ``unit`` when a unit's task."""
+    def update(self, done: int, rejected: int, unit: SourceUnit | None = None, members: int = 0) -> None:
+        """``done`` more samples (``rejected`` of them rejects), those of ``unit`` (which held
+        ``members``) when a unit's task."""
         self.done += done
         self.rejected += rejected
         if unit is not None:
-            self.total.unit_read(unit, done)
+            self.total.unit_read(unit, done, members)
         total = max(self.done, self.total.value())
         elapsed = time.perf_counter() - self.start
         rate = self.done / elapsed if elapsed > 0 else 0.0

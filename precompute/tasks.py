@@ -57,6 +57,7 @@ class TaskResult:
     samples: int = 0
     rejected: int = 0
     dropped: int = 0  # encoded, but another writer had committed them meanwhile: left out
+    members: int = 0  # a unit's members read, whatever came of them (precompute.progress sizes unread tars by it)
     skipped: bool = False
     seconds: float = 0.0
     died: int = 0  # not run: its earlier attempts' worker died this often; the client splits it

@@ -34,7 +34,7 @@ def encode_unit(task: TaskSpec, settings: TaskSettings, result: Any, committed: 
     (precompute.tasks); ``result`` gets every part's counts."""
     assert task.unit is not None
     parts = _UnitParts(task, settings, result, write_shard)
-    members = _Pushback(_opened(task.unit, settings))
+    members = _Pushback(_counted(_opened(task.unit, settings), result))
     index = 0
     try:
         while True:
@@ -69,6 +69,14 @@ def _opened(unit: Any, settings: TaskSettings) -> Iterator[Member]:
         # A missing input is a reject; one that an unreachable object store only seems to lack fails the task (retried).
         read_failure(exc, unit.shown)
         yield Member(reject=Reject(source=unit.shown, reason="missing file"))
+
+
+def _counted(members: Iterator[Member], result: Any) -> Iterator[Member]:
+    """``members``, each counted in ``result.members`` as it is read (encoded, rejected, left
+    out or read past): what the unit held, which sizes the progress of the tars not read yet."""
+    for member in members:
+        result.members += 1
+        yield member
 
 
 class _Pushback:

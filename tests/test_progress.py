@@ -27,12 +27,13 @@ def test_unread_tars_are_estimated_from_their_size_at_the_rate_of_those_read(tmp
     unsized = SourceUnit(kind="webdataset", uri="y", shown="y", id_prefix="")
     total = SampleTotal(100 + 7, [*units, parquet, unsized])
     assert total.value() == 107 + 4 * UNREAD_UNIT_SAMPLES  # before any tar is read
-    total.unit_read(units[0], 10)
-    total.unit_read(parquet, 7)  # counted at planning already
+    total.unit_read(units[0], 10, 10)
+    total.unit_read(parquet, 7, 7)  # counted at planning already
     per_byte = 10 / units[0].nbytes
     assert total.value() == 117 + round((units[1].nbytes + units[2].nbytes) * per_byte) + UNREAD_UNIT_SAMPLES
     assert abs(total.value() - (117 + 60 + UNREAD_UNIT_SAMPLES)) <= 2  # tars of 4 KB members: size tells the count
-    total.unit_read(units[1], 20)
-    total.unit_read(units[2], 40)
-    total.unit_read(unsized, 3)
-    assert total.value() == 107 + 10 + 20 + 40 + 3
+    total.unit_read(units[1], 0, 0)  # committed by an earlier run: skipped, nothing read
+    assert total.value() == 117 + round(units[2].nbytes * per_byte) + UNREAD_UNIT_SAMPLES  # its bytes tell no rate
+    total.unit_read(units[2], 40, 40)
+    total.unit_read(unsized, 3, 3)
+    assert total.value() == 107 + 10 + 0 + 40 + 3

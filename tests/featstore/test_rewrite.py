@@ -72,6 +72,7 @@ def test_compaction_keeps_every_sample_in_order_and_grace_keeps_old_readers(tmp_
     fresh = open_store(url)
     assert_same_contents(contents(fresh), expected)
     assert set(fresh.replaced) == set(before.shards)  # still known as committed
+    assert all(fresh.has_shard(name) for name in before.shards)  # a writer of that name is told so
     report = verify_store(open_store(url, strict=False))
     assert report.ok and not report.warnings, (report.problems, report.warnings)
 
