@@ -134,11 +134,11 @@ def test_encode_and_fit_leave_no_thread_of_ours(tmp_path):
 
     manifest = make_dataset(tmp_path / "input", num_images=8, num_videos=0)  # one batch of tiny-dit
     out = str(tmp_path / "encoded")
-    encode = ["encode", "--config", "tiny", "--input", str(manifest), "--output", out, "--workers", "1", "--no-progress"]
+    # The default executor of a job this small: the encoders on threads of the command itself.
+    encode = ["encode", "--config", "tiny", "--input", str(manifest), "--output", out, "--no-progress"]
     full = tmp_path / "full"  # a disk with no room for the store (~56 KiB): the encode's error path (issue 29 saw it abort after its Error: line)
     full.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(full)], capture_output=True).returncode == 0
-    # The full disk's encode runs as a user's small job does by default: on threads of the command itself.
     commands = [encode, ["verify", out]] + ([[*encode[:5], "--output", str(full / "store"), "--no-progress"]] if mounted else [])
     try:
         encoded = run_in_process("mmcache.precompute.cli", commands, timeout=300)
