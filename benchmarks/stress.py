@@ -17,7 +17,7 @@ checkout's folders: the commands run ``sys.executable -m mmcache...`` with this 
 
 Measured (2 cores shared with other jobs, load 6-12; an encoded tiny store with a prompt object):
 `mmcache verify` at 78cf41f: 999 of 1000 exit 0, 1 SIGABRT; after: 1000 of 1000 exit 0.
-At 6b8ef22 (`--runs 1000 --encode-runs 30 --pairs 20 --jobs 2`, niced beside other work, 2 h 4 min):
+At 6b8ef22 (`--runs 1000 --encode-runs 30 --pairs 20 --jobs 2`, niced beside other work, 1 h 45 min):
 info, info --json, verify, read+scan and copy each 1000 of 1000 exit 0; encode 30 of 30; the 20
 concurrent-writer pairs all 0, both fields on every sample. 1000 encodes (14.5 s each here) would
 take about 4 hours on this 2-core machine.
