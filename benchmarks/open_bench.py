@@ -45,6 +45,20 @@ MODES = ("open", "share", "dataset")
 
 
 # ---- the stores ----------------------------------------------------------------------------------
+def built_once(url: Path, write) -> Path:
+    """The store at ``url``, written by ``write(url) -> summary line`` unless an earlier run
+    finished it (its ``.built`` marker): large stores take minutes to write and are reused."""
+    done = url.with_name(url.name + ".built")
+    if done.exists():
+        return url
+    shutil.rmtree(url, ignore_errors=True)
+    t0 = time.perf_counter()
+    summary = write(url)
+    print(f"built {url} in {time.perf_counter() - t0:.0f}s: {summary}", flush=True)
+    done.write_text("ok\n")
+    return url
+
+
 def build(root: Path, samples: int, shards: int, after: int = 0, compact: bool = True) -> Path:
     """The store of ``samples`` in ``shards`` shards under ``root`` (written once, then reused);
     ``compact``: with an index checkpoint (else as a job of fewer than 64 commits leaves it),
@@ -54,25 +68,21 @@ def build(root: Path, samples: int, shards: int, after: int = 0, compact: bool =
     from mmcache import featstore
     from mmcache.featstore.compact import compact_store
 
-    url = root / f"store-{samples}-{shards}{f'-{after}after' if after else ''}{'' if compact else '-parts'}"
-    done = url.with_name(url.name + ".built")
-    if done.exists():
-        return url
-    shutil.rmtree(url, ignore_errors=True)
-    t0 = time.perf_counter()
-    bounds = np.linspace(0, samples, shards + 1).astype(np.int64)
-    with featstore.create(str(url), fields={"x": {"dtype": "int32", "ndim": 1}}, compact_every=0, shard_prefix="b") as writer:
-        for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-            if compact and after and k == shards - after:
-                summary = compact_store(writer.store.storage).line()
-            for i in range(int(lo), int(hi)):
-                writer.add(f"s{i:09d}", {"x": np.array([i], dtype=np.int32)})
-            writer.commit()
-    if not after:
-        summary = compact_store(featstore.open(str(url)).storage).line() if compact else "no checkpoint"
-    print(f"built {url} in {time.perf_counter() - t0:.0f}s: {summary}", flush=True)
-    done.write_text("ok\n")
-    return url
+    def write(url: Path) -> str:
+        summary = "no checkpoint"
+        bounds = np.linspace(0, samples, shards + 1).astype(np.int64)
+        with featstore.create(str(url), fields={"x": {"dtype": "int32", "ndim": 1}}, compact_every=0, shard_prefix="b") as writer:
+            for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+                if compact and after and k == shards - after:
+                    summary = compact_store(writer.store.storage).line()
+                for i in range(int(lo), int(hi)):
+                    writer.add(f"s{i:09d}", {"x": np.array([i], dtype=np.int32)})
+                writer.commit()
+        if compact and not after:
+            summary = compact_store(featstore.open(str(url)).storage).line()
+        return summary
+
+    return built_once(root / f"store-{samples}-{shards}{f'-{after}after' if after else ''}{'' if compact else '-parts'}", write)
 
 
 # ---- one measurement, in a child process ---------------------------------------------------------
