@@ -79,8 +79,8 @@ def plan_encode(config: EncodeConfig, *, inputs: InputStream, survey: Survey, st
                       units=[t.unit for t in units if t.unit],
                       plan_rejects=[r for r in survey.rejects if r.source not in rejected_before],
                       samples_skipped=survey.skipped, notes=notes)
-    groups = _RowGroups(store, fields, config, survey, per_task, salt, plan.duplicate_rejects, rejected_before)
-    groups.unit_skips = {t.unit.id_prefix: t.skip for t in units if t.unit and t.unit.id_prefix}
+    unit_skips = {t.unit.id_prefix: t.skip for t in units if t.unit and t.unit.id_prefix}
+    groups = _RowGroups(store, fields, config, survey, per_task, salt, plan.duplicate_rejects, rejected_before, unit_skips)
     plan.tasks = itertools.chain(groups.tasks(inputs), units)
     return plan
 
@@ -98,7 +98,8 @@ class _RowGroups:
     what it lacks; a group's every ``per_task`` rows are a task, its rest one more at the end."""
 
     def __init__(self, store: featstore.Store, fields: dict[str, Any], config: EncodeConfig, survey: Survey, per_task: int,
-                 salt: str, duplicates: list[Reject], rejected_before: set[str]) -> None:
+                 salt: str, duplicates: list[Reject], rejected_before: set[str],
+                 unit_skips: dict[str, dict[str, tuple[str, str]]]) -> None:
         modalities = {name: spec["meta"].get("modality", "") for name, spec in fields.items()}
         self.lacking = row_classifier(store, modalities, clips=config.frames.clips is not None)
         self.digest, self.per_task, self.salt = fields_digest(fields), per_task, salt
@@ -107,7 +108,7 @@ class _RowGroups:
         # Id prefix of a tar (or Parquet file) of the job -> what its task leaves out. A row of this
         # job whose id has that prefix joins it, before the unit tasks are made (they come after
         # the rows' tasks), so a member with that id is a reject naming the row, not dropped unsaid.
-        self.unit_skips: dict[str, dict[str, tuple[str, str]]] = {}
+        self.unit_skips = unit_skips
 
     def tasks(self, inputs: InputStream) -> Iterator[TaskSpec]:
         pending: dict[GroupKey, list[InputRow]] = {}

@@ -28,7 +28,6 @@ import torch
 from mmcache import featstore
 from mmcache.featstore.errors import FingerprintMismatchError
 from mmcache.featstore.rows import PositionIds
-from mmcache.featstore.snapshot import snapshot_digest  # noqa: F401 - its home is featstore.snapshot (the dataset's resume uses it)
 from mmcache.train.failures import cpu_group
 from mmcache.train.balance import MicroBatch, imbalance, plan_global_batch
 from mmcache.train.live.manifest import planning_adapter

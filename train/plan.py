@@ -22,7 +22,8 @@ from mmcache.featstore.config import to_dict
 from mmcache.featstore.errors import ConfigError
 from mmcache.train.checkpoint import latest_checkpoint
 from mmcache.train.config import TrainConfig
-from mmcache.train.data import check_fingerprints, open_features, run_fields, snapshot_digest
+from mmcache.featstore.snapshot import snapshot_digest
+from mmcache.train.data import check_fingerprints, open_features, run_fields
 from mmcache.train.live.manifest import TrainingManifest
 from mmcache.train.live.manifest import check_resume as check_manifest_resume
 from mmcache.train.models import get_model_family

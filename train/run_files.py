@@ -12,7 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mmcache.train.data import FeatureStream, snapshot_digest
+from mmcache.featstore.snapshot import snapshot_digest
+from mmcache.train.data import FeatureStream
 from mmcache.train.models.dit_data import latent_normalisation
 from mmcache.train.parallel.fsdp import local_state_bytes
 

@@ -28,7 +28,8 @@ from mmcache.featstore.errors import ConfigError
 from mmcache.train.checkpoint import export_safetensors, load_checkpoint, resume_hint, save_checkpoint
 from mmcache.train.config import TrainConfig
 from mmcache.train.failures import stopped_by_machine
-from mmcache.train.data import FeatureStream, StreamOptions, snapshot_digest
+from mmcache.featstore.snapshot import snapshot_digest
+from mmcache.train.data import FeatureStream, StreamOptions
 from mmcache.train.run_dir import claim_run_dir
 from mmcache.train.live.dropout import CaptionDropout
 from mmcache.train.live.fields import LiveFields
