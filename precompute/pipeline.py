@@ -260,7 +260,7 @@ def execute(plan: EncodePlan, executor: Executor, *, progress: bool | None = Non
         executed.tasks_skipped += result.skipped
         executed.samples_written += result.samples
         executed.rejected += result.rejected
-        meter.update(result.samples + result.rejected + result.dropped, result.rejected, task.unit, result.members)
+        meter.update(result.samples + result.rejected + result.dropped, result.rejected, task.units, result.members)
         executed.tasks += flight.refill(completed)
     meter.close()
     commit_plan_rejects(plan.store, plan.duplicate_rejects)

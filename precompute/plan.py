@@ -13,6 +13,7 @@ A killed job resumes where it stopped: what committed is skipped by id, whatever
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
 import json
@@ -64,7 +65,8 @@ def plan_encode(config: EncodeConfig, *, inputs: InputStream, survey: Survey, st
     settings = TaskSettings.from_config(config, input_storage_options)
     # A unit (a tar) is one task whatever the job's size: its parts are shards of about shard_bytes,
     # sized alike on every run, so a re-run finds the parts committed before under their names.
-    units = unit_tasks(inputs.units, store, config, list(fields), part_size=rows_per_task(config, 1 << 62, 1, sample_bytes))
+    units, unit_skips = unit_tasks(inputs.units, store, config, list(fields), part_size=rows_per_task(config, 1 << 62, 1, sample_bytes),
+                                   workers=workers, sample_bytes=sample_bytes)
     if survey.todo or units:
         # Raised here once (an older store), so that the tasks, which open the store from the
         # manifest planned with, do not each declare it again.
@@ -75,11 +77,10 @@ def plan_encode(config: EncodeConfig, *, inputs: InputStream, survey: Survey, st
              for (missing, new), n in survey.groups.items() if not new] + unit_notes(inputs.units, store, list(fields))
     plan = EncodePlan(output_url=output_url, store=store, storage_options=storage_options, specs=specs, settings=settings,
                       tasks=iter(()), known_shards=sorted(set(store.shards) | set(store.replaced) | {t.shard for t in units}),
-                      samples=survey.todo + sum(t.unit.estimated_samples for t in units if t.unit),
-                      units=[t.unit for t in units if t.unit],
+                      samples=survey.todo + sum(u.estimated_samples for t in units for u in t.units),
+                      units=[u for t in units for u in t.units],
                       plan_rejects=[r for r in survey.rejects if r.source not in rejected_before],
                       samples_skipped=survey.skipped, notes=notes)
-    unit_skips = {t.unit.id_prefix: t.skip for t in units if t.unit and t.unit.id_prefix}
     groups = _RowGroups(store, fields, config, survey, per_task, salt, plan.duplicate_rejects, rejected_before, unit_skips)
     plan.tasks = itertools.chain(groups.tasks(inputs), units)
     return plan
@@ -174,31 +175,71 @@ def unit_notes(units: list[SourceUnit], store: featstore.Store, fields: list[str
 
 
 def unit_tasks(units: list[SourceUnit], store: featstore.Store, config: EncodeConfig, fields: list[str], *,
-               part_size: int) -> list[TaskSpec]:
-    """One task per unit not done yet, told which of the unit's ids to leave out. A unit is done
-    when its task's last shard (named like the task) is committed: the worker commits each full
-    part of ``part_size`` samples as ``<task>-pNNNNN`` and the rest last, so a task killed
-    mid-unit resumes after its committed parts and a grown set of tars runs only the new."""
+               part_size: int, workers: int, sample_bytes: int) -> tuple[list[TaskSpec], dict[str, dict[str, tuple[str, str]]]]:
+    """The tasks of the units not done yet (small ones grouped: ``group_units``), each told which
+    of its units' ids to leave out, and those leave-out maps by id prefix. A task is done when
+    its last shard (named like the task) is committed: the worker commits each full part of
+    ``part_size`` samples as ``<task>-pNNNNN`` and the rest last, so a task killed mid-way
+    resumes after its committed parts and a grown set of tars runs only the new."""
     if not units:
-        return []
-    retry = config.data.retry_rejects and store.num_rejected() > 0
-    salt = retry_salt(store) if retry else ""
+        return [], {}
+    salt = retry_salt(store) if config.data.retry_rejects and store.num_rejected() > 0 else ""
     # id -> (where it came from, its media's hash): the worker tells a resume from a duplicate id.
     leave_out = known_sources(store, rejects=not config.data.retry_rejects, clips=config.frames.clips is not None)
     by_prefix: dict[str, dict[str, tuple[str, str]]] = {}
     for sample_id, known in leave_out.items():
         by_prefix.setdefault(sample_id.split(":", 1)[0] + ":", {})[sample_id] = known
-    tasks = []
-    for unit in units:
-        # Not named by the fields: a unit done is done (adding a field to its samples is not supported yet, see unit_notes).
-        body = json.dumps([unit.kind, unit.shown, list(unit.row_groups), part_size] + ([salt] if salt else []))
-        name = f"u-{hashlib.sha256(body.encode()).hexdigest()[:24]}"
-        if name in store.shards or name in store.replaced:  # done, and maybe compacted since (featstore.rewrite)
+    done = set(store.shards) | set(store.replaced)  # a task's shard may be compacted since (featstore.rewrite)
+    # A unit its own task read (alone: large, or the last of its input) is left out before grouping
+    # the rest: the groups after it are the same, whether it is done or not.
+    pending = [unit for unit in units if unit_task_name([unit], part_size, salt) not in done]
+    tasks, skips = [], {}
+    for group in group_units(pending, config, workers=workers, sample_bytes=sample_bytes, of=units):
+        # Not named by the fields: a task done is done (adding a field to its samples: see unit_notes).
+        name = unit_task_name(group, part_size, salt)
+        if name in done:
             continue
         # One dict per prefix, shared by its units: the job's own rows of that prefix join it (_RowGroups).
-        skip = by_prefix.setdefault(unit.id_prefix, {}) if unit.id_prefix else leave_out
-        tasks.append(TaskSpec(shard=name, rows=[], fields=fields, unit=unit, skip=skip, part_size=part_size))
-    return tasks
+        maps = {unit.id_prefix: by_prefix.setdefault(unit.id_prefix, {}) for unit in group if unit.id_prefix}
+        skips.update(maps)
+        skip = leave_out if not all(unit.id_prefix for unit in group) else next(iter(maps.values())) if len(maps) == 1 \
+            else collections.ChainMap(*maps.values())
+        tasks.append(TaskSpec(shard=name, rows=[], fields=fields, units=tuple(group), skip=skip, part_size=part_size))
+    return tasks, skips
+
+
+def unit_task_name(units: list[SourceUnit], part_size: int, salt: str) -> str:
+    """A unit task's name, from what it reads (a single unit's as it has always been named)."""
+    what: list = [[u.kind, u.shown, list(u.row_groups)] for u in units] if len(units) > 1 else [units[0].kind, units[0].shown, list(units[0].row_groups)]
+    body = json.dumps([*what, part_size] + ([salt] if salt else []))
+    return f"u-{hashlib.sha256(body.encode()).hexdigest()[:24]}"
+
+
+def group_units(units: list[SourceUnit], config: EncodeConfig, *, workers: int, sample_bytes: int,
+                of: list[SourceUnit] | None = None) -> list[list[SourceUnit]]:
+    """Consecutive units of one kind, in input order, in groups of about one task's worth, as rows
+    are: Parquet row groups (their rows counted) up to ``rows_per_task`` rows, tars (their samples
+    unknown until read) up to ``run.shard_bytes`` of tar, each at most a worker's share of the
+    job. So small tars or row groups make shards of a useful size, and as many tasks as workers at
+    least, not one task (and one commit) each. A group closes where the running total first
+    reaches its target: a set of tars grown at its end keeps the earlier groups, hence their
+    names, unless the job was smaller than a shard per worker. The targets are those of the job's
+    units ``of`` (all of them, done or not: a resumed job groups as it did)."""
+    every = units if of is None else of
+    tar_bytes = sum(unit.nbytes for unit in every if not unit.estimated_samples)
+    rows = sum(unit.estimated_samples for unit in every)
+    target_bytes = max(1, min(int(config.run.shard_bytes), -(-tar_bytes // max(1, workers))))
+    target_rows = rows_per_task(config, rows, workers, sample_bytes)
+    groups: list[list[SourceUnit]] = []
+    size = 0
+    for unit in units:
+        if not groups or unit.kind != groups[-1][-1].kind or size >= (target_rows if unit.estimated_samples else target_bytes):
+            groups.append([])
+            size = 0
+        groups[-1].append(unit)
+        # A tar of unknown size counts as a whole group: it may be large.
+        size += unit.estimated_samples or unit.nbytes or target_bytes
+    return groups
 
 
 def fields_digest(fields: dict[str, Any]) -> str:

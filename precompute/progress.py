@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from mmcache.precompute.input_sources.base import SourceUnit
 
@@ -35,21 +35,20 @@ class SampleTotal:
             else:
                 self.unsized += 1
 
-    def unit_read(self, unit: SourceUnit, samples: int, members: int) -> None:
-        """``unit``'s task has finished: ``samples`` samples of this job (rejects included) of
-        the ``members`` it read (with those committed before: a resumed or skipped unit read
-        fewer, or none, and says nothing of its bytes then)."""
-        if unit.estimated_samples:
-            return
+    def units_read(self, units: Sequence[SourceUnit], samples: int, members: int) -> None:
+        """A task of ``units`` (tars, or Parquet row groups: one kind) has finished: ``samples``
+        samples of this job (rejects included) of the ``members`` it read (with those committed
+        before: a resumed or skipped task read fewer, or none, and says nothing of its bytes then)."""
+        if not units or units[0].estimated_samples:
+            return  # Parquet row groups: counted at planning
         self.known += samples
-        if unit.nbytes:
-            self.sized_bytes -= unit.nbytes
-            self.sized -= 1
-            if members:
-                self.read_bytes += unit.nbytes
-                self.read_samples += members
-        else:
-            self.unsized -= 1
+        sized = [unit.nbytes for unit in units if unit.nbytes]
+        self.sized_bytes -= sum(sized)
+        self.sized -= len(sized)
+        self.unsized -= len(units) - len(sized)
+        if members and len(sized) == len(units):
+            self.read_bytes += sum(sized)
+            self.read_samples += members
 
     def value(self) -> int:
         if not self.read_bytes:
@@ -70,13 +69,12 @@ class ProgressMeter:
     # Without a terminal (batch logs), a plain line at most this often.
     LOG_EVERY_S = 30.0
 
-    def update(self, done: int, rejected: int, unit: SourceUnit | None = None, members: int = 0) -> None:
-        """``done`` more samples (``rejected`` of them rejects), those of ``unit`` (which held
-        ``members``) when a unit's task."""
+    def update(self, done: int, rejected: int, units: Sequence[SourceUnit] = (), members: int = 0) -> None:
+        """``done`` more samples (``rejected`` of them rejects), those of ``units`` (which held
+        ``members``) when a unit task's."""
         self.done += done
         self.rejected += rejected
-        if unit is not None:
-            self.total.unit_read(unit, done, members)
+        self.total.units_read(units, done, members)
         total = max(self.done, self.total.value())
         elapsed = time.perf_counter() - self.start
         rate = self.done / elapsed if elapsed > 0 else 0.0

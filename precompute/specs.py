@@ -41,13 +41,14 @@ class TaskSpec:
     rows: list[InputRow]
     fields: list[str]  # the fields this task writes (an encoder runs only if it makes one of them)
     new_samples: bool = True  # False: adding fields to committed samples (their media were checked then)
-    # A tar or Parquet row groups that the task reads itself (rows is then empty), and the ids in
-    # it to leave out: committed already, or rejected before (unless data.retry_rejects), each
-    # with where it came from and its media's sha256 (source_uri and content_hash; a reject's
-    # source): from another input, or with other bytes, it is a duplicate id.
-    unit: SourceUnit | None = None
+    # Tars or Parquet row groups that the task reads itself, one after another (rows is then
+    # empty: precompute.unit_tasks), and the ids in them to leave out: committed already, or
+    # rejected before (unless data.retry_rejects), each with where it came from and its media's
+    # sha256 (source_uri and content_hash; a reject's source): from another input, or with other
+    # bytes, it is a duplicate id.
+    units: tuple[SourceUnit, ...] = ()
     skip: Mapping[str, tuple[str, str]] = field(default_factory=dict)
-    part_size: int = 0  # a unit's samples per shard: each full part commits as <shard>-pNNNNN, the rest as <shard>
+    part_size: int = 0  # a unit task's samples per shard: each full part commits as <shard>-pNNNNN, the rest as <shard>
     deaths: int = 0  # worker deaths of the tasks these rows were split from (precompute.worker_deaths)
 
 

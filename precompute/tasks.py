@@ -201,9 +201,9 @@ def encode_task(
         # What the client planned around need not be re-read before this task commits; only
         # shards committed since (by a concurrent run) are.
         store.assume_checked(known_shards or ())
-        if task.unit is not None:
-            # A tar or Parquet row groups: its parts commit as they are read, so a worker death
-            # re-runs it from its last committed part (Dask's retries); it is not split by rows.
+        if task.units:
+            # Tars or Parquet row groups: their parts commit as they are read, so a worker death
+            # re-runs the task from its last committed part (Dask's retries); it is not split by rows.
             encode_unit(task, settings, result, set(known_shards or ()),
                         encode_rows=lambda sub, part, given: _encode_rows(sub, store, specs, device, threads, settings, part, cache, given),
                         write_shard=lambda sub, done, part, ahead: _write_shard(sub, store, done, part, ahead))

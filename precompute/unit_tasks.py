@@ -1,5 +1,6 @@
-"""The task of a unit (a WebDataset tar, Parquet row groups: ``precompute.input_sources``): its
-members read once, front to back, decoded as they arrive, and committed in parts of
+"""The task of units (WebDataset tars, Parquet row groups: ``precompute.input_sources``; small
+ones several to a task, ``precompute.plan.group_units``): their members read once, front to back,
+one unit after another, decoded as they arrive, and committed in parts of
 ``run.samples_per_task`` members under names a re-run finds again. Each part is encoded and
 written by the task's own steps (``precompute.tasks``), handed in, so this module needs nothing
 of that one's.
@@ -10,13 +11,13 @@ from __future__ import annotations
 import hashlib
 import itertools
 import posixpath
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
 from mmcache.precompute.clips import clip_parent
 from mmcache.precompute.daemon_pool import DaemonPool
-from mmcache.precompute.input_sources import Member, open_unit
+from mmcache.precompute.input_sources import Member, SourceUnit, open_unit
 from mmcache.precompute.input_sources.base import duplicate_reason
 from mmcache.precompute.inputs import InputRow, Reject
 from mmcache.precompute.sources import InputFileError, read_failure
@@ -26,15 +27,15 @@ from mmcache.precompute.specs import TaskSettings, TaskSpec
 def encode_unit(task: TaskSpec, settings: TaskSettings, result: Any, committed: set[str], *,
                 encode_rows: Callable[[TaskSpec, Any, Iterator[tuple[InputRow, bytes | None]]], list],
                 write_shard: Callable[[TaskSpec, list, Any, int], None]) -> None:
-    """A tar's (or row groups') samples, read once front to back and decoded as they arrive,
-    committed in parts of ``task.part_size`` members: each part a later member follows as
+    """The samples of the task's tars (or row groups), read once front to back, one unit after
+    another, and decoded as they arrive, committed in parts of ``task.part_size`` members: each part a later member follows as
     ``<shard>-pNNNNN``, the last one (full or not) as ``<shard>``, which marks the unit done.
     Parts an earlier run committed are read past, not encoded. ``encode_rows(sub, part, rows)``
     and ``write_shard(sub, done, part, commit_ahead_bytes)`` are the task's own steps
     (precompute.tasks); ``result`` gets every part's counts."""
-    assert task.unit is not None
+    assert task.units
     parts = _UnitParts(task, settings, result, write_shard)
-    members = _Pushback(_counted(_opened(task.unit, settings), result))
+    members = _Pushback(_counted(_opened(task.units, settings), result))
     index = 0
     try:
         while True:
@@ -43,7 +44,7 @@ def encode_unit(task: TaskSpec, settings: TaskSettings, result: Any, committed: 
                 parts.pass_over(members)
             else:
                 part = type(result)(shard=name)
-                sub = replace(task, shard=name, rows=[], unit=None)
+                sub = replace(task, shard=name, rows=[], units=())
                 found: list = []  # the members' own rejects, kept apart while they are read on another thread
                 done = encode_rows(sub, part, parts.rows(members, found))
                 part.rejects.extend(found)
@@ -59,16 +60,18 @@ def encode_unit(task: TaskSpec, settings: TaskSettings, result: Any, committed: 
         parts.close()
 
 
-def _opened(unit: Any, settings: TaskSettings) -> Iterator[Member]:
-    """The unit's members; a unit that cannot be opened (not a regular file, missing) is one reject."""
-    try:
-        yield from open_unit(unit, settings.input_storage_options, settings.max_input_bytes)
-    except InputFileError as exc:
-        yield Member(reject=Reject(source=unit.shown, reason=exc.reason))
-    except FileNotFoundError as exc:
-        # A missing input is a reject; one that an unreachable object store only seems to lack fails the task (retried).
-        read_failure(exc, unit.shown)
-        yield Member(reject=Reject(source=unit.shown, reason="missing file"))
+def _opened(units: Sequence[SourceUnit], settings: TaskSettings) -> Iterator[Member]:
+    """The units' members, unit after unit; one that cannot be opened (not a regular file,
+    missing) is one reject."""
+    for unit in units:
+        try:
+            yield from open_unit(unit, settings.input_storage_options, settings.max_input_bytes)
+        except InputFileError as exc:
+            yield Member(reject=Reject(source=unit.shown, reason=exc.reason))
+        except FileNotFoundError as exc:
+            # A missing input is a reject; one that an unreachable object store only seems to lack fails the task (retried).
+            read_failure(exc, unit.shown)
+            yield Member(reject=Reject(source=unit.shown, reason="missing file"))
 
 
 def _counted(members: Iterator[Member], result: Any) -> Iterator[Member]:
@@ -117,7 +120,6 @@ class _UnitParts:
         already is left out if that was this input's (a resume), and is a reject naming the other
         input if it was another's, or if its bytes are not the committed ones (two shards of one
         name from two datasets: ``laion/00000.tar``, then ``coyo/00000.tar``)."""
-        assert self.task.unit is not None
         for member in itertools.islice(members, self.task.part_size):
             if member.reject is not None:
                 if member.reject.sample_id not in self.task.skip:
@@ -126,7 +128,7 @@ class _UnitParts:
                 earlier = self.task.skip.get(member.row.sample_id)
                 if earlier is None:
                     yield member.row, member.data
-                elif not same_input(earlier[0], self.task.unit.shown) or _other_content(earlier[1], member.data):
+                elif not same_input(earlier[0], member.row.input) or _other_content(earlier[1], member.data):
                     rejects.append((member.row, duplicate_reason(member.row.sample_id, earlier[0])))
 
     def pass_over(self, members: Iterator[Member]) -> None:

@@ -327,24 +327,25 @@ def test_taef2_latent_of_a_tar_member_decodes_to_its_image(tmp_path, cluster):
         assert psnr >= 27.0, (row["id"], psnr)
 
 
-def test_small_tar_shards_are_compacted_and_reruns_encode_nothing(tmp_path, cluster):
-    """Eight small tars are eight small shards: the job's end rewrites them into one, and re-runs,
-    within and after the grace period, encode nothing and duplicate nothing (featstore.rewrite)."""
+def test_small_tars_share_tasks_and_reruns_encode_nothing(tmp_path, cluster):
+    """Eight small tars are read by one task per worker (``plan.group_units``), not one each: two
+    shards, not eight small ones. Re-runs encode nothing, also after those shards were compacted
+    into one and after the replaced objects were deleted (featstore.rewrite)."""
+    from mmcache.featstore.rewrite import DataCompaction, compact_data, delete_replaced
+
     shards = tmp_path / "shards"
     shards.mkdir()
     good = [f"{s:05d}:{k}" for s in range(8) for k in write_tar(shards / f"{s:05d}.tar", s, 2)]
     out = str(tmp_path / "store")
-    lines: list[str] = []
-    summary = encode([str(shards / "*.tar")], out, cluster, log=lines.append)
+    summary = encode([str(shards / "*.tar")], out, cluster)
     store = featstore.open(out)
-    assert summary.tasks == 8 and len(store.shards) == 1 and len(store.replaced) == 8, sorted(store.shards)
-    assert any(line.startswith("data compaction: 8 small shard(s)") for line in lines), lines
-    assert sorted(store.sample_ids()) == sorted(good)
-    # A re-run within the grace reads no tar; its end (the grace set to 0 here) deletes the old objects.
-    again = encode([str(shards / "*.tar")], out, cluster, overrides=["run.compact_grace=0"], log=lines.append)
+    assert summary.tasks == 2 and len(store.shards) == 2 and sorted(store.sample_ids()) == sorted(good), sorted(store.shards)
+    assert encode([str(shards / "*.tar")], out, cluster).tasks == 0
+    assert compact_data(store, DataCompaction(target_bytes=1 << 20)).written  # as `mmcache compact --target-bytes 1MiB`
+    assert len(featstore.open(out).replaced) == 2
+    again = encode([str(shards / "*.tar")], out, cluster)
     assert again.tasks == 0 and again.samples_written == 0
-    assert "data compaction: deleted the objects of 8 shard(s)" in lines[-1], lines
-    assert not [d for d in os.listdir(f"{out}/shards") if d.split(".")[0] in store.replaced]
+    assert len(delete_replaced(featstore.open(out).storage, grace_s=0)) == 2
     after_grace = encode([str(shards / "*.tar")], out, cluster)
     assert after_grace.tasks == 0 and after_grace.samples_written == 0
     ids = featstore.open(out).index.column("id").to_pylist()

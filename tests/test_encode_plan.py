@@ -101,3 +101,30 @@ def test_a_complete_store_plans_no_task(encoded):
     manifest, reference = encoded
     plan = _plan(_config(), manifest, reference, workers=1)
     assert list(plan.tasks) == [] and plan.samples_skipped == 6 and plan.settings.store_manifest is None
+
+
+def test_small_units_are_grouped_into_tasks_that_a_grown_set_keeps():
+    """Tars are grouped in input order up to run.shard_bytes of tar, at most a worker's share;
+    Parquet row groups up to rows_per_task rows; kinds never mix. Tars appended to a job larger
+    than a shard per worker leave the earlier groups as they were (their names: done stays done)."""
+    from mmcache.precompute.input_sources import SourceUnit
+    from mmcache.precompute.plan import group_units
+
+    config = load_config(EncodeConfig, "tiny", "encode", ["run.shard_bytes=100", "run.samples_per_task=10"])
+
+    def tars(sizes: list[int], first: int = 0) -> list[SourceUnit]:
+        return [SourceUnit(kind="webdataset", uri=f"{first + n}.tar", shown=f"{first + n}.tar", id_prefix=f"{first + n}:", nbytes=size)
+                for n, size in enumerate(sizes)]
+
+    def shown(groups: list[list[SourceUnit]]) -> list[list[str]]:
+        return [[unit.shown for unit in group] for group in groups]
+
+    small = tars([10] * 8)  # 80 bytes on 2 workers: a share of 40 each
+    assert shown(group_units(small, config, workers=2, sample_bytes=1)) == [[f"{n}.tar" for n in range(4)], [f"{n}.tar" for n in range(4, 8)]]
+    big = tars([30, 30, 50, 120, 10, 90])  # shares over shard_bytes: groups of up to 100 bytes; a large tar alone
+    assert shown(group_units(big, config, workers=1, sample_bytes=1)) == [["0.tar", "1.tar", "2.tar"], ["3.tar"], ["4.tar", "5.tar"]]
+    grown = big + tars([40, 40], first=6)
+    assert shown(group_units(grown, config, workers=1, sample_bytes=1))[:3] == [["0.tar", "1.tar", "2.tar"], ["3.tar"], ["4.tar", "5.tar"]]
+    row_groups = [SourceUnit(kind="parquet", uri="p", shown="p", id_prefix="p:", row_groups=(n,), estimated_samples=4) for n in range(5)]
+    groups = group_units(tars([10]) + row_groups + tars([10], first=1), config, workers=1, sample_bytes=1)
+    assert [[u.row_groups or u.shown for u in g] for g in groups] == [["0.tar"], [(0,), (1,), (2,)], [(3,), (4,)], ["1.tar"]]

@@ -27,13 +27,20 @@ def test_unread_tars_are_estimated_from_their_size_at_the_rate_of_those_read(tmp
     unsized = SourceUnit(kind="webdataset", uri="y", shown="y", id_prefix="")
     total = SampleTotal(100 + 7, [*units, parquet, unsized])
     assert total.value() == 107 + 4 * UNREAD_UNIT_SAMPLES  # before any tar is read
-    total.unit_read(units[0], 10, 10)
-    total.unit_read(parquet, 7, 7)  # counted at planning already
+    total.units_read([units[0]], 10, 10)
+    total.units_read([parquet], 7, 7)  # counted at planning already
     per_byte = 10 / units[0].nbytes
     assert total.value() == 117 + round((units[1].nbytes + units[2].nbytes) * per_byte) + UNREAD_UNIT_SAMPLES
     assert abs(total.value() - (117 + 60 + UNREAD_UNIT_SAMPLES)) <= 2  # tars of 4 KB members: size tells the count
-    total.unit_read(units[1], 0, 0)  # committed by an earlier run: skipped, nothing read
+    total.units_read([units[1]], 0, 0)  # committed by an earlier run: skipped, nothing read
     assert total.value() == 117 + round(units[2].nbytes * per_byte) + UNREAD_UNIT_SAMPLES  # its bytes tell no rate
-    total.unit_read(units[2], 40, 40)
-    total.unit_read(unsized, 3, 3)
+    total.units_read([units[2]], 40, 40)
+    total.units_read([unsized], 3, 3)
     assert total.value() == 107 + 10 + 0 + 40 + 3
+
+
+def test_tars_read_by_one_task_count_together(tmp_path):
+    units = [read_tar(_tar(tmp_path / f"{n}.tar", members, 4000), SourceOptions()).units[0] for n, members in enumerate([10, 10, 20])]
+    total = SampleTotal(0, units)
+    total.units_read(units[:2], 20, 20)  # a task of two small tars
+    assert total.value() == 20 + round(units[2].nbytes * 20 / (units[0].nbytes + units[1].nbytes))
