@@ -66,7 +66,7 @@ def plan_encode(config: EncodeConfig, *, inputs: InputStream, survey: Survey, st
     # A unit (a tar) is one task whatever the job's size: its parts are shards of about shard_bytes,
     # sized alike on every run, so a re-run finds the parts committed before under their names.
     units, unit_skips = unit_tasks(inputs.units, store, config, list(fields), part_size=rows_per_task(config, 1 << 62, 1, sample_bytes),
-                                   workers=workers, sample_bytes=sample_bytes)
+                                   workers=workers, sample_bytes=sample_bytes, ids_of=inputs.ids_of)
     if survey.todo or units:
         # Raised here once (an older store), so that the tasks, which open the store from the
         # manifest planned with, do not each declare it again.
@@ -175,12 +175,15 @@ def unit_notes(units: list[SourceUnit], store: featstore.Store, fields: list[str
 
 
 def unit_tasks(units: list[SourceUnit], store: featstore.Store, config: EncodeConfig, fields: list[str], *,
-               part_size: int, workers: int, sample_bytes: int) -> tuple[list[TaskSpec], dict[str, dict[str, tuple[str, str]]]]:
+               part_size: int, workers: int, sample_bytes: int,
+               ids_of: dict[tuple[str, tuple[int, ...]], list[str]] | None = None) -> tuple[list[TaskSpec], dict[str, dict[str, tuple[str, str]]]]:
     """The tasks of the units not done yet (small ones grouped: ``group_units``), each told which
     of its units' ids to leave out, and those leave-out maps by id prefix. A task is done when
     its last shard (named like the task) is committed: the worker commits each full part of
     ``part_size`` samples as ``<task>-pNNNNN`` and the rest last, so a task killed mid-way
-    resumes after its committed parts and a grown set of tars runs only the new."""
+    resumes after its committed parts and a grown set of tars runs only the new. A unit whose ids
+    have no common prefix (a Parquet ``id`` column) is told the committed ones among its ids
+    (``ids_of``: what the client read of them), not every id of the store."""
     if not units:
         return [], {}
     salt = retry_salt(store) if config.data.retry_rejects and store.num_rejected() > 0 else ""
@@ -202,10 +205,24 @@ def unit_tasks(units: list[SourceUnit], store: featstore.Store, config: EncodeCo
         # One dict per prefix, shared by its units: the job's own rows of that prefix join it (_RowGroups).
         maps = {unit.id_prefix: by_prefix.setdefault(unit.id_prefix, {}) for unit in group if unit.id_prefix}
         skips.update(maps)
-        skip = leave_out if not all(unit.id_prefix for unit in group) else next(iter(maps.values())) if len(maps) == 1 \
-            else collections.ChainMap(*maps.values())
+        given = [unit for unit in group if not unit.id_prefix]
+        if given:
+            maps[""] = _committed_of(given, leave_out, ids_of or {})
+        skip = next(iter(maps.values())) if len(maps) == 1 else collections.ChainMap(*maps.values())
         tasks.append(TaskSpec(shard=name, rows=[], fields=fields, units=tuple(group), skip=skip, part_size=part_size))
     return tasks, skips
+
+
+def _committed_of(units: list[SourceUnit], leave_out: dict[str, tuple[str, str]],
+                  ids_of: dict[tuple[str, tuple[int, ...]], list[str]]) -> dict[str, tuple[str, str]]:
+    """The entries of ``leave_out`` of the units' own ids (all of ``leave_out`` where those are unknown)."""
+    out: dict[str, tuple[str, str]] = {}
+    for unit in units:
+        ids = ids_of.get((unit.shown, unit.row_groups))
+        if ids is None:
+            return leave_out
+        out.update((i, leave_out[i]) for i in ids if i in leave_out)
+    return out
 
 
 def unit_task_name(units: list[SourceUnit], part_size: int, salt: str) -> str:

@@ -128,3 +128,18 @@ def test_small_units_are_grouped_into_tasks_that_a_grown_set_keeps():
     row_groups = [SourceUnit(kind="parquet", uri="p", shown="p", id_prefix="p:", row_groups=(n,), estimated_samples=4) for n in range(5)]
     groups = group_units(tars([10]) + row_groups + tars([10], first=1), config, workers=1, sample_bytes=1)
     assert [[u.row_groups or u.shown for u in g] for g in groups] == [["0.tar"], [(0,), (1,), (2,)], [(3,), (4,)], ["1.tar"]]
+
+
+def test_a_parquet_unit_with_ids_is_told_only_its_own_committed_ids(encoded, tmp_path):
+    """A unit whose ids come from an ``id`` column has no common id prefix: its task is told the
+    committed ids among its own (read by the client), not every id the store holds."""
+    from tests.input_data import png, write_media_parquet
+
+    manifest, store = encoded
+    committed = sorted(store.sample_ids())
+    media = tmp_path / "ids.parquet"
+    write_media_parquet(media, [png(1), png(2)], ["again", "new"], ids=[committed[0], "fresh"])
+    (task,) = list(_plan(_config(), media, store, 1).tasks)
+    row = store.index.to_pylist()[store.row(committed[0])]
+    assert [u.shown for u in task.units] == [str(media)] and len(committed) == 6
+    assert dict(task.skip) == {committed[0]: (row["source_uri"], row["content_hash"])}

@@ -90,6 +90,9 @@ class InputStream:
         self._whole: dict[int, SourceRead] = {}
         # Ids the client knows of containers' rows (a Parquet id column): the first input keeps each.
         self._unit_ids: dict[str, str] = {}
+        # Those ids by unit ((shown, row groups) -> ids): what planning tells a unit's task to leave
+        # out is the committed ones among them, not every id the store has.
+        self.ids_of: dict[tuple[str, tuple[int, ...]], list[str]] = {}
         self._units_of: set[int] = set()  # inputs read in batches whose units are in ``units``
 
     def batches(self, keys_only: bool = False) -> Iterator[tuple[int, SourceRead]]:
@@ -100,7 +103,7 @@ class InputStream:
             if source.batches is not None:
                 for batch in source.batches(url, self.options, not keys_only):
                     if batch.units and index not in self._units_of:  # read again on each pass, kept from the first
-                        add_units(self.units, _with_duplicates(batch, self._unit_ids))
+                        add_units(self.units, _with_duplicates(batch, self._unit_ids, self.ids_of))
                         self._units_of.add(index)
                     yield index, batch
                 continue
@@ -113,18 +116,22 @@ class InputStream:
 
     def _read_whole(self, url: str, source: InputSource) -> SourceRead:
         read = source.read(url, self.options)
-        add_units(self.units, _with_duplicates(read, self._unit_ids))
+        add_units(self.units, _with_duplicates(read, self._unit_ids, self.ids_of))
         shown = redact_url(url)
         return SourceRead(rows=[dataclasses.replace(row, input=shown) for row in read.rows], rejects=read.rejects, units=read.units)
 
 
-def _with_duplicates(read: SourceRead, seen: dict[str, str]) -> list[SourceUnit]:
+def _with_duplicates(read: SourceRead, seen: dict[str, str], ids_of: dict[tuple[str, tuple[int, ...]], list[str]] | None = None) -> list[SourceUnit]:
     """``read``'s units, each told which of its rows (where the client knows their ids:
     ``unit_ids``) have an id an earlier input or row has: its worker rejects those, naming the
-    earlier one (the first row to have an id keeps it, whatever order the tasks run in)."""
+    earlier one (the first row to have an id keeps it, whatever order the tasks run in). Each
+    unit's ids go to ``ids_of``."""
     units = []
     for index, unit in enumerate(read.units):
         earlier = []
+        own = [sample_id for sample_id, _ in read.unit_ids[index]] if read.unit_ids else []
+        if own and ids_of is not None:
+            ids_of[(unit.shown, unit.row_groups)] = own
         for sample_id, source in read.unit_ids[index] if read.unit_ids else ():
             if sample_id in seen:
                 earlier.append((source, seen[sample_id]))
