@@ -44,7 +44,8 @@ from mmcache.featstore.index import index_parts, parse_index_part, row_outside_d
 from mmcache.featstore.prompts import list_parts, part_bytes, read_part
 from mmcache.featstore.reader import Store, open_store
 from mmcache.featstore.repair import rewritten_part
-from mmcache.featstore.storage import Storage, open_storage
+from mmcache.featstore.backends import open_storage
+from mmcache.featstore.storage import Storage
 
 
 @dataclass(kw_only=True)

@@ -31,7 +31,8 @@ from mmcache.featstore.scan import DEFAULT_READAHEAD_BYTES, scan_samples
 from mmcache.featstore.index import ShardInfo, index_parts, parse_index_part, read_parquet, read_parts
 from mmcache.featstore.rows import LoadedRows, ShardRows
 from mmcache.featstore.snapshot import dense_samples, gather_parts, snapshot_of
-from mmcache.featstore.storage import Storage, open_storage
+from mmcache.featstore.backends import open_storage
+from mmcache.featstore.storage import Storage
 from mmcache.featstore.tensors import in_format
 from mmcache.featstore.writer import StoreWriter
 from mmcache.featstore.cache import CachingStorage

@@ -133,6 +133,6 @@ class StorageConformance:
 
 
 def _create_in_process(url: str, i: int) -> bool:
-    from mmcache.featstore.storage import open_storage
+    from mmcache.featstore.backends import open_storage
 
     return open_storage(url).write_new("race/key", f"process {i}".encode())

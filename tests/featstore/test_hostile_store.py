@@ -212,7 +212,7 @@ def _hostile_checkpoint(url: Path, column: str, value: str) -> None:
     from mmcache.featstore import checkpoints
     from mmcache.featstore.compact import compact_store
     from mmcache.featstore.index import parquet_bytes, parquet_file
-    from mmcache.featstore.storage import open_storage
+    from mmcache.featstore.backends import open_storage
 
     compact_store(open_storage(str(url)))
     (marker,) = [p for p in (url / fmt.INDEX_DIR).iterdir() if checkpoints.parse_marker(p.name)]

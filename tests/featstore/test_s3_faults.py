@@ -17,7 +17,8 @@ from click.testing import CliRunner
 from mmcache import featstore
 from mmcache.featstore.cli import cli
 from mmcache.featstore.secrets import redact, redact_url
-from mmcache.featstore.storage import FsspecStorage, RetryPolicy
+from mmcache.featstore.object_storage import FsspecStorage
+from mmcache.featstore.retry import RetryPolicy
 from mmcache.featstore.verify import verify_store
 from tests.featstore.conformance import FIELDS, assert_same, ragged_samples
 from tests.s3_server import FAKE_KEY_ID, FAKE_SECRET, FaultProxy

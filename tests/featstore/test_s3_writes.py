@@ -11,7 +11,8 @@ import pytest
 from mmcache import featstore
 from mmcache.featstore import format as fmt
 from mmcache.featstore.reader import open_store
-from mmcache.featstore.storage import FsspecStorage, RetryPolicy, UploadPolicy
+from mmcache.featstore.object_storage import FsspecStorage, UploadPolicy
+from mmcache.featstore.retry import RetryPolicy
 from mmcache.featstore.verify import verify_store
 from tests.featstore.conformance import assert_same, random_array
 from tests.s3_server import FAKE_KEY_ID, FAKE_SECRET, FaultProxy, rounds

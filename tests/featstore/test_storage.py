@@ -8,7 +8,7 @@ import fsspec
 import pytest
 
 from mmcache.featstore.cache import CachingStorage
-from mmcache.featstore.storage import open_storage
+from mmcache.featstore.backends import open_storage
 from tests.featstore.storage_conformance import StorageConformance
 
 
