@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import random
 
 import numpy as np
@@ -151,3 +152,32 @@ def test_plan_global_batch_from_a_yaml_config():
     assert plan == plan_global_batch(shapes, tokens, 4, config, cost)
     with pytest.raises(ConfigError, match="not one of"):
         from_dict(BalanceConfig, {"algorithm": "lpt"})
+
+
+def _textbook_karmarkar_karp(costs: list[float], num_ranks: int) -> list[list[int]]:
+    """The multiway differencing method as written down: every partition holds all N subsets."""
+    heap = []
+    for order, index in enumerate(sorted(range(len(costs)), key=lambda i: (-costs[i], i))):
+        heap.append((-costs[index], order, [(costs[index], 1, [index])] + [(0.0, 0, [])] * (num_ranks - 1)))
+    heapq.heapify(heap)
+    sequence = len(heap)
+    while len(heap) > 1:
+        first, second = heapq.heappop(heap)[2], heapq.heappop(heap)[2]
+        merged = sorted(((a[0] + b[0], a[1] + b[1], a[2] + b[2]) for a, b in zip(first, reversed(second))),
+                        key=lambda s: (-s[0], -s[1], min(s[2], default=-1)))
+        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), sequence, merged))
+        sequence += 1
+    return sorted((sorted(s[2]) for s in heap[0][2]), key=lambda p: (not p, p[0] if p else 0))
+
+
+def test_karmarkar_karp_keeps_only_non_empty_subsets_and_splits_as_the_textbook_method():
+    rng = random.Random(3)
+    for _ in range(150):
+        num_ranks = rng.randint(1, 40)
+        costs = [rng.choice([0.0, 1.0, 2.0, rng.random() * 10, rng.paretovariate(1.2)]) for _ in range(rng.randint(0, 120))]
+        assert karmarkar_karp(costs, num_ranks) == _textbook_karmarkar_karp(costs, num_ranks)
+    # A global batch of 2,000 over 1,000 ranks (benchmarks/train_plan_bench.py times it).
+    costs = [rng.paretovariate(1.5) for _ in range(2000)]
+    parts = karmarkar_karp(costs, 1000)
+    assert sorted(i for part in parts for i in part) == list(range(2000))
+    assert imbalance(costs, parts) <= imbalance(costs, greedy(costs, 1000))
