@@ -147,8 +147,9 @@ def _at_offset(where: Located, storage_options: dict[str, Any] | None) -> bytes 
     if header is None or header.kind != "file" or header.size != where.size or len(block) != BLOCK + where.size:
         return None
     name = header.name[2:] if header.name.startswith("./") else header.name
-    # A long name's own header holds only its first 100 bytes (the whole name is in a header before it).
-    if name != where.part and not (len(where.part.encode()) >= 100 and name and where.part.startswith(name)):
+    # A long or non-ASCII name is whole only in a pax / GNU header before this one, which holds
+    # a shortened or transliterated name: its size and kind are checked (and the caller's hash).
+    if name != where.part and where.part.isascii() and len(where.part) < 100:
         return None
     return block[BLOCK:]
 
