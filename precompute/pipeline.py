@@ -40,6 +40,7 @@ from mmcache.precompute.executors import (
 )
 from mmcache.precompute.feature_bytes import FieldsOutline, outline
 from mmcache.precompute.input_sources import InputStream, SourceOptions
+from mmcache.precompute.input_sources.located import recorded_rows
 from mmcache.precompute.job_compaction import compact_after_job
 from mmcache.precompute.output_store import commit_plan_rejects, open_existing, open_or_create
 from mmcache.precompute.plan import EncodePlan, plan_encode
@@ -189,7 +190,8 @@ def _stale(job: _Started, store: featstore.Store, config: EncodeConfig, input_st
     taken only when the store held samples before this job."""
     if job.existing is None or not len(job.existing):
         return {}
-    rows = (row for _, batch in job.inputs.batches() for row in batch.rows)
+    rows = itertools.chain((row for _, batch in job.inputs.batches() for row in batch.rows),
+                           recorded_rows(store, {unit.shown for unit in job.inputs.units}))
     return stale_samples(rows, store, client=job.executor, storage_options=input_storage_options,
                          check_content=config.data.check_content)
 

@@ -23,7 +23,9 @@ from typing import Any
 from mmcache import featstore
 from mmcache.featstore.format import EXCLUSIVE_COMMIT_VERSION
 from mmcache.precompute.config import EncodeConfig
+from mmcache.precompute.clips import clip_parent
 from mmcache.precompute.input_sources import InputStream, SourceUnit
+from mmcache.precompute.input_sources.located import recorded_rows
 from mmcache.precompute.inputs import InputRow, Reject
 from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec
 from mmcache.precompute.survey import GroupKey, Survey, rejected_sources, row_classifier
@@ -65,23 +67,24 @@ def plan_encode(config: EncodeConfig, *, inputs: InputStream, survey: Survey, st
     # A unit (a tar) is one task whatever the job's size: its parts are shards of about shard_bytes,
     # sized alike on every run, so a re-run finds the parts committed before under their names.
     units = unit_tasks(inputs.units, store, config, list(fields), part_size=rows_per_task(config, 1 << 62, 1, sample_bytes))
-    if survey.todo or units:
+    refill, refill_notes = committed_unit_tasks(inputs.units, store, fields, config, per_task)
+    if survey.todo or units or refill:
         # Raised here once (an older store), so that the tasks, which open the store from the
         # manifest planned with, do not each declare it again.
         store.require_format_version(EXCLUSIVE_COMMIT_VERSION)
         settings = replace(settings, store_manifest=store.manifest)
     rejected_before = rejected_sources(store) if not config.data.retry_rejects else set()
     notes = [f"adding {', '.join(missing)} to {n} sample(s) already in the store"
-             for (missing, new), n in survey.groups.items() if not new] + unit_notes(inputs.units, store, list(fields))
+             for (missing, new), n in survey.groups.items() if not new] + refill_notes
     plan = EncodePlan(output_url=output_url, store=store, storage_options=storage_options, specs=specs, settings=settings,
                       tasks=iter(()), known_shards=sorted(set(store.shards) | set(store.replaced) | {t.shard for t in units}),
-                      samples=survey.todo + sum(t.unit.estimated_samples for t in units if t.unit),
+                      samples=survey.todo + sum(len(t.rows) for t in refill) + sum(t.unit.estimated_samples for t in units if t.unit),
                       units=[t.unit for t in units if t.unit],
                       plan_rejects=[r for r in survey.rejects if r.source not in rejected_before],
                       samples_skipped=survey.skipped, notes=notes)
     unit_skips = {t.unit.id_prefix: t.skip for t in units if t.unit and t.unit.id_prefix}
     groups = _RowGroups(store, fields, config, survey, per_task, salt, plan.duplicate_rejects, rejected_before, unit_skips)
-    plan.tasks = itertools.chain(groups.tasks(inputs), units)
+    plan.tasks = itertools.chain(groups.tasks(inputs), refill, units)
     return plan
 
 
@@ -158,19 +161,32 @@ def plan_tasks(rows: list[InputRow], specs_digest: str, per_task: int, fields: l
     return tasks
 
 
-def unit_notes(units: list[SourceUnit], store: featstore.Store, fields: list[str]) -> list[str]:
-    """What the log says when committed samples lack a configured field and the job reads tars or
-    Parquet: their inputs are not read again to add it (fields are added to manifest rows only)."""
+def committed_unit_tasks(units: list[SourceUnit], store: featstore.Store, fields: dict[str, Any], config: EncodeConfig,
+                         per_task: int) -> tuple[list[TaskSpec], list[str]]:
+    """(tasks, log notes) adding the configured fields that committed samples of this job's tars
+    and Parquet files lack: each such sample is a row built from its record (``recorded_rows``),
+    its media read again alone (``read_recorded``), grouped as manifest rows lacking a field are.
+    Clips (``frames.clips``) are not: one clip's row cannot make just that clip again."""
     if not units or not len(store):
-        return []
-    prefixes = {u.id_prefix for u in units}
-    ours = [i for i in store.sample_ids() if "" in prefixes or i.split(":", 1)[0] + ":" in prefixes]
-    complete = set(store.sample_ids(with_fields=fields))
-    lacking = sum(1 for i in ours if i not in complete)
-    if not lacking:
-        return []
-    return [f"warning: {lacking} committed sample(s) from tars or Parquet lack one of the fields {fields}; a field is not "
-            "added to such samples (their inputs are not read again for it): encode those inputs into a new store to have it"]
+        return [], []
+    modalities = {name: spec["meta"].get("modality", "") for name, spec in fields.items()}
+    lacking = row_classifier(store, modalities, clips=False)
+    groups: dict[tuple[str, ...], list[InputRow]] = {}
+    clipped = 0
+    for row in recorded_rows(store, {u.shown for u in units}):
+        if (key := lacking(row)) is None:
+            continue
+        if row.modality == "video" and (config.frames.clips is not None or clip_parent(row.sample_id) is not None):
+            clipped += 1
+            continue
+        groups.setdefault(key[0], []).append(row)
+    digest = fields_digest(fields)
+    tasks = [task for missing, rows in groups.items() for task in plan_tasks(rows, digest, per_task, list(missing), new_samples=False)]
+    notes = [f"adding {', '.join(missing)} to {len(rows)} sample(s) already in the store" for missing, rows in groups.items()]
+    if clipped:
+        notes.append(f"warning: {clipped} committed clip sample(s) from tars or Parquet lack one of the fields {list(fields)}; a field "
+                     "is not added to clips of such inputs yet: encode those inputs into a new store to have it")
+    return tasks, notes
 
 
 def unit_tasks(units: list[SourceUnit], store: featstore.Store, config: EncodeConfig, fields: list[str], *,
@@ -190,7 +206,7 @@ def unit_tasks(units: list[SourceUnit], store: featstore.Store, config: EncodeCo
         by_prefix.setdefault(sample_id.split(":", 1)[0] + ":", {})[sample_id] = known
     tasks = []
     for unit in units:
-        # Not named by the fields: a unit done is done (adding a field to its samples is not supported yet, see unit_notes).
+        # Not named by the fields: a unit done is done (a field added later reaches its samples one by one: committed_unit_tasks).
         body = json.dumps([unit.kind, unit.shown, list(unit.row_groups), part_size] + ([salt] if salt else []))
         name = f"u-{hashlib.sha256(body.encode()).hexdigest()[:24]}"
         if name in store.shards or name in store.replaced:  # done, and maybe compacted since (featstore.rewrite)

@@ -23,6 +23,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ from mmcache.featstore.retry import protocol_of, remote_filesystem, with_retries
 from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.input_sources.base import SOURCES, InputSource, Located, open_input
 from mmcache.precompute.input_sources.tar_reader import BLOCK, STREAM_ERRORS, TarFormatError, TarReader, decompressed
+from mmcache.precompute.inputs import InputRow
 from mmcache.precompute.media import MediaError
 from mmcache.precompute.sources import DEFAULT_MAX_INPUT_BYTES, OUTSIDE_ROOT, as_media_errors, open_local, read_source, under_root
 
@@ -51,6 +53,25 @@ def read_recorded(uri: str, storage_options: dict[str, Any] | None = None, max_b
     assert source.member is not None
     return source.member(Located(container=where.container, part=where.part, offset=offset, size=size, column=column),
                          storage_options, limit)
+
+
+def recorded_rows(store: Any, inputs: set[str]) -> Iterator[InputRow]:
+    """The committed samples that came from these inputs (tars, Parquet files: their ``input``
+    column, as shown), as the rows that read them again: id, caption, modality and where their
+    media lie, recorded. A sample recorded before stores kept ``input`` is not found."""
+    index = store.index
+    if not inputs or "input" not in index.column_names or "source_uri" not in index.column_names:
+        return
+    names = ("id", "input", "caption", "modality", "source_uri", "source_path", "source_json", "source_offset", "source_size")
+    columns = {n: index.column(n).to_pylist() if n in index.column_names else [None] * index.num_rows for n in names}
+    for at, (sample_id, given) in enumerate(zip(columns["id"], columns["input"], strict=True)):
+        # A sample whose field was added later has more rows: its first one is its record.
+        if given not in inputs or not columns["source_uri"][at] or store.row(sample_id) != at:
+            continue
+        yield InputRow(sample_id=sample_id, uri=columns["source_uri"][at], caption=columns["caption"][at] or "",
+                       source=columns["source_path"][at] or columns["source_uri"][at], modality=columns["modality"][at] or "image",
+                       metadata=columns["source_json"][at], input=given, offset=columns["source_offset"][at],
+                       size=columns["source_size"][at])
 
 
 def split_recorded(uri: str) -> tuple[InputSource, Located] | None:
