@@ -124,26 +124,27 @@ def ranged_read(uri: str, storage_options: dict[str, Any] | None, start: int, le
 
 @dataclass(frozen=True)
 class _TarIndex:
+    version: tuple[Any, ...]  # the tar's container_key when it was read
     compressed: bool
     members: dict[str, tuple[int, int]]  # member name -> (data offset, size)
 
 
-_INDEXES: OrderedDict[tuple[Any, ...], _TarIndex] = OrderedDict()
+_INDEXES: OrderedDict[str, _TarIndex] = OrderedDict()  # by the tar's uri
 _LOCK = threading.Lock()  # decoding threads ask for members of one tar at once: it is scanned once
 
 
 def read_tar_member(where: Located, storage_options: dict[str, Any] | None, max_bytes: int) -> bytes:
     """A tar member's data: at its recorded offset in one read, else found by name (see the module doc)."""
     with as_media_errors(where.shown, is_local(where.container)):
-        key = container_key(where.container, storage_options)
         with _LOCK:
-            index = _INDEXES.get(key)
-        if where.offset is not None and where.size is not None and (index is None or not index.compressed):
+            known = _INDEXES.get(where.container)
+        # No stat first: a recorded member of a tar not known to be compressed costs one request.
+        if where.offset is not None and where.size is not None and (known is None or not known.compressed):
             _check_size(where, where.size, max_bytes)
             data = _at_offset(where, storage_options)
             if data is not None:
                 return data
-        index = index or _indexed(key, where, storage_options)
+        index = _indexed(where, storage_options)
         offset, size = _lookup(index, where, max_bytes)
         if not index.compressed:
             data = ranged_read(where.container, storage_options, offset, size)
@@ -175,10 +176,13 @@ def _at_offset(where: Located, storage_options: dict[str, Any] | None) -> bytes 
     return block[BLOCK:]
 
 
-def _indexed(key: tuple[Any, ...], where: Located, storage_options: dict[str, Any] | None) -> _TarIndex:
-    """The tar's name -> (offset, size) index: its headers read front to back (data skipped), kept."""
+def _indexed(where: Located, storage_options: dict[str, Any] | None) -> _TarIndex:
+    """The tar's name -> (offset, size) index: kept while the tar is unchanged (its size and mtime
+    or ETag: one stat), else its headers read front to back (data skipped) and kept."""
+    version = container_key(where.container, storage_options)
     with _LOCK:
-        if (index := _INDEXES.get(key)) is not None:
+        if (index := _INDEXES.get(where.container)) is not None and index.version == version:
+            _INDEXES.move_to_end(where.container)
             return index
         members: dict[str, tuple[int, int]] = {}
         with open_input(where.container, storage_options) as fh:
@@ -189,9 +193,9 @@ def _indexed(key: tuple[Any, ...], where: Located, storage_options: dict[str, An
                         members[member.name[2:] if member.name.startswith("./") else member.name] = (member.offset, member.size)
             except TarFormatError as exc:
                 raise MediaError(f"tar is truncated or corrupt ({exc})", redact_url(where.container)) from None
-        index = _INDEXES[key] = _TarIndex(compressed=reader.compressed, members=members)
+        index = _INDEXES[where.container] = _TarIndex(version=version, compressed=reader.compressed, members=members)
         while len(_INDEXES) > 1 and sum(len(i.members) for i in _INDEXES.values()) > MAX_INDEXED:
-            _INDEXES.popitem(last=False)  # the least recently indexed tar
+            _INDEXES.popitem(last=False)  # the tar indexed or used least recently
         return index
 
 
