@@ -26,11 +26,12 @@ HASH_BATCH = 64
 
 
 def stale_samples(rows: Iterable[InputRow], store: featstore.Store, *, client=None, storage_options: dict[str, Any] | None = None,
-                  check_content: bool = False) -> dict[str, str]:
+                  check_content: bool = False, media_column: str | None = None) -> dict[str, str]:
     """Sample id -> what changed, for the rows already committed in ``store`` (a manifest's, and
     those recorded of the job's tars and Parquet files: ``recorded_rows``). ``rows``
     is read once, as it comes (a manifest's batches); what is kept: the changed rows' ids, and
-    with ``check_content`` what the workers are to hash."""
+    with ``check_content`` what the workers are to hash (a Parquet row's from ``media_column``,
+    ``data.media_column``)."""
     if not len(store):
         return {}
     index = store.index
@@ -57,18 +58,19 @@ def stale_samples(rows: Iterable[InputRow], store: featstore.Store, *, client=No
             todo.append((row.sample_id, row.uri, hashes[at], row.offset, row.size))
     if check_content and todo and client is not None:
         batches = [todo[i : i + HASH_BATCH] for i in range(0, len(todo), HASH_BATCH)]
-        futures = client.map(changed_contents, batches, storage_options=storage_options, pure=False, retries=3)
+        futures = client.map(changed_contents, batches, storage_options=storage_options, media_column=media_column, pure=False, retries=3)
         for future in futures:
             stale.update(future.result())
     return stale
 
 
-def changed_contents(items: list[tuple[str, str, str, int | None, int | None]], storage_options: dict[str, Any] | None) -> dict[str, str]:
+def changed_contents(items: list[tuple[str, str, str, int | None, int | None]], storage_options: dict[str, Any] | None,
+                     media_column: str | None = None) -> dict[str, str]:
     """(sample id, uri, recorded sha256, tar offset, size) -> the ids whose input now differs (run on a worker)."""
     changed = {}
     for sample_id, uri, recorded, offset, size in items:
         try:
-            digest = hashlib.sha256(read_recorded(uri, storage_options, offset=offset, size=size)).hexdigest()
+            digest = hashlib.sha256(read_recorded(uri, storage_options, offset=offset, size=size, column=media_column)).hexdigest()
         except MediaError as exc:
             changed[sample_id] = f"input unreadable now ({exc.reason})"
             continue

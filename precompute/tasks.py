@@ -306,7 +306,7 @@ def _prepare_row(row: InputRow, rules: dict[str, Any], new_sample: bool, setting
         return [(row, None)]  # only a text field added to committed samples: their media need no reading
     # Read even when no visual encoder runs: a new sample's media must exist and be readable.
     data = given if given is not None else read_recorded(row.uri, settings.input_storage_options, settings.max_input_bytes, row.root,
-                                                         offset=row.offset, size=row.size)
+                                                         offset=row.offset, size=row.size, column=settings.media_column)
     if not rules:
         return [(row, None)]
     # Provenance and messages get the URL without a signature or token, never the credential.
