@@ -191,7 +191,7 @@ def _stale(job: _Started, store: featstore.Store, config: EncodeConfig, input_st
     if job.existing is None or not len(job.existing):
         return {}
     rows = itertools.chain((row for _, batch in job.inputs.batches() for row in batch.rows),
-                           recorded_rows(store, {unit.shown for unit in job.inputs.units}))
+                           recorded_rows(store, {unit.shown: unit.uri for unit in job.inputs.units}))
     return stale_samples(rows, store, client=job.executor, storage_options=input_storage_options,
                          check_content=config.data.check_content, media_column=config.data.media_column)
 

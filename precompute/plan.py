@@ -173,7 +173,7 @@ def committed_unit_tasks(units: list[SourceUnit], store: featstore.Store, fields
     lacking = row_classifier(store, modalities, clips=False)
     groups: dict[tuple[str, ...], list[InputRow]] = {}
     clipped = 0
-    for row in recorded_rows(store, {u.shown for u in units}):
+    for row in recorded_rows(store, {u.shown: u.uri for u in units}):
         if (key := lacking(row)) is None:
             continue
         if row.modality == "video" and (config.frames.clips is not None or clip_parent(row.sample_id) is not None):
