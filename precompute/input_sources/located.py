@@ -13,11 +13,13 @@ compressed tar, a sample recorded before offsets, or a header that no longer mat
 rewritten) is found by name: the tar's headers are read front to back once per process (data
 skipped), and the name -> (offset, size) index is kept for the next members of that tar (keyed by
 its size and mtime or ETag; at most ``MAX_INDEXED`` members in all). A compressed tar's member is
-then read by decompressing the tar up to it: a gzip stream cannot be entered in the middle.
+then read by decompressing the tar up to it (a gzip stream cannot be entered in the middle); the
+stream stays open for the next member, so members asked for in order decompress the tar once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -25,7 +27,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 from mmcache.featstore.retry import protocol_of, remote_filesystem, with_retries
 from mmcache.featstore.secrets import redact_url
@@ -153,7 +155,7 @@ def read_tar_member(where: Located, storage_options: dict[str, Any] | None, max_
         if not index.compressed:
             data = ranged_read(where.container, storage_options, offset, size)
         else:
-            data = _decompressed_read(where, storage_options, offset, size)
+            data = _decompressed_read(where, storage_options, index, offset, size)
     if len(data) != size:
         raise MediaError(f"member is cut short ({len(data):,} of {size:,} bytes)", where.shown)
     return data
@@ -222,11 +224,42 @@ def _check_size(where: Located, size: int, max_bytes: int) -> None:
         raise MediaError("zero-byte member", where.shown)
 
 
-def _decompressed_read(where: Located, storage_options: dict[str, Any] | None, offset: int, size: int) -> bytes:
-    with open_input(where.container, storage_options) as fh:
-        stream = decompressed(fh)
+@dataclass
+class _Stream:
+    """A compressed tar kept open, decompressed up to the member read last."""
+
+    version: tuple[Any, ...]
+    closer: contextlib.ExitStack
+    stream: IO[bytes]
+
+
+_STREAMS: OrderedDict[str, _Stream] = OrderedDict()  # by the tar's uri
+_STREAMS_KEPT = 2
+_STREAM_LOCK = threading.Lock()
+
+
+def _decompressed_read(where: Located, storage_options: dict[str, Any] | None, index: _TarIndex, offset: int, size: int) -> bytes:
+    """A compressed tar's member: its stream kept open between members, so members asked for in
+    order cost one decompression of the tar in all (a seek back starts it again: gzip, bzip2 and
+    xz streams cannot be entered in the middle)."""
+    with _STREAM_LOCK:
+        kept = _STREAMS.pop(where.container, None)
+        if kept is not None and kept.version != index.version:
+            kept.closer.close()
+            kept = None
+        if kept is None:
+            closer = contextlib.ExitStack()
+            kept = _Stream(version=index.version, closer=closer, stream=decompressed(closer.enter_context(open_input(where.container, storage_options))))
         try:
-            stream.seek(offset)  # decompresses up to the member
-            return stream.read(size)
+            kept.stream.seek(offset)
+            data = kept.stream.read(size)
         except STREAM_ERRORS as exc:
+            kept.closer.close()
             raise MediaError(f"tar is truncated or corrupt ({type(exc).__name__}: {exc})", where.shown) from None
+        except BaseException:
+            kept.closer.close()
+            raise
+        _STREAMS[where.container] = kept
+        while len(_STREAMS) > _STREAMS_KEPT:
+            _STREAMS.popitem(last=False)[1].closer.close()
+        return data
