@@ -62,20 +62,21 @@ def recorded_rows(store: Any, inputs: dict[str, str]) -> Iterator[InputRow]:
     column, as shown -> the uri this job opens it by), as the rows that read them again: id,
     caption, modality and where their media lie, recorded (the container as this job names it: a
     signed URL keeps its signature, which the store does not record). A sample recorded before
-    stores kept ``input`` is not found."""
+    stores kept ``input`` is told by its ``source_uri``'s container."""
     index = store.index
-    if not inputs or "input" not in index.column_names or "source_uri" not in index.column_names:
+    if not inputs or "source_uri" not in index.column_names:
         return
     names = ("id", "input", "caption", "modality", "source_uri", "source_path", "source_json", "source_offset", "source_size")
     columns: dict[str, list[Any]] = {n: index.column(n).to_pylist() if n in index.column_names else [None] * index.num_rows for n in names}
-    for at, (sample_id, given) in enumerate(zip(columns["id"], columns["input"], strict=True)):
+    for at, (sample_id, given, recorded) in enumerate(zip(columns["id"], columns["input"], columns["source_uri"], strict=True)):
+        if given is None and recorded and (found := split_recorded(recorded)) is not None:
+            given = found[1].container
         # A sample whose field was added later has more rows: its first one is its record.
-        if given not in inputs or not columns["source_uri"][at] or store.row(sample_id) != at:
+        if given not in inputs or not recorded or store.row(sample_id) != at:
             continue
-        recorded = columns["source_uri"][at]
         uri = inputs[given] + recorded[len(given):] if recorded.startswith(given + "#") else recorded
         yield InputRow(sample_id=sample_id, uri=uri, caption=columns["caption"][at] or "",
-                       source=columns["source_path"][at] or columns["source_uri"][at], modality=columns["modality"][at] or "image",
+                       source=columns["source_path"][at] or recorded, modality=columns["modality"][at] or "image",
                        metadata=columns["source_json"][at], input=given, offset=columns["source_offset"][at],
                        size=columns["source_size"][at])
 
