@@ -169,6 +169,8 @@ def committed_unit_tasks(units: list[SourceUnit], store: featstore.Store, fields
     Clips (``frames.clips``) are not: one clip's row cannot make just that clip again."""
     if not units or not len(store):
         return [], []
+    if set(fields) <= set(store.fields) and len(store.sample_ids(with_fields=list(fields))) == len(store):
+        return [], []  # every sample has every field (a re-run): no row is built
     modalities = {name: spec["meta"].get("modality", "") for name, spec in fields.items()}
     lacking = row_classifier(store, modalities, clips=False)
     groups: dict[tuple[str, ...], list[InputRow]] = {}
