@@ -47,7 +47,7 @@ def read_recorded(uri: str, storage_options: dict[str, Any] | None = None, max_b
     says why they cannot be read (missing, member not found, member changed size)."""
     limit = DEFAULT_MAX_INPUT_BYTES if max_bytes is None else max_bytes
     found = split_recorded(uri)
-    if found is None:
+    if found is None or (is_local(uri) and os.path.isfile(uri)):  # a file named "a.tar#1.png" is a file
         return read_source(uri, storage_options, limit, root)
     source, where = found
     if root is not None and is_local(where.container) and not under_root(os.path.realpath(where.container), root):
