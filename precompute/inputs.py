@@ -77,6 +77,11 @@ class InputRow:
     input: str = ""  # the --input it came from (manifest, folder, tar, Parquet file), shown: `mmcache info` counts by it
     start: float | None = None  # a video row's span in seconds (manifest columns start / end): frames at start <= t < end
     end: float | None = None
+    # Where a tar member's data lies in its tar (bytes from the start of the uncompressed stream;
+    # recorded as source_offset / source_size, read again alone by input_sources.located). None:
+    # a file of its own, a Parquet row (its number is in ``uri``), or a sample recorded before offsets.
+    offset: int | None = None
+    size: int | None = None
 
     @property
     def conversations_sha256(self) -> str | None:

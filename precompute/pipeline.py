@@ -40,6 +40,7 @@ from mmcache.precompute.executors import (
 )
 from mmcache.precompute.feature_bytes import FieldsOutline, outline
 from mmcache.precompute.input_sources import InputStream, SourceOptions
+from mmcache.precompute.input_sources.located import recorded_rows
 from mmcache.precompute.job_compaction import compact_after_job
 from mmcache.precompute.output_store import commit_plan_rejects, open_existing, open_or_create
 from mmcache.precompute.plan import EncodePlan, plan_encode
@@ -190,8 +191,10 @@ def _stale(job: _Started, store: featstore.Store, config: EncodeConfig, input_st
     if job.existing is None or not len(job.existing):
         return {}
     rows = (row for _, batch in job.inputs.batches() for row in batch.rows)
+    if config.data.check_content:  # a tar's or Parquet file's recorded caption is what the store has: only its bytes can change
+        rows = itertools.chain(rows, recorded_rows(store, {unit.shown: unit.uri for unit in job.inputs.units}))
     return stale_samples(rows, store, client=job.executor, storage_options=input_storage_options,
-                         check_content=config.data.check_content)
+                         check_content=config.data.check_content, media_column=config.data.media_column)
 
 
 def _open_store(job: _Started, config: EncodeConfig, output_url: str, storage_options: dict[str, Any] | None,

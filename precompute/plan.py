@@ -24,7 +24,9 @@ from typing import Any
 from mmcache import featstore
 from mmcache.featstore.format import EXCLUSIVE_COMMIT_VERSION
 from mmcache.precompute.config import EncodeConfig
+from mmcache.precompute.clips import clip_parent
 from mmcache.precompute.input_sources import InputStream, SourceUnit
+from mmcache.precompute.input_sources.located import recorded_rows
 from mmcache.precompute.inputs import InputRow, Reject
 from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec
 from mmcache.precompute.survey import GroupKey, Survey, rejected_sources, row_classifier
@@ -63,26 +65,28 @@ def plan_encode(config: EncodeConfig, *, inputs: InputStream, survey: Survey, st
     # A retried reject gets a task of a new name: the one that rejected it is committed.
     salt = retry_salt(store) if config.data.retry_rejects and survey.retried else ""
     settings = TaskSettings.from_config(config, input_storage_options)
-    # A unit (a tar) is one task whatever the job's size: its parts are shards of about shard_bytes,
-    # sized alike on every run, so a re-run finds the parts committed before under their names.
+    # Units (tars, row groups) are read by tasks of one or several (group_units); a task's parts are
+    # shards of about shard_bytes, sized alike on every run, so a re-run finds the parts committed
+    # before under their names.
     units, unit_skips = unit_tasks(inputs.units, store, config, list(fields), part_size=rows_per_task(config, 1 << 62, 1, sample_bytes),
                                    workers=workers, sample_bytes=sample_bytes, ids_of=inputs.ids_of)
-    if survey.todo or units:
+    refill, refill_notes = committed_unit_tasks(inputs.units, store, fields, config, workers=workers, sample_bytes=sample_bytes)
+    if survey.todo or units or refill:
         # Raised here once (an older store), so that the tasks, which open the store from the
         # manifest planned with, do not each declare it again.
         store.require_format_version(EXCLUSIVE_COMMIT_VERSION)
         settings = replace(settings, store_manifest=store.manifest)
     rejected_before = rejected_sources(store) if not config.data.retry_rejects else set()
     notes = [f"adding {', '.join(missing)} to {n} sample(s) already in the store"
-             for (missing, new), n in survey.groups.items() if not new] + unit_notes(inputs.units, store, list(fields))
+             for (missing, new), n in survey.groups.items() if not new] + refill_notes
     plan = EncodePlan(output_url=output_url, store=store, storage_options=storage_options, specs=specs, settings=settings,
                       tasks=iter(()), known_shards=sorted(set(store.shards) | set(store.replaced) | {t.shard for t in units}),
-                      samples=survey.todo + sum(u.estimated_samples for t in units for u in t.units),
+                      samples=survey.todo + sum(len(t.rows) for t in refill) + sum(u.estimated_samples for t in units for u in t.units),
                       units=[u for t in units for u in t.units],
                       plan_rejects=[r for r in survey.rejects if r.source not in rejected_before],
                       samples_skipped=survey.skipped, notes=notes)
     groups = _RowGroups(store, fields, config, survey, per_task, salt, plan.duplicate_rejects, rejected_before, unit_skips)
-    plan.tasks = itertools.chain(groups.tasks(inputs), units)
+    plan.tasks = itertools.chain(groups.tasks(inputs), refill, units)
     return plan
 
 
@@ -159,19 +163,36 @@ def plan_tasks(rows: list[InputRow], specs_digest: str, per_task: int, fields: l
     return tasks
 
 
-def unit_notes(units: list[SourceUnit], store: featstore.Store, fields: list[str]) -> list[str]:
-    """What the log says when committed samples lack a configured field and the job reads tars or
-    Parquet: their inputs are not read again to add it (fields are added to manifest rows only)."""
+def committed_unit_tasks(units: list[SourceUnit], store: featstore.Store, fields: dict[str, Any], config: EncodeConfig, *,
+                         workers: int, sample_bytes: int) -> tuple[list[TaskSpec], list[str]]:
+    """(tasks, log notes) adding the configured fields that committed samples of this job's tars
+    and Parquet files lack: each such sample is a row built from its record (``recorded_rows``),
+    its media read again alone (``read_recorded``), grouped as manifest rows lacking a field are.
+    Clips (``frames.clips``) are not: one clip's row cannot make just that clip again."""
     if not units or not len(store):
-        return []
-    prefixes = {u.id_prefix for u in units}
-    ours = [i for i in store.sample_ids() if "" in prefixes or i.split(":", 1)[0] + ":" in prefixes]
-    complete = set(store.sample_ids(with_fields=fields))
-    lacking = sum(1 for i in ours if i not in complete)
-    if not lacking:
-        return []
-    return [f"warning: {lacking} committed sample(s) from tars or Parquet lack one of the fields {fields}; a field is not "
-            "added to such samples (their inputs are not read again for it): encode those inputs into a new store to have it"]
+        return [], []
+    if set(fields) <= set(store.fields) and len(store.sample_ids(with_fields=list(fields))) == len(store):
+        return [], []  # every sample has every field (a re-run): no row is built
+    modalities = {name: spec["meta"].get("modality", "") for name, spec in fields.items()}
+    lacking = row_classifier(store, modalities, clips=False)
+    groups: dict[tuple[str, ...], list[InputRow]] = {}
+    clipped = 0
+    for row in recorded_rows(store, {u.shown: u.uri for u in units}):
+        if (key := lacking(row)) is None:
+            continue
+        if row.modality == "video" and (config.frames.clips is not None or clip_parent(row.sample_id) is not None):
+            clipped += 1
+            continue
+        groups.setdefault(key[0], []).append(row)
+    digest = fields_digest(fields)
+    # Sized as the job's rows are: a shard's worth, or a worker's share of these rows.
+    per_task = rows_per_task(config, sum(len(rows) for rows in groups.values()), workers, sample_bytes)
+    tasks = [task for missing, rows in groups.items() for task in plan_tasks(rows, digest, per_task, list(missing), new_samples=False)]
+    notes = [f"adding {', '.join(missing)} to {len(rows)} sample(s) already in the store" for missing, rows in groups.items()]
+    if clipped:
+        notes.append(f"warning: {clipped} committed clip sample(s) from tars or Parquet lack one of the fields {list(fields)}; a field "
+                     "is not added to clips of such inputs yet: encode those inputs into a new store to have it")
+    return tasks, notes
 
 
 def unit_tasks(units: list[SourceUnit], store: featstore.Store, config: EncodeConfig, fields: list[str], *,
@@ -198,7 +219,7 @@ def unit_tasks(units: list[SourceUnit], store: featstore.Store, config: EncodeCo
     pending = [unit for unit in units if unit_task_name([unit], part_size, salt) not in done]
     tasks, skips = [], {}
     for group in group_units(pending, config, workers=workers, sample_bytes=sample_bytes, of=units):
-        # Not named by the fields: a task done is done (adding a field to its samples: see unit_notes).
+        # Not named by the fields: a task done is done (a field added later reaches its samples one by one: committed_unit_tasks).
         name = unit_task_name(group, part_size, salt)
         if name in done:
             continue

@@ -52,7 +52,7 @@ def read_source(uri: str, storage_options: dict[str, Any] | None = None, max_byt
     local = protocol in (None, "file", "local")
     if local and root is not None and not under_root(os.path.realpath(path), root):
         raise MediaError(OUTSIDE_ROOT, shown)
-    with _as_media_errors(shown, local):
+    with as_media_errors(shown, local):
         data = read_local_file(path, limit) if local else with_retries(fetch, shown, "read")
     if len(data) > limit:
         raise MediaError(f"file is larger than data.max_input_bytes ({limit:,} bytes); raise the limit to encode it", shown)
@@ -72,7 +72,7 @@ def open_source(uri: str, storage_options: dict[str, Any] | None = None, max_byt
     shown = redact_url(uri)
     protocol, path = fsspec.core.split_protocol(uri)
     local = protocol in (None, "file", "local")
-    with _as_media_errors(shown, local):
+    with as_media_errors(shown, local):
         if local:
             fh: Any = os.fdopen(open_local(path, limit), "rb", buffering=_HEADER_BLOCK)
             size = os.fstat(fh.fileno()).st_size
@@ -93,7 +93,7 @@ _HEADER_BLOCK = 1 << 16
 
 
 @contextlib.contextmanager
-def _as_media_errors(shown: str, local: bool) -> Iterator[None]:
+def as_media_errors(shown: str, local: bool) -> Iterator[None]:
     """A file that must not or cannot be read, as the MediaError a task rejects it with (an
     object store's other errors are left to fail the task: they may be transient)."""
     try:

@@ -68,6 +68,7 @@ class TaskSettings:
     max_input_bytes: int | None = None
     max_pixels: int | None = None  # an image (or video frame) larger is rejected from its header
     commit_ahead_bytes: int = 0
+    media_column: str | None = None  # data.media_column: a committed Parquet row's media are read again from it
     # The store's manifest the client planned with: tasks open the store from it (no request).
     store_manifest: dict[str, Any] | None = None
 
@@ -78,6 +79,7 @@ class TaskSettings:
             batch_size=config.run.batch_size, decode_threads=config.run.decode_threads, device=config.device,
             input_storage_options=input_storage_options, task_timeout=config.run.task_timeout,
             max_input_bytes=config.data.max_input_bytes, max_pixels=config.data.max_pixels, commit_ahead_bytes=int(config.run.commit_ahead_bytes),
+            media_column=config.data.media_column,
         )
 
     def transform(self) -> dict[str, Any]:

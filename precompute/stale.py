@@ -6,7 +6,7 @@ files this tool exists to end. So a re-run compares each committed row's caption
 conversations, with what the store recorded (free: the client has the index), and with
 ``data.check_content`` the sha256
 of its bytes with the recorded ``content_hash`` (a full read of every committed input, spread
-over the workers). Changed samples are reported, never overwritten: committed features are
+over the workers; a sample from a tar or Parquet file is read alone, ``input_sources.located``). Changed samples are reported, never overwritten: committed features are
 immutable, so re-encoding one means a new id or a new store.
 """
 
@@ -19,17 +19,19 @@ from typing import Any
 from mmcache import featstore
 from mmcache.precompute.inputs import InputRow
 from mmcache.precompute.media import MediaError
-from mmcache.precompute.sources import read_source
+from mmcache.precompute.input_sources.located import read_recorded
 
 # Inputs hashed per Dask task: enough to amortise a task, few enough to spread over workers.
 HASH_BATCH = 64
 
 
 def stale_samples(rows: Iterable[InputRow], store: featstore.Store, *, client=None, storage_options: dict[str, Any] | None = None,
-                  check_content: bool = False) -> dict[str, str]:
-    """Sample id -> what changed, for the manifest rows already committed in ``store``. ``rows``
+                  check_content: bool = False, media_column: str | None = None) -> dict[str, str]:
+    """Sample id -> what changed, for the rows already committed in ``store`` (a manifest's, and
+    those recorded of the job's tars and Parquet files: ``recorded_rows``). ``rows``
     is read once, as it comes (a manifest's batches); what is kept: the changed rows' ids, and
-    with ``check_content`` what the workers are to hash."""
+    with ``check_content`` what the workers are to hash (a Parquet row's from ``media_column``,
+    ``data.media_column``)."""
     if not len(store):
         return {}
     index = store.index
@@ -39,7 +41,7 @@ def stale_samples(rows: Iterable[InputRow], store: featstore.Store, *, client=No
 
     captions, hashes, turns = column("caption"), column("content_hash"), column("conversations_sha256")
     stale: dict[str, str] = {}
-    todo: list[tuple[str, str, str]] = []
+    todo: list[tuple[str, str, str, int | None, int | None]] = []
     for row in rows:
         if row.sample_id not in store:
             continue
@@ -53,21 +55,22 @@ def stale_samples(rows: Iterable[InputRow], store: featstore.Store, *, client=No
         elif recorded is not None and recorded != row.caption:
             stale[row.sample_id] = "caption changed"
         elif check_content and hashes is not None and hashes[at]:  # text-only samples record no content hash
-            todo.append((row.sample_id, row.uri, hashes[at]))
+            todo.append((row.sample_id, row.uri, hashes[at], row.offset, row.size))
     if check_content and todo and client is not None:
         batches = [todo[i : i + HASH_BATCH] for i in range(0, len(todo), HASH_BATCH)]
-        futures = client.map(changed_contents, batches, storage_options=storage_options, pure=False, retries=3)
+        futures = client.map(changed_contents, batches, storage_options=storage_options, media_column=media_column, pure=False, retries=3)
         for future in futures:
             stale.update(future.result())
     return stale
 
 
-def changed_contents(items: list[tuple[str, str, str]], storage_options: dict[str, Any] | None) -> dict[str, str]:
-    """(sample id, uri, recorded sha256) -> the ids whose input now differs (run on a worker)."""
+def changed_contents(items: list[tuple[str, str, str, int | None, int | None]], storage_options: dict[str, Any] | None,
+                     media_column: str | None = None) -> dict[str, str]:
+    """(sample id, uri, recorded sha256, tar offset, size) -> the ids whose input now differs (run on a worker)."""
     changed = {}
-    for sample_id, uri, recorded in items:
+    for sample_id, uri, recorded, offset, size in items:
         try:
-            digest = hashlib.sha256(read_source(uri, storage_options)).hexdigest()
+            digest = hashlib.sha256(read_recorded(uri, storage_options, offset=offset, size=size, column=media_column)).hexdigest()
         except MediaError as exc:
             changed[sample_id] = f"input unreadable now ({exc.reason})"
             continue

@@ -29,7 +29,7 @@ from mmcache.precompute.daemon_pool import DaemonPool, handed_over, kept_ahead
 from mmcache.precompute.encoder_inputs import GEOMETRY, encoder_input, prepare_clip_sections, size_rule_for, text_input
 from mmcache.precompute.inputs import InputRow
 from mmcache.precompute.media import MediaError
-from mmcache.precompute.sources import read_source
+from mmcache.precompute.input_sources.located import read_recorded
 from mmcache.precompute.unit_tasks import encode_unit
 from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec
 from mmcache.precompute.worker_deaths import Deaths, died_reason, verdict
@@ -305,7 +305,8 @@ def _prepare_row(row: InputRow, rules: dict[str, Any], new_sample: bool, setting
     if not rules and not new_sample:
         return [(row, None)]  # only a text field added to committed samples: their media need no reading
     # Read even when no visual encoder runs: a new sample's media must exist and be readable.
-    data = given if given is not None else read_source(row.uri, settings.input_storage_options, settings.max_input_bytes, row.root)
+    data = given if given is not None else read_recorded(row.uri, settings.input_storage_options, settings.max_input_bytes, row.root,
+                                                         offset=row.offset, size=row.size, column=settings.media_column)
     if not rules:
         return [(row, None)]
     # Provenance and messages get the URL without a signature or token, never the credential.
@@ -358,6 +359,8 @@ def _meta(row: InputRow, prepared: dict[str, Any] | None, primary: str | None) -
         meta["source_json"] = row.metadata
     if row.input:
         meta["input"] = row.input
+    if row.offset is not None:  # a tar member: where it lies, so it is read again alone (input_sources.located)
+        meta.update(source_offset=row.offset, source_size=row.size)
     if not prepared:
         return {**meta, "source_uri": redact_url(row.uri)} if row.uri else meta
     for section, media in prepared.items():

@@ -4,6 +4,8 @@ bytes, a LLaVA JSON array; and a tar job killed mid-way and run again, exactly o
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import io
 import json
 import os
@@ -91,10 +93,11 @@ def test_tar_shards_locally_then_grown(tmp_path, cluster, capsys):
                 add_member(archive, "nocaption.txt", b"a caption at last")
     retried = encode([str(shards / "*.tar")], out, cluster, overrides=["data.retry_rejects=true"])
     assert retried.samples_written == 1 and "00001:nocaption" in featstore.open(out)
-    # A field is not added to samples from tars (not supported yet): said, and no tar is read for it.
+    # A text field added to the samples of the tars: from their recorded captions, no tar read for it.
     lines: list[str] = []
     added = encode([str(shards / "*.tar")], out, cluster, overrides=["text.max_length=16", "text.field=text_short"], log=lines.append)
-    assert added.tasks == 0 and any("30 committed sample(s) from tars or Parquet lack" in line for line in lines), lines
+    assert added.samples_written == 30 and any("adding text_short to 30 sample(s) already in the store" in line for line in lines), lines
+    assert featstore.open(out).samples_per_field()["text_short"] == 30
 
 
 def test_tar_shards_from_s3(tmp_path, cluster, s3_server, s3_bucket):
@@ -125,6 +128,14 @@ def test_tar_shards_from_s3(tmp_path, cluster, s3_server, s3_bucket):
     assert by_id(store)["00000:000000002"]["source_uri"] == f"{s3_bucket}/shards/00000.tar#000000002.png"
     reads = [r for r in requests if r.key.endswith(".tar") and r.method == "GET"]
     assert len(reads) == 2, reads  # one sequential read per tar, not one per member
+    # A visual field added later reads each member alone: one ranged GET of its header and data, no other request.
+    with s3_server.recording() as requests:
+        added = encode([pattern, f"{s3_bucket}/hf/train.parquet"], out, cluster, overrides=["vit.encoder=clip_vision", "vit.path=tiny"],
+                       storage_options=options, input_storage_options=options)
+    assert added.samples_written == 11 and featstore.open(out, storage_options=options).samples_per_field()["vit_features"] == 11
+    sizes = {row["id"]: row["source_size"] for row in by_id(store).values() if row["source_size"]}
+    reads = [r for r in requests if r.key.endswith(".tar")]
+    assert len(reads) == 8 and {r.method for r in reads} == {"GET"} and sorted(r.nbytes for r in reads) == sorted(512 + size for size in sizes.values()), reads
 
 
 def test_parquet_with_image_bytes(tmp_path, cluster):
@@ -142,6 +153,38 @@ def test_parquet_with_image_bytes(tmp_path, cluster):
     row = by_id(store)["train-00000:7"]
     assert row["caption"] == "caption 7" and row["source_uri"].endswith("train-00000.parquet#7") and row["orig_width"] == 48
     assert encode([str(tmp_path / "train-00000.parquet")], out, cluster).tasks == 0
+
+
+def test_a_field_added_to_samples_of_tars_and_parquet_equals_a_fresh_encode(tmp_path, cluster):
+    write_tar(tmp_path / "00000.tar", 0, 5)
+    write_tar(tmp_path / "plain.tar", 1, 3)
+    (tmp_path / "00001.tar.gz").write_bytes(gzip.compress((tmp_path / "plain.tar").read_bytes()))  # offsets in the decompressed tar
+    write_media_parquet(tmp_path / "hf.parquet", [png(100 + n) for n in range(4)], [f"c {n}" for n in range(4)], row_group_size=3)
+    inputs = [str(tmp_path / "00000.tar"), str(tmp_path / "00001.tar.gz"), str(tmp_path / "hf.parquet")]
+    out, fresh, with_vit = str(tmp_path / "store"), str(tmp_path / "fresh"), ["vit.encoder=clip_vision", "vit.path=tiny"]
+    assert encode(inputs, out, cluster).samples_written == 12
+    lines: list[str] = []
+    added = encode(inputs, out, cluster, overrides=with_vit, log=lines.append)
+    assert added.samples_written == 12 and any("adding vit_features to 12 sample(s) already in the store" in line for line in lines), lines
+    encode(inputs, fresh, cluster, overrides=with_vit)
+    store, reference = featstore.open(out), featstore.open(fresh)
+    assert store.samples_per_field() == {"latent": 12, "text_emb": 12, "vit_features": 12}
+    for sid in reference.sample_ids():
+        assert store.read(sid, ["vit_features"])["vit_features"].tobytes() == reference.read(sid, ["vit_features"])["vit_features"].tobytes()
+    row = by_id(store)["00000:000000002"]
+    tar = (tmp_path / "00000.tar").read_bytes()
+    assert hashlib.sha256(tar[row["source_offset"] : row["source_offset"] + row["source_size"]]).hexdigest() == row["content_hash"]
+    assert encode(inputs, out, cluster, overrides=with_vit).tasks == 0
+    # data.check_content re-reads each committed member alone: one rewritten with other bytes is reported.
+    with tarfile.open(tmp_path / "00000.tar") as old:
+        members = [(m, old.extractfile(m).read()) for m in old.getmembers()]
+    with tarfile.open(tmp_path / "00000.tar", "w") as archive:
+        for member, data in members:
+            archive.addfile(member, io.BytesIO(bytes(255 - b for b in data) if member.name == "000000003.png" else data))
+    lines.clear()
+    encode(inputs, out, cluster, overrides=[*with_vit, "data.check_content=true"], log=lines.append)
+    assert any("1 committed sample(s) changed since they were encoded (1 content changed; e.g. '00000:000000003')" in line
+               for line in lines), lines
 
 
 def test_an_id_in_two_parquet_files_is_one_sample_and_a_reject_naming_the_other(tmp_path, cluster):

@@ -4,12 +4,17 @@ reader's error, never a wrong member."""
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import io
+import lzma
 import tarfile
 
 import pytest
 
+from mmcache.precompute.input_sources.located import read_recorded
 from mmcache.precompute.input_sources.tar_reader import TarFormatError, TarReader
+from mmcache.precompute.media import MediaError
 
 # A name over 100 bytes (GNU long name / pax path), one a ustar prefix splits, non-ASCII, a folder.
 NAMES = ["a/" + "long" * 40 + ".png", "d" * 90 + "/" + "e" * 90 + ".txt", "caf\u00e9/\u00e9t\u00e9.json", "plain.txt"]
@@ -49,6 +54,11 @@ def test_members_as_tarfile_lists_them(fmt, mode):
         expected = [(m.name, "directory" if m.isdir() else "a symbolic link" if m.issym() else "file",
                      archive.extractfile(m).read() if m.isreg() else b"") for m in archive.getmembers()]
     assert listing(raw) == expected and len(expected) >= 2
+    # Each member's data offset is where its bytes lie in the (decompressed) tar.
+    plain = {"w": bytes, "w:gz": gzip.decompress, "w:bz2": bz2.decompress, "w:xz": lzma.decompress}[mode](raw)
+    reader = TarReader(io.BytesIO(raw))
+    while (member := reader.next()) is not None:
+        assert member.kind != "file" or plain[member.offset : member.offset + member.size] == reader.read(member)
 
 
 def _ustar(mode: str) -> bytes:
@@ -103,3 +113,40 @@ def test_cut_and_corrupt_tars_are_errors():
     zipped = build(tarfile.PAX_FORMAT, "w:gz")
     with pytest.raises(TarFormatError, match="EOFError|cut short"):
         listing(zipped[: len(zipped) // 2])
+
+
+def test_a_recorded_member_or_row_is_read_again_alone(tmp_path):
+    from tests.input_data import png, write_media_parquet
+
+    raw = build(tarfile.GNU_FORMAT)
+    (tmp_path / "a.tar").write_bytes(raw)
+    (tmp_path / "b.tar.gz").write_bytes(build(tarfile.PAX_FORMAT, "w:gz"))
+    reader, where = TarReader(io.BytesIO(raw)), {}
+    while (member := reader.next()) is not None:
+        where[member.name] = (member.offset, member.size)
+    long_name, data = NAMES[0], bytes([0]) * 3
+    offset, size = where[long_name]
+    # At its recorded offset (a long name: its header holds only the name's start), by name in a
+    # tar recorded before offsets, and in a compressed tar (the offset there is no file offset).
+    assert read_recorded(f"{tmp_path}/a.tar#{long_name}", offset=offset, size=size) == data
+    assert read_recorded(f"{tmp_path}/a.tar#{NAMES[3]}") == bytes([3]) * 2103
+    assert read_recorded(f"{tmp_path}/b.tar.gz#{NAMES[2]}", offset=where[NAMES[2]][0], size=1403) == bytes([2]) * 1403
+    assert read_recorded(f"{tmp_path}/b.tar.gz#{NAMES[1]}") == bytes([1]) * 703  # a seek back: decompressed again
+    assert read_recorded(f"{tmp_path}/b.tar.gz#{NAMES[3]}") == bytes([3]) * 2103  # on from there
+    # A wrong offset (the tar was rewritten) finds the member by name; its size must still be the recorded one.
+    assert read_recorded(f"{tmp_path}/a.tar#{NAMES[3]}", offset=where[NAMES[1]][0], size=2103) == bytes([3]) * 2103
+    with pytest.raises(MediaError, match="changed size since it was encoded .recorded 5 bytes, now 2,103"):
+        read_recorded(f"{tmp_path}/a.tar#{NAMES[3]}", offset=offset, size=5)
+    with pytest.raises(MediaError, match="member '../etc/passwd' not found in the tar"):
+        read_recorded(f"{tmp_path}/a.tar#../etc/passwd")
+    with pytest.raises(MediaError, match="missing file"):
+        read_recorded(f"{tmp_path}/gone.tar#x.png", offset=512, size=3)
+    with pytest.raises(MediaError, match="larger than data.max_input_bytes"):
+        read_recorded(f"{tmp_path}/a.tar#{NAMES[3]}", max_bytes=100)
+    images = [png(n) for n in range(5)]
+    write_media_parquet(tmp_path / "hf.parquet", images, [str(n) for n in range(5)], row_group_size=2)
+    assert [read_recorded(f"{tmp_path}/hf.parquet#{n}") for n in (4, 0, 1, 3)] == [images[n] for n in (4, 0, 1, 3)]
+    with pytest.raises(MediaError, match="row 5 is not in the file .it has 5 rows"):
+        read_recorded(f"{tmp_path}/hf.parquet#5")
+    with pytest.raises(MediaError, match="'x/../1' is not a row number"):
+        read_recorded(f"{tmp_path}/hf.parquet#x/../1")

@@ -9,7 +9,8 @@ A source turns one input (a file or folder, after ``expand``) into what planning
   Planning never downloads a unit; it reads at most a Parquet footer.
 
 Sources register themselves with ``register`` (by name and file suffix); the dispatch is a
-lookup, never a chain of ``if``.
+lookup, never a chain of ``if``. A unit source may also read one of its samples again, alone
+(``member``: a tar member, a Parquet row; see ``located``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from mmcache.featstore.retry import protocol_of, remote_filesystem
+from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.inputs import InputRow, Reject
 from mmcache.precompute.sources import open_local
 
@@ -71,6 +73,22 @@ class Member:
     reject: Reject | None = None
 
 
+@dataclass(frozen=True, kw_only=True)
+class Located:
+    """Where one recorded sample of a unit lies: its container and its part, as ``source_uri``
+    (``<container>#<part>``) and the ``source_offset`` / ``source_size`` columns say."""
+
+    container: str = field(repr=False)  # the tar or Parquet file, as fsspec opens it
+    part: str                           # a tar member's name, a Parquet row's number: data, never a path
+    offset: int | None = None           # a tar member's data offset in the (decompressed) tar; None: not recorded
+    size: int | None = None
+    column: str | None = None           # a Parquet file's media column (None: the first of the usual names)
+
+    @property
+    def shown(self) -> str:
+        return f"{redact_url(self.container)}#{self.part}"
+
+
 @dataclass(kw_only=True)
 class SourceRead:
     rows: list[Any] = field(default_factory=list)  # InputRows, or only their RowKeys (InputStream.batches)
@@ -92,6 +110,9 @@ class InputSource:
     # (a manifest); the others are read whole, once (``read``). Its third argument: whole rows
     # (True), or only their ``RowKey``s (planning's first pass).
     batches: Callable[[str, SourceOptions, bool], Iterator[SourceRead]] | None = None
+    # One recorded sample's media read again alone: (where, storage options, max bytes) -> bytes,
+    # or a MediaError saying why not.
+    member: Callable[[Located, dict[str, Any] | None, int], bytes] | None = None
 
 
 SOURCES: dict[str, InputSource] = {}

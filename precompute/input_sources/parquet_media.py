@@ -7,24 +7,30 @@ Columns: media from ``data.media_column`` (default ``image``, then ``video``), c
 ``<file stem>:<row number>``. A Parquet file with a ``path`` column and no media column is a
 manifest (``files.py``). The client reads only the footer (schema, row groups) and names one unit
 per row group; the worker reads its row group's columns, and a null, missing or undecodable
-value becomes a reject.
+value becomes a reject. A committed row is read again alone (``read_parquet_row``): the footer,
+then the media column of its row group only.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
 from mmcache.featstore.retry import protocol_of, remote_filesystem, with_retries
 from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.input_sources.base import (
-    InputSource, Member, SourceOptions, SourceRead, SourceUnit, duplicate_reason, file_stem, open_input, register,
+    InputSource, Located, Member, SourceOptions, SourceRead, SourceUnit, duplicate_reason, file_stem, open_input, register,
 )
 from mmcache.precompute.input_sources.files import manifest_batches, read_rows
+from mmcache.precompute.input_sources.located import container_key, is_local
 from mmcache.precompute.inputs import (
     InputRow, ManifestError, Reject, caption_problem, caption_text, has_visible_text, modality_of, safe_id,
 )
+from mmcache.precompute.media import MediaError
+from mmcache.precompute.sources import as_media_errors
 
 MEDIA_COLUMNS = ("image", "video")
 CAPTION_COLUMNS = ("caption", "text")
@@ -162,4 +168,57 @@ def _media(value: Any, column: str, max_bytes: int) -> tuple[bytes | None, str |
     return value, path, None
 
 
-register(InputSource(name="parquet", suffixes=(".parquet",), read=read_parquet, stream=stream_parquet, batches=parquet_batches))
+# (file version, column) -> (column, first row, media cells) of the row group read last: rows are
+# asked for in order, so a task's rows of one row group cost one read of its media column.
+_ROW_GROUPS: OrderedDict[tuple[Any, ...], tuple[str, int, list[Any]]] = OrderedDict()
+_ROW_GROUPS_KEPT = 4  # files
+_ROW_LOCK = threading.Lock()
+
+
+def read_parquet_row(where: Located, storage_options: dict[str, Any] | None, max_bytes: int) -> bytes:
+    """The media bytes of row ``where.part`` (its number in the file) of a media Parquet file."""
+    if not where.part.isdigit():
+        raise MediaError(f"{where.part!r} is not a row number", redact_url(where.container))
+    number = int(where.part)
+    with as_media_errors(where.shown, is_local(where.container)):
+        key = (*container_key(where.container, storage_options), where.column)
+        with _ROW_LOCK:
+            kept = _ROW_GROUPS.get(key)
+            if kept is None or not kept[1] <= number < kept[1] + len(kept[2]):
+                kept = _ROW_GROUPS[key] = _row_group(where, storage_options, number)
+            _ROW_GROUPS.move_to_end(key)
+            while len(_ROW_GROUPS) > _ROW_GROUPS_KEPT:
+                _ROW_GROUPS.popitem(last=False)
+    column, first, cells = kept
+    data, _path, problem = _media(cells[number - first], column, max_bytes)
+    if problem is not None or data is None:
+        raise MediaError(problem or f"null {column}", where.shown)
+    return data
+
+
+def _row_group(where: Located, storage_options: dict[str, Any] | None, number: int) -> tuple[str, int, list[Any]]:
+    """(media column, first row, its cells) of the row group holding row ``number``: the footer,
+    then that row group's media column only."""
+    import pyarrow.parquet as pq
+
+    with open_input(where.container, storage_options) as fh:
+        try:
+            parquet = pq.ParquetFile(fh, pre_buffer=False)
+        except ValueError as exc:  # pyarrow's ArrowInvalid
+            raise MediaError(f"not a valid parquet file ({exc})", redact_url(where.container)) from None
+        names = parquet.metadata.schema.to_arrow_schema().names
+        column = where.column or next((c for c in MEDIA_COLUMNS if c in names), None)
+        if column is None or column not in names:
+            raise MediaError(f"no media column {where.column or MEDIA_COLUMNS} (columns: {names})", redact_url(where.container))
+        first = 0
+        for group in range(parquet.metadata.num_row_groups):
+            rows = parquet.metadata.row_group(group).num_rows
+            if number < first + rows:
+                cells = parquet.read_row_group(group, columns=[column], use_threads=False).column(column).to_pylist()
+                return column, first, cells
+            first += rows
+    raise MediaError(f"row {number} is not in the file (it has {first} rows)", redact_url(where.container))
+
+
+register(InputSource(name="parquet", suffixes=(".parquet",), read=read_parquet, stream=stream_parquet, batches=parquet_batches,
+                     member=read_parquet_row))

@@ -4,7 +4,9 @@
 a buffer joined per 10 KiB block, a file object per member, a TarInfo per header. This reader
 does only what the WebDataset source needs: ustar, GNU and pax headers (long names, sizes past
 8 GiB), gzip / bzip2 / xz compression told by the first bytes, the member's kind (a link, a
-device or a sparse file is named, never followed or read), and a member's data as one ``bytes``.
+device or a sparse file is named, never followed or read), a member's data as one ``bytes``, and
+where that data starts (``TarMember.offset``, in the decompressed stream of a compressed tar): what
+a sample records so that its member is read again alone (``located``).
 A header whose checksum does not add up, a header or data cut short: ``TarFormatError``.
 """
 
@@ -26,6 +28,8 @@ _NO_DATA = ("directory", "a hard link", "a symbolic link", "a character device",
 _COMPRESSED = ((b"\x1f\x8b", gzip.GzipFile), (b"BZh", bz2.BZ2File), (b"\xfd7zXZ\x00", lzma.LZMAFile))
 _SIGNED = struct.Struct("148b8x356b")
 _MAX_EXTENDED = 1 << 20
+# What a compressed tar cut short or corrupt raises while it is decompressed.
+STREAM_ERRORS = (EOFError, zlib.error, lzma.LZMAError, gzip.BadGzipFile)
 
 
 class TarFormatError(Exception):
@@ -37,6 +41,7 @@ class TarMember:
     name: str
     kind: str   # "file", "directory", or what else it is ("a symbolic link", ...)
     size: int   # its data's bytes (what ``read`` returns for a file)
+    offset: int = 0  # where its data starts in the tar (after its headers; in a compressed tar, the decompressed stream)
 
 
 class TarReader:
@@ -44,9 +49,11 @@ class TarReader:
     wanted (the next ``next()`` passes over data not read)."""
 
     def __init__(self, fh: IO[bytes]) -> None:
-        self.fh = _decompressed(fh)
+        self.fh = decompressed(fh)
+        self.compressed = self.fh is not fh
         self.pending = 0  # data + padding of the member last returned, not read yet
         self.started = False
+        self.position = 0  # bytes of the (decompressed) tar read or skipped so far
 
     def next(self) -> TarMember | None:
         self._skip(self.pending)
@@ -80,7 +87,8 @@ class TarReader:
             if any(key.startswith("GNU.sparse.") for key in pax):
                 described = "a sparse file"
             self.pending = 0 if described in _NO_DATA else -size % BLOCK + size
-            return TarMember(name=name.rstrip("/") if described == "directory" else name, kind=described, size=size)
+            return TarMember(name=name.rstrip("/") if described == "directory" else name, kind=described, size=size,
+                             offset=self.position)
 
     def read(self, member: TarMember) -> bytes:
         """The data of the member ``next`` returned last (once)."""
@@ -116,8 +124,10 @@ class TarReader:
 
     def _read(self, size: int) -> bytes:
         try:
-            return self.fh.read(size)
-        except (EOFError, zlib.error, lzma.LZMAError, gzip.BadGzipFile) as exc:  # a compressed tar cut short or corrupt
+            data = self.fh.read(size)
+            self.position += len(data)
+            return data
+        except STREAM_ERRORS as exc:
             raise TarFormatError(f"{type(exc).__name__}: {exc}") from None
 
     def _skip(self, size: int) -> None:
@@ -125,6 +135,7 @@ class TarReader:
             return
         if self.fh.seekable():  # a large member over the limit is passed over, not read
             self.fh.seek(size, 1)
+            self.position += size
             return
         while size > 0:
             size -= len(self._exact(min(size, 1 << 20), "a skipped member"))
@@ -136,7 +147,7 @@ class TarReader:
             extended = self._exact(BLOCK, "a sparse map")[504]
 
 
-def _decompressed(fh: IO[bytes]) -> IO[bytes]:
+def decompressed(fh: IO[bytes]) -> IO[bytes]:
     """``fh``, or a decompressing reader of it if its first bytes are a gzip, bzip2 or xz magic."""
     head = fh.read(6)
     fh.seek(-len(head), 1)

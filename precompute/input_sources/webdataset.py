@@ -7,7 +7,8 @@ Its media is the one member whose last suffix is an image or video type; its cap
 ``.txt`` member, else ``data.caption_key`` of the ``.json`` member; the ``.json`` text is kept
 with the sample (meta column ``source_json``). Ids are ``<tar stem>:<key>`` (``/`` -> ``:``), so
 keys of two shards never collide and a member keeps its id on every run; ``source_uri`` is
-``<tar>#<member>``.
+``<tar>#<member>``, and ``source_offset`` / ``source_size`` say where its data lies in the tar, so
+that it is read again alone (``located``: a field added later, ``data.check_content``, a live encoder).
 
 Planning names each tar as one unit and reads nothing of it. The worker that encodes it reads
 it once, front to back (``tar_reader``, in large blocks on an object store). Member names are
@@ -26,6 +27,7 @@ from typing import Any
 from mmcache.featstore.retry import remote_filesystem, with_retries
 from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.input_sources.base import InputSource, Member, SourceOptions, SourceRead, SourceUnit, file_stem, open_input, register
+from mmcache.precompute.input_sources.located import read_tar_member
 from mmcache.precompute.input_sources.tar_reader import TarFormatError, TarMember, TarReader
 from mmcache.precompute.inputs import InputRow, ManifestError, Reject, caption_problem, has_visible_text, modality_of, safe_id, sample_id_for
 
@@ -53,7 +55,7 @@ def split_key(name: str) -> tuple[str, str]:
 @dataclass
 class _Group:
     key: str
-    parts: dict[str, tuple[str, bytes]] = field(default_factory=dict)  # extension -> (member name, bytes)
+    parts: dict[str, tuple[str, bytes, int]] = field(default_factory=dict)  # extension -> (member name, bytes, data offset)
     problem: str | None = None
 
 
@@ -84,7 +86,7 @@ def _samples(unit: SourceUnit, archive: TarReader, max_bytes: int) -> Iterator[M
                 data = archive.read(member)
                 if ext in group.parts:
                     problem = f"two members of extension .{ext} ({group.parts[ext][0]!r}, {name!r})"
-                group.parts[ext] = (name, data)
+                group.parts[ext] = (name, data, member.offset)
             group.problem = group.problem or problem
         except TarFormatError as exc:  # not OSError: a network fault fails the task, which is retried
             if group is not None:
@@ -125,10 +127,10 @@ def _sample(unit: SourceUnit, group: _Group, finished: set[str]) -> Member:
         problem = f"empty caption (no .txt, and no {unit.caption_key!r} in the .json); set data.allow_empty_caption: true to allow it"
     if problem is not None:
         return Member(reject=Reject(source=source, reason=problem, sample_id=sample_id))
-    name, data = group.parts[media[0]]
+    name, data, offset = group.parts[media[0]]
     sidecar = group.parts.get("json")
     row = InputRow(sample_id=sample_id, uri=f"{unit.uri}#{name}", caption=caption, source=f"{unit.shown}#{name}",
-                   modality=modality_of("x." + media[0]) or "image", input=unit.shown,
+                   modality=modality_of("x." + media[0]) or "image", input=unit.shown, offset=offset, size=len(data),
                    metadata=sidecar[1].decode("utf-8", errors="replace") if sidecar else None)
     return Member(row=row, data=data)
 
@@ -152,4 +154,5 @@ def _caption(group: _Group, caption_key: str) -> tuple[str, str | None]:
     return (value or "").strip(), None
 
 
-register(InputSource(name="webdataset", suffixes=(".tar", ".tar.gz", ".tgz"), read=read_tar, stream=stream_tar))
+register(InputSource(name="webdataset", suffixes=(".tar", ".tar.gz", ".tgz"), read=read_tar, stream=stream_tar,
+                     member=read_tar_member))

@@ -33,8 +33,10 @@ since it was encoded, or preparing it now gives another crop/size/frames than re
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
+import io
 import posixpath
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -58,6 +60,7 @@ from mmcache.precompute.encoder_inputs import (
 )
 from mmcache.precompute.encoders import UnknownEncoderError, build_encoder
 from mmcache.precompute.encoders.base import torch_dtype
+from mmcache.precompute.input_sources.located import read_recorded, split_recorded
 from mmcache.precompute.inputs import conversations_digest, modality_of
 from mmcache.precompute.media import MediaError
 from mmcache.precompute.sources import open_source, read_source
@@ -293,6 +296,9 @@ class LiveEncoder:
                 raise MediaMovedError(f"sample {row.get('id')!r} records no source_uri: its media cannot be found")
             return str(recorded)
         relative = row.get("source_path")
+        if recorded and (member := split_recorded(str(recorded))) is not None:
+            # A tar's or Parquet file's sample: the file, by its name, is under media_root now.
+            return f"{self.media_root.rstrip('/')}/{posixpath.basename(member[1].container.split('?', 1)[0])}#{member[1].part}"
         if not relative or "://" in relative or relative.startswith("/"):
             if not relative:
                 raise MediaMovedError(
@@ -338,7 +344,7 @@ class LiveEncoder:
         url = self.locate(row)
         sid = row.get("id")
         try:
-            data = read_source(url, self.storage_options)
+            data = read_recorded(url, self.storage_options, offset=row.get("source_offset"), size=row.get("source_size"))
         except MediaError as exc:
             raise _unreadable(row, url, exc) from None
         if row.get("content_hash") and hashlib.sha256(data).hexdigest() != row["content_hash"]:
@@ -364,7 +370,7 @@ class LiveEncoder:
         # the recorded hash are both checked again when the sample is encoded (``_pixels``).
         url = self.locate(row)
         try:
-            with open_source(url, self.storage_options) as source:
+            with self._headers(url, row) as source:
                 shape = planned_input_shape(self.section, source, url, str(row.get("modality")), rule=self._size_rule(),  # type: ignore[arg-type]
                                             resize=self.resize, frames=self.frames)
         except MediaError as exc:
@@ -372,6 +378,14 @@ class LiveEncoder:
         if shape not in self._out_shapes:
             self._out_shapes[shape] = tuple(self.encode_inputs([np.zeros(shape, np.uint8)])[0].shape)
         return self._out_shapes[shape]
+
+    def _headers(self, url: str, row: Mapping[str, Any]) -> contextlib.AbstractContextManager[Any]:
+        """A sample's media opened for its headers: a file read only as far as they go, a tar
+        member or Parquet row read whole (alone: ``read_recorded``)."""
+        if split_recorded(url) is None:
+            return open_source(url, self.storage_options)
+        data = read_recorded(url, self.storage_options, offset=row.get("source_offset"), size=row.get("source_size"))
+        return contextlib.nullcontext(io.BytesIO(data))
 
     def _prepare(self, data: bytes, url: str, modality: str, what: str, first_frame: int | None = None) -> tuple[Any, np.ndarray]:
         """(the prepared media, the encoder's input): decoded, resized and framed by the recorded
@@ -476,6 +490,8 @@ def _unreadable(row: Mapping[str, Any], url: str, exc: MediaError) -> ReattachEr
 
 def _recorded_root(row: Mapping[str, Any]) -> str | None:
     uri, relative = row.get("source_uri"), row.get("source_path")
+    if uri and split_recorded(str(uri)) is not None:
+        return None  # a tar's or Parquet file's sample: --media names the folder that holds the file now
     if uri and relative and str(uri).endswith(posixpath.normpath(str(relative))):
         return str(uri)[: -len(posixpath.normpath(str(relative)))].rstrip("/") or "/"
     return None
