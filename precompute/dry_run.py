@@ -22,7 +22,7 @@ from mmcache.precompute.input_sources import InputStream
 from mmcache.precompute.output_store import open_existing
 from mmcache.precompute.pipeline import source_options
 from mmcache.precompute.progress import UNREAD_UNIT_SAMPLES
-from mmcache.precompute.plan import rows_per_task
+from mmcache.precompute.plan import group_units, rows_per_task
 from mmcache.precompute.specs import encoder_specs, takes_text_only
 from mmcache.precompute.survey import Survey, survey
 
@@ -75,12 +75,13 @@ def dry_run(config: EncodeConfig, input_url: str | list[str], output_url: str, *
                                  samples=lambda: surveyed.todo + unit_samples)
     sample_bytes = fields.mean_bytes(surveyed.kinds)
     per_task = rows_per_task(config, surveyed.todo, placement.workers, sample_bytes)
-    part = rows_per_task(config, 1 << 62, 1, sample_bytes)  # a unit's parts, as plan_encode sizes them
+    part = rows_per_task(config, 1 << 62, 1, sample_bytes)  # a unit task's parts, as plan_encode sizes them
     tasks = sum(math.ceil(n / per_task) for n in surveyed.groups.values())
-    unit_shards = sum(math.ceil((u.estimated_samples or UNREAD_UNIT_SAMPLES) / part) for u in surveyed.units)
+    unit_groups = group_units(surveyed.units, config, workers=placement.workers, sample_bytes=sample_bytes)
+    unit_shards = sum(math.ceil(sum(u.estimated_samples or UNREAD_UNIT_SAMPLES for u in group) / part) for group in unit_groups)
     where = "absent: would be created" if existing is None else f"holds {len(existing)} sample(s)"
     return DryRun(inputs=len(inputs.urls), survey=surveyed, store=f"{redact_url(output_url)} ({where})",
-                  workers=placement.workers, rows_per_task=per_task, tasks=tasks + len(surveyed.units), shards=tasks + unit_shards,
+                  workers=placement.workers, rows_per_task=per_task, tasks=tasks + len(unit_groups), shards=tasks + unit_shards,
                   sample_bytes=sample_bytes, unit_samples=unit_samples, shard_bytes=int(config.run.shard_bytes))
 
 
