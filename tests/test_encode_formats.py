@@ -380,9 +380,12 @@ def test_small_tars_share_tasks_and_reruns_encode_nothing(tmp_path, cluster):
     shards.mkdir()
     good = [f"{s:05d}:{k}" for s in range(8) for k in write_tar(shards / f"{s:05d}.tar", s, 2)]
     out = str(tmp_path / "store")
+    from mmcache.precompute.dry_run import dry_run
+
+    planned = dry_run(load_config(EncodeConfig, "tiny", "encode", []), [str(shards / "*.tar")], out, workers=2)
     summary = encode([str(shards / "*.tar")], out, cluster)
     store = featstore.open(out)
-    assert summary.tasks == 2 and len(store.shards) == 2 and sorted(store.sample_ids()) == sorted(good), sorted(store.shards)
+    assert planned.tasks == summary.tasks == 2 and len(store.shards) == 2 and sorted(store.sample_ids()) == sorted(good), sorted(store.shards)
     assert encode([str(shards / "*.tar")], out, cluster).tasks == 0
     assert compact_data(store, DataCompaction(target_bytes=1 << 20)).written  # as `mmcache compact --target-bytes 1MiB`
     assert len(featstore.open(out).replaced) == 2
