@@ -11,13 +11,11 @@ does before and during its first steps, as rank --rank of --ranks data-parallel 
 
   plan     train.plan.plan_run (opens the snapshot, sizes the model) + plan_order + FeatureStream
   step 1   FeatureStream.plan(0): the global batch sized, the balanced plan of all of it over
-           the ranks (the same code on both paths: with 1,000 ranks most of the time), this
-           rank's reads
+           the ranks (the same code on both paths), this rank's reads
   sizing   for steps 1..--steps-1, the global batch and its groups and token counts (what the
            two paths do differently at each step), seconds per step
 
-as seconds and RSS growth (VmRSS after minus before; VmHWM: the peak, which in the steps is the
-balancer's at 1,000 ranks on both paths), "before" through the
+as seconds and RSS growth (VmRSS after minus before; VmHWM: the peak), "before" through the
 general stream that lists every sample (forced: an adapter the stream cannot size by position),
 "after" through the stream by position (train.positions), both of this checkout and in one run.
 Their global batches are checked equal step by step (a digest of the steps' sample ids).
