@@ -15,7 +15,9 @@ and dataset-style helpers take torch from the caller).
 The modules, bottom up (each imports only those above it):
     errors, secrets, retry    user-facing errors; credentials kept out of messages; retried remote calls
     format                    the on-disk format: names, dtypes, chunk layouts, checksums (docs/FORMAT.md)
-    storage, cache            the object layer (Storage ABC: local, fsspec) and the local read-through cache
+    storage                   the object layer's interface (Storage ABC)
+    local_storage, object_storage, backends   its local and fsspec backends; open_storage picks one by URL
+    cache                     the local read-through cache
     manifest, config          the store's declarations (zarr.json); typed YAML configs for every command
     index                     listing index/ and parsing its parts: ShardInfo, one home for both
     checkpoints, snapshot     reading index checkpoints; the snapshot an open takes (parts in commit order)

@@ -82,6 +82,9 @@ class InputRow:
     # a file of its own, a Parquet row (its number is in ``uri``), or a sample recorded before offsets.
     offset: int | None = None
     size: int | None = None
+    # A committed sample's: the sha256 of the media it was encoded from. A field added to it must
+    # come from the same bytes (precompute.tasks), else the sample would mix two inputs.
+    content_hash: str | None = None
 
     @property
     def conversations_sha256(self) -> str | None:

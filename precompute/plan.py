@@ -70,8 +70,8 @@ def plan_encode(config: EncodeConfig, *, inputs: InputStream, survey: Survey, st
     # before under their names.
     units, unit_skips = unit_tasks(inputs.units, store, config, list(fields), part_size=rows_per_task(config, 1 << 62, 1, sample_bytes),
                                    workers=workers, sample_bytes=sample_bytes, ids_of=inputs.ids_of)
-    refill, refill_notes = committed_unit_tasks(inputs.units, store, fields, config, workers=workers, sample_bytes=sample_bytes)
-    if survey.todo or units or refill:
+    refilled, refill, refill_notes = committed_unit_tasks(inputs.units, store, fields, config, workers=workers, sample_bytes=sample_bytes)
+    if survey.todo or units or refilled:
         # Raised here once (an older store), so that the tasks, which open the store from the
         # manifest planned with, do not each declare it again.
         store.require_format_version(EXCLUSIVE_COMMIT_VERSION)
@@ -81,7 +81,7 @@ def plan_encode(config: EncodeConfig, *, inputs: InputStream, survey: Survey, st
              for (missing, new), n in survey.groups.items() if not new] + refill_notes
     plan = EncodePlan(output_url=output_url, store=store, storage_options=storage_options, specs=specs, settings=settings,
                       tasks=iter(()), known_shards=sorted(set(store.shards) | set(store.replaced) | {t.shard for t in units}),
-                      samples=survey.todo + sum(len(t.rows) for t in refill) + sum(u.estimated_samples for t in units for u in t.units),
+                      samples=survey.todo + refilled + sum(u.estimated_samples for t in units for u in t.units),
                       units=[u for t in units for u in t.units],
                       plan_rejects=[r for r in survey.rejects if r.source not in rejected_before],
                       samples_skipped=survey.skipped, notes=notes)
@@ -107,6 +107,8 @@ class _RowGroups:
                  unit_skips: dict[str, dict[str, tuple[str, str]]]) -> None:
         modalities = {name: spec["meta"].get("modality", "") for name, spec in fields.items()}
         self.lacking = row_classifier(store, modalities, clips=config.frames.clips is not None)
+        self.store = store
+        self.hashes: list[str | None] | None = None  # the recorded content hashes, by index row
         self.digest, self.per_task, self.salt = fields_digest(fields), per_task, salt
         self.suspects, self.duplicates, self.rejected_before = survey.duplicate_hashes, duplicates, rejected_before
         self.first: dict[int, dict[str, int]] = {}  # a suspect hash -> the ids seen with it -> their input
@@ -123,6 +125,8 @@ class _RowGroups:
                     continue
                 if self.unit_skips and (skip := self.unit_skips.get(row.sample_id.split(":", 1)[0] + ":")) is not None:
                     skip.setdefault(row.sample_id, (row.source, ""))
+                if not key[1]:  # a field added to a committed sample: from the bytes it was encoded from
+                    row = replace(row, content_hash=self._recorded_hash(row.sample_id))
                 group = pending.setdefault(key, [])
                 group.append(row)
                 if len(group) == self.per_task:
@@ -130,6 +134,13 @@ class _RowGroups:
                     pending[key] = []
         for (missing, new), group in pending.items():
             yield from plan_tasks(group, self.digest, self.per_task, list(missing), new, salt=self.salt)
+
+    def _recorded_hash(self, sample_id: str) -> str | None:
+        if self.hashes is None:  # read once, only by a job that adds a field
+            index = self.store.index
+            self.hashes = index.column("content_hash").to_pylist() if "content_hash" in index.column_names else []
+        at = self.store.row(sample_id)
+        return self.hashes[at] if at < len(self.hashes) else None
 
     def _duplicate(self, row: InputRow, index: int) -> bool:
         """Whether an earlier row has this row's id (then it is recorded as a reject)."""
@@ -164,35 +175,55 @@ def plan_tasks(rows: list[InputRow], specs_digest: str, per_task: int, fields: l
 
 
 def committed_unit_tasks(units: list[SourceUnit], store: featstore.Store, fields: dict[str, Any], config: EncodeConfig, *,
-                         workers: int, sample_bytes: int) -> tuple[list[TaskSpec], list[str]]:
-    """(tasks, log notes) adding the configured fields that committed samples of this job's tars
-    and Parquet files lack: each such sample is a row built from its record (``recorded_rows``),
-    its media read again alone (``read_recorded``), grouped as manifest rows lacking a field are.
+                         workers: int, sample_bytes: int) -> tuple[int, Iterator[TaskSpec], list[str]]:
+    """(how many samples, their tasks, log notes) adding the configured fields that committed
+    samples of this job's tars and Parquet files lack: each such sample is a row built from its
+    record (``recorded_rows``), its media read again alone (``read_recorded``) and checked against
+    its recorded hash, grouped as manifest rows lacking a field are, the tasks made as they are
+    asked for (the store's records read a batch at a time, twice: to count, then to make them).
+    A sample whose re-reading was rejected before is not tried again (unless data.retry_rejects).
     Clips (``frames.clips``) are not: one clip's row cannot make just that clip again."""
     if not units or not len(store):
-        return [], []
+        return 0, iter(()), []
     if set(fields) <= set(store.fields) and len(store.sample_ids(with_fields=list(fields))) == len(store):
-        return [], []  # every sample has every field (a re-run): no row is built
-    modalities = {name: spec["meta"].get("modality", "") for name, spec in fields.items()}
-    lacking = row_classifier(store, modalities, clips=False)
-    groups: dict[tuple[str, ...], list[InputRow]] = {}
+        return 0, iter(()), []  # every sample has every field (a re-run): no row is built
+    lacking = row_classifier(store, {name: spec["meta"].get("modality", "") for name, spec in fields.items()}, clips=False)
+    rejected = set() if config.data.retry_rejects else rejected_sources(store)
+    inputs = {u.shown: u.uri for u in units}
+
+    def wanted() -> Iterator[tuple[tuple[str, ...], InputRow]]:
+        for row in recorded_rows(store, inputs):
+            if row.source not in rejected and (key := lacking(row)) is not None:
+                yield key[0], row
+
+    def clip(row: InputRow) -> bool:
+        return row.modality == "video" and (config.frames.clips is not None or clip_parent(row.sample_id) is not None)
+
+    counts: collections.Counter[tuple[str, ...]] = collections.Counter()
     clipped = 0
-    for row in recorded_rows(store, {u.shown: u.uri for u in units}):
-        if (key := lacking(row)) is None:
-            continue
-        if row.modality == "video" and (config.frames.clips is not None or clip_parent(row.sample_id) is not None):
+    for missing, row in wanted():
+        if clip(row):
             clipped += 1
-            continue
-        groups.setdefault(key[0], []).append(row)
-    digest = fields_digest(fields)
-    # Sized as the job's rows are: a shard's worth, or a worker's share of these rows.
-    per_task = rows_per_task(config, sum(len(rows) for rows in groups.values()), workers, sample_bytes)
-    tasks = [task for missing, rows in groups.items() for task in plan_tasks(rows, digest, per_task, list(missing), new_samples=False)]
-    notes = [f"adding {', '.join(missing)} to {len(rows)} sample(s) already in the store" for missing, rows in groups.items()]
+        else:
+            counts[missing] += 1
+    digest, per_task = fields_digest(fields), rows_per_task(config, sum(counts.values()), workers, sample_bytes)
+
+    def tasks() -> Iterator[TaskSpec]:
+        pending: dict[tuple[str, ...], list[InputRow]] = {}
+        for missing, row in wanted():
+            if not clip(row):
+                (group := pending.setdefault(missing, [])).append(row)
+                if len(group) == per_task:
+                    yield from plan_tasks(group, digest, per_task, list(missing), new_samples=False)
+                    pending[missing] = []
+        for missing, group in pending.items():
+            yield from plan_tasks(group, digest, per_task, list(missing), new_samples=False)
+
+    notes = [f"adding {', '.join(missing)} to {n} sample(s) already in the store" for missing, n in counts.items()]
     if clipped:
         notes.append(f"warning: {clipped} committed clip sample(s) from tars or Parquet lack one of the fields {list(fields)}; a field "
                      "is not added to clips of such inputs yet: encode those inputs into a new store to have it")
-    return tasks, notes
+    return sum(counts.values()), tasks(), notes
 
 
 def unit_tasks(units: list[SourceUnit], store: featstore.Store, config: EncodeConfig, fields: list[str], *,
@@ -214,14 +245,14 @@ def unit_tasks(units: list[SourceUnit], store: featstore.Store, config: EncodeCo
     for sample_id, known in leave_out.items():
         by_prefix.setdefault(sample_id.split(":", 1)[0] + ":", {})[sample_id] = known
     done = set(store.shards) | set(store.replaced)  # a task's shard may be compacted since (featstore.rewrite)
-    # A unit its own task read (alone: large, or the last of its input) is left out before grouping
-    # the rest: the groups after it are the same, whether it is done or not.
-    pending = [unit for unit in units if unit_task_name([unit], part_size, salt) not in done]
     tasks, skips = [], {}
-    for group in group_units(pending, config, workers=workers, sample_bytes=sample_bytes, of=units):
+    for every in group_units(units, config, workers=workers, sample_bytes=sample_bytes):
         # Not named by the fields: a task done is done (a field added later reaches its samples one by one: committed_unit_tasks).
-        name = unit_task_name(group, part_size, salt)
-        if name in done:
+        name = unit_task_name(every, part_size, salt)
+        # Grouped and named whether done or not, so the groups are the same on every run; a unit
+        # its own task read (an earlier mmcache's, one task a tar) is left out of its group's reads.
+        group = [unit for unit in every if len(every) == 1 or unit_task_name([unit], part_size, salt) not in done]
+        if name in done or not group:
             continue
         # One dict per prefix, shared by its units: the job's own rows of that prefix join it (_RowGroups).
         maps = {unit.id_prefix: by_prefix.setdefault(unit.id_prefix, {}) for unit in group if unit.id_prefix}
@@ -253,19 +284,17 @@ def unit_task_name(units: list[SourceUnit], part_size: int, salt: str) -> str:
     return f"u-{hashlib.sha256(body.encode()).hexdigest()[:24]}"
 
 
-def group_units(units: list[SourceUnit], config: EncodeConfig, *, workers: int, sample_bytes: int,
-                of: list[SourceUnit] | None = None) -> list[list[SourceUnit]]:
+def group_units(units: list[SourceUnit], config: EncodeConfig, *, workers: int, sample_bytes: int) -> list[list[SourceUnit]]:
     """Consecutive units of one kind, in input order, in groups of about one task's worth, as rows
     are: Parquet row groups (their rows counted) up to ``rows_per_task`` rows, tars (their samples
     unknown until read) up to ``run.shard_bytes`` of tar, each at most a worker's share of the
     job. So small tars or row groups make shards of a useful size, and as many tasks as workers at
     least, not one task (and one commit) each. A group closes where the running total first
     reaches its target: a set of tars grown at its end keeps the earlier groups, hence their
-    names, unless the job was smaller than a shard per worker. The targets are those of the job's
-    units ``of`` (all of them, done or not: a resumed job groups as it did)."""
-    every = units if of is None else of
-    tar_bytes = sum(unit.nbytes for unit in every if not unit.estimated_samples)
-    rows = sum(unit.estimated_samples for unit in every)
+    names, unless the job was smaller than a shard per worker (or is run on another number of
+    workers): then done tars are read again, their members left out, none encoded."""
+    tar_bytes = sum(unit.nbytes for unit in units if not unit.estimated_samples)
+    rows = sum(unit.estimated_samples for unit in units)
     target_bytes = max(1, min(int(config.run.shard_bytes), -(-tar_bytes // max(1, workers))))
     target_rows = rows_per_task(config, rows, workers, sample_bytes)
     groups: list[list[SourceUnit]] = []

@@ -10,6 +10,7 @@ fail become rejects in the same commit. Nothing but a small summary travels back
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import threading
 import time
@@ -307,6 +308,8 @@ def _prepare_row(row: InputRow, rules: dict[str, Any], new_sample: bool, setting
     # Read even when no visual encoder runs: a new sample's media must exist and be readable.
     data = given if given is not None else read_recorded(row.uri, settings.input_storage_options, settings.max_input_bytes, row.root,
                                                          offset=row.offset, size=row.size, column=settings.media_column)
+    if row.content_hash and not new_sample and hashlib.sha256(data).hexdigest() != row.content_hash:
+        raise MediaError(CHANGED_SINCE_ENCODED, redact_url(row.uri))
     if not rules:
         return [(row, None)]
     # Provenance and messages get the URL without a signature or token, never the credential.
@@ -316,6 +319,10 @@ def _prepare_row(row: InputRow, rules: dict[str, Any], new_sample: bool, setting
         return [(row, clips[0])]
     return [(replace(row, sample_id=clip_id(row.sample_id, next(iter(clip.values())).provenance["frame_indices"][0])), clip)
             for clip in clips]
+
+
+CHANGED_SINCE_ENCODED = ("input changed since its sample was encoded (content hash differs): the field is not added from other "
+                         "bytes; its committed features are kept (give it a new id, or encode into a new store, to encode it anew)")
 
 
 def _bucketed(futures, batch_size: int, reject, media_error, timeout: float | None = None) -> Iterator[list[tuple[InputRow, Any]]]:

@@ -156,31 +156,46 @@ def test_parquet_with_image_bytes(tmp_path, cluster):
 
 
 def test_a_field_added_to_samples_of_tars_and_parquet_equals_a_fresh_encode(tmp_path, cluster):
+    """A field added to committed samples of tars (plain, gz) and Parquet reads each member again
+    alone, from the inputs moved to another folder (the same inputs by file name); a member whose
+    bytes changed since is a reject, not given a field from other bytes, and data.check_content
+    reports it."""
     write_tar(tmp_path / "00000.tar", 0, 5)
     write_tar(tmp_path / "plain.tar", 1, 3)
     (tmp_path / "00001.tar.gz").write_bytes(gzip.compress((tmp_path / "plain.tar").read_bytes()))  # offsets in the decompressed tar
     write_media_parquet(tmp_path / "hf.parquet", [png(100 + n) for n in range(4)], [f"c {n}" for n in range(4)], row_group_size=3)
-    inputs = [str(tmp_path / "00000.tar"), str(tmp_path / "00001.tar.gz"), str(tmp_path / "hf.parquet")]
+    names = ["00000.tar", "00001.tar.gz", "hf.parquet"]
     out, fresh, with_vit = str(tmp_path / "store"), str(tmp_path / "fresh"), ["vit.encoder=clip_vision", "vit.path=tiny"]
-    assert encode(inputs, out, cluster).samples_written == 12
-    lines: list[str] = []
-    added = encode(inputs, out, cluster, overrides=with_vit, log=lines.append)
-    assert added.samples_written == 12 and any("adding vit_features to 12 sample(s) already in the store" in line for line in lines), lines
-    encode(inputs, fresh, cluster, overrides=with_vit)
-    store, reference = featstore.open(out), featstore.open(fresh)
-    assert store.samples_per_field() == {"latent": 12, "text_emb": 12, "vit_features": 12}
-    for sid in reference.sample_ids():
-        assert store.read(sid, ["vit_features"])["vit_features"].tobytes() == reference.read(sid, ["vit_features"])["vit_features"].tobytes()
-    row = by_id(store)["00000:000000002"]
+    assert encode([str(tmp_path / n) for n in names], out, cluster).samples_written == 12
+    row = by_id(featstore.open(out))["00000:000000002"]
     tar = (tmp_path / "00000.tar").read_bytes()
     assert hashlib.sha256(tar[row["source_offset"] : row["source_offset"] + row["source_size"]]).hexdigest() == row["content_hash"]
-    assert encode(inputs, out, cluster, overrides=with_vit).tasks == 0
-    # data.check_content re-reads each committed member alone: one rewritten with other bytes is reported.
-    with tarfile.open(tmp_path / "00000.tar") as old:
-        members = [(m, old.extractfile(m).read()) for m in old.getmembers()]
-    with tarfile.open(tmp_path / "00000.tar", "w") as archive:
-        for member, data in members:
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    for name in names[1:]:
+        shutil.copy(tmp_path / name, moved / name)
+    with tarfile.open(tmp_path / "00000.tar") as old, tarfile.open(moved / "00000.tar", "w") as archive:
+        for member in old.getmembers():
+            data = old.extractfile(member).read()
             archive.addfile(member, io.BytesIO(bytes(255 - b for b in data) if member.name == "000000003.png" else data))
+    inputs = [str(moved / n) for n in names]
+    lines: list[str] = []
+    added = encode(inputs, out, cluster, overrides=with_vit, log=lines.append)
+    # Rejected twice: the moved tar's task reads its members (a resume) and finds one with other
+    # bytes than the committed sample's; the field's task refuses to add a field from them.
+    assert added.samples_written == 11 and added.rejected == 2
+    assert any("adding vit_features to 12 sample(s) already in the store" in line for line in lines), lines
+    store = featstore.open(out)
+    reasons = sorted(r["reason"] for r in store.rejects.to_pylist() if r["id"] == "00000:000000003")
+    assert len(reasons) == 2 and "duplicate id" in reasons[0] and "input changed since its sample was encoded" in reasons[1], reasons
+    encode([str(tmp_path / n) for n in names], fresh, cluster, overrides=with_vit)
+    reference = featstore.open(fresh)
+    assert store.samples_per_field() == {"latent": 12, "text_emb": 12, "vit_features": 11}
+    for sid in reference.sample_ids():
+        if sid != "00000:000000003":
+            assert store.read(sid, ["vit_features"])["vit_features"].tobytes() == reference.read(sid, ["vit_features"])["vit_features"].tobytes()
+    assert encode(inputs, out, cluster, overrides=with_vit).tasks == 0  # the changed member was rejected: not tried again
+    # data.check_content re-reads each committed member alone: the rewritten one is reported.
     lines.clear()
     encode(inputs, out, cluster, overrides=[*with_vit, "data.check_content=true"], log=lines.append)
     assert any("1 committed sample(s) changed since they were encoded (1 content changed; e.g. '00000:000000003')" in line

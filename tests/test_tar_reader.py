@@ -139,6 +139,22 @@ def test_a_recorded_member_or_row_is_read_again_alone(tmp_path):
         read_recorded(f"{tmp_path}/a.tar#{NAMES[3]}", offset=offset, size=5)
     with pytest.raises(MediaError, match="member '../etc/passwd' not found in the tar"):
         read_recorded(f"{tmp_path}/a.tar#../etc/passwd")
+    # A store is data: an offset that is no number is ignored (found by name), a huge size is not
+    # fetched before the header says the member's size.
+    assert read_recorded(f"{tmp_path}/a.tar#{NAMES[3]}", offset=str(where[NAMES[3]][0]), size=2103) == bytes([3]) * 2103  # type: ignore[arg-type]
+    with pytest.raises(MediaError, match="changed size since it was encoded"):
+        read_recorded(f"{tmp_path}/a.tar#{NAMES[3]}", offset=where[NAMES[3]][0], size=(1 << 30) - 1)
+    # Two long names of one size, the tar rewritten in the other order: the recorded offset now holds
+    # the other member, whose header cannot show its whole name: it is found by name.
+    first, second = "a" * 120 + ".png", "b" * 120 + ".png"
+    with tarfile.open(tmp_path / "long.tar", "w", format=tarfile.GNU_FORMAT) as archive:
+        for name in (second, first):
+            info = tarfile.TarInfo(name)
+            info.size = 100
+            archive.addfile(info, io.BytesIO(name[:1].encode() * 100))
+    reader = TarReader(io.BytesIO((tmp_path / "long.tar").read_bytes()))
+    offsets = {m.name: m.offset for m in iter(reader.next, None)}
+    assert read_recorded(f"{tmp_path}/long.tar#{first}", offset=offsets[second], size=100) == b"a" * 100
     with pytest.raises(MediaError, match="missing file"):
         read_recorded(f"{tmp_path}/gone.tar#x.png", offset=512, size=3)
     with pytest.raises(MediaError, match="larger than data.max_input_bytes"):

@@ -22,11 +22,12 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import posixpath
 import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 from mmcache.featstore.retry import protocol_of, remote_filesystem, with_retries
@@ -37,7 +38,7 @@ from mmcache.precompute.inputs import InputRow
 from mmcache.precompute.media import MediaError
 from mmcache.precompute.sources import DEFAULT_MAX_INPUT_BYTES, OUTSIDE_ROOT, as_media_errors, open_local, read_source, under_root
 
-MAX_INDEXED = 1 << 20  # tar members indexed per process, over all tars (~100 bytes each)
+MAX_INDEXED = 1 << 20  # tar members indexed per process, over all tars (~200 bytes each)
 
 
 def read_recorded(uri: str, storage_options: dict[str, Any] | None = None, max_bytes: int | None = None, root: str | None = None,
@@ -57,28 +58,59 @@ def read_recorded(uri: str, storage_options: dict[str, Any] | None = None, max_b
                          storage_options, limit)
 
 
+_RECORD = ("id", "input", "caption", "modality", "source_uri", "source_path", "source_json", "source_offset", "source_size", "content_hash")
+
+
 def recorded_rows(store: Any, inputs: dict[str, str]) -> Iterator[InputRow]:
     """The committed samples that came from these inputs (tars, Parquet files: their ``input``
     column, as shown -> the uri this job opens it by), as the rows that read them again: id,
-    caption, modality and where their media lie, recorded (the container as this job names it: a
-    signed URL keeps its signature, which the store does not record). A sample recorded before
-    stores kept ``input`` is told by its ``source_uri``'s container."""
+    caption, modality, the sha256 of their media and where it lies, recorded (the container as
+    this job names it: a signed URL keeps its signature, which the store does not record). An
+    input is the same by its file name (as ``unit_tasks.same_input`` has it: the tars copied to a
+    bucket); a sample recorded before stores kept ``input`` is told by its ``source_uri``'s
+    container. Read a batch of the index at a time: a large store is never listed whole."""
     index = store.index
     if not inputs or "source_uri" not in index.column_names:
         return
-    names = ("id", "input", "caption", "modality", "source_uri", "source_path", "source_json", "source_offset", "source_size")
-    columns: dict[str, list[Any]] = {n: index.column(n).to_pylist() if n in index.column_names else [None] * index.num_rows for n in names}
-    for at, (sample_id, given, recorded) in enumerate(zip(columns["id"], columns["input"], columns["source_uri"], strict=True)):
-        if given is None and recorded and (found := split_recorded(recorded)) is not None:
-            given = found[1].container
-        # A sample whose field was added later has more rows: its first one is its record.
-        if given not in inputs or not recorded or store.row(sample_id) != at:
-            continue
-        uri = inputs[given] + recorded[len(given):] if recorded.startswith(given + "#") else recorded
-        yield InputRow(sample_id=sample_id, uri=uri, caption=columns["caption"][at] or "",
-                       source=columns["source_path"][at] or recorded, modality=columns["modality"][at] or "image",
-                       metadata=columns["source_json"][at], input=given, offset=columns["source_offset"][at],
-                       size=columns["source_size"][at])
+    by_name = _by_file_name(inputs)
+    have = [n for n in _RECORD if n in index.column_names]
+    at = 0
+    for batch in index.select(have).to_batches(max_chunksize=1 << 16):
+        columns = {n: batch.column(n).to_pylist() if n in have else [None] * batch.num_rows for n in _RECORD}
+        for k in range(batch.num_rows):
+            row = _recorded_row(store, {n: columns[n][k] for n in _RECORD}, at + k, inputs, by_name)
+            if row is not None:
+                yield row
+        at += batch.num_rows
+
+
+def _by_file_name(inputs: dict[str, str]) -> dict[str, tuple[str, str] | None]:
+    """File name -> (shown, uri) of the job's inputs; None where two inputs share it."""
+    out: dict[str, tuple[str, str] | None] = {}
+    for shown, uri in inputs.items():
+        name = posixpath.basename(shown.split("?", 1)[0])
+        out[name] = None if name in out else (shown, uri)
+    return out
+
+
+def _recorded_row(store: Any, record: dict[str, Any], at: int, inputs: dict[str, str],
+                  by_name: dict[str, tuple[str, str] | None]) -> InputRow | None:
+    """The row of index row ``at`` (``record``), if a sample from one of ``inputs`` and its record
+    (a sample whose field was added later has more rows: its first one is its record)."""
+    given, recorded = record["input"], record["source_uri"]
+    if given is None and recorded and (found := split_recorded(recorded)) is not None:
+        given = found[1].container
+    if not recorded or given is None or store.row(record["id"]) != at:
+        return None
+    opened = inputs.get(given)
+    if opened is None and (named := by_name.get(posixpath.basename(given.split("?", 1)[0]))) is not None:
+        opened = named[1]
+    if opened is None:
+        return None
+    uri = opened + recorded[len(given):] if recorded.startswith(given + "#") else recorded
+    return InputRow(sample_id=record["id"], uri=uri, caption=record["caption"] or "", source=record["source_path"] or recorded,
+                    modality=record["modality"] or "image", metadata=record["source_json"], input=given,
+                    offset=record["source_offset"], size=record["source_size"], content_hash=record["content_hash"])
 
 
 def split_recorded(uri: str) -> tuple[InputSource, Located] | None:
@@ -143,10 +175,9 @@ _LOCK = threading.Lock()  # decoding threads ask for members of one tar at once:
 def read_tar_member(where: Located, storage_options: dict[str, Any] | None, max_bytes: int) -> bytes:
     """A tar member's data: at its recorded offset in one read, else found by name (see the module doc)."""
     with as_media_errors(where.shown, is_local(where.container)):
-        with _LOCK:
-            known = _INDEXES.get(where.container)
+        known = _INDEXES.get(where.container)  # a read of one entry: no lock (a scan may hold it)
         # No stat first: a recorded member of a tar not known to be compressed costs one request.
-        if where.offset is not None and where.size is not None and (known is None or not known.compressed):
+        if _recorded_place(where) and (known is None or not known.compressed):
             _check_size(where, where.size, max_bytes)
             data = _at_offset(where, storage_options)
             if data is not None:
@@ -162,25 +193,37 @@ def read_tar_member(where: Located, storage_options: dict[str, Any] | None, max_
     return data
 
 
+# A member up to this size is read with its header in one request; a larger one after its header
+# (a second request), so a store that records a wrong size cannot make a reader fetch a large
+# range for a small member.
+ONE_READ_BYTES = 4 << 20
+
+
 def _at_offset(where: Located, storage_options: dict[str, Any] | None) -> bytes | None:
-    """The member's data read with its header (one read), or None when that header is not the
-    member's (a compressed tar, or one rewritten since): then it is found by name."""
+    """The member's data read with its header, or None when that header is not the member's (a
+    compressed tar, one rewritten since, or a long or non-ASCII name, which only a pax or GNU
+    header before this one holds whole): then it is found by name."""
     assert where.offset is not None and where.size is not None
     if where.offset < BLOCK:
         return None
-    block = ranged_read(where.container, storage_options, where.offset - BLOCK, BLOCK + where.size)
+    first = BLOCK + where.size if where.size <= ONE_READ_BYTES else BLOCK
+    block = ranged_read(where.container, storage_options, where.offset - BLOCK, first)
     try:
         header = TarReader(io.BytesIO(block[:BLOCK])).next()
     except TarFormatError:
         return None
-    if header is None or header.kind != "file" or header.size != where.size or len(block) != BLOCK + where.size:
+    if header is None or header.kind != "file" or header.size != where.size:
         return None
-    name = header.name[2:] if header.name.startswith("./") else header.name
-    # A long or non-ASCII name is whole only in a pax / GNU header before this one, which holds
-    # a shortened or transliterated name: its size and kind are checked (and the caller's hash).
-    if name != where.part and where.part.isascii() and len(where.part) < 100:
+    if (header.name[2:] if header.name.startswith("./") else header.name) != where.part:
         return None
-    return block[BLOCK:]
+    data = block[BLOCK:] if first > BLOCK else ranged_read(where.container, storage_options, where.offset, where.size)
+    return data if len(data) == where.size else None
+
+
+def _recorded_place(where: Located) -> bool:
+    """Whether the sample records a place in its tar: offset and size, whole numbers (a store is
+    data: anything else there is ignored, and the member found by name)."""
+    return all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (where.offset, where.size))
 
 
 def _indexed(where: Located, storage_options: dict[str, Any] | None) -> _TarIndex:
@@ -210,7 +253,7 @@ def _lookup(index: _TarIndex, where: Located, max_bytes: int) -> tuple[int, int]
     found = index.members.get(where.part)
     if found is None:
         raise MediaError(f"member {where.part!r} not found in the tar", redact_url(where.container))
-    if where.size is not None and found[1] != where.size:
+    if _recorded_place(where) and found[1] != where.size:
         raise MediaError(f"member {where.part!r} changed size since it was encoded (recorded {where.size:,} bytes, now {found[1]:,})",
                          redact_url(where.container))
     _check_size(where, found[1], max_bytes)
@@ -227,33 +270,66 @@ def _check_size(where: Located, size: int, max_bytes: int) -> None:
 
 @dataclass
 class _Stream:
-    """A compressed tar kept open, decompressed up to the member read last."""
+    """A compressed tar kept open, decompressed up to ``position``; the last ``WINDOW_BYTES`` of
+    it kept (from ``start``), so a member asked for a little out of order (decoding threads
+    finish in any order) is served from memory, not by decompressing the tar again."""
 
     version: tuple[Any, ...]
     closer: contextlib.ExitStack
     stream: IO[bytes]
+    position: int = 0
+    start: int = 0
+    window: bytearray = field(default_factory=bytearray)
+
+    def read(self, offset: int, size: int) -> bytes:
+        if self.start <= offset and offset + size <= self.position:
+            return bytes(self.window[offset - self.start : offset - self.start + size])
+        if offset < self.start:
+            raise _Behind
+        if offset - self.position > WINDOW_BYTES or size > WINDOW_BYTES:  # far ahead, or too large to keep
+            self.stream.seek(offset)
+            data = self.stream.read(size)
+            self.position, self.start, self.window = offset + len(data), offset + len(data), bytearray()
+            return data
+        self.window += self.stream.read(offset + size - self.position)
+        self.position = self.start + len(self.window)
+        data = bytes(self.window[offset - self.start : offset - self.start + size])
+        if len(self.window) > WINDOW_BYTES:
+            drop = len(self.window) - WINDOW_BYTES
+            del self.window[:drop]
+            self.start += drop
+        return data
 
 
+class _Behind(Exception):
+    """A member before the kept window: the stream starts again."""
+
+
+WINDOW_BYTES = 32 << 20
 _STREAMS: OrderedDict[str, _Stream] = OrderedDict()  # by the tar's uri
 _STREAMS_KEPT = 2
+# One lock for all: a compressed tar's members are read again only when a field is added to them
+# or their content is checked, a rare path, and a kept stream must not be read by two threads.
 _STREAM_LOCK = threading.Lock()
 
 
 def _decompressed_read(where: Located, storage_options: dict[str, Any] | None, index: _TarIndex, offset: int, size: int) -> bytes:
     """A compressed tar's member: its stream kept open between members, so members asked for in
-    order cost one decompression of the tar in all (a seek back starts it again: gzip, bzip2 and
-    xz streams cannot be entered in the middle)."""
+    order (or nearly: ``_Stream``'s window) cost one decompression of the tar in all (an earlier
+    member starts it again: gzip, bzip2 and xz streams cannot be entered in the middle)."""
     with _STREAM_LOCK:
         kept = _STREAMS.pop(where.container, None)
         if kept is not None and kept.version != index.version:
             kept.closer.close()
             kept = None
-        if kept is None:
-            closer = contextlib.ExitStack()
-            kept = _Stream(version=index.version, closer=closer, stream=decompressed(closer.enter_context(open_input(where.container, storage_options))))
+        kept = kept or _opened_stream(where, storage_options, index)
         try:
-            kept.stream.seek(offset)
-            data = kept.stream.read(size)
+            try:
+                data = kept.read(offset, size)
+            except _Behind:
+                kept.closer.close()
+                kept = _opened_stream(where, storage_options, index)
+                data = kept.read(offset, size)
         except STREAM_ERRORS as exc:
             kept.closer.close()
             raise MediaError(f"tar is truncated or corrupt ({type(exc).__name__}: {exc})", where.shown) from None
@@ -264,3 +340,12 @@ def _decompressed_read(where: Located, storage_options: dict[str, Any] | None, i
         while len(_STREAMS) > _STREAMS_KEPT:
             _STREAMS.popitem(last=False)[1].closer.close()
         return data
+
+
+def _opened_stream(where: Located, storage_options: dict[str, Any] | None, index: _TarIndex) -> _Stream:
+    closer = contextlib.ExitStack()
+    try:
+        return _Stream(version=index.version, closer=closer, stream=decompressed(closer.enter_context(open_input(where.container, storage_options))))
+    except BaseException:
+        closer.close()
+        raise

@@ -168,55 +168,70 @@ def _media(value: Any, column: str, max_bytes: int) -> tuple[bytes | None, str |
     return value, path, None
 
 
-# (file version, column) -> (column, first row, media cells) of the row group read last: rows are
-# asked for in order, so a task's rows of one row group cost one read of its media column.
-_ROW_GROUPS: OrderedDict[tuple[Any, ...], tuple[str, int, list[Any]]] = OrderedDict()
-_ROW_GROUPS_KEPT = 4  # files
+# (file version, column) -> (its media column, first row, media cells, bytes) of the row groups
+# read last: rows are asked for in order, so a task's rows of one row group cost one read of its media
+# column. Bounded in bytes (a row group of videos is large); the one read last is always kept.
+_ROW_GROUPS: OrderedDict[tuple[Any, ...], list[tuple[str, int, list[Any], int]]] = OrderedDict()
+_ROW_GROUPS_BYTES = 256 << 20
 _ROW_LOCK = threading.Lock()
 
 
 def read_parquet_row(where: Located, storage_options: dict[str, Any] | None, max_bytes: int) -> bytes:
-    """The media bytes of row ``where.part`` (its number in the file) of a media Parquet file."""
-    if not where.part.isdigit():
+    """The media bytes of row ``where.part`` (its number in the file) of a media Parquet file: a
+    row group read already (of the file as it is now: one stat) is not read again."""
+    if not (where.part.isascii() and where.part.isdigit()):
         raise MediaError(f"{where.part!r} is not a row number", redact_url(where.container))
     number = int(where.part)
     with as_media_errors(where.shown, is_local(where.container)):
         key = (*container_key(where.container, storage_options), where.column)
         with _ROW_LOCK:
-            kept = _ROW_GROUPS.get(key)
-            if kept is None or not kept[1] <= number < kept[1] + len(kept[2]):
-                kept = _ROW_GROUPS[key] = _row_group(where, storage_options, number)
-            _ROW_GROUPS.move_to_end(key)
-            while len(_ROW_GROUPS) > _ROW_GROUPS_KEPT:
-                _ROW_GROUPS.popitem(last=False)
-    column, first, cells = kept
+            kept = next((g for g in _ROW_GROUPS.get(key, ()) if g[1] <= number < g[1] + len(g[2])), None)
+        if kept is None:  # read outside the lock: other threads' rows of groups read already go on
+            kept = _row_group(where, storage_options, number)
+            _keep(key, kept)
+    column, first, cells, _ = kept
     data, _path, problem = _media(cells[number - first], column, max_bytes)
     if problem is not None or data is None:
         raise MediaError(problem or f"null {column}", where.shown)
     return data
 
 
-def _row_group(where: Located, storage_options: dict[str, Any] | None, number: int) -> tuple[str, int, list[Any]]:
-    """(media column, first row, its cells) of the row group holding row ``number``: the footer,
-    then that row group's media column only."""
+def _keep(key: tuple[Any, ...], group: tuple[str, int, list[Any], int]) -> None:
+    with _ROW_LOCK:
+        groups = _ROW_GROUPS.setdefault(key, [])
+        groups[:] = [g for g in groups if g[1] != group[1]] + [group]
+        _ROW_GROUPS.move_to_end(key)
+        while sum(g[3] for gs in _ROW_GROUPS.values() for g in gs) > _ROW_GROUPS_BYTES:
+            oldest = next(iter(_ROW_GROUPS))
+            if oldest == key and len(_ROW_GROUPS[key]) == 1:
+                break  # the one just read
+            if len(_ROW_GROUPS[oldest]) > 1:
+                _ROW_GROUPS[oldest].pop(0)
+            else:
+                del _ROW_GROUPS[oldest]
+
+
+def _row_group(where: Located, storage_options: dict[str, Any] | None, number: int) -> tuple[str, int, list[Any], int]:
+    """(media column, first row, its cells, their bytes) of the row group holding row ``number``:
+    the footer, then that row group's media column only."""
     import pyarrow.parquet as pq
 
     with open_input(where.container, storage_options) as fh:
         try:
             parquet = pq.ParquetFile(fh, pre_buffer=False)
-        except ValueError as exc:  # pyarrow's ArrowInvalid
+            names = parquet.metadata.schema.to_arrow_schema().names
+            column = where.column or next((c for c in MEDIA_COLUMNS if c in names), None)
+            if column is None or column not in names:
+                raise MediaError(f"no media column {where.column or MEDIA_COLUMNS} (columns: {names})", redact_url(where.container))
+            first = 0
+            for group in range(parquet.metadata.num_row_groups):
+                rows = parquet.metadata.row_group(group).num_rows
+                if number < first + rows:
+                    cells = parquet.read_row_group(group, columns=[column], use_threads=False).column(column)
+                    return column, first, cells.to_pylist(), cells.nbytes
+                first += rows
+        except ValueError as exc:  # pyarrow's ArrowInvalid: not Parquet, or a corrupt row group
             raise MediaError(f"not a valid parquet file ({exc})", redact_url(where.container)) from None
-        names = parquet.metadata.schema.to_arrow_schema().names
-        column = where.column or next((c for c in MEDIA_COLUMNS if c in names), None)
-        if column is None or column not in names:
-            raise MediaError(f"no media column {where.column or MEDIA_COLUMNS} (columns: {names})", redact_url(where.container))
-        first = 0
-        for group in range(parquet.metadata.num_row_groups):
-            rows = parquet.metadata.row_group(group).num_rows
-            if number < first + rows:
-                cells = parquet.read_row_group(group, columns=[column], use_threads=False).column(column).to_pylist()
-                return column, first, cells
-            first += rows
     raise MediaError(f"row {number} is not in the file (it has {first} rows)", redact_url(where.container))
 
 
