@@ -1,33 +1,34 @@
 """WebDataset tars against the same images unpacked as files + a JSONL manifest, in one run (by
 hand, not a test).
 
-    python benchmarks/formats_bench.py [--tars 16] [--per-tar 16] [--size 256] [--repeat 4] [--no-s3]
+    python benchmarks/formats_bench.py [--tars 16] [--per-tar 16] [--size 256] [--repeat 4] [--no-s3] [--cold]
 
 The same generated images (noise, --size^2 PNG, so decoding costs what a photo's does) and
 captions, encoded with the tiny preset (configs/encode/tiny.yaml) on one warm 2-worker LocalCluster:
   (f) files    one PNG per sample + a manifest.jsonl (path, caption): one read per sample
   (t) tars     --tars img2dataset-style shards ({key}.png + .txt + .json): one read per tar
 each into a fresh store, in --repeat rounds of both in alternating order (samples/s without
-start-up: EncodeSummary.seconds). Locally, then on S3 (the tests' moto server in a child process,
-needs `pip install -e .[dev]`). Printed: (t)/(f) throughput as the best of each way and as the
-median of the rounds' ratios (target >= 1.0); the CPU per sample of each way (workers + client),
-which other jobs on a shared machine hardly move; and the GET requests the server answered per tar
-for tars of --per-tar and 4x --per-tar members (target: the same count, constant in the member count).
+start-up: EncodeSummary.seconds). Locally; with --cold locally again with the page cache dropped
+before each run (root: the inputs read from the disk, as a dataset larger than memory is); then on
+S3 (the tests' moto server in a child process, needs `pip install -e .[dev]`). Printed: (t)/(f)
+throughput as the best of each way and as the median of the rounds' ratios (target >= 1.0); the
+CPU per sample of each way (workers + client), which other jobs on a shared machine hardly move;
+and the GET requests the server answered per tar for tars of --per-tar and 4x --per-tar members
+(target: the same count, constant in the member count).
 
-Measured on 2 cores shared with other jobs (load 4-13, so throughput runs spread by up to 2x),
---repeat 4, the commit before this reader (f9f5fa6: tarfile stream mode, a part read whole before
-it encoded) and after it, back to back; (t)/(f) as best of each / median of rounds / CPU per sample:
-  local 16 x 16, 4 pairs   before 0.95/0.94/-, 1.03/0.81/1.04, 0.79/0.70/1.05, 1.24/1.29/0.97
-                           after  0.96/1.09/-, 0.97/0.91/0.97, 1.14/1.10/0.95, 0.95/0.96/0.99
-  local 4 x 64             before 1.26/1.27/0.88   after 1.05/1.05/0.88
-  s3 16 x 16, 2 pairs      before 1.06/1.61/0.60, 2.32/2.06/0.59   after 1.36/1.14/0.57, 1.45/1.83/0.59
-GETs per tar: 1.0 at 16 and at 64 members (2 requests of any kind: HEAD + GET), before and after.
-Reading a sample from a tar alone (the source's member stream, timed by itself) costs half the
-CPU it did (146 -> 73 us), about 1.5% of a sample's 4.5-5 ms here; end to end the two commits are
-not told apart on this machine: locally tars and files are at parity within its noise (both do
-the same decoding and encoding), on S3 tars are 1.1-2.3x.
-Earlier, on a quiet machine (load ~1.4), best of 3: local 16 x 16: 0.99, 1.00;
-4 x 64: 1.13; S3 1.91.
+Measured on this 2-core machine, --repeat 4, (t)/(f) as best of each / median of rounds / CPU per
+sample, the commit before tars were grouped into tasks (22122a3) and after, back to back:
+  local 16 x 16   before 0.68 / 0.61 / 1.39   after 0.96 / 0.98 / 1.02
+  s3    16 x 16   before 1.08 / 1.02 / 0.95   after 2.53 / 2.63 / 0.49
+Before, each tar was a task of its own: 16 tasks and 16 small shards (and a data compaction of
+them at the job's end) where the files made 2; now small tars share a task, one per worker.
+After, --repeat 6 --cold: local 0.98 / 1.02 / 1.00, cold 1.00 / 0.97 / 1.00, s3 2.61 / 2.48 / 0.56;
+16 x 64 (--repeat 6): 0.96-0.99 / 0.97-0.99 / 1.01-1.03.
+GETs per tar: 1.0 at 16 and at 64 members (2 requests of any kind: HEAD + GET).
+Locally the two ways are at parity, within this machine's noise: both decode and encode the same
+pictures (~97 % of a sample's CPU); reading a member from a tar costs ~40 us, a file ~30 us (open,
+realpath, read), of a sample's ~3.5 ms, and even cold the disk's waits hide behind the decoding
+threads. On S3 a tar is one GET for all its members, the files one each: tars are 2.3-2.6x.
 """
 
 from __future__ import annotations
@@ -76,11 +77,15 @@ def make_inputs(root: Path, tars: int, per_tar: int, size: int) -> tuple[Path, P
     return manifest, root / "tars"
 
 
-def rate(config, inputs: list[str], dest: str, scheduler: str) -> tuple[float, float]:
-    """(samples/s, CPU ms per sample of the workers and this client together) of one encode."""
+def rate(config, inputs: list[str], dest: str, scheduler: str, cold: bool = False) -> tuple[float, float]:
+    """(samples/s, CPU ms per sample of the workers and this client together) of one encode;
+    ``cold``: the page cache dropped first, so the inputs are read from the disk."""
     from distributed import get_client
 
     from mmcache.precompute.pipeline import run_encode
+
+    if cold:
+        drop_page_cache()
 
     def cpu() -> float:
         return sum(get_client().run(_own_cpu_seconds).values()) + time.process_time()
@@ -92,6 +97,14 @@ def rate(config, inputs: list[str], dest: str, scheduler: str) -> tuple[float, f
     return summary.samples_written / summary.seconds, 1000 * used / summary.samples_written
 
 
+def drop_page_cache() -> None:
+    """Write back and drop the page cache (root on Linux): a dataset larger than memory is read
+    from the disk, not from the cache that writing these inputs left."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as fh:
+        fh.write("3\n")
+
+
 def _own_cpu_seconds() -> float:
     import psutil
 
@@ -99,7 +112,7 @@ def _own_cpu_seconds() -> float:
     return times.user + times.system
 
 
-def compare(config, files: list[str], tars: list[str], dests: str, scheduler: str, repeat: int, where: str) -> None:
+def compare(config, files: list[str], tars: list[str], dests: str, scheduler: str, repeat: int, where: str, cold: bool = False) -> None:
     """Each round runs both ways back to back (in alternating order, so a load that rises or falls
     during the run favours neither). Printed: the best of each way (what a quiet machine shows),
     the median of the rounds' (t)/(f) (steadier on a busy one), and the CPU each way spent per
@@ -112,7 +125,7 @@ def compare(config, files: list[str], tars: list[str], dests: str, scheduler: st
         ways = (("f", files), ("t", tars)) if attempt % 2 == 0 else (("t", tars), ("f", files))
         for way, inputs in ways:
             dest = f"{dests}/{way}{attempt}-{time.time_ns()}"
-            runs[way].append(rate(config, inputs, dest, scheduler))
+            runs[way].append(rate(config, inputs, dest, scheduler, cold))
             fs, path = fsspec.core.url_to_fs(dest)
             fs.rm(path, recursive=True)
     best = {way: max(r for r, _ in got) for way, got in runs.items()}
@@ -133,6 +146,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=4)
     parser.add_argument("--no-s3", action="store_true")
+    parser.add_argument("--cold", action="store_true", help="also locally with the page cache dropped before each run (root)")
     args = parser.parse_args()
     from distributed import Client
 
@@ -156,6 +170,8 @@ def main() -> None:
             scheduler = cluster.scheduler_address
             rate(config, [str(manifest)], str(work / "warm"), scheduler)  # workers load the encoders once
             compare(config, [str(manifest)], [str(tar_dir / "*.tar")], str(work / "stores"), scheduler, args.repeat, "local")
+            if args.cold:
+                compare(config, [str(manifest)], [str(tar_dir / "*.tar")], str(work / "stores"), scheduler, args.repeat, "cold", cold=True)
             if server is not None:
                 s3_run(server, config, work, manifest, tar_dir, args, scheduler)
         print(f"load at the end {os.getloadavg()[0]:.1f}")
