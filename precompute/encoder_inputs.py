@@ -19,6 +19,7 @@ import numpy as np
 from mmcache.featstore.config import from_dict
 from mmcache.featstore.errors import ConfigError
 from mmcache.precompute.media import FrameSampling, PreparedMedia, ResizeConfig, SizeRule, prepare, prepare_video_clips, prepared_shape
+from mmcache.precompute.media_error import MediaError
 
 
 # The provenance columns of a prepared input's geometry (the crop box in the source, the size fed).
@@ -100,6 +101,21 @@ def prepare_clip_sections(data: bytes, uri: str, modality: Literal["image", "vid
                                                            max_pixels=max_pixels, span=span)
     count = min(len(clips) for clips in per_section.values())
     return [{section: clips[k] for section, clips in per_section.items()} for k in range(count)]
+
+
+def prepare_recorded_clip(data: bytes, uri: str, recorded: tuple[int, ...], rules: Mapping[str, SizeRule], *, resize: ResizeConfig,
+                          frames: FrameSampling, max_pixels: int | None = None) -> dict[str, PreparedMedia]:
+    """A committed clip (its ``recorded`` frame indices) prepared again for every visual section:
+    the clip of the ``frames`` rule that starts at its first frame, which must be the recorded one
+    (a rule changed since, or another video, is a MediaError saying so)."""
+    prepared = {}
+    for section, rule in rules.items():
+        clip = prepare_video_clips(data, uri, resize=resize, sampling=frames, rule=rule, max_pixels=max_pixels, first_frame=recorded[0])[0]
+        if list(clip.provenance.get("frame_indices", ())) != list(recorded):
+            raise MediaError(f"the clip from frame {recorded[0]} is now frames {clip.provenance.get('frame_indices')}, not the recorded "
+                             f"{list(recorded)}: the frame rule gives other frames than the job that encoded it", uri)
+        prepared[section] = clip
+    return prepared
 
 
 def section_input(section: str, data: bytes, uri: str, modality: Literal["image", "video"], *, rule: SizeRule,

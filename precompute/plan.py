@@ -182,7 +182,8 @@ def committed_unit_tasks(units: list[SourceUnit], store: featstore.Store, fields
     its recorded hash, grouped as manifest rows lacking a field are, the tasks made as they are
     asked for (the store's records read a batch at a time, twice: to count, then to make them).
     A sample whose re-reading was rejected before is not tried again (unless data.retry_rejects).
-    Clips (``frames.clips``) are not: one clip's row cannot make just that clip again."""
+    A video sample's field is made from its recorded frames (a clip of ``frames.clips`` too); one
+    recorded without them, under ``frames.clips``, is left out (it would make every clip)."""
     if not units or not len(store):
         return 0, iter(()), []
     if set(fields) <= set(store.fields) and len(store.sample_ids(with_fields=list(fields))) == len(store):
@@ -197,7 +198,7 @@ def committed_unit_tasks(units: list[SourceUnit], store: featstore.Store, fields
                 yield key[0], row
 
     def clip(row: InputRow) -> bool:
-        return row.modality == "video" and (config.frames.clips is not None or clip_parent(row.sample_id) is not None)
+        return row.modality == "video" and row.frames is None and (config.frames.clips is not None or clip_parent(row.sample_id) is not None)
 
     counts: collections.Counter[tuple[str, ...]] = collections.Counter()
     clipped = 0

@@ -27,7 +27,7 @@ from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.clips import clip_id
 from mmcache.precompute.commit_ahead import commit_ahead
 from mmcache.precompute.daemon_pool import DaemonPool, handed_over, kept_ahead
-from mmcache.precompute.encoder_inputs import GEOMETRY, encoder_input, prepare_clip_sections, size_rule_for, text_input
+from mmcache.precompute.encoder_inputs import GEOMETRY, encoder_input, prepare_clip_sections, prepare_recorded_clip, size_rule_for, text_input
 from mmcache.precompute.inputs import InputRow
 from mmcache.precompute.media import MediaError
 from mmcache.precompute.input_sources.located import read_recorded
@@ -312,6 +312,9 @@ def _prepare_row(row: InputRow, rules: dict[str, Any], new_sample: bool, setting
         raise MediaError(CHANGED_SINCE_ENCODED, redact_url(row.uri))
     if not rules:
         return [(row, None)]
+    if row.frames is not None and not new_sample:  # a committed clip: the field from its own frames
+        return [(row, prepare_recorded_clip(data, redact_url(row.uri), row.frames, rules, resize=settings.resize, frames=settings.frames,
+                                            max_pixels=settings.max_pixels))]
     # Provenance and messages get the URL without a signature or token, never the credential.
     clips = prepare_clip_sections(data, redact_url(row.uri), row.modality, rules, resize=settings.resize, frames=settings.frames,
                                   max_pixels=settings.max_pixels, span=(row.start, row.end))

@@ -50,6 +50,18 @@ def test_head_clips_follow_each_other_and_stop_at_the_end(ramp):
     assert len(clips_of(ramp, tiny("frames.clips.policy=head", "frames.clips.count=10"))) == 3
 
 
+def test_a_recorded_clip_is_prepared_from_its_own_frames_or_refused(ramp):
+    """A field added to a committed clip: the clip of the rule from its first frame, which must be
+    the recorded one (precompute.encoder_inputs.prepare_recorded_clip)."""
+    from mmcache.precompute.encoder_inputs import prepare_recorded_clip
+
+    config = tiny("frames.clips.policy=head", "frames.clips.count=3")
+    prepared = prepare_recorded_clip(ramp, "ramp.mp4", (10, 12, 14, 16, 18), {"vit": RULE}, resize=config.resize, frames=config.frames)
+    assert frame_levels(prepared["vit"].pixels) == [10, 12, 14, 16, 18]
+    with pytest.raises(MediaError, match=r"the clip from frame 0 is now frames \[0, 2, 4, 6, 8\], not the recorded \[0, 3, 6, 9, 12\]"):
+        prepare_recorded_clip(ramp, "ramp.mp4", (0, 3, 6, 9, 12), {"vit": RULE}, resize=config.resize, frames=config.frames)
+
+
 def test_uniform_clips_span_the_video(ramp):
     clips = clips_of(ramp, tiny("frames.clips.policy=uniform", "frames.clips.count=3"))
     assert len(clips) == 3 and clips[0][0] == 0 and clips[-1][-1] == 29  # first from the start, last to the end

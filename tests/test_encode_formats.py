@@ -202,6 +202,30 @@ def test_a_field_added_to_samples_of_tars_and_parquet_equals_a_fresh_encode(tmp_
                for line in lines), lines
 
 
+def test_a_field_added_to_clips_of_a_tar_is_made_from_each_clips_frames(tmp_path, cluster):
+    """Clips of videos in a tar (``frames.clips``) get an added field from their own recorded
+    frames: the same values as a fresh encode of every field."""
+    from tests.test_media import write_gray_ramp_video
+
+    video = write_gray_ramp_video(tmp_path / "ramp.mp4", frames=30, fps=24)
+    with tarfile.open(tmp_path / "00000.tar", "w") as archive:
+        for n in range(2):
+            add_member(archive, f"v{n}.mp4", video)
+            add_member(archive, f"v{n}.txt", f"gray ramp {n}".encode())
+    clips = ["frames.clips.policy=head", "frames.clips.count=2"]
+    with_vit = [*clips, "vit.encoder=clip_vision", "vit.path=tiny"]
+    out, fresh = str(tmp_path / "store"), str(tmp_path / "fresh")
+    assert encode([str(tmp_path / "00000.tar")], out, cluster, overrides=clips).samples_written == 4
+    lines: list[str] = []
+    assert encode([str(tmp_path / "00000.tar")], out, cluster, overrides=with_vit, log=lines.append).samples_written == 4
+    assert any("adding vit_features to 4 sample(s) already in the store" in line for line in lines), lines
+    encode([str(tmp_path / "00000.tar")], fresh, cluster, overrides=with_vit)
+    store, reference = featstore.open(out), featstore.open(fresh)
+    assert sorted(store.sample_ids(with_fields=["vit_features"])) == sorted(reference.sample_ids()) == ["00000:v0=0", "00000:v0=10", "00000:v1=0", "00000:v1=10"]
+    for sid in reference.sample_ids():
+        assert store.read(sid, ["vit_features"])["vit_features"].tobytes() == reference.read(sid, ["vit_features"])["vit_features"].tobytes()
+
+
 def test_an_id_in_two_parquet_files_is_one_sample_and_a_reject_naming_the_other(tmp_path, cluster):
     write_media_parquet(tmp_path / "a.parquet", [png(n) for n in range(3)], ["a0", "a1", "same id"], ids=["a0", "a1", "twice"])
     write_media_parquet(tmp_path / "b.parquet", [png(n) for n in range(10, 12)], ["same id, other file", "b1"], ids=["twice", "b1"])

@@ -58,7 +58,8 @@ def read_recorded(uri: str, storage_options: dict[str, Any] | None = None, max_b
                          storage_options, limit)
 
 
-_RECORD = ("id", "input", "caption", "modality", "source_uri", "source_path", "source_json", "source_offset", "source_size", "content_hash")
+_RECORD = ("id", "input", "caption", "modality", "source_uri", "source_path", "source_json", "source_offset", "source_size", "content_hash",
+           "frame_indices")
 
 
 def recorded_rows(store: Any, inputs: dict[str, str]) -> Iterator[InputRow]:
@@ -108,9 +109,11 @@ def _recorded_row(store: Any, record: dict[str, Any], at: int, inputs: dict[str,
     if opened is None:
         return None
     uri = opened + recorded[len(given):] if recorded.startswith(given + "#") else recorded
+    frames = record["frame_indices"]
     return InputRow(sample_id=record["id"], uri=uri, caption=record["caption"] or "", source=record["source_path"] or recorded,
                     modality=record["modality"] or "image", metadata=record["source_json"], input=given,
-                    offset=record["source_offset"], size=record["source_size"], content_hash=record["content_hash"])
+                    offset=record["source_offset"], size=record["source_size"], content_hash=record["content_hash"],
+                    frames=tuple(frames) if frames and record["modality"] == "video" else None)
 
 
 def split_recorded(uri: str) -> tuple[InputSource, Located] | None:
