@@ -147,10 +147,11 @@ def test_stuck_input_in_process_becomes_a_reject_and_the_command_exits(dataset, 
         rows = [{"path": str(dataset.parent / r["path"]), "caption": r["caption"]} for r in manifest_rows(dataset)[:2]]
         manifest = write_manifest(tmp_path / "m.jsonl", [*rows, {"path": server.url("never.png"), "caption": "never"}])
         out = tmp_path / "store"
-        # A deadline of 1 s instead of the default 30 min, for the stuck input's task to give up on
-        # (each input is a task of its own here; the good ones decode in milliseconds).
+        # A deadline of 5 s instead of the default 30 min, for the stuck input's task to give up on
+        # (each input is a task of its own here; the good ones decode in milliseconds: 5 s leaves
+        # room for a loaded 2-core machine, where this test failed once with 1 s).
         cmd = [sys.executable, "-m", "mmcache.precompute.cli", "encode", "--config", "tiny", "--input", str(manifest), "--output", str(out),
-               "--set", "run.task_timeout=1", "--set", "data.allow_outside_root=true"]
+               "--set", "run.task_timeout=5", "--set", "data.allow_outside_root=true"]
         start = time.monotonic()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, check=False)
         assert proc.returncode == 0, proc.stderr
@@ -160,7 +161,7 @@ def test_stuck_input_in_process_becomes_a_reject_and_the_command_exits(dataset, 
     assert "threads: 3 sample(s) to encode" in proc.stderr, proc.stderr
     store = featstore.open(str(out))
     assert len(store) == 2 and store.num_rejected() == 1
-    assert "run.task_timeout=1s" in store.rejects.to_pylist()[0]["reason"]
+    assert "run.task_timeout=5s" in store.rejects.to_pylist()[0]["reason"]
 
 
 def test_no_dashboard_port_warning_without_a_dashboard():
