@@ -148,6 +148,8 @@ def main() -> None:
     parser.add_argument("--no-s3", action="store_true")
     parser.add_argument("--cold", action="store_true", help="also locally with the page cache dropped before each run (root)")
     args = parser.parse_args()
+    if args.cold and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
+        parser.error("--cold drops the page cache: it needs root on Linux")
     from distributed import Client
 
     from mmcache.featstore.config import load_config

@@ -107,10 +107,16 @@ def prepare_recorded_clip(data: bytes, uri: str, recorded: tuple[int, ...], rule
                           frames: FrameSampling, max_pixels: int | None = None) -> dict[str, PreparedMedia]:
     """A committed clip (its ``recorded`` frame indices) prepared again for every visual section:
     the clip of the ``frames`` rule that starts at its first frame, which must be the recorded one
-    (a rule changed since, or another video, is a MediaError saying so)."""
-    prepared = {}
+    (a rule changed since, or another video, is a MediaError saying so). A 4k+1 count means the
+    job that made it had a 4k+1 rule (a causal video VAE): every section got such clips then, as
+    ``prepare_clip_sections`` gives them, whichever sections run now."""
+    if len(recorded) % 4 == 1:
+        frames = dataclasses.replace(frames, force_4k_plus_1=True)
+    prepared: dict[str, PreparedMedia] = {}
     for section, rule in rules.items():
-        clip = prepare_video_clips(data, uri, resize=resize, sampling=frames, rule=rule, max_pixels=max_pixels, first_frame=recorded[0])[0]
+        same = next((p for s, p in prepared.items() if rules[s] == rule), None)
+        clip = same or prepare_video_clips(data, uri, resize=resize, sampling=frames, rule=rule, max_pixels=max_pixels,
+                                           first_frame=recorded[0])[0]
         if list(clip.provenance.get("frame_indices", ())) != list(recorded):
             raise MediaError(f"the clip from frame {recorded[0]} is now frames {clip.provenance.get('frame_indices')}, not the recorded "
                              f"{list(recorded)}: the frame rule gives other frames than the job that encoded it", uri)

@@ -85,8 +85,8 @@ class InputRow:
     # A committed sample's: the sha256 of the media it was encoded from. A field added to it must
     # come from the same bytes (precompute.tasks), else the sample would mix two inputs.
     content_hash: str | None = None
-    # A committed video sample's (a clip of ``frames.clips`` or not): the frames it was encoded
-    # from. A field added to it is made from exactly these (precompute.tasks), checked.
+    # A committed clip sample's (``frames.clips``): the frames it was encoded from. A field added
+    # to it is made from that clip (precompute.tasks), checked, not from every clip of its video.
     frames: tuple[int, ...] | None = None
 
     @property

@@ -108,7 +108,6 @@ class _RowGroups:
         modalities = {name: spec["meta"].get("modality", "") for name, spec in fields.items()}
         self.lacking = row_classifier(store, modalities, clips=config.frames.clips is not None)
         self.store = store
-        self.hashes: list[str | None] | None = None  # the recorded content hashes, by index row
         self.digest, self.per_task, self.salt = fields_digest(fields), per_task, salt
         self.suspects, self.duplicates, self.rejected_before = survey.duplicate_hashes, duplicates, rejected_before
         self.first: dict[int, dict[str, int]] = {}  # a suspect hash -> the ids seen with it -> their input
@@ -136,11 +135,8 @@ class _RowGroups:
             yield from plan_tasks(group, self.digest, self.per_task, list(missing), new, salt=self.salt)
 
     def _recorded_hash(self, sample_id: str) -> str | None:
-        if self.hashes is None:  # read once, only by a job that adds a field
-            index = self.store.index
-            self.hashes = index.column("content_hash").to_pylist() if "content_hash" in index.column_names else []
-        at = self.store.row(sample_id)
-        return self.hashes[at] if at < len(self.hashes) else None
+        index = self.store.index
+        return index.column("content_hash")[self.store.row(sample_id)].as_py() if "content_hash" in index.column_names else None
 
     def _duplicate(self, row: InputRow, index: int) -> bool:
         """Whether an earlier row has this row's id (then it is recorded as a reject)."""
@@ -189,12 +185,16 @@ def committed_unit_tasks(units: list[SourceUnit], store: featstore.Store, fields
     if set(fields) <= set(store.fields) and len(store.sample_ids(with_fields=list(fields))) == len(store):
         return 0, iter(()), []  # every sample has every field (a re-run): no row is built
     lacking = row_classifier(store, {name: spec["meta"].get("modality", "") for name, spec in fields.items()}, clips=False)
-    rejected = set() if config.data.retry_rejects else rejected_sources(store)
-    inputs = {u.shown: u.uri for u in units}
+    # A sample whose field was refused (its input changed) is not tried again: by its id and
+    # source, as the refusal recorded them. Not by source alone (a video's clips share one), nor
+    # by id alone (another dataset's tar of the same name may have had a member of that id).
+    retry = config.data.retry_rejects and store.num_rejected() > 0
+    rejected = set() if config.data.retry_rejects else _rejected_pairs(store)
+    salt = retry_salt(store) if retry else ""  # a retried reject gets a task of a new name
 
     def wanted() -> Iterator[tuple[tuple[str, ...], InputRow]]:
-        for row in recorded_rows(store, inputs):
-            if row.source not in rejected and (key := lacking(row)) is not None:
+        for row in recorded_rows(store, units):
+            if (row.sample_id, row.source) not in rejected and (key := lacking(row)) is not None:
                 yield key[0], row
 
     def clip(row: InputRow) -> bool:
@@ -215,16 +215,25 @@ def committed_unit_tasks(units: list[SourceUnit], store: featstore.Store, fields
             if not clip(row):
                 (group := pending.setdefault(missing, [])).append(row)
                 if len(group) == per_task:
-                    yield from plan_tasks(group, digest, per_task, list(missing), new_samples=False)
+                    yield from plan_tasks(group, digest, per_task, list(missing), new_samples=False, salt=salt)
                     pending[missing] = []
         for missing, group in pending.items():
-            yield from plan_tasks(group, digest, per_task, list(missing), new_samples=False)
+            yield from plan_tasks(group, digest, per_task, list(missing), new_samples=False, salt=salt)
 
     notes = [f"adding {', '.join(missing)} to {n} sample(s) already in the store" for missing, n in counts.items()]
     if clipped:
-        notes.append(f"warning: {clipped} committed clip sample(s) from tars or Parquet lack one of the fields {list(fields)}; a field "
-                     "is not added to clips of such inputs yet: encode those inputs into a new store to have it")
+        notes.append(f"warning: {clipped} committed video sample(s) from tars or Parquet lack one of the fields {list(fields)} and "
+                     "record no clip frames (encoded before mmcache recorded them): a field is not added to them; encode those "
+                     "inputs into a new store to have it")
     return sum(counts.values()), tasks(), notes
+
+
+def _rejected_pairs(store: featstore.Store) -> set[tuple[str, str]]:
+    """(id, source) of every reject that names an id."""
+    if not store.num_rejected() or "id" not in store.rejects.column_names:
+        return set()
+    table = store.rejects
+    return {(i, src) for i, src in zip(table.column("id").to_pylist(), table.column("source").to_pylist(), strict=True) if i}
 
 
 def unit_tasks(units: list[SourceUnit], store: featstore.Store, config: EncodeConfig, fields: list[str], *,
@@ -249,11 +258,13 @@ def unit_tasks(units: list[SourceUnit], store: featstore.Store, config: EncodeCo
     tasks, skips = [], {}
     for every in group_units(units, config, workers=workers, sample_bytes=sample_bytes):
         # Not named by the fields: a task done is done (a field added later reaches its samples one by one: committed_unit_tasks).
-        name = unit_task_name(every, part_size, salt)
-        # Grouped and named whether done or not, so the groups are the same on every run; a unit
-        # its own task read (an earlier mmcache's, one task a tar) is left out of its group's reads.
+        # Grouped whether done or not, so the groups are the same on every run. A unit its own task
+        # read (an earlier mmcache's, one task a tar, or a run on another number of workers) is
+        # left out, and the task is named by the units it reads: a resume reads past its committed
+        # parts by counting members, which holds only for the same units in the same order.
         group = [unit for unit in every if len(every) == 1 or unit_task_name([unit], part_size, salt) not in done]
-        if name in done or not group:
+        name = unit_task_name(group, part_size, salt) if group else ""
+        if not group or name in done:
             continue
         # One dict per prefix, shared by its units: the job's own rows of that prefix join it (_RowGroups).
         maps = {unit.id_prefix: by_prefix.setdefault(unit.id_prefix, {}) for unit in group if unit.id_prefix}

@@ -325,7 +325,8 @@ def _prepare_row(row: InputRow, rules: dict[str, Any], new_sample: bool, setting
 
 
 CHANGED_SINCE_ENCODED = ("input changed since its sample was encoded (content hash differs): the field is not added from other "
-                         "bytes; its committed features are kept (give it a new id, or encode into a new store, to encode it anew)")
+                         "bytes, and its committed features are kept; restore the input and run again with data.retry_rejects=true, "
+                         "or encode the inputs into a new store")
 
 
 def _bucketed(futures, batch_size: int, reject, media_error, timeout: float | None = None) -> Iterator[list[tuple[InputRow, Any]]]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import posixpath
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 from mmcache.precompute.clips import clip_parent
 from mmcache.precompute.daemon_pool import DaemonPool
 from mmcache.precompute.input_sources import Member, SourceUnit, open_unit
-from mmcache.precompute.input_sources.base import duplicate_reason
+from mmcache.precompute.input_sources.base import duplicate_reason, file_name
 from mmcache.precompute.inputs import InputRow, Reject
 from mmcache.precompute.sources import InputFileError, read_failure
 from mmcache.precompute.specs import TaskSettings, TaskSpec
@@ -187,7 +186,7 @@ def same_input(source: str, shown: str) -> bool:
     path from another folder, the tars copied to a bucket) resumes rather than repeats every id."""
     if source == shown or source.startswith(shown + "#"):
         return True
-    return posixpath.basename(source.split("#", 1)[0].split("?", 1)[0]) == posixpath.basename(shown.split("?", 1)[0])
+    return file_name(source) == file_name(shown)
 
 
 def _other_content(content_hash: str, data: bytes | None) -> bool:

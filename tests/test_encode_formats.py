@@ -200,6 +200,9 @@ def test_a_field_added_to_samples_of_tars_and_parquet_equals_a_fresh_encode(tmp_
     encode(inputs, out, cluster, overrides=[*with_vit, "data.check_content=true"], log=lines.append)
     assert any("1 committed sample(s) changed since they were encoded (1 content changed; e.g. '00000:000000003')" in line
                for line in lines), lines
+    shutil.copy(tmp_path / "00000.tar", moved / "00000.tar")  # the input restored: a retry adds its field
+    assert encode(inputs, out, cluster, overrides=[*with_vit, "data.retry_rejects=true"]).samples_written == 1
+    assert featstore.open(out).samples_per_field()["vit_features"] == 12
 
 
 def test_a_field_added_to_clips_of_a_tar_is_made_from_each_clips_frames(tmp_path, cluster):

@@ -143,3 +143,22 @@ def test_a_parquet_unit_with_ids_is_told_only_its_own_committed_ids(encoded, tmp
     row = store.index.to_pylist()[store.row(committed[0])]
     assert [u.shown for u in task.units] == [str(media)] and len(committed) == 6
     assert dict(task.skip) == {committed[0]: (row["source_uri"], row["content_hash"])}
+
+
+def test_a_unit_task_is_named_by_the_units_it_reads(tmp_path):
+    """A tar its own task read (an earlier mmcache's, or a run on another number of workers) is
+    left out of its group, and the task is named by the tars it does read: a resume reads past
+    committed parts by counting members, which holds only for the same tars in the same order."""
+    from mmcache.precompute.input_sources import SourceUnit
+    from mmcache.precompute.plan import unit_task_name, unit_tasks
+
+    units = [SourceUnit(kind="webdataset", uri=f"{n}.tar", shown=f"{n}.tar", id_prefix=f"{n}:", nbytes=10) for n in range(3)]
+    config = load_config(EncodeConfig, "tiny", "encode", ["run.shard_bytes=100"])
+    with featstore.create(str(tmp_path / "store"), fields={"latent": "float32"}):
+        pass
+    (task,), _ = unit_tasks(units, featstore.open(str(tmp_path / "store")), config, ["latent"], part_size=4, workers=1, sample_bytes=1)
+    assert task.units == tuple(units) and task.shard == unit_task_name(units, 4, "")
+    with featstore.append(str(tmp_path / "store")) as store:
+        store.commit(unit_task_name(units[:1], 4, ""))  # the first tar, done by a task of its own
+    (task,), _ = unit_tasks(units, featstore.open(str(tmp_path / "store")), config, ["latent"], part_size=4, workers=1, sample_bytes=1)
+    assert task.units == tuple(units[1:]) and task.shard == unit_task_name(units[1:], 4, "")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import posixpath
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -150,6 +151,12 @@ def file_stem(path: str) -> str:
     if _SAFE_STEM.fullmatch(stem):
         return stem
     return f"{re.sub(r'[^A-Za-z0-9._=+-]', '_', stem).strip('._=+-')[:60] or 'input'}-{hashlib.sha1(stem.encode()).hexdigest()[:8]}"
+
+
+def file_name(uri: str) -> str:
+    """``s3://b/x/00012.tar?sig=..`` -> ``00012.tar``: what tells one input from another wherever
+    it lies (a resume from another folder or a bucket; a sample's recorded input)."""
+    return posixpath.basename(uri.split("#", 1)[0].split("?", 1)[0].rstrip("/"))
 
 
 def duplicate_reason(sample_id: str, earlier: str) -> str:

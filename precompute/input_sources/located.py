@@ -22,18 +22,18 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import posixpath
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 from mmcache.featstore.retry import protocol_of, remote_filesystem, with_retries
 from mmcache.featstore.secrets import redact_url
-from mmcache.precompute.input_sources.base import SOURCES, InputSource, Located, open_input
+from mmcache.precompute.input_sources.base import SOURCES, InputSource, Located, SourceUnit, file_name, open_input
 from mmcache.precompute.input_sources.tar_reader import BLOCK, STREAM_ERRORS, TarFormatError, TarReader, decompressed
+from mmcache.precompute.clips import clip_parent
 from mmcache.precompute.inputs import InputRow
 from mmcache.precompute.media import MediaError
 from mmcache.precompute.sources import DEFAULT_MAX_INPUT_BYTES, OUTSIDE_ROOT, as_media_errors, open_local, read_source, under_root
@@ -62,18 +62,19 @@ _RECORD = ("id", "input", "caption", "modality", "source_uri", "source_path", "s
            "frame_indices")
 
 
-def recorded_rows(store: Any, inputs: dict[str, str]) -> Iterator[InputRow]:
-    """The committed samples that came from these inputs (tars, Parquet files: their ``input``
-    column, as shown -> the uri this job opens it by), as the rows that read them again: id,
-    caption, modality, the sha256 of their media and where it lies, recorded (the container as
-    this job names it: a signed URL keeps its signature, which the store does not record). An
-    input is the same by its file name (as ``unit_tasks.same_input`` has it: the tars copied to a
-    bucket); a sample recorded before stores kept ``input`` is told by its ``source_uri``'s
-    container. Read a batch of the index at a time: a large store is never listed whole."""
+def recorded_rows(store: Any, units: Sequence[SourceUnit]) -> Iterator[InputRow]:
+    """The committed samples that came from these units' inputs (tars, Parquet files: the samples'
+    ``input`` column), as the rows that read them again: id, caption, modality, the sha256 of
+    their media and where it lies, recorded (the container as this job names it: a signed URL
+    keeps its signature, which the store does not record). An input whose samples' ids name it
+    (``<file stem>:``) is the same by its file name too (as ``unit_tasks.same_input`` has it: the
+    tars copied to a bucket); a sample recorded before stores kept ``input`` is told by its
+    ``source_uri``'s container. The index's columns are turned into Python objects a batch at a time."""
     index = store.index
+    inputs = {unit.shown: unit.uri for unit in units}
     if not inputs or "source_uri" not in index.column_names:
         return
-    by_name = _by_file_name(inputs)
+    by_name = _by_file_name(units)
     have = [n for n in _RECORD if n in index.column_names]
     at = 0
     for batch in index.select(have).to_batches(max_chunksize=1 << 16):
@@ -85,12 +86,17 @@ def recorded_rows(store: Any, inputs: dict[str, str]) -> Iterator[InputRow]:
         at += batch.num_rows
 
 
-def _by_file_name(inputs: dict[str, str]) -> dict[str, tuple[str, str] | None]:
-    """File name -> (shown, uri) of the job's inputs; None where two inputs share it."""
+def _by_file_name(units: Sequence[SourceUnit]) -> dict[str, tuple[str, str] | None]:
+    """File name -> (id prefix, uri) of the job's inputs whose samples' ids start with their file
+    stem (a Parquet file with an ``id`` column has none: another dataset's file of that name would
+    pass for it); None where two inputs share a name."""
     out: dict[str, tuple[str, str] | None] = {}
-    for shown, uri in inputs.items():
-        name = posixpath.basename(shown.split("?", 1)[0])
-        out[name] = None if name in out else (shown, uri)
+    for unit in units:
+        name = file_name(unit.shown)
+        if unit.id_prefix and out.get(name, (unit.id_prefix, unit.uri)) == (unit.id_prefix, unit.uri):
+            out[name] = (unit.id_prefix, unit.uri)
+        else:
+            out[name] = None
     return out
 
 
@@ -104,7 +110,7 @@ def _recorded_row(store: Any, record: dict[str, Any], at: int, inputs: dict[str,
     if not recorded or given is None or store.row(record["id"]) != at:
         return None
     opened = inputs.get(given)
-    if opened is None and (named := by_name.get(posixpath.basename(given.split("?", 1)[0]))) is not None:
+    if opened is None and (named := by_name.get(file_name(given))) is not None and record["id"].startswith(named[0]):
         opened = named[1]
     if opened is None:
         return None
@@ -113,7 +119,7 @@ def _recorded_row(store: Any, record: dict[str, Any], at: int, inputs: dict[str,
     return InputRow(sample_id=record["id"], uri=uri, caption=record["caption"] or "", source=record["source_path"] or recorded,
                     modality=record["modality"] or "image", metadata=record["source_json"], input=given,
                     offset=record["source_offset"], size=record["source_size"], content_hash=record["content_hash"],
-                    frames=tuple(frames) if frames and record["modality"] == "video" else None)
+                    frames=tuple(frames) if frames and clip_parent(record["id"]) is not None else None)
 
 
 def split_recorded(uri: str) -> tuple[InputSource, Located] | None:

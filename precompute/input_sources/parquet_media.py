@@ -184,16 +184,27 @@ def read_parquet_row(where: Located, storage_options: dict[str, Any] | None, max
     number = int(where.part)
     with as_media_errors(where.shown, is_local(where.container)):
         key = (*container_key(where.container, storage_options), where.column)
-        with _ROW_LOCK:
-            kept = next((g for g in _ROW_GROUPS.get(key, ()) if g[1] <= number < g[1] + len(g[2])), None)
-        if kept is None:  # read outside the lock: other threads' rows of groups read already go on
-            kept = _row_group(where, storage_options, number)
-            _keep(key, kept)
+        with _file_lock(key):  # one reader of a file at a time: its row group is read once, other files' go on
+            with _ROW_LOCK:
+                kept = next((g for g in _ROW_GROUPS.get(key, ()) if g[1] <= number < g[1] + len(g[2])), None)
+            if kept is None:
+                kept = _row_group(where, storage_options, number)
+                _keep(key, kept)
     column, first, cells, _ = kept
     data, _path, problem = _media(cells[number - first], column, max_bytes)
     if problem is not None or data is None:
         raise MediaError(problem or f"null {column}", where.shown)
     return data
+
+
+_FILE_LOCKS: dict[tuple[Any, ...], threading.Lock] = {}
+
+
+def _file_lock(key: tuple[Any, ...]) -> threading.Lock:
+    with _ROW_LOCK:
+        if len(_FILE_LOCKS) > 64:  # the files of a few tasks at most; a lock held now is not lost (its holder has it)
+            _FILE_LOCKS.clear()
+        return _FILE_LOCKS.setdefault(key, threading.Lock())
 
 
 def _keep(key: tuple[Any, ...], group: tuple[str, int, list[Any], int]) -> None:
@@ -230,6 +241,8 @@ def _row_group(where: Located, storage_options: dict[str, Any] | None, number: i
                     cells = parquet.read_row_group(group, columns=[column], use_threads=False).column(column)
                     return column, first, cells.to_pylist(), cells.nbytes
                 first += rows
+        except MediaError:
+            raise
         except ValueError as exc:  # pyarrow's ArrowInvalid: not Parquet, or a corrupt row group
             raise MediaError(f"not a valid parquet file ({exc})", redact_url(where.container)) from None
     raise MediaError(f"row {number} is not in the file (it has {first} rows)", redact_url(where.container))
