@@ -391,16 +391,21 @@ def connect(placement: Placement, scheduler: str, *, no_worker_timeout: float = 
 
 
 @contextlib.contextmanager
-def preserved_environ():
-    """Put ``os.environ`` back as it was on the way out. ``run_encode`` wears it as a decorator:
-    it sets quiet/offline variables for the workers, and Dask's nanny writes its own here."""
+def preserved_environ(keys: Iterable[str] | None = None):
+    """Put ``os.environ`` (only ``keys`` of it, where given) back as it was on the way out.
+    ``run_encode`` wears it as a decorator: it sets quiet/offline variables for the workers, and
+    Dask's nanny writes its own here. A cluster kept open for long restores only the nanny's
+    variables: what its caller sets meanwhile (a test's S3 endpoint) is the caller's to keep."""
     saved = dict(os.environ)
     try:
         yield
     finally:
-        for key in set(os.environ) - set(saved):
-            del os.environ[key]
-        os.environ.update(saved)
+        restored = set(saved) | set(os.environ) if keys is None else set(keys)
+        for key in restored:
+            if key in saved:
+                os.environ[key] = saved[key]
+            else:
+                os.environ.pop(key, None)
 
 
 @contextlib.contextmanager
@@ -416,7 +421,10 @@ def local_cluster(workers: int, *, processes: bool = True, dashboard: bool = Fal
     import dask
     from distributed import LocalCluster
 
-    with preserved_environ():
+    with dask.config.set(WORKER_CONFIG):  # the variables the nannies write into this process
+        touched = {*(dask.config.get("distributed.nanny.pre-spawn-environ", None) or {}), "MALLOC_TRIM_THRESHOLD_"}
+    before = dict(os.environ)
+    with preserved_environ(touched):  # read on the way out: what starting the cluster changed joins it below
         # Workers inherit this process's environment at spawn, and glibc reads the variable only
         # then: one left here by an earlier cluster's nanny would reach them despite WORKER_CONFIG.
         os.environ.pop("MALLOC_TRIM_THRESHOLD_", None)
@@ -430,6 +438,9 @@ def local_cluster(workers: int, *, processes: bool = True, dashboard: bool = Fal
                                    dashboard_address=None, scheduler_kwargs=http, silence_logs=40)
             with cluster:
                 _start_workers(cluster, workers)
+                # And what else Dask wrote while it started (PYTHONHASHSEED, __DASK_PARENT_PID): a
+                # nanny that restarts a worker later writes the same names again.
+                touched.update(k for k in {*before, *os.environ} if before.get(k) != os.environ.get(k))
                 yield cluster
 
 

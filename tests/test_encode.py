@@ -262,9 +262,11 @@ def test_local_cluster_settings_stay_with_its_workers(dataset, tmp_path):
     before = dict(os.environ)
     with local_cluster(1) as cluster, Client(cluster) as client:
         seen = client.run(lambda: (os.environ.get("MALLOC_TRIM_THRESHOLD_"), dask.config.get("distributed.worker.profile.enabled")))
+        os.environ["MMCACHE_TEST_SET_MEANWHILE"] = "kept"  # the caller's own, set while the cluster runs
     assert list(seen.values()) == [(None, False)]  # glibc's adaptive mmap threshold; no profiler
     # Dask's nanny writes its pre-spawn variables (OMP_NUM_THREADS=1, ...) into the parent's
-    # environment; the caller's must come back unchanged.
+    # environment; the caller's must come back unchanged, with what it set meanwhile.
+    assert os.environ.pop("MMCACHE_TEST_SET_MEANWHILE") == "kept"
     assert dict(os.environ) == before
     run_encode(tiny_config(), str(write_manifest(dataset.parent / "one.jsonl", manifest_rows(dataset)[:1])), str(tmp_path / "store"),
                workers=1, progress=False, log=lambda *_: None)
