@@ -182,7 +182,8 @@ def committed_unit_tasks(units: list[SourceUnit], store: featstore.Store, fields
     recorded without them, under ``frames.clips``, is left out (it would make every clip)."""
     if not units or not len(store):
         return 0, iter(()), []
-    if set(fields) <= set(store.fields) and len(store.sample_ids(with_fields=list(fields))) == len(store):
+    per_field = store.samples_per_field()  # counted in arrays: no list of the store's ids on every re-run
+    if all(per_field.get(name, -1) == len(store) for name in fields):
         return 0, iter(()), []  # every sample has every field (a re-run): no row is built
     lacking = row_classifier(store, {name: spec["meta"].get("modality", "") for name, spec in fields.items()}, clips=False)
     # A sample whose field was refused (its input changed) is not tried again: by its id and

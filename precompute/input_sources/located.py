@@ -32,7 +32,7 @@ from typing import IO, Any
 from mmcache.featstore.retry import protocol_of, remote_filesystem, with_retries
 from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.input_sources.base import SOURCES, InputSource, Located, SourceUnit, file_name, open_input
-from mmcache.precompute.input_sources.tar_reader import BLOCK, STREAM_ERRORS, TarFormatError, TarReader, decompressed
+from mmcache.precompute.input_sources.tar_reader import BLOCK, STREAM_ERRORS, TarFormatError, TarReader, decompressed, plain_name
 from mmcache.precompute.clips import clip_parent
 from mmcache.precompute.inputs import InputRow
 from mmcache.precompute.media import MediaError
@@ -223,7 +223,7 @@ def _at_offset(where: Located, storage_options: dict[str, Any] | None) -> bytes 
         return None
     if header is None or header.kind != "file" or header.size != where.size:
         return None
-    if (header.name[2:] if header.name.startswith("./") else header.name) != where.part:
+    if plain_name(header.name) != where.part:
         return None
     data = block[BLOCK:] if first > BLOCK else ranged_read(where.container, storage_options, where.offset, where.size)
     return data if len(data) == where.size else None
@@ -249,7 +249,7 @@ def _indexed(where: Located, storage_options: dict[str, Any] | None) -> _TarInde
             try:
                 while (member := reader.next()) is not None:
                     if member.kind == "file":
-                        members[member.name[2:] if member.name.startswith("./") else member.name] = (member.offset, member.size)
+                        members[plain_name(member.name)] = (member.offset, member.size)
             except TarFormatError as exc:
                 raise MediaError(f"tar is truncated or corrupt ({exc})", redact_url(where.container)) from None
         index = _INDEXES[where.container] = _TarIndex(version=version, compressed=reader.compressed, members=members)

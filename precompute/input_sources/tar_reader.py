@@ -44,6 +44,11 @@ class TarMember:
     offset: int = 0  # where its data starts in the tar (after its headers; in a compressed tar, the decompressed stream)
 
 
+def plain_name(name: str) -> str:
+    """A member's path as archivers write it for files given as ``./x``: without that ``./``."""
+    return name[2:] if name.startswith("./") else name
+
+
 class TarReader:
     """``next()`` the next member's header (None at the end), then ``read()`` its data if it is
     wanted (the next ``next()`` passes over data not read)."""

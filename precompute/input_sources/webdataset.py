@@ -28,7 +28,7 @@ from mmcache.featstore.retry import remote_filesystem, with_retries
 from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.input_sources.base import InputSource, Member, SourceOptions, SourceRead, SourceUnit, file_stem, open_input, register
 from mmcache.precompute.input_sources.located import read_tar_member
-from mmcache.precompute.input_sources.tar_reader import TarFormatError, TarMember, TarReader
+from mmcache.precompute.input_sources.tar_reader import TarFormatError, TarMember, TarReader, plain_name
 from mmcache.precompute.inputs import InputRow, ManifestError, Reject, caption_problem, has_visible_text, modality_of, safe_id, sample_id_for
 
 def read_tar(url: str, options: SourceOptions) -> SourceRead:
@@ -73,7 +73,7 @@ def _samples(unit: SourceUnit, archive: TarReader, max_bytes: int) -> Iterator[M
             member = archive.next()
             if member is None:
                 break
-            name = member.name[2:] if member.name.startswith("./") else member.name
+            name = plain_name(member.name)
             if member.kind == "directory" or posixpath.basename(name).startswith("."):
                 continue  # folders are structure; hidden files (._x, .DS_Store) are not samples
             key, ext = split_key(name)
