@@ -31,6 +31,7 @@ from mmcache.precompute.encoder_inputs import GEOMETRY, encoder_input, prepare_c
 from mmcache.precompute.inputs import InputRow
 from mmcache.precompute.media import MediaError
 from mmcache.precompute.input_sources.located import read_recorded
+from mmcache.precompute.sources import read_source
 from mmcache.precompute.unit_tasks import encode_unit
 from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec
 from mmcache.precompute.worker_deaths import Deaths, died_reason, verdict
@@ -306,8 +307,13 @@ def _prepare_row(row: InputRow, rules: dict[str, Any], new_sample: bool, setting
     if not rules and not new_sample:
         return [(row, None)]  # only a text field added to committed samples: their media need no reading
     # Read even when no visual encoder runs: a new sample's media must exist and be readable.
-    data = given if given is not None else read_recorded(row.uri, settings.input_storage_options, settings.max_input_bytes, row.root,
-                                                         offset=row.offset, size=row.size, column=settings.media_column)
+    if given is not None:
+        data = given
+    elif new_sample:  # a row of a manifest, a folder, a LLaVA JSON: its own file
+        data = read_source(row.uri, settings.input_storage_options, settings.max_input_bytes, row.root)
+    else:  # a committed sample's, maybe a tar member or a Parquet row (input_sources.located)
+        data = read_recorded(row.uri, settings.input_storage_options, settings.max_input_bytes, row.root,
+                             offset=row.offset, size=row.size, column=settings.media_column)
     if row.content_hash and not new_sample and hashlib.sha256(data).hexdigest() != row.content_hash:
         raise MediaError(CHANGED_SINCE_ENCODED, redact_url(row.uri))
     if not rules:

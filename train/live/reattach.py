@@ -60,6 +60,7 @@ from mmcache.precompute.encoder_inputs import (
 )
 from mmcache.precompute.encoders import UnknownEncoderError, build_encoder
 from mmcache.precompute.encoders.base import torch_dtype
+from mmcache.precompute.input_sources.base import file_name
 from mmcache.precompute.input_sources.located import read_recorded, split_recorded
 from mmcache.precompute.inputs import conversations_digest, modality_of
 from mmcache.precompute.media import MediaError
@@ -298,7 +299,7 @@ class LiveEncoder:
         relative = row.get("source_path")
         if recorded and (member := split_recorded(str(recorded))) is not None:
             # A tar's or Parquet file's sample: the file, by its name, is under media_root now.
-            return f"{self.media_root.rstrip('/')}/{posixpath.basename(member[1].container.split('?', 1)[0])}#{member[1].part}"
+            return f"{self.media_root.rstrip('/')}/{file_name(member[1].container)}#{member[1].part}"
         if not relative or "://" in relative or relative.startswith("/"):
             if not relative:
                 raise MediaMovedError(
