@@ -9,8 +9,13 @@ next), so each object is downloaded once per epoch when two windows fit in the c
 
 Either order is a pure function of (seed, epoch, the snapshot's shards, window): never of the
 world size or the rank, so every rank computes the same order and a resumed run goes on with the
-very samples it would have seen. ``window=None`` (or a window of every shard) is the plain global
-permutation. Both ``mmtrain fit`` (train.data) and ``featstore.dataset.StreamingDataset`` use it;
+very samples it would have seen. Both visit the shards by name, never in the order they were
+committed: two encodes of the same inputs at the same paths (whose tasks finish in any order)
+give one order (shard names hash the inputs' paths).
+``window=None`` (or a window of every shard) is the plain global permutation, of the positions
+taken shard by shard in name order (``as_numbered=True``: of the positions as numbered, where
+their numbering is already the same on every encode, a training manifest's, or for a run that
+predates this, which permuted the store's commit order). Both ``mmtrain fit`` (train.data) and ``featstore.dataset.StreamingDataset`` use it;
 how a trainer sizes the window from its cache is train.order's.
 """
 
@@ -28,26 +33,27 @@ if TYPE_CHECKING:
 class EpochOrder:
     """``order(epoch)``: a permutation of the stream's positions ``0..len(shard_of)-1``."""
 
-    def __init__(self, seed: int, shard_of: np.ndarray, window: int | None) -> None:
+    def __init__(self, seed: int, shard_of: np.ndarray, window: int | None, *, as_numbered: bool = False) -> None:
         # Positions grouped by shard, each group ascending (a stable sort): the input of the
         # per-window shuffle must not depend on anything but the snapshot.
         by = np.argsort(shard_of, kind="stable")
         present, starts = np.unique(shard_of[by], return_index=True)
-        self._setup(seed, len(shard_of), np.split(by, starts[1:]) if len(by) else [], window)
+        self._setup(seed, len(shard_of), np.split(by, starts[1:]) if len(by) else [], window, as_numbered)
 
     @classmethod
-    def of_dense(cls, seed: int, store: Store, window: int | None) -> EpochOrder:
+    def of_dense(cls, seed: int, store: Store, window: int | None, *, as_numbered: bool = False) -> EpochOrder:
         """The order of every sample of a dense store (a sample's position is its row): the same
         permutations as ``EpochOrder(seed, shard_positions(store, arange(len(store))), window)``,
         from the shard table alone. Each shard's positions are one range, kept as its bounds, so
         nothing per sample is held but the epoch's permutation itself."""
         order = cls.__new__(cls)
-        order._setup(seed, int(sum(info.num_samples for info in store.shards.values())), _dense_groups(store), window)
+        order._setup(seed, int(sum(info.num_samples for info in store.shards.values())), _dense_groups(store), window, as_numbered)
         return order
 
-    def _setup(self, seed: int, num_samples: int, groups: list[np.ndarray] | list[range], window: int | None) -> None:
+    def _setup(self, seed: int, num_samples: int, groups: list[np.ndarray] | list[range], window: int | None,
+               as_numbered: bool) -> None:
         assert window is None or window >= 1, window  # data.shuffle_window is checked at config load
-        self.seed, self.num_samples, self.groups = seed, num_samples, groups
+        self.seed, self.num_samples, self.groups, self.as_numbered = seed, num_samples, groups, as_numbered
         self.num_shards = len(groups)
         self.window = None if window is None or window >= self.num_shards else window
 
@@ -55,14 +61,27 @@ class EpochOrder:
         rng = np.random.default_rng([self.seed, epoch])
         if self.window is None:
             # rng.permutation(n) is arange(n) shuffled in place; the draws depend only on n, so a
-            # narrower array gives the same permutation in half the memory (every rank holds one).
-            order = np.arange(self.num_samples, dtype=_position_dtype(self.num_samples))
+            # narrower array gives the same permutation in half the memory (every rank holds one),
+            # and shuffling the positions by shard name moves each where arange's would go.
+            order = np.arange(self.num_samples, dtype=_position_dtype(self.num_samples)) if self.as_numbered else self._by_name()
             rng.shuffle(order)
             return order
         shards = rng.permutation(self.num_shards)
         # Windows of near-equal shard counts (none above ``window``): the last is not a stub.
         windows = np.array_split(shards, math.ceil(self.num_shards / self.window))
         return np.concatenate([rng.permutation(np.concatenate([self._group(k) for k in w])) for w in windows])
+
+    def _by_name(self) -> np.ndarray:
+        """Every position, shard after shard by name (each shard's ascending), filled in place:
+        one array of the epoch's size, not one per shard besides."""
+        out = np.empty(self.num_samples, dtype=_position_dtype(self.num_samples))
+        at = 0
+        for k in range(self.num_shards):
+            group = self._group(k)
+            out[at : at + len(group)] = group
+            at += len(group)
+        assert at == self.num_samples, (at, self.num_samples)
+        return out
 
     def _group(self, k: int) -> np.ndarray:
         group = self.groups[k]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +97,60 @@ def test_each_epoch_is_a_permutation_read_window_by_window(local_store):
     # A window below one shard is refused where the config is loaded (the one check of it).
     with pytest.raises(ConfigError, match="shuffle_window must be a number of shards >= 1"):
         load_config(TrainConfig, "tiny-dit", "train", ["data.shuffle_window=0"])
+
+
+def test_two_encodes_whose_shards_committed_in_other_orders_train_alike(tmp_path):
+    """An encode's tasks commit in whatever order they finish: the epoch order visits samples by
+    shard name, so the same samples give the same sequence of ids, globally and windowed; a run
+    that predates this (run.json's data_order without by_name) resumes in its old order."""
+    rng = np.random.default_rng(1)
+    samples = {k: {f"k{k}-{i}": rng.standard_normal((4, 1, 8, 8), dtype=np.float32) for i in range(5)} for k in range(6)}
+    fields = {"latent": {"dtype": "float32", "ndim": 4, "meta": {"latent_channels": 4, "scaling_factor": 1.0}},
+              "text_emb": {"dtype": "float32", "ndim": 2, "meta": {"hidden_size": 4}}}
+    urls = []
+    for name, commits in (("ascending", range(6)), ("shuffled", (3, 0, 5, 1, 4, 2))):
+        writer = featstore.create(str(tmp_path / name), fields=fields, shard_bytes=10**12)
+        for k in commits:
+            for sample_id, latent in samples[k].items():
+                writer.add(sample_id, {"latent": latent, "text_emb": np.ones((3, 4), np.float32)})
+            writer.commit(f"t-{k:04d}")
+        writer.close()
+        urls.append(str(tmp_path / name))
+    stores = [featstore.open(url) for url in urls]
+    assert list(stores[0].shards) != list(stores[1].shards)  # listed (and positioned) in commit order
+
+    def ids(store, window, epoch=1, **kw):
+        s = stream(store, window=window)
+        if kw:
+            s = FeatureStream(store, data=s.data, options=replace(s.options, **kw))
+        return [s.ids[p] for p in s.order(epoch)]
+
+    for window in (None, 2):
+        assert ids(stores[0], window) == ids(stores[1], window)
+    assert ids(stores[0], None, epoch=2) == ids(stores[1], None, epoch=2) != ids(stores[0], None)
+    # The order of a run that started before: positions in commit order, bit for bit.
+    legacy = np.random.default_rng([3, 1]).permutation(30)
+    assert ids(stores[1], None, commit_order=True) == [stores[1].index.column("id")[int(p)].as_py() for p in legacy]
+    data = load_config(TrainConfig, "tiny-dit", "train", []).data
+    assert plan_order(stores[1], ["latent"], data, None).commit_order is False  # a new run
+    assert plan_order(stores[1], ["latent"], data, {"shuffle_window": None, "shards": 6, "by_name": True}).commit_order is False
+    assert plan_order(stores[1], ["latent"], data, {"shuffle_window": None, "shards": 6}).commit_order is True  # an older run's
+    assert plan_order(stores[1], ["latent"], data, {}).commit_order is True
+    # The library's dataset visits them alike too; a state an older mmcache saved of a global
+    # shuffle (no "order" in it) is refused with the way out, and that way resumes it.
+    from mmcache.featstore.dataset import StreamingDataset
+
+    datasets = [StreamingDataset(url, shuffle=True, seed=3, rank=0, world_size=1) for url in urls]
+    assert [x["id"] for x in datasets[0]] == [x["id"] for x in datasets[1]]
+    saved = {k: v for k, v in datasets[1].state_dict().items() if k != "order"} | {"yielded": 4}
+    with pytest.raises(ValueError, match="commit_order=True to finish that epoch"):
+        datasets[1].load_state_dict(saved)
+    older = StreamingDataset(urls[1], shuffle=True, seed=3, rank=0, world_size=1, commit_order=True)
+    older.load_state_dict(saved)
+    epoch0 = np.random.default_rng([3, 0]).permutation(30)  # the dataset's epoch 0, in commit order
+    assert [x["id"] for x in older] == [stores[1].index.column("id")[int(p)].as_py() for p in epoch0[4:]]
+    windowed = StreamingDataset(urls[1], shuffle=True, seed=3, rank=0, world_size=1, window=2)
+    assert "order" not in windowed.state_dict()  # a windowed order did not change: older states resume
 
 
 def test_same_batches_at_any_world_size_and_after_a_resume(local_store):
@@ -257,7 +312,7 @@ def test_fit_from_s3_on_four_ranks_reports_the_cache_per_epoch(s3_store, tmp_pat
     # Cache: 8 shards' worth; 90% of it less 3 global batches of 8 (3 shards) leaves two windows of 2.
     assert "windows of 2 shard(s)" in result.stdout and "epoch 0: downloaded" in result.stdout and "warning" not in result.stdout
     info = json.loads((run / "run.json").read_text())
-    assert info["data_order"] == {"shuffle_window": 2, "shards": SHARDS} and info["world_size"] == 4
+    assert info["data_order"] == {"shuffle_window": 2, "shards": SHARDS, "by_name": True} and info["world_size"] == 4
     assert (info["mesh"]["dp_shard"], info["mesh"]["ulysses"]) == (2, 2)
     rows = records(run)
     assert len(rows) == epoch + 2 and all("cache_bytes_downloaded" in r for r in rows)

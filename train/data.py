@@ -169,7 +169,7 @@ class FeatureStream:
         self.reads, self.is_live = None, None
         self._fields = tuple(run_fields(data, store))
         self._sizes = StepSizes(store, data, options.tokens_per_sample, self._shape)
-        self.order = EpochOrder.of_dense(options.seed, store, options.window)
+        self.order = EpochOrder.of_dense(options.seed, store, options.window, as_numbered=options.commit_order)
 
     def _listed(self, store: featstore.Store, data, options: StreamOptions, manifest) -> None:
         """The samples to train on listed, each with what it reads and its size (select_samples)."""
@@ -191,9 +191,13 @@ class FeatureStream:
         self._size_samples(data, store, options.tokens_per_sample)
         self._sizes = lambda indices: ([self.groups[i] for i in indices], [self.tokens[i] for i in indices])
         shard_of = self._shard_of(store)
+        # A manifest numbers the samples in its own order, the same on every encode of the store:
+        # its global shuffle permutes that order, as it always has (absent samples have no shard).
+        as_numbered = options.commit_order or manifest is not None
         # Several sources (data.sources): each one's share of every epoch, by weight.
-        self.order = (MixOrder(options.seed, shard_of, options.window, store.source_of(self.rows), store.weights, [x.url for x in store.stores])
-                      if isinstance(store, StoreMix) else EpochOrder(options.seed, shard_of, options.window))
+        self.order = (MixOrder(options.seed, shard_of, options.window, store.source_of(self.rows), store.weights, [x.url for x in store.stores],
+                               as_numbered=as_numbered)
+                      if isinstance(store, StoreMix) else EpochOrder(options.seed, shard_of, options.window, as_numbered=as_numbered))
 
     def _size_samples(self, data, store: featstore.Store, tokens_per_sample) -> None:
         """Each sample's shape, micro-batch group and token count, from the index alone."""

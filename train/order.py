@@ -4,7 +4,8 @@ The order itself (one permutation per epoch, windowed over shards, a pure functi
 epoch, snapshot and window, never of the world size) lives in ``featstore.order``, shared with
 ``featstore.dataset``; here the window is chosen so two windows fit in the run's read-through
 cache, and a resumed run keeps the window it recorded. ``window=None`` is the plain global
-permutation, bit for bit the order of runs that predate windows.
+permutation (of the positions by shard name; for a resumed run that recorded no
+``data_order.by_name``, of the positions in commit order, bit for bit its order before).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class OrderPlan:
     """A run's epoch order: its window and what the trainer tells the user about it."""
 
     window: int | None  # shards per window; None: a global shuffle
+    commit_order: bool  # a resumed run from before orders went by shard name: its global shuffle as it was
     store_bytes: int  # what one epoch reads (of the fields the run reads)
     warnings: tuple[str, ...]  # the local cache cannot hold what this order needs
 
@@ -86,6 +88,9 @@ def plan_order(store: featstore.Store, fields: Sequence[str], data, recorded: di
     # batches (the ranks' readers run up to prefetch steps apart), which may span windows.
     in_flight = (data.prefetch + 1) * data.global_batch * store_bytes / max(len(store), 1)
     window = resolve_window(data.shuffle_window, data.cache_bytes, shard_bytes, recorded, in_flight)
+    # Runs record data_order.by_name since the global shuffle takes the shards by name; one that
+    # does not record it resumes with the order it started with (positions in commit order).
+    commit_order = recorded is not None and not recorded.get("by_name", False)
     warnings = []
     cache = store.storage.local_cache
     if cache is not None:
@@ -100,4 +105,4 @@ def plan_order(store: featstore.Store, fields: Sequence[str], data, recorded: di
             warnings.append(
                 f"the store ({store_bytes / 2**30:.2f} GiB) does not fit the cache ({cache.max_bytes / 2**30:.2f} GiB) and the "
                 "order is a global shuffle: each epoch downloads it several times. Set data.cache_bytes (the order then fits it) or data.shuffle_window")
-    return OrderPlan(window=window, store_bytes=store_bytes, warnings=tuple(warnings))
+    return OrderPlan(window=window, commit_order=commit_order, store_bytes=store_bytes, warnings=tuple(warnings))

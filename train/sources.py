@@ -132,13 +132,14 @@ class MixOrder:
     """The epoch order of a stream over a ``StoreMix``: ``order(epoch)`` gives ``num_samples``
     stream positions, each source's share of them by weight (``EpochOrder``'s interface)."""
 
-    def __init__(self, seed: int, shard_of: np.ndarray, window: int | None, source: np.ndarray, weights: Sequence[float], urls: Sequence[str]) -> None:
+    def __init__(self, seed: int, shard_of: np.ndarray, window: int | None, source: np.ndarray, weights: Sequence[float], urls: Sequence[str],
+                 *, as_numbered: bool = False) -> None:
         self.seed, self.num_samples = seed, len(shard_of)
         self.members = [np.flatnonzero(source == i) for i in range(len(weights))]
         if empty := [urls[i] for i, m in enumerate(self.members) if not len(m)]:
             raise featstore.SchemaError(f"data.sources: {', '.join(empty)} has no samples to train on (with every field the run reads); encode them or drop that source")
         # Each source's own order (shard-aware, windowed like a single store's) over its samples.
-        self.orders = [EpochOrder(seed, shard_of[m], window) for m in self.members]
+        self.orders = [EpochOrder(seed, shard_of[m], window, as_numbered=as_numbered) for m in self.members]
         self.counts = apportion(self.num_samples, weights)
         self.num_shards = sum(o.num_shards for o in self.orders)
 
