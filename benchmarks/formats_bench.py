@@ -97,6 +97,37 @@ def rate(config, inputs: list[str], dest: str, scheduler: str, cold: bool = Fals
     return summary.samples_written / summary.seconds, 1000 * used / summary.samples_written
 
 
+def reading_alone(manifest: Path, tar_dir: Path, rounds: int = 8) -> None:
+    """The input path alone, as a task's worker runs it, without decoding or encoding: each tar
+    streamed (its members split into samples) vs each file read by its manifest row, and every
+    sample's bytes hashed (its content_hash), in CPU per sample, best of ``rounds``."""
+    import glob
+    import hashlib
+
+    from mmcache.precompute.input_sources import open_unit
+    from mmcache.precompute.input_sources.base import SourceOptions
+    from mmcache.precompute.input_sources.webdataset import read_tar
+    from mmcache.precompute.sources import read_source
+
+    units = [u for p in sorted(glob.glob(str(tar_dir / "*.tar"))) for u in read_tar(p, SourceOptions()).units]
+    paths = [str(manifest.parent / json.loads(line)["path"]) for line in manifest.read_text().splitlines()]
+
+    def tars() -> int:  # one sample's bytes held at a time, as a task's reader hands them on
+        return sum(1 for u in units for m in open_unit(u, None, 1 << 30) if hashlib.sha256(m.data).digest())
+
+    def files() -> int:
+        return sum(1 for p in paths if hashlib.sha256(read_source(p, None, 1 << 30, str(manifest.parent))).digest())
+
+    best = {}
+    for _ in range(rounds):
+        for way, read in (("t", tars), ("f", files)):
+            t0 = time.process_time()
+            n = read()
+            best[way] = min(best.get(way, float("inf")), 1e6 * (time.process_time() - t0) / n)
+    print(f"  reading alone (no decode, no encode): tars {best['t']:.0f} us/sample, files {best['f']:.0f} us/sample CPU; "
+          f"(t)/(f) time {best['t'] / best['f']:.2f}")
+
+
 def drop_page_cache() -> None:
     """Write back and drop the page cache (root on Linux): a dataset larger than memory is read
     from the disk, not from the cache that writing these inputs left."""
@@ -168,6 +199,7 @@ def main() -> None:
         config = load_config(EncodeConfig, "tiny", "encode", [])
         samples = args.tars * args.per_tar
         print(f"{samples} images {args.size}^2 in {args.tars} tars of {args.per_tar}; tiny preset; load {os.getloadavg()[0]:.1f}")
+        reading_alone(manifest, tar_dir)
         with local_cluster(2) as cluster, Client(cluster):
             scheduler = cluster.scheduler_address
             rate(config, [str(manifest)], str(work / "warm"), scheduler)  # workers load the encoders once

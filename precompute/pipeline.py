@@ -192,7 +192,7 @@ def _stale(job: _Started, store: featstore.Store, config: EncodeConfig, input_st
         return {}
     rows = (row for _, batch in job.inputs.batches() for row in batch.rows)
     if config.data.check_content:  # a tar's or Parquet file's recorded caption is what the store has: only its bytes can change
-        rows = itertools.chain(rows, recorded_rows(store, job.inputs.units))
+        rows = itertools.chain(rows, recorded_rows(store, job.inputs.units, job.inputs.ids_of))
     return stale_samples(rows, store, client=job.executor, storage_options=input_storage_options,
                          check_content=config.data.check_content, media_column=config.data.media_column)
 

@@ -29,7 +29,7 @@ from mmcache.precompute.input_sources import InputStream, SourceUnit
 from mmcache.precompute.input_sources.located import recorded_rows
 from mmcache.precompute.inputs import InputRow, Reject
 from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec
-from mmcache.precompute.survey import GroupKey, Survey, rejected_sources, row_classifier
+from mmcache.precompute.survey import GroupKey, RowClassifier, Survey, rejected_sources
 from mmcache.precompute.unit_tasks import known_sources
 
 
@@ -70,7 +70,8 @@ def plan_encode(config: EncodeConfig, *, inputs: InputStream, survey: Survey, st
     # before under their names.
     units, unit_skips = unit_tasks(inputs.units, store, config, list(fields), part_size=rows_per_task(config, 1 << 62, 1, sample_bytes),
                                    workers=workers, sample_bytes=sample_bytes, ids_of=inputs.ids_of)
-    refilled, refill, refill_notes = committed_unit_tasks(inputs.units, store, fields, config, workers=workers, sample_bytes=sample_bytes)
+    refilled, refill, refill_notes = committed_unit_tasks(inputs.units, store, fields, config, workers=workers, sample_bytes=sample_bytes,
+                                                          ids_of=inputs.ids_of)
     if survey.todo or units or refilled:
         # Raised here once (an older store), so that the tasks, which open the store from the
         # manifest planned with, do not each declare it again.
@@ -86,6 +87,9 @@ def plan_encode(config: EncodeConfig, *, inputs: InputStream, survey: Survey, st
                       plan_rejects=[r for r in survey.rejects if r.source not in rejected_before],
                       samples_skipped=survey.skipped, notes=notes)
     groups = _RowGroups(store, fields, config, survey, per_task, salt, plan.duplicate_rejects, rejected_before, unit_skips)
+    if survey.unframed:
+        plan.notes.append(f"warning: {survey.unframed} committed clip sample(s) lack one of the fields {list(fields)} and record "
+                          "no frames (encoded before mmcache recorded them): a field is not added to them; encode those inputs into a new store to have it")
     plan.tasks = itertools.chain(groups.tasks(inputs), refill, units)
     return plan
 
@@ -106,7 +110,7 @@ class _RowGroups:
                  salt: str, duplicates: list[Reject], rejected_before: set[str],
                  unit_skips: dict[str, dict[str, tuple[str, str]]]) -> None:
         modalities = {name: spec["meta"].get("modality", "") for name, spec in fields.items()}
-        self.lacking = row_classifier(store, modalities, clips=config.frames.clips is not None)
+        self.lacking = RowClassifier(store, modalities, clips=config.frames.clips is not None, retry_rejects=config.data.retry_rejects)
         self.store = store
         self.digest, self.per_task, self.salt = fields_digest(fields), per_task, salt
         self.suspects, self.duplicates, self.rejected_before = survey.duplicate_hashes, duplicates, rejected_before
@@ -120,23 +124,34 @@ class _RowGroups:
         pending: dict[GroupKey, list[InputRow]] = {}
         for index, batch in inputs.batches():
             for row in batch.rows:
-                if self._duplicate(row, index) or row.source in self.rejected_before or (key := self.lacking(row)) is None:
+                if self._duplicate(row, index) or self.lacking.blocked(row, self.rejected_before) or (key := self.lacking(row)) is None:
                     continue
                 if self.unit_skips and (skip := self.unit_skips.get(row.sample_id.split(":", 1)[0] + ":")) is not None:
                     skip.setdefault(row.sample_id, (row.source, ""))
-                if not key[1]:  # a field added to a committed sample: from the bytes it was encoded from
-                    row = replace(row, content_hash=self._recorded_hash(row.sample_id))
-                group = pending.setdefault(key, [])
-                group.append(row)
-                if len(group) == self.per_task:
-                    yield from plan_tasks(group, self.digest, self.per_task, list(key[0]), key[1], salt=self.salt)
-                    pending[key] = []
+                for key, row in self._samples(row, key):
+                    group = pending.setdefault(key, [])
+                    group.append(row)
+                    if len(group) == self.per_task:
+                        yield from plan_tasks(group, self.digest, self.per_task, list(key[0]), key[1], salt=self.salt)
+                        pending[key] = []
         for (missing, new), group in pending.items():
             yield from plan_tasks(group, self.digest, self.per_task, list(missing), new, salt=self.salt)
 
-    def _recorded_hash(self, sample_id: str) -> str | None:
+    def _samples(self, row: InputRow, key: GroupKey) -> Iterator[tuple[GroupKey, InputRow]]:
+        """The row's sample, or (a video whose committed clips lack a field) each such clip, as a
+        row of its own frames. A field added to a committed sample is made from the bytes it was
+        encoded from (its recorded hash is checked)."""
+        if key[1]:
+            yield key, row
+        elif clips := self.lacking.clips_lacking(row.sample_id, row.source):
+            for clip, missing, frames in clips:
+                yield (missing, False), replace(row, sample_id=clip, content_hash=self._recorded(clip, "content_hash"), frames=tuple(frames))
+        else:
+            yield key, replace(row, content_hash=self._recorded(row.sample_id, "content_hash"))
+
+    def _recorded(self, sample_id: str, column: str) -> Any:
         index = self.store.index
-        return index.column("content_hash")[self.store.row(sample_id)].as_py() if "content_hash" in index.column_names else None
+        return index.column(column)[self.store.row(sample_id)].as_py() if column in index.column_names else None
 
     def _duplicate(self, row: InputRow, index: int) -> bool:
         """Whether an earlier row has this row's id (then it is recorded as a reject)."""
@@ -171,7 +186,8 @@ def plan_tasks(rows: list[InputRow], specs_digest: str, per_task: int, fields: l
 
 
 def committed_unit_tasks(units: list[SourceUnit], store: featstore.Store, fields: dict[str, Any], config: EncodeConfig, *,
-                         workers: int, sample_bytes: int) -> tuple[int, Iterator[TaskSpec], list[str]]:
+                         workers: int, sample_bytes: int,
+                         ids_of: dict[tuple[str, tuple[int, ...]], list[str]] | None = None) -> tuple[int, Iterator[TaskSpec], list[str]]:
     """(how many samples, their tasks, log notes) adding the configured fields that committed
     samples of this job's tars and Parquet files lack: each such sample is a row built from its
     record (``recorded_rows``), its media read again alone (``read_recorded``) and checked against
@@ -185,17 +201,17 @@ def committed_unit_tasks(units: list[SourceUnit], store: featstore.Store, fields
     per_field = store.samples_per_field()  # counted in arrays: no list of the store's ids on every re-run
     if all(per_field.get(name, -1) == len(store) for name in fields):
         return 0, iter(()), []  # every sample has every field (a re-run): no row is built
-    lacking = row_classifier(store, {name: spec["meta"].get("modality", "") for name, spec in fields.items()}, clips=False)
+    lacking = RowClassifier(store, {name: spec["meta"].get("modality", "") for name, spec in fields.items()}, clips=False,
+                            retry_rejects=config.data.retry_rejects)
     # A sample whose field was refused (its input changed) is not tried again: by its id and
     # source, as the refusal recorded them. Not by source alone (a video's clips share one), nor
     # by id alone (another dataset's tar of the same name may have had a member of that id).
     retry = config.data.retry_rejects and store.num_rejected() > 0
-    rejected = set() if config.data.retry_rejects else _rejected_pairs(store)
     salt = retry_salt(store) if retry else ""  # a retried reject gets a task of a new name
 
     def wanted() -> Iterator[tuple[tuple[str, ...], InputRow]]:
-        for row in recorded_rows(store, units):
-            if (row.sample_id, row.source) not in rejected and (key := lacking(row)) is not None:
+        for row in recorded_rows(store, units, ids_of):
+            if (row.sample_id, row.source) not in lacking.refused and (key := lacking(row)) is not None:
                 yield key[0], row
 
     def clip(row: InputRow) -> bool:
@@ -227,14 +243,6 @@ def committed_unit_tasks(units: list[SourceUnit], store: featstore.Store, fields
                      "record no clip frames (encoded before mmcache recorded them): a field is not added to them; encode those "
                      "inputs into a new store to have it")
     return sum(counts.values()), tasks(), notes
-
-
-def _rejected_pairs(store: featstore.Store) -> set[tuple[str, str]]:
-    """(id, source) of every reject that names an id."""
-    if not store.num_rejected() or "id" not in store.rejects.column_names:
-        return set()
-    table = store.rejects
-    return {(i, src) for i, src in zip(table.column("id").to_pylist(), table.column("source").to_pylist(), strict=True) if i}
 
 
 def unit_tasks(units: list[SourceUnit], store: featstore.Store, config: EncodeConfig, fields: list[str], *,

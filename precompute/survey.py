@@ -13,7 +13,6 @@ from them (``precompute.plan``).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +20,7 @@ import numpy as np
 
 from mmcache import featstore
 from mmcache.featstore.secrets import redact_url
-from mmcache.precompute.clips import clip_parents
+from mmcache.precompute.clips import clip_parent, clip_parents
 from mmcache.precompute.input_sources import InputStream, SourceUnit
 from mmcache.precompute.inputs import EmptyInputError, InputRow, Reject, RowKey
 
@@ -40,6 +39,7 @@ class Survey:
     groups: dict[GroupKey, int] = field(default_factory=dict)  # rows to encode, by what they lack
     kinds: dict[str, int] = field(default_factory=dict)  # rows to encode by kind: image, video, text
     retried: bool = False  # a row rejected before is encoded again (data.retry_rejects)
+    unframed: int = 0  # committed clips lacking a field that record no frames (not given it)
     duplicate_hashes: frozenset[int] = frozenset()  # hashes two or more rows share
     units: list[SourceUnit] = field(default_factory=list)  # tars, Parquet row groups: read by their tasks
 
@@ -54,14 +54,14 @@ def survey(inputs: InputStream, store: featstore.Store | None, fields: dict[str,
     writing ``fields`` (name -> modality; None: unknown here, committed samples count as complete)."""
     rejected = rejected_sources(store) if store is not None else set()
     rejected_before = set() if retry_rejects else rejected
-    missing = row_classifier(store, fields, clips=clips)
+    missing = RowClassifier(store, fields, clips=clips, retry_rejects=retry_rejects)
     out = Survey()
     hashes, codes = array("q"), array("H")
-    code_of: dict[tuple[GroupKey | None, str], int] = {}
+    code_of: dict[tuple[GroupKey | None, str, int], int] = {}
 
     def code(row: RowKey) -> int:
-        key = None if row.source in rejected_before else missing(row)
-        return code_of.setdefault((key, row.modality), len(code_of))
+        key = None if missing.blocked(row, rejected_before) else missing(row)
+        return code_of.setdefault((key, row.modality, missing.samples(row) if key else 1), len(code_of))
 
     # Without a store a row's code is its kind's: looked up, not worked out (2M rows: ~2 s less).
     by_kind: dict[str, int] | None = {} if store is None else None
@@ -74,7 +74,7 @@ def survey(inputs: InputStream, store: featstore.Store | None, fields: dict[str,
         else:
             codes.extend([code(row) for row in rows])
         out.retried = out.retried or (retry_rejects and any(row.source in rejected for row in rows))
-    out.rows, out.units = len(hashes), list(inputs.units)
+    out.rows, out.units, out.unframed = len(hashes), list(inputs.units), missing.unframed
     if len(inputs.urls) > 1 and not (out.rows or out.rejects or out.units) and not inputs.allow_empty:
         shown = ", ".join(redact_url(url) for url in inputs.urls[:3])
         raise EmptyInputError(f"inputs {shown}: no rows at all; nothing to encode (pass --allow-empty to accept an empty input)")
@@ -84,8 +84,8 @@ def survey(inputs: InputStream, store: featstore.Store | None, fields: dict[str,
         out.duplicate_hashes = frozenset(np.frombuffer(hashes, dtype=np.int64)[later].tolist())
         counts = counts - np.bincount(np.frombuffer(codes, dtype=np.uint16)[later], minlength=len(code_of))
         out.duplicates = int(later.size)
-    for (key, kind), at in code_of.items():
-        n = int(counts[at])
+    for (key, kind, samples), at in code_of.items():
+        n = int(counts[at]) * samples
         if key is None:
             out.skipped += n
         elif n:
@@ -121,30 +121,93 @@ def _later_duplicates(hashes: np.ndarray) -> np.ndarray:
     return np.asarray(later, dtype=np.int64)
 
 
-def row_classifier(store: featstore.Store | None, fields: dict[str, str] | None, *,
-                   clips: bool) -> Callable[[InputRow | RowKey], GroupKey | None]:
+class RowClassifier:
     """row -> (the configured fields it still lacks, whether its sample is new), or None when it
     lacks none: all fields for a new sample, those added to the store since for a committed one.
     A text-only row has only the text fields (no image field: zero image tokens), so its task runs
-    no visual encoder. With ``clips`` (``frames.clips``), a video whose clips are committed is done."""
-    names = list(fields) if fields is not None else ["*"]
-    text = [name for name, modality in (fields or {}).items() if modality == "text"]
-    # Only under frames.clips: otherwise an id ``a=1`` is an ordinary id and says nothing of ``a``.
-    clipped = clip_parents(store.sample_ids()) if clips and store is not None else set()
+    no visual encoder. With ``clips`` (``frames.clips``), a video whose clips are committed is
+    done, unless a clip lacks a field: then the row stands for those clips (``clips_lacking``),
+    each given its fields from its own recorded frames. ``refused``: (id, source) of committed
+    samples whose field an earlier run refused (``refused_pairs``): not tried again, unless
+    ``retry_rejects``."""
 
-    def lacking(row: InputRow | RowKey) -> GroupKey | None:
-        if row.sample_id in clipped:
-            return None
-        new = store is None or row.sample_id not in store
-        if not new and fields is None:
+    def __init__(self, store: featstore.Store | None, fields: dict[str, str] | None, *, clips: bool, retry_rejects: bool = False) -> None:
+        self.store, self.names = store, list(fields) if fields is not None else ["*"]
+        self.refused = refused_pairs(store) if store is not None and not retry_rejects else set()
+        self.fields = fields
+        self.text = [name for name, modality in (fields or {}).items() if modality == "text"]
+        # Only under frames.clips: otherwise an id ``a=1`` is an ordinary id and says nothing of ``a``.
+        ids = store.sample_ids() if clips and store is not None else []
+        self.clipped = clip_parents(ids)
+        # A video's clip ids, only where some sample lacks a field (a re-run of a complete store
+        # keeps none); what each clip lacks is looked up when its video's row comes.
+        self.clips_of: dict[str, list[str]] = {}
+        self.unframed = 0  # clips lacking a field that record no frames (stores before they did): left as they are
+        self._last: tuple[tuple[str, str], list[tuple[str, tuple[str, ...], list[int]]]] = (("", ""), [])
+        if self.clipped and fields is not None and store is not None:
+            per_field = store.samples_per_field()
+            if any(per_field.get(name, -1) != len(store) for name in fields):
+                for sample_id in ids:
+                    if (parent := clip_parent(sample_id)) is not None:
+                        self.clips_of.setdefault(parent, []).append(sample_id)
+
+    def blocked(self, row: InputRow | RowKey, rejected_before: set[str]) -> bool:
+        """Whether an earlier run's reject holds the row back: a new sample's by its source; a
+        committed one's (or a clip's: ``clips_lacking``) only by a refusal of its own (id, source),
+        not because another row of that source (a duplicate of it) was rejected."""
+        if row.source not in rejected_before:
+            return False
+        if row.sample_id in self.clipped:
+            return False
+        return self.store is None or row.sample_id not in self.store or (row.sample_id, row.source) in self.refused
+
+    def __call__(self, row: InputRow | RowKey) -> GroupKey | None:
+        if row.sample_id in self.clipped:
+            clips = self.clips_lacking(row.sample_id, row.source)
+            return (tuple(sorted({f for _, missing, _ in clips for f in missing}, key=self.names.index)), False) if clips else None
+        new = self.store is None or row.sample_id not in self.store
+        if not new and self.fields is None:
             return None  # fields unknown on this client: a committed sample counts as complete
-        have: Any = () if new else set(store.fields_of(row.sample_id))  # type: ignore[union-attr]
-        own = names if row.modality != "text" or fields is None else text
-        missing = tuple(f for f in own if f not in have)
+        missing = self._missing(row.sample_id, row.modality, new=new)
         return (missing, new) if missing else None
 
-    return lacking
+    def samples(self, row: InputRow | RowKey) -> int:
+        """How many samples the row's task makes or fills: its committed clips lacking a field, else one."""
+        return len(self.clips_lacking(row.sample_id, row.source)) if row.sample_id in self.clipped else 1
+
+    def clips_lacking(self, video_id: str, source: str) -> list[tuple[str, tuple[str, ...], list[int]]]:
+        """(clip id, the fields it lacks, its recorded frames) of the video's committed clips that
+        lack one, record their frames and were not refused one (the last video's kept: a row asks
+        twice)."""
+        if self._last[0] != (video_id, source):
+            store, found = self.store, []
+            frames = store.index.column("frame_indices") if store is not None and "frame_indices" in store.index.column_names else None
+            for clip in self.clips_of.get(video_id, ()):
+                if (clip, source) not in self.refused and (missing := self._missing(clip, "video", new=False)):
+                    recorded = frames[store.row(clip)].as_py() if frames is not None else None  # type: ignore[union-attr]
+                    if recorded is None:
+                        self.unframed += 1
+                    else:
+                        found.append((clip, missing, recorded))
+            self._last = ((video_id, source), found)
+        return self._last[1]
+
+    def _missing(self, sample_id: str, modality: str, *, new: bool) -> tuple[str, ...]:
+        have: Any = () if new else set(self.store.fields_of(sample_id))  # type: ignore[union-attr]
+        own = self.names if modality != "text" or self.fields is None else self.text
+        return tuple(f for f in own if f not in have)
 
 
 def rejected_sources(store: featstore.Store) -> set[str]:
     return set(store.rejects.column("source").to_pylist()) if store.num_rejected() else set()
+
+
+def refused_pairs(store: featstore.Store) -> set[tuple[str, str]]:
+    """(id, source) of the rejects that name an id and are not a duplicate's: what refused a
+    committed sample a field (its input changed, its worker died on it)."""
+    if not store.num_rejected() or "id" not in store.rejects.column_names:
+        return set()
+    table = store.rejects
+    return {(i, src) for i, src, why in zip(table.column("id").to_pylist(), table.column("source").to_pylist(),
+                                            table.column("reason").to_pylist(), strict=True)
+            if i and not (why or "").startswith("duplicate id")}

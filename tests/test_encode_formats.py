@@ -164,9 +164,11 @@ def test_a_field_added_to_samples_of_tars_and_parquet_equals_a_fresh_encode(tmp_
     write_tar(tmp_path / "plain.tar", 1, 3)
     (tmp_path / "00001.tar.gz").write_bytes(gzip.compress((tmp_path / "plain.tar").read_bytes()))  # offsets in the decompressed tar
     write_media_parquet(tmp_path / "hf.parquet", [png(100 + n) for n in range(4)], [f"c {n}" for n in range(4)], row_group_size=3)
-    names = ["00000.tar", "00001.tar.gz", "hf.parquet"]
+    # Ids of its own (no file stem in them): found by file name among the ids the client read of it.
+    write_media_parquet(tmp_path / "named.parquet", [png(200 + n) for n in range(2)], ["n 0", "n 1"], ids=["cat-1", "dog-2"])
+    names = ["00000.tar", "00001.tar.gz", "hf.parquet", "named.parquet"]
     out, fresh, with_vit = str(tmp_path / "store"), str(tmp_path / "fresh"), ["vit.encoder=clip_vision", "vit.path=tiny"]
-    assert encode([str(tmp_path / n) for n in names], out, cluster).samples_written == 12
+    assert encode([str(tmp_path / n) for n in names], out, cluster).samples_written == 14
     row = by_id(featstore.open(out))["00000:000000002"]
     tar = (tmp_path / "00000.tar").read_bytes()
     assert hashlib.sha256(tar[row["source_offset"] : row["source_offset"] + row["source_size"]]).hexdigest() == row["content_hash"]
@@ -183,14 +185,14 @@ def test_a_field_added_to_samples_of_tars_and_parquet_equals_a_fresh_encode(tmp_
     added = encode(inputs, out, cluster, overrides=with_vit, log=lines.append)
     # Rejected twice: the moved tar's task reads its members (a resume) and finds one with other
     # bytes than the committed sample's; the field's task refuses to add a field from them.
-    assert added.samples_written == 11 and added.rejected == 2
-    assert any("adding vit_features to 12 sample(s) already in the store" in line for line in lines), lines
+    assert added.samples_written == 13 and added.rejected == 2
+    assert any("adding vit_features to 14 sample(s) already in the store" in line for line in lines), lines
     store = featstore.open(out)
     reasons = sorted(r["reason"] for r in store.rejects.to_pylist() if r["id"] == "00000:000000003")
     assert len(reasons) == 2 and "duplicate id" in reasons[0] and "input changed since its sample was encoded" in reasons[1], reasons
     encode([str(tmp_path / n) for n in names], fresh, cluster, overrides=with_vit)
     reference = featstore.open(fresh)
-    assert store.samples_per_field() == {"latent": 12, "text_emb": 12, "vit_features": 11}
+    assert store.samples_per_field() == {"latent": 14, "text_emb": 14, "vit_features": 13}
     for sid in reference.sample_ids():
         if sid != "00000:000000003":
             assert store.read(sid, ["vit_features"])["vit_features"].tobytes() == reference.read(sid, ["vit_features"])["vit_features"].tobytes()
@@ -202,12 +204,12 @@ def test_a_field_added_to_samples_of_tars_and_parquet_equals_a_fresh_encode(tmp_
                for line in lines), lines
     shutil.copy(tmp_path / "00000.tar", moved / "00000.tar")  # the input restored: a retry adds its field
     assert encode(inputs, out, cluster, overrides=[*with_vit, "data.retry_rejects=true"]).samples_written == 1
-    assert featstore.open(out).samples_per_field()["vit_features"] == 12
+    assert featstore.open(out).samples_per_field()["vit_features"] == 14
 
 
-def test_a_field_added_to_clips_of_a_tar_is_made_from_each_clips_frames(tmp_path, cluster):
-    """Clips of videos in a tar (``frames.clips``) get an added field from their own recorded
-    frames: the same values as a fresh encode of every field."""
+def test_a_field_added_to_clips_is_made_from_each_clips_frames(tmp_path, cluster):
+    """Clips of videos (``frames.clips``) in a tar and in a manifest get an added field from their
+    own recorded frames: the same values as a fresh encode of every field; a re-run adds nothing."""
     from tests.test_media import write_gray_ramp_video
 
     video = write_gray_ramp_video(tmp_path / "ramp.mp4", frames=30, fps=24)
@@ -215,18 +217,25 @@ def test_a_field_added_to_clips_of_a_tar_is_made_from_each_clips_frames(tmp_path
         for n in range(2):
             add_member(archive, f"v{n}.mp4", video)
             add_member(archive, f"v{n}.txt", f"gray ramp {n}".encode())
+    # Listed twice: the second row is a reject (duplicate id), which must not hold back the first's clips.
+    (tmp_path / "videos.jsonl").write_text(2 * (json.dumps({"id": "ramp", "path": "ramp.mp4", "caption": "a gray ramp"}) + "\n"))
+    inputs = [str(tmp_path / "00000.tar"), str(tmp_path / "videos.jsonl")]
     clips = ["frames.clips.policy=head", "frames.clips.count=2"]
     with_vit = [*clips, "vit.encoder=clip_vision", "vit.path=tiny"]
     out, fresh = str(tmp_path / "store"), str(tmp_path / "fresh")
-    assert encode([str(tmp_path / "00000.tar")], out, cluster, overrides=clips).samples_written == 4
+    first = encode(inputs, out, cluster, overrides=clips)
+    assert first.samples_written == 6 and first.rejected == 1
     lines: list[str] = []
-    assert encode([str(tmp_path / "00000.tar")], out, cluster, overrides=with_vit, log=lines.append).samples_written == 4
-    assert any("adding vit_features to 4 sample(s) already in the store" in line for line in lines), lines
-    encode([str(tmp_path / "00000.tar")], fresh, cluster, overrides=with_vit)
+    assert encode(inputs, out, cluster, overrides=with_vit, log=lines.append).samples_written == 6
+    assert any("adding vit_features to 4 sample(s) already in the store" in line for line in lines), lines  # the tar's
+    assert any("adding vit_features to 2 sample(s) already in the store" in line for line in lines), lines  # the manifest's
+    encode(inputs, fresh, cluster, overrides=with_vit)
     store, reference = featstore.open(out), featstore.open(fresh)
-    assert sorted(store.sample_ids(with_fields=["vit_features"])) == sorted(reference.sample_ids()) == ["00000:v0=0", "00000:v0=10", "00000:v1=0", "00000:v1=10"]
+    assert sorted(store.sample_ids(with_fields=["vit_features"])) == sorted(reference.sample_ids()) == [
+        "00000:v0=0", "00000:v0=10", "00000:v1=0", "00000:v1=10", "ramp=0", "ramp=10"]
     for sid in reference.sample_ids():
         assert store.read(sid, ["vit_features"])["vit_features"].tobytes() == reference.read(sid, ["vit_features"])["vit_features"].tobytes()
+    assert encode(inputs, out, cluster, overrides=with_vit).tasks == 0
 
 
 def test_an_id_in_two_parquet_files_is_one_sample_and_a_reject_naming_the_other(tmp_path, cluster):

@@ -166,3 +166,34 @@ def test_a_recorded_member_or_row_is_read_again_alone(tmp_path):
         read_recorded(f"{tmp_path}/hf.parquet#5")
     with pytest.raises(MediaError, match="'x/../1' is not a row number"):
         read_recorded(f"{tmp_path}/hf.parquet#x/../1")
+
+
+def test_a_moved_parquet_file_with_ids_is_found_by_name_for_the_ids_it_holds(tmp_path):
+    """Committed samples of a Parquet file with an ``id`` column, moved since, belong to the job's
+    file of that name that holds their id: with another file of the same name beside it (HF's
+    ``train-00000-of-00001.parquet`` in two datasets) and with an empty row group in it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from mmcache.precompute.input_sources import InputStream
+    from mmcache.precompute.input_sources.base import SourceOptions
+    from mmcache.precompute.input_sources.located import _by_file_name, _named_input
+    from tests.input_data import png, write_media_parquet
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    write_media_parquet(tmp_path / "a" / "train.parquet", [png(1), png(2)], ["one", "two"], ids=["cat-1", "dog-2"])
+    write_media_parquet(tmp_path / "b" / "train.parquet", [png(3)], ["three"], ids=["eel-3"])
+    table = pq.read_table(tmp_path / "a" / "train.parquet")
+    with pq.ParquetWriter(tmp_path / "a" / "train.parquet", table.schema) as writer:  # an empty row group after the rows
+        writer.write_table(table)
+        writer.write_table(pa.Table.from_batches([], table.schema))
+    assert pq.ParquetFile(tmp_path / "a" / "train.parquet").metadata.num_row_groups == 2
+    inputs = InputStream([str(tmp_path / "a" / "train.parquet"), str(tmp_path / "b" / "train.parquet")], SourceOptions())
+    for _ in inputs.batches(keys_only=True):
+        pass
+    by_name = _by_file_name(inputs.units, inputs.ids_of)
+    recorded = "/old/place/train.parquet"  # where the store says they came from
+    assert _named_input(by_name, recorded, "cat-1") == _named_input(by_name, recorded, "dog-2") == str(tmp_path / "a" / "train.parquet")
+    assert _named_input(by_name, recorded, "eel-3") == str(tmp_path / "b" / "train.parquet")
+    assert _named_input(by_name, recorded, "fox-4") is None  # another dataset's file of that name

@@ -130,7 +130,7 @@ def _with_duplicates(read: SourceRead, seen: dict[str, str], ids_of: dict[tuple[
     for index, unit in enumerate(read.units):
         earlier = []
         own = [sample_id for sample_id, _ in read.unit_ids[index]] if read.unit_ids else []
-        if own and ids_of is not None:
+        if read.unit_ids and ids_of is not None:  # an empty row group's too: its ids are known (none)
             ids_of[(unit.shown, unit.row_groups)] = own
         for sample_id, source in read.unit_ids[index] if read.unit_ids else ():
             if sample_id in seen:

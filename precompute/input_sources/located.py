@@ -25,7 +25,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -62,7 +62,7 @@ _RECORD = ("id", "input", "caption", "modality", "source_uri", "source_path", "s
            "frame_indices")
 
 
-def recorded_rows(store: Any, units: Sequence[SourceUnit]) -> Iterator[InputRow]:
+def recorded_rows(store: Any, units: Sequence[SourceUnit], ids_of: Mapping[tuple[str, tuple[int, ...]], Sequence[str]] | None = None) -> Iterator[InputRow]:
     """The committed samples that came from these units' inputs (tars, Parquet files: the samples'
     ``input`` column), as the rows that read them again: id, caption, modality, the sha256 of
     their media and where it lies, recorded (the container as this job names it: a signed URL
@@ -74,7 +74,7 @@ def recorded_rows(store: Any, units: Sequence[SourceUnit]) -> Iterator[InputRow]
     inputs = {unit.shown: unit.uri for unit in units}
     if not inputs or "source_uri" not in index.column_names:
         return
-    by_name = _by_file_name(units)
+    by_name = _by_file_name(units, ids_of or {})
     have = [n for n in _RECORD if n in index.column_names]
     at = 0
     for batch in index.select(have).to_batches(max_chunksize=1 << 16):
@@ -86,22 +86,43 @@ def recorded_rows(store: Any, units: Sequence[SourceUnit]) -> Iterator[InputRow]
         at += batch.num_rows
 
 
-def _by_file_name(units: Sequence[SourceUnit]) -> dict[str, tuple[str, str] | None]:
-    """File name -> (id prefix, uri) of the job's inputs whose samples' ids start with their file
-    stem (a Parquet file with an ``id`` column has none: another dataset's file of that name would
-    pass for it); None where two inputs share a name."""
-    out: dict[str, tuple[str, str] | None] = {}
+def _by_file_name(units: Sequence[SourceUnit], ids_of: Mapping[tuple[str, tuple[int, ...]], Sequence[str]]) -> dict[str, list[_Named]]:
+    """File name -> the job's inputs of that name, each with what its samples' ids are: their
+    prefix (the file stem), or for a Parquet file with an ``id`` column the ids the client read of
+    it (two files of one name hold other ids). A file whose ids are not known is left out."""
+    found: dict[str, dict[str, _Named]] = {}
+    unknown: set[str] = set()
     for unit in units:
-        name = file_name(unit.shown)
-        if unit.id_prefix and out.get(name, (unit.id_prefix, unit.uri)) == (unit.id_prefix, unit.uri):
-            out[name] = (unit.id_prefix, unit.uri)
-        else:
-            out[name] = None
-    return out
+        read = (unit.shown, unit.row_groups)
+        if not unit.id_prefix and read not in ids_of:
+            unknown.add(unit.uri)  # its ids were not read: what it holds is not known
+            continue
+        named = found.setdefault(file_name(unit.shown), {}).setdefault(unit.uri, _Named(unit.uri, unit.id_prefix, set()))
+        named.ids.update(ids_of.get(read, ()) if not unit.id_prefix else ())
+    return {name: [n for uri, n in inputs.items() if uri not in unknown] for name, inputs in found.items()}
+
+
+@dataclass(frozen=True)
+class _Named:
+    """A job's input found by file name: its uri, and its samples' id prefix or their ids."""
+
+    uri: str
+    prefix: str
+    ids: set[str]
+
+    def holds(self, sample_id: str) -> bool:
+        return sample_id.startswith(self.prefix) if self.prefix else sample_id in self.ids
+
+
+def _named_input(by_name: dict[str, list[_Named]], given: str, sample_id: str) -> str | None:
+    """The uri of the one input of ``given``'s file name that holds ``sample_id``; None if none
+    or several do (two tars of one name from two datasets)."""
+    holding = [named.uri for named in by_name.get(file_name(given), ()) if named.holds(sample_id)]
+    return holding[0] if len(holding) == 1 else None
 
 
 def _recorded_row(store: Any, record: dict[str, Any], at: int, inputs: dict[str, str],
-                  by_name: dict[str, tuple[str, str] | None]) -> InputRow | None:
+                  by_name: dict[str, list[_Named]]) -> InputRow | None:
     """The row of index row ``at`` (``record``), if a sample from one of ``inputs`` and its record
     (a sample whose field was added later has more rows: its first one is its record)."""
     given, recorded = record["input"], record["source_uri"]
@@ -110,8 +131,8 @@ def _recorded_row(store: Any, record: dict[str, Any], at: int, inputs: dict[str,
     if not recorded or given is None or store.row(record["id"]) != at:
         return None
     opened = inputs.get(given)
-    if opened is None and (named := by_name.get(file_name(given))) is not None and record["id"].startswith(named[0]):
-        opened = named[1]
+    if opened is None:
+        opened = _named_input(by_name, given, record["id"])
     if opened is None:
         return None
     uri = opened + recorded[len(given):] if recorded.startswith(given + "#") else recorded

@@ -137,7 +137,8 @@ def test_deadline_holds_with_production_lower_layers(s3_bucket, proxy, monkeypat
     with pytest.raises(featstore.StorageError, match="unreachable or overloaded") as info:
         store.read(samples[0][0])
     elapsed = time.monotonic() - start
-    assert policy.deadline <= elapsed < policy.deadline + policy.read_timeout + 1.5, elapsed
+    # Under the proxy's 5 s stall (what ignoring the deadline would wait), with room for a busy machine.
+    assert policy.deadline <= elapsed < policy.deadline + policy.read_timeout + 2.0, elapsed
     attempts = int(str(info.value).split("failed ")[1].split(" time")[0])
     assert 2 <= attempts == len(hits), (attempts, len(hits))  # each attempt one request
 
