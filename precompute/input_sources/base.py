@@ -138,7 +138,9 @@ def open_input(uri: str, storage_options: dict[str, Any] | None, block_size: int
             yield fh
         return
     fd = open_local(path, 1 << 62)  # the input's own size is not limited: its members are
-    with os.fdopen(fd, "rb", buffering=1 << 20) as fh:
+    # A small buffer: headers and small members come from it, a larger read goes straight from the
+    # kernel into its bytes (a 1 MiB buffer copied each image twice: a tar's reading cost 1.45x).
+    with os.fdopen(fd, "rb", buffering=1 << 16) as fh:
         yield fh
 
 
