@@ -24,6 +24,7 @@ from mmcache.precompute.pipeline import source_options
 from mmcache.precompute.progress import UNREAD_UNIT_SAMPLES
 from mmcache.precompute.plan import group_units, rows_per_task
 from mmcache.precompute.specs import encoder_specs, takes_text_only
+from mmcache.precompute.stale import describe as describe_stale
 from mmcache.precompute.survey import Survey, survey
 
 
@@ -59,6 +60,7 @@ class DryRun:
             + f" on {self.workers} worker(s) -> ~{self.shards} shard(s)",
             f"estimated: ~{_size(self.sample_bytes)} per sample, ~{_size(total)} in all "
             f"(a shard ~{_size(min(self.shard_bytes, total / max(1, self.shards)))}; run.shard_bytes={_size(self.shard_bytes)})",
+            *([describe_stale(s.stale)] if s.stale else []),
         ]
 
 

@@ -97,11 +97,23 @@ class InputRow:
 
 class RowKey(NamedTuple):
     """What planning's first pass keeps of a usable row (``precompute.survey``): building the
-    whole ``InputRow`` (a frozen dataclass: ~4 us) would be a fifth of that pass's time."""
+    whole ``InputRow`` (a frozen dataclass: ~4 us) would be a fifth of that pass's time. Its
+    caption and turns are there for that pass to tell a committed row edited since
+    (``precompute.stale``), without a pass of its own."""
 
     sample_id: str
     source: str
     modality: str
+    caption: str | None = None
+    conversations: tuple[tuple[str, str], ...] | None = None
+
+    @property
+    def conversations_sha256(self) -> str | None:
+        return conversations_digest(self.conversations)
+
+    @classmethod
+    def of(cls, row: InputRow) -> RowKey:
+        return cls(row.sample_id, row.source, row.modality, row.caption, row.conversations)
 
 
 def conversations_digest(turns: tuple[tuple[str, str], ...] | None) -> str | None:
@@ -218,7 +230,7 @@ def record_rows(records: list[dict[str, Any]], rules: _Rules, *, allow_empty_cap
         if isinstance(row, Reject):
             rejects.append(row)
         else:
-            rows.append(row if rules.build or isinstance(row, RowKey) else RowKey(row.sample_id, row.source, row.modality))
+            rows.append(row if rules.build or isinstance(row, RowKey) else RowKey.of(row))
     return rows, rejects
 
 
@@ -265,7 +277,7 @@ def _row(record: dict[str, Any], rules: _Rules, allow_empty_caption: bool, seen:
         return Reject(source=source, reason=reason or bad_span or "unusable row", sample_id=sample_id)
     contained = rules.real_root if rules.real_root is not None and not rules.allow_outside_root and "://" not in uri else None
     if not rules.build:
-        return RowKey(sample_id, source, modality)
+        return RowKey(sample_id, source, modality, caption, conversations)
     return InputRow(sample_id=sample_id, uri=uri, caption=caption, source=source, modality=modality, conversations=conversations,
                     start=span[0], end=span[1], root=contained, input=rules.input)
 

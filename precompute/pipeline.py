@@ -186,15 +186,15 @@ def _start(stack: contextlib.ExitStack, config: EncodeConfig, input_url: str | l
 
 
 def _stale(job: _Started, store: featstore.Store, config: EncodeConfig, input_storage_options: dict[str, Any] | None) -> dict[str, str]:
-    """Committed samples whose input changed since (precompute.stale): a pass over the inputs,
-    taken only when the store held samples before this job."""
-    if job.existing is None or not len(job.existing):
-        return {}
-    rows = (row for _, batch in job.inputs.batches() for row in batch.rows)
-    if config.data.check_content:  # a tar's or Parquet file's recorded caption is what the store has: only its bytes can change
-        rows = itertools.chain(rows, recorded_rows(store, job.inputs.units, job.inputs.ids_of))
+    """Committed samples whose input changed since (precompute.stale): what the survey found, or
+    with ``data.check_content`` a pass over the inputs that hashes their bytes too."""
+    if not config.data.check_content or job.existing is None or not len(job.existing):
+        return job.survey.stale
+    # A tar's or Parquet file's recorded caption is what the store has: only its bytes can change.
+    rows = itertools.chain((row for _, batch in job.inputs.batches() for row in batch.rows),
+                           recorded_rows(store, job.inputs.units, job.inputs.ids_of))
     return stale_samples(rows, store, client=job.executor, storage_options=input_storage_options,
-                         check_content=config.data.check_content, media_column=config.data.media_column)
+                         check_content=True, media_column=config.data.media_column)
 
 
 def _open_store(job: _Started, config: EncodeConfig, output_url: str, storage_options: dict[str, Any] | None,

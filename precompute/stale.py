@@ -2,22 +2,26 @@
 
 A re-run identifies samples by id and skips the committed ones, so an edited caption, or a file
 replaced under the same path, would keep its old features without a word: the stale per-sample
-files this tool exists to end. So a re-run compares each committed row's caption, and the sha256 of its
-conversations, with what the store recorded (free: the client has the index), and with
-``data.check_content`` the sha256
-of its bytes with the recorded ``content_hash`` (a full read of every committed input, spread
-over the workers; a sample from a tar or Parquet file is read alone, ``input_sources.located``). Changed samples are reported, never overwritten: committed features are
-immutable, so re-encoding one means a new id or a new store.
+files this tool exists to end. So a re-run compares each committed row's caption, and the sha256
+of its conversations, with what the store recorded, in planning's first pass over the inputs
+(``precompute.survey``: no pass of its own); with ``data.check_content`` also the sha256 of its
+bytes with the recorded ``content_hash`` (a pass that reads every committed input, spread over the
+workers; a sample from a tar or Parquet file is read alone, ``input_sources.located``). Changed
+samples are reported, never overwritten: committed features are immutable, so re-encoding one
+means a new id or a new store.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+import itertools
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import pyarrow as pa
+
 from mmcache import featstore
-from mmcache.precompute.inputs import InputRow
+from mmcache.precompute.inputs import InputRow, RowKey
 from mmcache.precompute.media import MediaError
 from mmcache.precompute.input_sources.located import read_recorded
 
@@ -25,43 +29,64 @@ from mmcache.precompute.input_sources.located import read_recorded
 HASH_BATCH = 64
 
 
+class StaleCheck:
+    """Committed rows compared with what the store recorded, a batch of rows at a time as a pass
+    over the inputs reads them (planning's first pass: ``precompute.survey``): ``stale`` maps
+    each changed sample's id to what changed. Only the rows of a batch that the store holds are
+    looked up, their recorded captions and turns taken from the index for them alone: nothing per
+    committed sample is held besides. With ``check_content`` (rows are ``InputRow``s then) what
+    the workers are to hash is collected too (``hash_contents``)."""
+
+    def __init__(self, store: featstore.Store, *, check_content: bool = False) -> None:
+        self.store, self.check_content = store, check_content
+        index = store.index
+        self._columns = {name: index.column(name) for name in ("caption", "conversations_sha256", "content_hash") if name in index.column_names}
+        self.stale: dict[str, str] = {}
+        self.todo: list[tuple[str, str, str, int | None, int | None]] = []
+
+    def add(self, rows: Sequence[InputRow | RowKey]) -> None:
+        store = self.store
+        committed = [row for row in rows if row.sample_id in store]
+        if not committed:
+            return
+        at = pa.array([store.row(row.sample_id) for row in committed], pa.int64())
+        recorded = {name: column.take(at).to_pylist() for name, column in self._columns.items()}
+        captions, turns = recorded.get("caption"), recorded.get("conversations_sha256")
+        hashes = recorded.get("content_hash")
+        for i, row in enumerate(committed):
+            recorded_turns = turns[i] if turns is not None else None
+            if recorded_turns is not None and recorded_turns != row.conversations_sha256:
+                # Only rows committed with turns record their hash (older shards record none, and
+                # a caption row none): a row whose turns were added later is not told apart.
+                self.stale[row.sample_id] = "conversations changed" if row.conversations is not None else "conversations removed"
+            elif captions is not None and captions[i] is not None and captions[i] != row.caption:
+                self.stale[row.sample_id] = "caption changed"
+            elif self.check_content and hashes is not None and hashes[i]:  # text-only samples record no content hash
+                self.todo.append((row.sample_id, row.uri, hashes[i], row.offset, row.size))  # type: ignore[union-attr]
+
+    def hash_contents(self, client: Any, storage_options: dict[str, Any] | None, media_column: str | None) -> dict[str, str]:
+        """``stale``, with the samples whose bytes the workers found changed (``changed_contents``)."""
+        if self.todo and client is not None:
+            batches = [self.todo[i : i + HASH_BATCH] for i in range(0, len(self.todo), HASH_BATCH)]
+            futures = client.map(changed_contents, batches, storage_options=storage_options, media_column=media_column, pure=False, retries=3)
+            for future in futures:
+                self.stale.update(future.result())
+        return self.stale
+
+
 def stale_samples(rows: Iterable[InputRow], store: featstore.Store, *, client=None, storage_options: dict[str, Any] | None = None,
                   check_content: bool = False, media_column: str | None = None) -> dict[str, str]:
     """Sample id -> what changed, for the rows already committed in ``store`` (a manifest's, and
-    those recorded of the job's tars and Parquet files: ``recorded_rows``). ``rows``
-    is read once, as it comes (a manifest's batches); what is kept: the changed rows' ids, and
-    with ``check_content`` what the workers are to hash (a Parquet row's from ``media_column``,
-    ``data.media_column``)."""
+    those recorded of the job's tars and Parquet files: ``recorded_rows``), with
+    ``check_content`` their bytes hashed again on the workers (a Parquet row's from
+    ``media_column``, ``data.media_column``). ``rows`` is read once, a batch at a time."""
     if not len(store):
         return {}
-    index = store.index
-
-    def column(name: str) -> list[Any] | None:
-        return index.column(name).to_pylist() if name in index.column_names else None
-
-    captions, hashes, turns = column("caption"), column("content_hash"), column("conversations_sha256")
-    stale: dict[str, str] = {}
-    todo: list[tuple[str, str, str, int | None, int | None]] = []
-    for row in rows:
-        if row.sample_id not in store:
-            continue
-        at = store.row(row.sample_id)
-        recorded = captions[at] if captions is not None else None
-        recorded_turns = turns[at] if turns is not None else None
-        if recorded_turns is not None and recorded_turns != row.conversations_sha256:
-            # Only rows committed with turns record their hash (older shards record none, and
-            # a caption row none): a row whose turns were added later is not told apart.
-            stale[row.sample_id] = "conversations changed" if row.conversations is not None else "conversations removed"
-        elif recorded is not None and recorded != row.caption:
-            stale[row.sample_id] = "caption changed"
-        elif check_content and hashes is not None and hashes[at]:  # text-only samples record no content hash
-            todo.append((row.sample_id, row.uri, hashes[at], row.offset, row.size))
-    if check_content and todo and client is not None:
-        batches = [todo[i : i + HASH_BATCH] for i in range(0, len(todo), HASH_BATCH)]
-        futures = client.map(changed_contents, batches, storage_options=storage_options, media_column=media_column, pure=False, retries=3)
-        for future in futures:
-            stale.update(future.result())
-    return stale
+    check = StaleCheck(store, check_content=check_content)
+    rows = iter(rows)
+    while batch := list(itertools.islice(rows, 1 << 14)):
+        check.add(batch)
+    return check.hash_contents(client, storage_options, media_column)
 
 
 def changed_contents(items: list[tuple[str, str, str, int | None, int | None]], storage_options: dict[str, Any] | None,

@@ -7,7 +7,10 @@ store already, rejected before); ~10 bytes a row, 20 MB for 2M rows. Duplicate i
 once the pass ends, by sorting the hashes: a row whose hash an earlier row has is a duplicate
 (the second pass, which makes the tasks, confirms each by its id: two ids of one hash are not
 duplicates). ``mmcache encode --dry-run`` prints this pass's counts; a real run sizes its tasks
-from them (``precompute.plan``).
+from them (``precompute.plan``), and takes that second pass only when it has something to do:
+rows to encode, or duplicates no reject recorded yet. The committed rows of each batch are
+compared with the store's record as they are read (``precompute.stale``), so a re-run over a
+complete store reads its inputs once.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.clips import clip_parent, clip_parents
 from mmcache.precompute.input_sources import InputStream, SourceUnit
 from mmcache.precompute.inputs import EmptyInputError, InputRow, Reject, RowKey
+from mmcache.precompute.stale import StaleCheck
 
 _CHUNK = 1 << 18  # hashes looked up at a time: 2 MB of them
 GroupKey = tuple[tuple[str, ...], bool]  # (the configured fields a row lacks, whether its sample is new)
@@ -40,6 +44,8 @@ class Survey:
     kinds: dict[str, int] = field(default_factory=dict)  # rows to encode by kind: image, video, text
     retried: bool = False  # a row rejected before is encoded again (data.retry_rejects)
     unframed: int = 0  # committed clips lacking a field that record no frames (not given it)
+    new_duplicates: int = 0  # of ``duplicates``, those whose source no reject recorded yet (the plan records them)
+    stale: dict[str, str] = field(default_factory=dict)  # committed rows edited since (precompute.stale), id -> what changed
     duplicate_hashes: frozenset[int] = frozenset()  # hashes two or more rows share
     units: list[SourceUnit] = field(default_factory=list)  # tars, Parquet row groups: read by their tasks
 
@@ -56,12 +62,14 @@ def survey(inputs: InputStream, store: featstore.Store | None, fields: dict[str,
     rejected_before = set() if retry_rejects else rejected
     missing = RowClassifier(store, fields, clips=clips, retry_rejects=retry_rejects)
     out = Survey()
+    stale = StaleCheck(store) if store is not None and len(store) else None
     hashes, codes = array("q"), array("H")
-    code_of: dict[tuple[GroupKey | None, str, int], int] = {}
+    # A row's code: what it lacks, its kind, the samples it stands for, whether a reject recorded its source.
+    code_of: dict[tuple[GroupKey | None, str, int, bool], int] = {}
 
     def code(row: RowKey) -> int:
         key = None if missing.blocked(row, rejected_before) else missing(row)
-        return code_of.setdefault((key, row.modality, missing.samples(row) if key else 1), len(code_of))
+        return code_of.setdefault((key, row.modality, missing.samples(row) if key else 1, row.source in rejected_before), len(code_of))
 
     # Without a store a row's code is its kind's: looked up, not worked out (2M rows: ~2 s less).
     by_kind: dict[str, int] | None = {} if store is None else None
@@ -73,8 +81,11 @@ def survey(inputs: InputStream, store: featstore.Store | None, fields: dict[str,
             codes.extend([by_kind[row.modality] if row.modality in by_kind else by_kind.setdefault(row.modality, code(row)) for row in rows])
         else:
             codes.extend([code(row) for row in rows])
+        if stale is not None:
+            stale.add(rows)
         out.retried = out.retried or (retry_rejects and any(row.source in rejected for row in rows))
     out.rows, out.units, out.unframed = len(hashes), list(inputs.units), missing.unframed
+    out.stale = stale.stale if stale is not None else {}
     if len(inputs.urls) > 1 and not (out.rows or out.rejects or out.units) and not inputs.allow_empty:
         shown = ", ".join(redact_url(url) for url in inputs.urls[:3])
         raise EmptyInputError(f"inputs {shown}: no rows at all; nothing to encode (pass --allow-empty to accept an empty input)")
@@ -82,9 +93,11 @@ def survey(inputs: InputStream, store: featstore.Store | None, fields: dict[str,
     later = _later_duplicates(np.frombuffer(hashes, dtype=np.int64) if len(hashes) else np.zeros(0, np.int64))
     if later.size:
         out.duplicate_hashes = frozenset(np.frombuffer(hashes, dtype=np.int64)[later].tolist())
-        counts = counts - np.bincount(np.frombuffer(codes, dtype=np.uint16)[later], minlength=len(code_of))
+        repeated = np.bincount(np.frombuffer(codes, dtype=np.uint16)[later], minlength=len(code_of))
+        counts = counts - repeated
         out.duplicates = int(later.size)
-    for (key, kind, samples), at in code_of.items():
+        out.new_duplicates = int(sum(repeated[at] for (*_, recorded), at in code_of.items() if not recorded))
+    for (key, kind, samples, _), at in code_of.items():
         n = int(counts[at]) * samples
         if key is None:
             out.skipped += n

@@ -161,3 +161,38 @@ def test_a_few_tasks_per_worker_are_in_flight_and_the_next_follow_as_they_finish
     # The finished job checkpointed its 14 index parts: readers open from the shard table.
     store = featstore.open(str(out))
     assert uncovered_parts(list_index(store.storage)) == 0 and store.dense and len(store) == 14
+
+
+def test_a_rerun_reads_its_manifest_once_unless_it_has_rows_to_plan(tmp_path, s3_server, s3_bucket):
+    """A re-run over a complete store reads its manifest once (it read it three times): planning's
+    first pass also compares the committed rows with the store's record, so an edited caption is
+    still told, and the pass that makes tasks is taken only for rows to encode or a duplicate id
+    no reject recorded yet. Counted as the GETs of the manifest on S3."""
+    import fsspec
+
+    data = tmp_path / "data"
+    rows = _rows(make_dataset(data, num_images=5, num_videos=0))
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    fs.put(str(data / "media") + "/", f"{s3_bucket}/data/media/", recursive=True)
+    manifest = f"{s3_bucket}/data/m.jsonl"
+
+    def run(rows_now: list[dict]):
+        fs.pipe(manifest, "".join(json.dumps(r) + "\n" for r in rows_now).encode())
+        lines: list[str] = []
+        with s3_server.recording() as requests:
+            summary = run_encode(_tiny(), manifest, str(tmp_path / "out"), progress=False, log=lines.append)
+        return summary, sum(r.key == "data/m.jsonl" and r.method == "GET" for r in requests), lines
+
+    first, reads, _ = run(rows[:3])
+    assert first.samples_written == 3 and reads == 2  # the survey, the tasks' pass
+    again, reads, lines = run(rows[:3])
+    assert again.samples_written == 0 and again.stale == 0 and reads == 1, lines
+    edited = [rows[0], {**rows[1], "caption": "an edited caption"}, rows[2]]
+    told, reads, lines = run(edited)
+    assert told.stale == 1 and reads == 1 and any("1 committed sample(s) changed" in line and "1 caption changed" in line for line in lines), lines
+    duplicate, reads, _ = run(edited + [{**rows[3], "id": rows[2].get("id") or "media:image_002.png"}])
+    assert duplicate.samples_written == 0 and duplicate.rejected == 1 and reads == 2
+    recorded, reads, _ = run(edited + [{**rows[3], "id": rows[2].get("id") or "media:image_002.png"}])
+    assert recorded.rejected == 0 and reads == 1
+    grown, reads, _ = run(edited + [rows[4]])
+    assert grown.samples_written == 1 and reads == 2

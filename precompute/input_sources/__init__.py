@@ -111,7 +111,7 @@ class InputStream:
                 self._whole[index] = self._read_whole(url, source)
             whole = self._whole[index]
             if keys_only:
-                whole = SourceRead(rows=[RowKey(r.sample_id, r.source, r.modality) for r in whole.rows], rejects=whole.rejects)
+                whole = SourceRead(rows=[RowKey.of(r) for r in whole.rows], rejects=whole.rejects)
             yield index, whole
 
     def _read_whole(self, url: str, source: InputSource) -> SourceRead:
