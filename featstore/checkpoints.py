@@ -25,6 +25,7 @@ import re
 import threading
 import warnings
 from collections.abc import Callable, Iterable
+from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -32,7 +33,7 @@ import pyarrow as pa
 
 from mmcache.featstore import format as fmt
 from mmcache.featstore.errors import CorruptionError, FormatVersionError
-from mmcache.featstore.index import ShardInfo, parquet_file, read_parquet, recorded_shard_info
+from mmcache.featstore.index import IN_RECORD, ShardInfo, parquet_file, read_parquet, recorded_shard_info
 from mmcache.featstore.storage import Storage
 
 CHECKPOINT_DIR = "checkpoints"
@@ -172,10 +173,12 @@ def _parse_parts(parts_raw: bytes, digest: str, marker: str, url: str, rows: Cal
             raise
         raise CorruptionError(f"{where}: not a valid index checkpoint ({exc})") from None
     parts, start, index, records = {}, 0, fmt.INDEX_DIR, _Records(parts_raw)
+    first_ids = _first_ids(doc, len(columns[0]), where)
     for row, (entry, name, listed, nbytes, num_samples, num_rejected, committed_at, data_root, rejects_key, fields) in enumerate(zip(*columns, strict=True)):
         if not (isinstance(entry, str) and (parsed := fmt.parse_index_part_name(entry)) and parsed[0] == name):
             raise CorruptionError(f"{where}: covers {entry!r}, not the index part of shard {name!r}")  # a name from the store, checked
-        info = recorded_shard_info(name, f"{index}/{entry}", nbytes, num_samples, num_rejected, committed_at, data_root, rejects_key, fields, records, row)
+        info = recorded_shard_info(name, f"{index}/{entry}", nbytes, num_samples, num_rejected, committed_at, data_root, rejects_key, fields, records, row,
+                                   first_ids[row])
         parts[entry] = CoveredPart(entry, listed, info, start, records, row)
         start += num_samples
     if doc.get("rows") != start:
@@ -189,6 +192,17 @@ def _parse_parts(parts_raw: bytes, digest: str, marker: str, url: str, rows: Cal
         return got
 
     return Checkpoint(key, marker, parts, nbytes, samples if type(samples) is int else None, table, ids)
+
+
+def _first_ids(doc: dict[str, Any], parts: int, where: str) -> list[str | None]:
+    """Each covered part's first id as the checkpoint copied it out of its commit record, or (a
+    checkpoint written before it did) ``IN_RECORD`` for each: read from the record when asked."""
+    first_ids = doc.get("first_ids")
+    if first_ids is None:
+        return [IN_RECORD] * parts
+    if not (isinstance(first_ids, list) and len(first_ids) == parts and all(f is None or (isinstance(f, str) and "\0" not in f) for f in first_ids)):
+        raise CorruptionError(f"{where}: its first_ids are not one id (or null) per part")
+    return first_ids
 
 
 def _parse_rows(rows_raw: bytes, where: str) -> pa.Table:

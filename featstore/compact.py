@@ -51,7 +51,7 @@ from mmcache.featstore.checkpoints import (
 )
 from mmcache.featstore.errors import CorruptionError, FeatstoreError, FormatVersionError
 from mmcache.featstore.idhash import id_hashes
-from mmcache.featstore.index import index_parts, list_index, parquet_bytes
+from mmcache.featstore.index import first_id_of, index_parts, list_index, parquet_bytes
 from mmcache.featstore.snapshot import gather_parts
 from mmcache.featstore.storage import Storage
 
@@ -113,7 +113,9 @@ def compact_store(storage: Storage, *, keep: int = KEEP, rebuild: bool = False) 
         # Nothing time- or writer-dependent: compactors of the same parts write the same bytes.
         # "samples": distinct ids, what lets a reader answer len() from the shard table alone.
         samples = pc.count_distinct(gathered.table.column("id")).as_py() if gathered.table.num_rows else 0
-        doc = {"checkpoint_version": CHECKPOINT_VERSION, "format_version": fmt.FORMAT_VERSION, "rows": gathered.table.num_rows, "samples": samples}
+        doc = {"checkpoint_version": CHECKPOINT_VERSION, "format_version": fmt.FORMAT_VERSION, "rows": gathered.table.num_rows, "samples": samples,
+               # Copied out of the records (an order asks for every shard's: no record is decoded then).
+               "first_ids": [first_id_of(info) for _, info in gathered.order]}
         parts_raw = parquet_bytes(described, {CHECKPOINT_METADATA_KEY: json.dumps(doc).encode()})
         rows_raw = parquet_bytes(gathered.table.replace_schema_metadata(None), {})
         digest = digest_of(parts_raw, rows_raw)

@@ -104,7 +104,7 @@ class Resumable(IterableDataset):
         differ = {k: (state.get(k), v) for k, v in self._where().items() if state.get(k) != v}
         if differ:
             said = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in differ.items())
-            older = " (a state from before shuffles took shards by name: open the dataset with commit_order=True to finish that epoch)" \
+            older = " (a state from before shuffles took shards in sequence: open the dataset with commit_order=True to finish that epoch)" \
                 if differ.get("order", ("", ""))[0] is None else ""
             raise ValueError(
                 f"cannot resume this epoch mid-way: {said}{older}. Resume with the same data, seed, ranks and workers, "
@@ -127,7 +127,7 @@ class StreamingDataset(Resumable):
     samples holding all of them are visited. ``normalize=True`` turns each latent field whose
     metadata records a scale (``featstore.latents``) into float32 ``(x - shift) * scale`` per
     channel. ``window``: shards per shuffle window (None: a global shuffle). ``commit_order=True``:
-    the global shuffle of mmcache before it took shards by name (to finish an epoch a state saved
+    the global shuffle of mmcache before it took shards in sequence, by first sample id (to finish an epoch a state saved
     then began). Further keywords go to ``featstore.open`` (``cache_dir``, ``cache_bytes``,
     ``verify_reads``)."""
 
@@ -258,10 +258,10 @@ class StreamingDataset(Resumable):
     def resume_key(self) -> dict[str, Any]:
         key = {"url": self.url, "snapshot": snapshot_digest(self.shards), "seed": self.seed, "shuffle": self.shuffle,
                "window": self.window, "num_samples": self.num_samples(), "drop_last": self.drop_last}
-        # Only a global shuffle changed when orders took shards by name; a state saved before
+        # Only a global shuffle changed when orders took shards in sequence; a state saved before
         # (without this key) is one of the commit order.
         if self.shuffle and self._order is not None and self._order.window is None and not self.commit_order:
-            key["order"] = "shards by name"
+            key["order"] = "shards by first id"
         return key
 
 

@@ -57,9 +57,32 @@ class ShardInfo:
     rejects_key: str = ""
     committed_at: float = 0.0  # by the writer's clock; 0 for versions 1-2
     replaces: tuple[str, ...] = ()  # a data compaction's shard: the shards it rewrote (featstore.rewrite)
+    # The id of its first index row, as its commit record says (None: no rows, or a shard committed
+    # before records held it; IN_RECORD: not copied out of the record, read there when asked):
+    # what epoch orders visit shards by (featstore.order), the same on every encode of the same
+    # inputs, wherever they lay.
+    first_id: str | None = None
 
     def data_key(self, field: str) -> str:
         return f"{self.data_root}/{field}/c/0"
+
+
+IN_RECORD = "\0in the record"  # a ShardInfo.first_id an older checkpoint did not copy out (no id has a NUL)
+
+
+def first_id_of(info: ShardInfo) -> str | None:
+    """``info.first_id``, read from its commit record where a checkpoint did not copy it out."""
+    if info.first_id != IN_RECORD:
+        return info.first_id
+    assert isinstance(info.layouts, RecordMapping), info.name
+    return recorded_first_id(info.layouts.record(), info.index_key)
+
+
+def recorded_first_id(record: dict[str, Any], key: str) -> str | None:
+    first = record.get("first_id")
+    if first is not None and not (isinstance(first, str) and "\0" not in first):
+        raise CorruptionError(f"{key}: a commit record whose first_id is {first!r}, not an id")
+    return first
 
 
 class RecordMapping(Mapping[str, Any]):
@@ -84,6 +107,10 @@ class RecordMapping(Mapping[str, Any]):
     def __getitem__(self, key: str) -> Any:
         return self._decoded()[key]
 
+    def record(self) -> dict[str, Any]:
+        """The whole commit record, decoded (not kept)."""
+        return json.loads(self._record(self._row))
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys if self._keys is not None else self._decoded())
 
@@ -98,15 +125,17 @@ class RecordMapping(Mapping[str, Any]):
 
 
 def recorded_shard_info(name: str, key: str, nbytes: int, num_samples: int, num_rejected: int, committed_at: float,
-                        data_root: str, rejects_key: str, fields: Sequence[str], record: Callable[[int], str], row: int) -> ShardInfo:
+                        data_root: str, rejects_key: str, fields: Sequence[str], record: Callable[[int], str], row: int,
+                        first_id: str | None = IN_RECORD) -> ShardInfo:
     """A ``ShardInfo`` from a checkpoint: the scalars as given, layouts and objects decoded from
-    the commit record's JSON (``record(row)``) when first read."""
+    the commit record's JSON (``record(row)``) when first read, and the first id from the record
+    too unless the checkpoint copied it out."""
     if why := fmt.recorded_names_problem(name, data_root, rejects_key, fields):
         raise CorruptionError(f"{key}: {why}")
     # Only a rewrite's record is decoded at the open: other names carry no "replaces".
     replaces = fmt.replaced_shards(name, _json(record(row), key).get("replaces"), key) if fmt.is_rewrite_name(name) else ()
     return ShardInfo(name, num_samples, num_rejected, RecordMapping(record, row, "fields", fields), RecordMapping(record, row, "objects"),
-                     key, nbytes, data_root, rejects_key, committed_at, replaces)
+                     key, nbytes, data_root, rejects_key, committed_at, replaces, first_id)
 
 
 
@@ -185,7 +214,8 @@ def shard_info(info: dict[str, Any], name: str, key: str, nbytes: int) -> ShardI
     if stray := [k for k in objects if not (k == rejects or (k.startswith(root + "/") and ".." not in k.split("/")))]:
         raise CorruptionError(f"{key}: shard {name!r} lists an object {stray[0]!r} outside its data directory {root}")
     replaces = fmt.replaced_shards(name, info.get("replaces"), key)
-    return ShardInfo(name, counts[0], counts[1], layouts, objects, key, nbytes, root, rejects, float(info.get("committed_at") or 0.0), replaces)
+    return ShardInfo(name, counts[0], counts[1], layouts, objects, key, nbytes, root, rejects, float(info.get("committed_at") or 0.0), replaces,
+                     recorded_first_id(info, key))
 
 
 def row_outside_data(table: pa.Table, info: ShardInfo) -> str | None:

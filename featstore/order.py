@@ -9,14 +9,15 @@ next), so each object is downloaded once per epoch when two windows fit in the c
 
 Either order is a pure function of (seed, epoch, the snapshot's shards, window): never of the
 world size or the rank, so every rank computes the same order and a resumed run goes on with the
-very samples it would have seen. Both visit the shards by name, never in the order they were
-committed: two encodes of the same inputs at the same paths (whose tasks finish in any order)
-give one order (shard names hash the inputs' paths).
-``window=None`` (or a window of every shard) is the plain global permutation, of the positions
-taken shard by shard in name order (``as_numbered=True``: of the positions as numbered, where
-their numbering is already the same on every encode, a training manifest's, or for a run that
-predates this, which permuted the store's commit order). Both ``mmtrain fit`` (train.data) and ``featstore.dataset.StreamingDataset`` use it;
-how a trainer sizes the window from its cache is train.order's.
+very samples it would have seen. Both visit the shards in ``shard_sequence`` (by each shard's
+first sample id), never in the order they were committed: two encodes of the same inputs, whose
+tasks finish in any order, from wherever the inputs lay, give one order. ``window=None`` (or a
+window of every shard) is the plain global permutation, of the positions taken shard by shard in
+that sequence (``as_numbered=True``: of the positions as numbered, where their numbering is
+already the same on every encode, a training manifest's, or for a run that predates this, which
+permuted the store's commit order). Both ``mmtrain fit`` (train.data) and
+``featstore.dataset.StreamingDataset`` use it; how a trainer sizes the window from its cache is
+train.order's.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import math
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from mmcache.featstore.index import first_id_of
 
 if TYPE_CHECKING:
     from mmcache.featstore.reader import Store
@@ -62,8 +65,8 @@ class EpochOrder:
         if self.window is None:
             # rng.permutation(n) is arange(n) shuffled in place; the draws depend only on n, so a
             # narrower array gives the same permutation in half the memory (every rank holds one),
-            # and shuffling the positions by shard name moves each where arange's would go.
-            order = np.arange(self.num_samples, dtype=_position_dtype(self.num_samples)) if self.as_numbered else self._by_name()
+            # and shuffling the positions in shard sequence moves each where arange's would go.
+            order = np.arange(self.num_samples, dtype=_position_dtype(self.num_samples)) if self.as_numbered else self._in_sequence()
             rng.shuffle(order)
             return order
         shards = rng.permutation(self.num_shards)
@@ -71,8 +74,8 @@ class EpochOrder:
         windows = np.array_split(shards, math.ceil(self.num_shards / self.window))
         return np.concatenate([rng.permutation(np.concatenate([self._group(k) for k in w])) for w in windows])
 
-    def _by_name(self) -> np.ndarray:
-        """Every position, shard after shard by name (each shard's ascending), filled in place:
+    def _in_sequence(self) -> np.ndarray:
+        """Every position, shard after shard in ``shard_sequence`` (each shard's ascending), filled in place:
         one array of the epoch's size, not one per shard besides."""
         out = np.empty(self.num_samples, dtype=_position_dtype(self.num_samples))
         at = 0
@@ -94,20 +97,30 @@ def _position_dtype(num_samples: int) -> type[np.signedinteger]:
     return np.int32 if num_samples < 2**31 else np.int64
 
 
+def shard_sequence(store: Store) -> list[str]:
+    """The snapshot's shards in the order epoch orders visit them: by the id of each one's first
+    sample (as its commit record says: ``ShardInfo.first_id``), then by name (shards committed
+    before records held it, shards without samples, a data source's shards after another's).
+    Sample ids do not name where the inputs lay, so two encodes of the same inputs, from any
+    folder or bucket, give one sequence; shard names hash the inputs' paths."""
+    keys = {name: (first is None, first or "", name) for name, info in store.shards.items() for first in [first_id_of(info)]}
+    return sorted(keys, key=keys.__getitem__)
+
+
 def _dense_groups(store: Store) -> list[range]:
     """A dense store's positions by shard, in the order of the shard numbers ``shard_positions``
-    gives (the shards sorted by name), shards without samples left out as that order leaves them."""
+    gives (``shard_sequence``), shards without samples left out as that order leaves them."""
     starts = np.cumsum([0] + [info.num_samples for info in store.shards.values()], dtype=np.int64)
     spans = {name: range(int(a), int(b)) for name, a, b in zip(store.shards, starts[:-1], starts[1:], strict=True)}
-    return [spans[name] for name in sorted(spans) if len(spans[name])]
+    return [spans[name] for name in shard_sequence(store) if len(spans[name])]
 
 
 def shard_positions(store: Store, rows: np.ndarray) -> np.ndarray:
-    """For each index row in ``rows`` (a stream's samples), the number of its shard among the
-    snapshot's shards sorted by name (the same on every rank and on resume). From the shard table
-    alone: a shard's rows are one range, in the order of ``store.shards``."""
+    """For each index row in ``rows`` (a stream's samples), the number of its shard in
+    ``shard_sequence`` (the same on every rank and on resume). From the shard table alone: a
+    shard's rows are one range, in the order of ``store.shards``."""
     names = list(store.shards)
-    number = {name: i for i, name in enumerate(sorted(names))}
+    number = {name: i for i, name in enumerate(shard_sequence(store))}
     numbers = np.array([number[name] for name in names], dtype=np.int64)
     starts = np.cumsum([0] + [info.num_samples for info in store.shards.values()], dtype=np.int64)
     return numbers[np.searchsorted(starts, np.asarray(rows, dtype=np.int64), side="right") - 1] if len(names) else np.zeros(len(rows), np.int64)

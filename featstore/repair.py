@@ -44,6 +44,7 @@ def rewritten_part(raw: bytes, info: ShardInfo, drop_ids: set[str], name: str) -
     record.update(
         format_version=fmt.EXCLUSIVE_COMMIT_VERSION, shard=name, num_samples=kept.num_rows,
         data=info.data_root, rejects=info.rejects_key, committed_at=info.committed_at,
+        first_id=kept.column("id")[0].as_py() if kept.num_rows else None,
     )
     return index_part_bytes(kept, record)
 

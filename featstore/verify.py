@@ -25,7 +25,7 @@ from mmcache.featstore import checkpoints
 from mmcache.featstore import format as fmt
 from mmcache.featstore.errors import CorruptionError, FormatVersionError
 from mmcache.featstore.idhash import id_hashes
-from mmcache.featstore.index import list_index, parse_index_part_record
+from mmcache.featstore.index import IN_RECORD, list_index, parse_index_part_record
 from mmcache.featstore.prompts import PROMPTS_DIR, parse_part_name, read_part
 from mmcache.featstore.reader import Store
 from mmcache.featstore.rewrite import check_replaced
@@ -192,7 +192,9 @@ def check_checkpoints(storage: Storage, problems: list[str], notes: list[str]) -
                 continue
             table, record = parsed[entry]  # type: ignore[misc]
             compared += 1
-            why = "its commit record differs" if json.loads(part.record) != record else _rows_differ(checkpoint.table.slice(part.start, part.info.num_samples), table, part.info.name)
+            why = ("its commit record differs" if json.loads(part.record) != record
+                   else f"its first id {part.info.first_id!r} is not the record's" if part.info.first_id not in (IN_RECORD, record.get("first_id"))
+                   else _rows_differ(checkpoint.table.slice(part.start, part.info.num_samples), table, part.info.name))
             if why:
                 problems.append(f"index checkpoint {checkpoint.key} disagrees with {key}: {why}; readers would use the checkpoint's rows. "
                                 f"Run `mmcache compact --rebuild {storage.url}` to replace it from the parts")

@@ -198,6 +198,8 @@ class StoreWriter:
         # Readers resolve a (sample id, field) that racing writers both committed by the
         # earliest commit, then the shard name: deterministic for every reader of the same shards.
         stamp = {"committed_at": time.time()} if rewrite is None else {"committed_at": rewrite.committed_at, "replaces": list(rewrite.replaces), "rewritten_at": time.time()}
+        if table.num_rows:  # what epoch orders visit shards by (ShardInfo.first_id)
+            stamp["first_id"] = table.column("id")[0].as_py()
         part = index_part_bytes(table, {**commit_info, **stamp})
         # The commit point: until this object exists the shard is invisible to every reader; it
         # is created only if absent, so of two writers of one shard name exactly one commits.

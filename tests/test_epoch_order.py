@@ -20,6 +20,8 @@ import pytest
 
 from mmcache import featstore
 from mmcache.featstore.cache import LAYOUT
+from mmcache.featstore.compact import compact_store
+from mmcache.featstore.order import shard_sequence
 from mmcache.featstore.config import load_config
 from mmcache.featstore.errors import ConfigError
 from tests.s3_server import FaultProxy
@@ -100,24 +102,29 @@ def test_each_epoch_is_a_permutation_read_window_by_window(local_store):
 
 
 def test_two_encodes_whose_shards_committed_in_other_orders_train_alike(tmp_path):
-    """An encode's tasks commit in whatever order they finish: the epoch order visits samples by
-    shard name, so the same samples give the same sequence of ids, globally and windowed; a run
-    that predates this (run.json's data_order without by_name) resumes in its old order."""
+    """An encode's tasks commit in whatever order they finish, and its shards' names hash where the
+    inputs lay: the epoch order visits the shards by their first sample's id, so the same samples
+    give the same sequence of ids, globally and windowed, through an index checkpoint too (one of
+    an older mmcache: from each commit record); a run that predates this (run.json's data_order
+    without shard_sequence) resumes in its old order."""
     rng = np.random.default_rng(1)
     samples = {k: {f"k{k}-{i}": rng.standard_normal((4, 1, 8, 8), dtype=np.float32) for i in range(5)} for k in range(6)}
     fields = {"latent": {"dtype": "float32", "ndim": 4, "meta": {"latent_channels": 4, "scaling_factor": 1.0}},
               "text_emb": {"dtype": "float32", "ndim": 2, "meta": {"hidden_size": 4}}}
     urls = []
-    for name, commits in (("ascending", range(6)), ("shuffled", (3, 0, 5, 1, 4, 2))):
+    # The second encode's inputs lay elsewhere: its task names (hashes) sort otherwise.
+    for name, commits, shard in (("ascending", range(6), "t-{k:04d}"), ("shuffled", (3, 0, 5, 1, 4, 2), "t-{n:04d}x{k}")):
         writer = featstore.create(str(tmp_path / name), fields=fields, shard_bytes=10**12)
         for k in commits:
             for sample_id, latent in samples[k].items():
                 writer.add(sample_id, {"latent": latent, "text_emb": np.ones((3, 4), np.float32)})
-            writer.commit(f"t-{k:04d}")
+            writer.commit(shard.format(k=k, n=(7 * k + 3) % 10))
         writer.close()
         urls.append(str(tmp_path / name))
     stores = [featstore.open(url) for url in urls]
     assert list(stores[0].shards) != list(stores[1].shards)  # listed (and positioned) in commit order
+    assert [stores[1].shards[n].first_id for n in sorted(stores[1].shards)] != [f"k{k}-0" for k in range(6)]  # by name: another order
+    assert [stores[1].shards[n].first_id for n in shard_sequence(stores[1])] == [f"k{k}-0" for k in range(6)]
 
     def ids(store, window, epoch=1, **kw):
         s = stream(store, window=window)
@@ -127,13 +134,18 @@ def test_two_encodes_whose_shards_committed_in_other_orders_train_alike(tmp_path
 
     for window in (None, 2):
         assert ids(stores[0], window) == ids(stores[1], window)
+    compact_store(stores[1].storage)
+    checkpointed = featstore.open(urls[1])
+    assert checkpointed.storage.url == stores[1].storage.url and ids(checkpointed, None) == ids(stores[0], None)
+    assert shard_sequence(checkpointed) == shard_sequence(stores[1])
+    assert _older_checkpoint_sequence(checkpointed) == shard_sequence(stores[1])
     assert ids(stores[0], None, epoch=2) == ids(stores[1], None, epoch=2) != ids(stores[0], None)
     # The order of a run that started before: positions in commit order, bit for bit.
     legacy = np.random.default_rng([3, 1]).permutation(30)
     assert ids(stores[1], None, commit_order=True) == [stores[1].index.column("id")[int(p)].as_py() for p in legacy]
     data = load_config(TrainConfig, "tiny-dit", "train", []).data
     assert plan_order(stores[1], ["latent"], data, None).commit_order is False  # a new run
-    assert plan_order(stores[1], ["latent"], data, {"shuffle_window": None, "shards": 6, "by_name": True}).commit_order is False
+    assert plan_order(stores[1], ["latent"], data, {"shuffle_window": None, "shards": 6, "shard_sequence": "first_id"}).commit_order is False
     assert plan_order(stores[1], ["latent"], data, {"shuffle_window": None, "shards": 6}).commit_order is True  # an older run's
     assert plan_order(stores[1], ["latent"], data, {}).commit_order is True
     # The library's dataset visits them alike too; a state an older mmcache saved of a global
@@ -151,6 +163,30 @@ def test_two_encodes_whose_shards_committed_in_other_orders_train_alike(tmp_path
     assert [x["id"] for x in older] == [stores[1].index.column("id")[int(p)].as_py() for p in epoch0[4:]]
     windowed = StreamingDataset(urls[1], shuffle=True, seed=3, rank=0, world_size=1, window=2)
     assert "order" not in windowed.state_dict()  # a windowed order did not change: older states resume
+
+
+def _older_checkpoint_sequence(store) -> list[str]:
+    """The shard sequence read through ``store``'s index checkpoint as an older mmcache wrote it:
+    without the first ids copied out of the commit records (each read from its record instead)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from mmcache.featstore.checkpoints import CHECKPOINT_METADATA_KEY, _parse_parts, checkpoint_keys, markers
+    from mmcache.featstore.index import IN_RECORD, list_index, parquet_bytes
+
+    (_, digest, marker), *_ = markers(list_index(store.storage))
+    listing = pq.ParquetFile(pa.BufferReader(store.storage.read(checkpoint_keys(digest)[0])))
+    parts, doc = listing.read(), json.loads(listing.metadata.metadata[CHECKPOINT_METADATA_KEY])
+    assert len(doc.pop("first_ids")) == len(store.shards)
+    older = parquet_bytes(parts.replace_schema_metadata(None), {CHECKPOINT_METADATA_KEY: json.dumps(doc).encode()})
+    checkpoint = _parse_parts(older, digest, marker, store.url, lambda: None, len(older))
+    infos = {part.info.name: part.info for part in checkpoint.parts.values()}
+    assert {info.first_id for info in infos.values()} == {IN_RECORD}
+
+    class Shards:
+        shards = infos
+
+    return shard_sequence(Shards)
 
 
 def test_same_batches_at_any_world_size_and_after_a_resume(local_store):
@@ -312,7 +348,7 @@ def test_fit_from_s3_on_four_ranks_reports_the_cache_per_epoch(s3_store, tmp_pat
     # Cache: 8 shards' worth; 90% of it less 3 global batches of 8 (3 shards) leaves two windows of 2.
     assert "windows of 2 shard(s)" in result.stdout and "epoch 0: downloaded" in result.stdout and "warning" not in result.stdout
     info = json.loads((run / "run.json").read_text())
-    assert info["data_order"] == {"shuffle_window": 2, "shards": SHARDS, "by_name": True} and info["world_size"] == 4
+    assert info["data_order"] == {"shuffle_window": 2, "shards": SHARDS, "shard_sequence": "first_id"} and info["world_size"] == 4
     assert (info["mesh"]["dp_shard"], info["mesh"]["ulysses"]) == (2, 2)
     rows = records(run)
     assert len(rows) == epoch + 2 and all("cache_bytes_downloaded" in r for r in rows)

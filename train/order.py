@@ -4,8 +4,9 @@ The order itself (one permutation per epoch, windowed over shards, a pure functi
 epoch, snapshot and window, never of the world size) lives in ``featstore.order``, shared with
 ``featstore.dataset``; here the window is chosen so two windows fit in the run's read-through
 cache, and a resumed run keeps the window it recorded. ``window=None`` is the plain global
-permutation (of the positions by shard name; for a resumed run that recorded no
-``data_order.by_name``, of the positions in commit order, bit for bit its order before).
+permutation (of the positions shard by shard in ``featstore.order.shard_sequence``; for a
+resumed run that recorded no ``data_order.shard_sequence``, of the positions in commit order, bit
+for bit its order before).
 """
 
 from __future__ import annotations
@@ -88,9 +89,9 @@ def plan_order(store: featstore.Store, fields: Sequence[str], data, recorded: di
     # batches (the ranks' readers run up to prefetch steps apart), which may span windows.
     in_flight = (data.prefetch + 1) * data.global_batch * store_bytes / max(len(store), 1)
     window = resolve_window(data.shuffle_window, data.cache_bytes, shard_bytes, recorded, in_flight)
-    # Runs record data_order.by_name since the global shuffle takes the shards by name; one that
-    # does not record it resumes with the order it started with (positions in commit order).
-    commit_order = recorded is not None and not recorded.get("by_name", False)
+    # Runs record data_order.shard_sequence since the global shuffle takes the shards in that
+    # sequence; one that does not record it resumes with the order it started with (commit order).
+    commit_order = recorded is not None and not recorded.get("shard_sequence")
     warnings = []
     cache = store.storage.local_cache
     if cache is not None:

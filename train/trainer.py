@@ -370,7 +370,7 @@ def _stream(plan: RunPlan, meshes: ParallelMeshes, joint: JointEncoders, say, lo
     if joint.live.fillable and stream.is_live is not None and stream.is_live.any():
         say(f"data.on_missing=live: {int(stream.is_live.sum())} of the {stream.num_samples} samples lack "
             f"{' or '.join(map(repr, sorted(joint.live.fillable)))} and are encoded live")
-    recorded = {"data_order": {"shuffle_window": order.window, "shards": stream.order.num_shards, "by_name": not order.commit_order},
+    recorded = {"data_order": {"shuffle_window": order.window, "shards": stream.order.num_shards, **({} if order.commit_order else {"shard_sequence": "first_id"})},
                 "fingerprints": plan.fingerprints,
                 "drift": joint.drift, "store_bytes": order.store_bytes,
                 **({"manifest": plan.manifest.record(store)} if plan.manifest is not None else {})}
