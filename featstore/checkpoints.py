@@ -25,15 +25,15 @@ import re
 import threading
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from mmcache.featstore import format as fmt
 from mmcache.featstore.errors import CorruptionError, FormatVersionError
-from mmcache.featstore.index import IN_RECORD, ShardInfo, parquet_file, read_parquet, recorded_shard_info
+from mmcache.featstore.index import IN_RECORD, ShardInfo, is_first_id, parquet_file, read_parquet, recorded_shard_info
 from mmcache.featstore.storage import Storage
 
 CHECKPOINT_DIR = "checkpoints"
@@ -117,6 +117,7 @@ class Checkpoint:
         self.parts = parts              # entry -> part, in table order
         self.nbytes = nbytes
         self.samples = samples          # distinct sample ids among its rows (None: an older compactor's)
+        self.first_ids_copied = True    # its parts' first ids copied out of their records (not: an older compactor's)
         self._rows, self._table = rows, None
         self._ids = ids
         self._lock = threading.Lock()
@@ -191,7 +192,9 @@ def _parse_parts(parts_raw: bytes, digest: str, marker: str, url: str, rows: Cal
             raise CorruptionError(f"{where}: {got.num_rows} rows but its parts hold {start}")
         return got
 
-    return Checkpoint(key, marker, parts, nbytes, samples if type(samples) is int else None, table, ids)
+    checkpoint = Checkpoint(key, marker, parts, nbytes, samples if type(samples) is int else None, table, ids)
+    checkpoint.first_ids_copied = "first_ids" in doc
+    return checkpoint
 
 
 def _first_ids(doc: dict[str, Any], parts: int, where: str) -> list[str | None]:
@@ -200,7 +203,7 @@ def _first_ids(doc: dict[str, Any], parts: int, where: str) -> list[str | None]:
     first_ids = doc.get("first_ids")
     if first_ids is None:
         return [IN_RECORD] * parts
-    if not (isinstance(first_ids, list) and len(first_ids) == parts and all(f is None or (isinstance(f, str) and "\0" not in f) for f in first_ids)):
+    if not (isinstance(first_ids, list) and len(first_ids) == parts and all(is_first_id(f) for f in first_ids)):
         raise CorruptionError(f"{where}: its first_ids are not one id (or null) per part")
     return first_ids
 

@@ -93,7 +93,8 @@ def compact_store(storage: Storage, *, keep: int = KEEP, rebuild: bool = False) 
     old = gathered.checkpoint
     summary.new_parts = sum(1 for entry, _ in gathered.order if entry not in gathered.covered)
     summary.parts, summary.rows = len(gathered.order), gathered.table.num_rows
-    if old is not None and not summary.new_parts and len(gathered.covered) == len(old.parts):
+    # (An older compactor's checkpoint is written again, with the first ids an order reads.)
+    if old is not None and not summary.new_parts and len(gathered.covered) == len(old.parts) and old.first_ids_copied:
         summary.key, summary.nbytes = old.key, old.nbytes  # nothing committed or deleted since
     else:
         records = gathered.records

@@ -104,7 +104,7 @@ class Resumable(IterableDataset):
         differ = {k: (state.get(k), v) for k, v in self._where().items() if state.get(k) != v}
         if differ:
             said = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in differ.items())
-            older = " (a state from before shuffles took shards in sequence: open the dataset with commit_order=True to finish that epoch)" \
+            older = " (a state from before shuffles took shards in sequence: open the dataset with legacy_order=True to finish that epoch)" \
                 if differ.get("order", ("", ""))[0] is None else ""
             raise ValueError(
                 f"cannot resume this epoch mid-way: {said}{older}. Resume with the same data, seed, ranks and workers, "
@@ -126,19 +126,19 @@ class StreamingDataset(Resumable):
     ``meta`` with ``with_meta=True``). ``fields``: what to read (default: every field); only
     samples holding all of them are visited. ``normalize=True`` turns each latent field whose
     metadata records a scale (``featstore.latents``) into float32 ``(x - shift) * scale`` per
-    channel. ``window``: shards per shuffle window (None: a global shuffle). ``commit_order=True``:
-    the global shuffle of mmcache before it took shards in sequence, by first sample id (to finish an epoch a state saved
-    then began). Further keywords go to ``featstore.open`` (``cache_dir``, ``cache_bytes``,
-    ``verify_reads``)."""
+    channel. ``window``: shards per shuffle window (None: a global shuffle). ``legacy_order=True``:
+    the shuffles of mmcache before they took the shards in sequence by first sample id (the shards
+    by name; a global shuffle in commit order), to finish an epoch that a state saved then began.
+    Further keywords go to ``featstore.open`` (``cache_dir``, ``cache_bytes``, ``verify_reads``)."""
 
     def __init__(self, url: str | os.PathLike[str], fields: Sequence[str] | None = None, *, shuffle: bool = False, seed: int = 0,
                  rank: int | None = None, world_size: int | None = None, storage_options: dict[str, Any] | None = None,
                  with_meta: bool = False, normalize: bool = False, drop_last: bool = False, window: int | None = None,
-                 commit_order: bool = False, **open_options: Any) -> None:
+                 legacy_order: bool = False, **open_options: Any) -> None:
         if window is not None and (isinstance(window, bool) or window < 1):
             raise ValueError(f"window must be a number of shards >= 1 (or None: a global shuffle), got {window!r}")
         self.url, self.storage_options, self.open_options = str(url), storage_options, open_options
-        self.shuffle, self.seed, self.window, self.commit_order = shuffle, int(seed), window, commit_order
+        self.shuffle, self.seed, self.window, self.legacy_order = shuffle, int(seed), window, legacy_order
         self.with_meta, self.normalize, self.drop_last = with_meta, normalize, drop_last
         self._rank, self._world_size = rank, world_size
         placement(rank, world_size)  # a bad rank fails here, not in a worker
@@ -163,9 +163,9 @@ class StreamingDataset(Resumable):
         if not self.shuffle:
             self._order = None
         elif self._rows is None:
-            self._order = EpochOrder.of_dense(self.seed, store, self.window, as_numbered=self.commit_order)
+            self._order = EpochOrder.of_dense(self.seed, store, self.window, legacy=self.legacy_order)
         else:
-            self._order = EpochOrder(self.seed, shard_positions(store, self._rows), self.window, as_numbered=self.commit_order)
+            self._order = EpochOrder(self.seed, shard_positions(store, self._rows, by_name=self.legacy_order), self.window, as_numbered=self.legacy_order)
         self._scales = {}
         if self.normalize:
             for name in self.fields:
@@ -258,9 +258,9 @@ class StreamingDataset(Resumable):
     def resume_key(self) -> dict[str, Any]:
         key = {"url": self.url, "snapshot": snapshot_digest(self.shards), "seed": self.seed, "shuffle": self.shuffle,
                "window": self.window, "num_samples": self.num_samples(), "drop_last": self.drop_last}
-        # Only a global shuffle changed when orders took shards in sequence; a state saved before
-        # (without this key) is one of the commit order.
-        if self.shuffle and self._order is not None and self._order.window is None and not self.commit_order:
+        # A state saved before shuffles took the shards in sequence (without this key) is one of
+        # the legacy order.
+        if self.shuffle and not self.legacy_order:
             key["order"] = "shards by first id"
         return key
 

@@ -71,18 +71,23 @@ IN_RECORD = "\0in the record"  # a ShardInfo.first_id an older checkpoint did no
 
 
 def first_id_of(info: ShardInfo) -> str | None:
-    """``info.first_id``, read from its commit record where a checkpoint did not copy it out."""
-    if info.first_id != IN_RECORD:
-        return info.first_id
-    assert isinstance(info.layouts, RecordMapping), info.name
-    return recorded_first_id(info.layouts.record(), info.index_key)
+    """``info.first_id``, read from its commit record (once) where a checkpoint did not copy it out."""
+    if info.first_id == IN_RECORD:
+        assert isinstance(info.layouts, RecordMapping), info.name
+        info.first_id = recorded_first_id(info.layouts.record(), info.index_key)  # the same on every read: kept
+    return info.first_id
 
 
 def recorded_first_id(record: dict[str, Any], key: str) -> str | None:
     first = record.get("first_id")
-    if first is not None and not (isinstance(first, str) and "\0" not in first):
+    if not is_first_id(first):
         raise CorruptionError(f"{key}: a commit record whose first_id is {first!r}, not an id")
     return first
+
+
+def is_first_id(value: Any) -> bool:
+    """A recorded first id: an id (no NUL: ``IN_RECORD`` is none), or None."""
+    return value is None or (isinstance(value, str) and "\0" not in value)
 
 
 class RecordMapping(Mapping[str, Any]):

@@ -11,13 +11,14 @@ Either order is a pure function of (seed, epoch, the snapshot's shards, window):
 world size or the rank, so every rank computes the same order and a resumed run goes on with the
 very samples it would have seen. Both visit the shards in ``shard_sequence`` (by each shard's
 first sample id), never in the order they were committed: two encodes of the same inputs, whose
-tasks finish in any order, from wherever the inputs lay, give one order. ``window=None`` (or a
-window of every shard) is the plain global permutation, of the positions taken shard by shard in
-that sequence (``as_numbered=True``: of the positions as numbered, where their numbering is
-already the same on every encode, a training manifest's, or for a run that predates this, which
-permuted the store's commit order). Both ``mmtrain fit`` (train.data) and
-``featstore.dataset.StreamingDataset`` use it; how a trainer sizes the window from its cache is
-train.order's.
+tasks finish in any order, from wherever the inputs lay, give one order (data compaction groups
+shards in that sequence too: featstore.rewrite). ``window=None`` (or a window of every shard) is
+the plain global permutation, of the positions taken shard by shard in that sequence
+(``as_numbered=True``: of the positions as numbered, where their numbering is already the same on
+every encode: a training manifest's). A run that predates shard sequences goes on in its own
+order (``legacy``: the shards by name, a global shuffle of the positions in commit order). Both
+``mmtrain fit`` (train.data) and ``featstore.dataset.StreamingDataset`` use it; how a trainer
+sizes the window from its cache is train.order's.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class EpochOrder:
     """``order(epoch)``: a permutation of the stream's positions ``0..len(shard_of)-1``."""
 
     def __init__(self, seed: int, shard_of: np.ndarray, window: int | None, *, as_numbered: bool = False) -> None:
+        # shard_of: each position's shard, numbered in their sequence (shard_positions).
         # Positions grouped by shard, each group ascending (a stable sort): the input of the
         # per-window shuffle must not depend on anything but the snapshot.
         by = np.argsort(shard_of, kind="stable")
@@ -44,13 +46,14 @@ class EpochOrder:
         self._setup(seed, len(shard_of), np.split(by, starts[1:]) if len(by) else [], window, as_numbered)
 
     @classmethod
-    def of_dense(cls, seed: int, store: Store, window: int | None, *, as_numbered: bool = False) -> EpochOrder:
+    def of_dense(cls, seed: int, store: Store, window: int | None, *, legacy: bool = False) -> EpochOrder:
         """The order of every sample of a dense store (a sample's position is its row): the same
         permutations as ``EpochOrder(seed, shard_positions(store, arange(len(store))), window)``,
         from the shard table alone. Each shard's positions are one range, kept as its bounds, so
-        nothing per sample is held but the epoch's permutation itself."""
+        nothing per sample is held but the epoch's permutation itself. ``legacy``: the order of
+        mmcache before shard sequences (``as_numbered``, the shards by name)."""
         order = cls.__new__(cls)
-        order._setup(seed, int(sum(info.num_samples for info in store.shards.values())), _dense_groups(store), window, as_numbered)
+        order._setup(seed, int(sum(info.num_samples for info in store.shards.values())), _dense_groups(store, by_name=legacy), window, legacy)
         return order
 
     def _setup(self, seed: int, num_samples: int, groups: list[np.ndarray] | list[range], window: int | None,
@@ -97,30 +100,35 @@ def _position_dtype(num_samples: int) -> type[np.signedinteger]:
     return np.int32 if num_samples < 2**31 else np.int64
 
 
-def shard_sequence(store: Store) -> list[str]:
+def shard_sequence(store: Store, *, by_name: bool = False) -> list[str]:
     """The snapshot's shards in the order epoch orders visit them: by the id of each one's first
     sample (as its commit record says: ``ShardInfo.first_id``), then by name (shards committed
-    before records held it, shards without samples, a data source's shards after another's).
-    Sample ids do not name where the inputs lay, so two encodes of the same inputs, from any
-    folder or bucket, give one sequence; shard names hash the inputs' paths."""
-    keys = {name: (first is None, first or "", name) for name, info in store.shards.items() for first in [first_id_of(info)]}
+    before records held it, shards without samples, ties). Sample ids do not name where the
+    inputs lay, so two encodes of the same inputs, from any folder or bucket, give one sequence;
+    shard names hash the inputs' paths. ``by_name``: by name alone, as mmcache ordered them before."""
+    if by_name:
+        return sorted(store.shards)
+    keys = {}
+    for name, info in store.shards.items():
+        first = first_id_of(info)
+        keys[name] = (first is None, first or "", name)
     return sorted(keys, key=keys.__getitem__)
 
 
-def _dense_groups(store: Store) -> list[range]:
+def _dense_groups(store: Store, *, by_name: bool) -> list[range]:
     """A dense store's positions by shard, in the order of the shard numbers ``shard_positions``
     gives (``shard_sequence``), shards without samples left out as that order leaves them."""
     starts = np.cumsum([0] + [info.num_samples for info in store.shards.values()], dtype=np.int64)
     spans = {name: range(int(a), int(b)) for name, a, b in zip(store.shards, starts[:-1], starts[1:], strict=True)}
-    return [spans[name] for name in shard_sequence(store) if len(spans[name])]
+    return [spans[name] for name in shard_sequence(store, by_name=by_name) if len(spans[name])]
 
 
-def shard_positions(store: Store, rows: np.ndarray) -> np.ndarray:
+def shard_positions(store: Store, rows: np.ndarray, *, by_name: bool = False) -> np.ndarray:
     """For each index row in ``rows`` (a stream's samples), the number of its shard in
     ``shard_sequence`` (the same on every rank and on resume). From the shard table alone: a
     shard's rows are one range, in the order of ``store.shards``."""
     names = list(store.shards)
-    number = {name: i for i, name in enumerate(shard_sequence(store))}
+    number = {name: i for i, name in enumerate(shard_sequence(store, by_name=by_name))}
     numbers = np.array([number[name] for name in names], dtype=np.int64)
     starts = np.cumsum([0] + [info.num_samples for info in store.shards.values()], dtype=np.int64)
     return numbers[np.searchsorted(starts, np.asarray(rows, dtype=np.int64), side="right") - 1] if len(names) else np.zeros(len(rows), np.int64)

@@ -25,6 +25,7 @@ from typing import Any
 from mmcache.featstore import format as fmt
 from mmcache.featstore.errors import CorruptionError, ShardCommittedError
 from mmcache.featstore.index import ShardInfo, parse_index_part_record, read_parquet, shard_info
+from mmcache.featstore.order import shard_sequence
 from mmcache.featstore.reader import Store, open_store
 from mmcache.featstore.storage import Storage
 from mmcache.featstore.writer import DEFAULT_SHARD_BYTES, Rewrite
@@ -81,13 +82,15 @@ def shard_nbytes(info: ShardInfo) -> int:
 
 
 def plan_groups(store: Store, target_bytes: int) -> list[Group]:
-    """Groups of small shards, in snapshot order, of about ``target_bytes`` each (two shards or
-    more per group), the shards of a group holding the same fields. A shard holding a sample field that
-    another shard holds too (racing writers) is left alone: `mmcache repair` settles it first."""
+    """Groups of small shards, in the sequence epoch orders visit them (``shard_sequence``: not
+    in commit order, so two encodes of the same inputs compact alike), of about ``target_bytes``
+    each (two shards or more per group), the shards of a group holding the same fields. A shard
+    holding a sample field that another shard holds too (racing writers) is left alone: `mmcache
+    repair` settles it first."""
     raced = set() if store.dense else {shard for _, _, shard in store.duplicates} | _winners(store)
     open_groups: dict[tuple[str, ...], tuple[list[ShardInfo], int]] = {}
     groups: list[list[ShardInfo]] = []
-    for info in store.shards.values():
+    for info in (store.shards[name] for name in shard_sequence(store)):
         size = shard_nbytes(info)
         if size >= target_bytes * SMALL_FRACTION or info.name in raced:
             continue
@@ -111,8 +114,9 @@ def _group(store: Store, members: list[ShardInfo]) -> Group:
     names = [info.name for info in members]
     closure = {old for info in members for old in info.replaces}
     digest = hashlib.sha256(json.dumps(names).encode()).hexdigest()
-    return Group(shards=names, replaces=names + sorted(closure - set(names)), committed_at=members[0].committed_at,
-                 name=fmt.rewrite_name(names[0], digest))
+    earliest = min(members, key=lambda info: (info.committed_at, info.name))  # its place in snapshot order
+    return Group(shards=names, replaces=names + sorted(closure - set(names)), committed_at=earliest.committed_at,
+                 name=fmt.rewrite_name(earliest.name, digest))
 
 
 def rewrite_group(url: str, storage_options: dict[str, Any] | None, group: Group) -> str | None:

@@ -91,7 +91,7 @@ def plan_encode(config: EncodeConfig, *, inputs: InputStream, survey: Survey, st
         plan.notes.append(f"warning: {survey.unframed} committed clip sample(s) lack one of the fields {list(fields)} and record "
                           "no frames (encoded before mmcache recorded them): a field is not added to them; encode those inputs into a new store to have it")
     # The second pass over the inputs only where it has work: a re-run of a complete job reads them once.
-    rows = groups.tasks(inputs) if survey.todo or survey.new_duplicates else iter(())
+    rows = groups.tasks(inputs) if survey.todo or survey.unsettled_duplicates else iter(())
     plan.tasks = itertools.chain(rows, refill, units)
     return plan
 

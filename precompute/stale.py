@@ -33,14 +33,14 @@ class StaleCheck:
     """Committed rows compared with what the store recorded, a batch of rows at a time as a pass
     over the inputs reads them (planning's first pass: ``precompute.survey``): ``stale`` maps
     each changed sample's id to what changed. Only the rows of a batch that the store holds are
-    looked up, their recorded captions and turns taken from the index for them alone: nothing per
-    committed sample is held besides. With ``check_content`` (rows are ``InputRow``s then) what
-    the workers are to hash is collected too (``hash_contents``)."""
+    looked up, their recorded captions and turns taken from the index for them alone (the index is
+    not even loaded until a row the store holds comes). With ``check_content`` (rows are
+    ``InputRow``s then) what the workers are to hash is collected too, a few fields per committed
+    sample (``hash_contents``)."""
 
     def __init__(self, store: featstore.Store, *, check_content: bool = False) -> None:
         self.store, self.check_content = store, check_content
-        index = store.index
-        self._columns = {name: index.column(name) for name in ("caption", "conversations_sha256", "content_hash") if name in index.column_names}
+        self._columns: dict[str, Any] | None = None
         self.stale: dict[str, str] = {}
         self.todo: list[tuple[str, str, str, int | None, int | None]] = []
 
@@ -49,6 +49,10 @@ class StaleCheck:
         committed = [row for row in rows if row.sample_id in store]
         if not committed:
             return
+        if self._columns is None:
+            index = store.index
+            wanted = ("caption", "conversations_sha256", "content_hash") if self.check_content else ("caption", "conversations_sha256")
+            self._columns = {name: index.column(name) for name in wanted if name in index.column_names}
         at = pa.array([store.row(row.sample_id) for row in committed], pa.int64())
         recorded = {name: column.take(at).to_pylist() for name, column in self._columns.items()}
         captions, turns = recorded.get("caption"), recorded.get("conversations_sha256")

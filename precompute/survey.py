@@ -44,7 +44,7 @@ class Survey:
     kinds: dict[str, int] = field(default_factory=dict)  # rows to encode by kind: image, video, text
     retried: bool = False  # a row rejected before is encoded again (data.retry_rejects)
     unframed: int = 0  # committed clips lacking a field that record no frames (not given it)
-    new_duplicates: int = 0  # of ``duplicates``, those whose source no reject recorded yet (the plan records them)
+    unsettled_duplicates: int = 0  # of ``duplicates``, those the tasks' pass must see (no reject recorded them yet, or would be encoded)
     stale: dict[str, str] = field(default_factory=dict)  # committed rows edited since (precompute.stale), id -> what changed
     duplicate_hashes: frozenset[int] = frozenset()  # hashes two or more rows share
     units: list[SourceUnit] = field(default_factory=list)  # tars, Parquet row groups: read by their tasks
@@ -96,7 +96,9 @@ def survey(inputs: InputStream, store: featstore.Store | None, fields: dict[str,
         repeated = np.bincount(np.frombuffer(codes, dtype=np.uint16)[later], minlength=len(code_of))
         counts = counts - repeated
         out.duplicates = int(later.size)
-        out.new_duplicates = int(sum(repeated[at] for (*_, recorded), at in code_of.items() if not recorded))
+        # The tasks' pass records a duplicate no reject recorded yet, and confirms by id one that
+        # would be encoded (two ids of one hash are no duplicates): those need that pass.
+        out.unsettled_duplicates = int(sum(repeated[at] for (key, *_, recorded), at in code_of.items() if not recorded or key is not None))
     for (key, kind, samples, _), at in code_of.items():
         n = int(counts[at]) * samples
         if key is None:

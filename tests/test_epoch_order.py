@@ -140,29 +140,44 @@ def test_two_encodes_whose_shards_committed_in_other_orders_train_alike(tmp_path
     assert shard_sequence(checkpointed) == shard_sequence(stores[1])
     assert _older_checkpoint_sequence(checkpointed) == shard_sequence(stores[1])
     assert ids(stores[0], None, epoch=2) == ids(stores[1], None, epoch=2) != ids(stores[0], None)
-    # The order of a run that started before: positions in commit order, bit for bit.
+    # The order of a run that started before: a global shuffle of the positions in commit order,
+    # bit for bit; windows of the shards by name (the same as by first id where names sort alike).
     legacy = np.random.default_rng([3, 1]).permutation(30)
-    assert ids(stores[1], None, commit_order=True) == [stores[1].index.column("id")[int(p)].as_py() for p in legacy]
+    assert ids(stores[1], None, legacy_order=True) == [stores[1].index.column("id")[int(p)].as_py() for p in legacy]
+    assert ids(stores[0], 2, legacy_order=True) == ids(stores[0], 2) and ids(stores[1], 2, legacy_order=True) != ids(stores[1], 2)
     data = load_config(TrainConfig, "tiny-dit", "train", []).data
-    assert plan_order(stores[1], ["latent"], data, None).commit_order is False  # a new run
-    assert plan_order(stores[1], ["latent"], data, {"shuffle_window": None, "shards": 6, "shard_sequence": "first_id"}).commit_order is False
-    assert plan_order(stores[1], ["latent"], data, {"shuffle_window": None, "shards": 6}).commit_order is True  # an older run's
-    assert plan_order(stores[1], ["latent"], data, {}).commit_order is True
-    # The library's dataset visits them alike too; a state an older mmcache saved of a global
-    # shuffle (no "order" in it) is refused with the way out, and that way resumes it.
+    assert plan_order(stores[1], ["latent"], data, None).legacy_order is False  # a new run
+    assert plan_order(stores[1], ["latent"], data, {"shuffle_window": None, "shards": 6, "shard_sequence": "first_id"}).legacy_order is False
+    assert plan_order(stores[1], ["latent"], data, {"shuffle_window": 2, "shards": 6}).legacy_order is True  # an older run's
+    assert plan_order(stores[1], ["latent"], data, {}).legacy_order is True
+    with pytest.raises(ConfigError, match="shard_sequence 'by_hash', which this mmcache does not know"):
+        plan_order(stores[1], ["latent"], data, {"shuffle_window": None, "shards": 6, "shard_sequence": "by_hash"})
+    # The library's dataset visits them alike too; a state an older mmcache saved of a shuffle
+    # (no "order" in it) is refused with the way out, and that way resumes it.
     from mmcache.featstore.dataset import StreamingDataset
 
     datasets = [StreamingDataset(url, shuffle=True, seed=3, rank=0, world_size=1) for url in urls]
     assert [x["id"] for x in datasets[0]] == [x["id"] for x in datasets[1]]
     saved = {k: v for k, v in datasets[1].state_dict().items() if k != "order"} | {"yielded": 4}
-    with pytest.raises(ValueError, match="commit_order=True to finish that epoch"):
+    with pytest.raises(ValueError, match="legacy_order=True to finish that epoch"):
         datasets[1].load_state_dict(saved)
-    older = StreamingDataset(urls[1], shuffle=True, seed=3, rank=0, world_size=1, commit_order=True)
+    older = StreamingDataset(urls[1], shuffle=True, seed=3, rank=0, world_size=1, legacy_order=True)
     older.load_state_dict(saved)
     epoch0 = np.random.default_rng([3, 0]).permutation(30)  # the dataset's epoch 0, in commit order
     assert [x["id"] for x in older] == [stores[1].index.column("id")[int(p)].as_py() for p in epoch0[4:]]
     windowed = StreamingDataset(urls[1], shuffle=True, seed=3, rank=0, world_size=1, window=2)
-    assert "order" not in windowed.state_dict()  # a windowed order did not change: older states resume
+    assert windowed.state_dict()["order"] == "shards by first id"  # windows of shards by first id, not by name as before
+    # A data compaction groups the small shards in that sequence too, not in commit order: the two
+    # stores compact alike and still train alike.
+    from mmcache.featstore.rewrite import DataCompaction, compact_data, shard_nbytes
+
+    target = int(4.5 * max(shard_nbytes(info) for info in stores[0].shards.values()))  # groups of 5 shards, 1 left alone
+    for url in urls:
+        compact_data(featstore.open(url), DataCompaction(target_bytes=target))
+    compacted = [featstore.open(url) for url in urls]
+    assert 1 < len(compacted[0].shards) == len(compacted[1].shards) < 6
+    for window in (None, 1):
+        assert ids(compacted[0], window) == ids(compacted[1], window)
 
 
 def _older_checkpoint_sequence(store) -> list[str]:

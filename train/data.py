@@ -169,7 +169,7 @@ class FeatureStream:
         self.reads, self.is_live = None, None
         self._fields = tuple(run_fields(data, store))
         self._sizes = StepSizes(store, data, options.tokens_per_sample, self._shape)
-        self.order = EpochOrder.of_dense(options.seed, store, options.window, as_numbered=options.commit_order)
+        self.order = EpochOrder.of_dense(options.seed, store, options.window, legacy=options.legacy_order)
 
     def _listed(self, store: featstore.Store, data, options: StreamOptions, manifest) -> None:
         """The samples to train on listed, each with what it reads and its size (select_samples)."""
@@ -190,10 +190,10 @@ class FeatureStream:
                                  for (r, _), i in zip(reads, self.ids, strict=True)], dtype=bool)
         self._size_samples(data, store, options.tokens_per_sample)
         self._sizes = lambda indices: ([self.groups[i] for i in indices], [self.tokens[i] for i in indices])
-        shard_of = self._shard_of(store)
+        shard_of = self._shard_of(store, by_name=options.legacy_order)
         # A manifest numbers the samples in its own order, the same on every encode of the store:
         # its global shuffle permutes that order, as it always has (absent samples have no shard).
-        as_numbered = options.commit_order or manifest is not None
+        as_numbered = options.legacy_order or manifest is not None
         # Several sources (data.sources): each one's share of every epoch, by weight.
         self.order = (MixOrder(options.seed, shard_of, options.window, store.source_of(self.rows), store.weights, [x.url for x in store.stores],
                                as_numbered=as_numbered)
@@ -211,12 +211,12 @@ class FeatureStream:
         self.tokens = [int(tokens_per_sample(s)) for s in self.shapes]
         data.check_tokens(self.ids, self.tokens)  # fail before training, naming the samples
 
-    def _shard_of(self, store: featstore.Store) -> np.ndarray:
+    def _shard_of(self, store: featstore.Store, *, by_name: bool) -> np.ndarray:
         """Each sample's shard number for the epoch order; samples absent from the store go in
         pseudo-shards after the real ones, of a shard's mean sample count, in manifest order."""
         present = self.rows >= 0
         out = np.zeros(len(self.rows), dtype=np.int64)
-        out[present] = shard_positions(store, self.rows[present])
+        out[present] = shard_positions(store, self.rows[present], by_name=by_name)
         if not present.all():
             per = max(1, len(store) // max(1, len(store.shards)))
             out[~present] = len(store.shards) + np.arange(int((~present).sum())) // per

@@ -4,9 +4,9 @@ The order itself (one permutation per epoch, windowed over shards, a pure functi
 epoch, snapshot and window, never of the world size) lives in ``featstore.order``, shared with
 ``featstore.dataset``; here the window is chosen so two windows fit in the run's read-through
 cache, and a resumed run keeps the window it recorded. ``window=None`` is the plain global
-permutation (of the positions shard by shard in ``featstore.order.shard_sequence``; for a
-resumed run that recorded no ``data_order.shard_sequence``, of the positions in commit order, bit
-for bit its order before).
+permutation (of the positions shard by shard in ``featstore.order.shard_sequence``). A resumed
+run that recorded no ``data_order.shard_sequence`` goes on in the order it began with, bit for bit
+(``legacy``: the shards by name, a global shuffle of the positions in commit order).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class OrderPlan:
     """A run's epoch order: its window and what the trainer tells the user about it."""
 
     window: int | None  # shards per window; None: a global shuffle
-    commit_order: bool  # a resumed run from before orders went by shard name: its global shuffle as it was
+    legacy_order: bool  # a resumed run from before shard sequences: its order as it was (featstore.order)
     store_bytes: int  # what one epoch reads (of the fields the run reads)
     warnings: tuple[str, ...]  # the local cache cannot hold what this order needs
 
@@ -89,9 +89,12 @@ def plan_order(store: featstore.Store, fields: Sequence[str], data, recorded: di
     # batches (the ranks' readers run up to prefetch steps apart), which may span windows.
     in_flight = (data.prefetch + 1) * data.global_batch * store_bytes / max(len(store), 1)
     window = resolve_window(data.shuffle_window, data.cache_bytes, shard_bytes, recorded, in_flight)
-    # Runs record data_order.shard_sequence since the global shuffle takes the shards in that
-    # sequence; one that does not record it resumes with the order it started with (commit order).
-    commit_order = recorded is not None and not recorded.get("shard_sequence")
+    # Runs record data_order.shard_sequence since orders visit the shards in that sequence; one
+    # that does not resumes with the order it started with.
+    sequence = (recorded or {}).get("shard_sequence", "first_id" if recorded is None else None)
+    if sequence not in (None, "first_id"):
+        raise ConfigError(f"the run records data_order.shard_sequence {sequence!r}, which this mmcache does not know: resume it with the mmcache that started it")
+    legacy_order = sequence is None
     warnings = []
     cache = store.storage.local_cache
     if cache is not None:
@@ -106,4 +109,4 @@ def plan_order(store: featstore.Store, fields: Sequence[str], data, recorded: di
             warnings.append(
                 f"the store ({store_bytes / 2**30:.2f} GiB) does not fit the cache ({cache.max_bytes / 2**30:.2f} GiB) and the "
                 "order is a global shuffle: each epoch downloads it several times. Set data.cache_bytes (the order then fits it) or data.shuffle_window")
-    return OrderPlan(window=window, commit_order=commit_order, store_bytes=store_bytes, warnings=tuple(warnings))
+    return OrderPlan(window=window, legacy_order=legacy_order, store_bytes=store_bytes, warnings=tuple(warnings))

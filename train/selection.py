@@ -33,7 +33,7 @@ class StreamOptions:
     tokens_per_sample: Callable[[tuple], int]  # a sample's token count from its shape (the cost model's input)
     repeat: bool = False  # allow a global batch larger than the samples (repeating them)
     window: int | None = None  # shards per window of the epoch order (None: a global shuffle), see train.order
-    commit_order: bool = False  # a global shuffle of positions in commit order (a run that predates by-name orders)
+    legacy_order: bool = False  # a run from before shard sequences: the shards by name, a global shuffle in commit order
     on_missing: str = "error"  # data.on_missing: what to do with samples lacking a field
     exclude: frozenset[str] = frozenset()  # the held-out validation split, never trained on
     run_dir: Path | None = None  # where the sizes of samples encoded live are kept for a resume (train.live.sizing)

@@ -353,7 +353,7 @@ def _stream(plan: RunPlan, meshes: ParallelMeshes, joint: JointEncoders, say, lo
     options = StreamOptions(global_batch=config.data.global_batch, seed=config.seed, dp_size=plan.dims.dp_size, dp_rank=meshes.dp_rank,
                             balance=config.balance, cost=config.balance.cost_model(getattr(model_config, "dim", 64)),
                             tokens_per_sample=lambda shape: family.tokens_per_sample(model_config, shape), repeat=config.data.repeat,
-                            window=order.window, commit_order=order.commit_order, on_missing=config.data.on_missing, exclude=frozenset(held_out), run_dir=run)
+                            window=order.window, legacy_order=order.legacy_order, on_missing=config.data.on_missing, exclude=frozenset(held_out), run_dir=run)
     dropout = CaptionDropout(store, plan.fields, config.data.caption_dropout, config.seed, joint.live.produced) if config.data.caption_dropout else None
     stream = FeatureStream(store, data=adapter, options=options, live=joint.live, caption_dropout=dropout, manifest=plan.manifest)
     say(order.describe(stream.order.num_shards))
@@ -370,7 +370,7 @@ def _stream(plan: RunPlan, meshes: ParallelMeshes, joint: JointEncoders, say, lo
     if joint.live.fillable and stream.is_live is not None and stream.is_live.any():
         say(f"data.on_missing=live: {int(stream.is_live.sum())} of the {stream.num_samples} samples lack "
             f"{' or '.join(map(repr, sorted(joint.live.fillable)))} and are encoded live")
-    recorded = {"data_order": {"shuffle_window": order.window, "shards": stream.order.num_shards, **({} if order.commit_order else {"shard_sequence": "first_id"})},
+    recorded = {"data_order": {"shuffle_window": order.window, "shards": stream.order.num_shards, **({} if order.legacy_order else {"shard_sequence": "first_id"})},
                 "fingerprints": plan.fingerprints,
                 "drift": joint.drift, "store_bytes": order.store_bytes,
                 **({"manifest": plan.manifest.record(store)} if plan.manifest is not None else {})}
