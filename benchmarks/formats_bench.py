@@ -29,10 +29,11 @@ Locally the two ways are at parity, within this machine's noise: both decode and
 pictures (~97 % of a sample's CPU), and even cold the disk's waits hide behind the decoding
 threads. Reading alone (8 tars of 64, best of 12, no hashing): a tar's sample cost
 98 us with a 1 MiB read buffer (each image copied twice), 68 us with 64 KiB (one copy), a file's
-44-53 us (open, realpath, read): ~0.5 % of a sample's ~4.5 ms. 16 x 64, --repeat 8 after: (t)/(f)
-0.90 best / 0.98 median (rounds 0.76-1.06: identical runs of either way differ by up to 30 % on
-this shared 2-core machine) / CPU 1.03. On S3 a tar is one GET for all its members, the files one
-each: tars are 2.3-2.8x.
+44-53 us (open, realpath, read): ~0.5 % of a sample's ~4.5 ms. 16 x 64 after, three runs (best /
+median / CPU): 0.90 / 0.98 / 1.03 (--repeat 8), 1.04 / 1.07 / 0.98 (--repeat 6), 0.96 / 0.99 / 0.95
+(--repeat 8): rounds range 0.76-1.26, identical runs of either way differing by up to 30 % on this
+shared 2-core machine. On S3 a tar is one GET for all its members, the files one each: tars are
+2.55x best, 2.95x median, 0.41x the CPU per sample (--repeat 6).
 """
 
 from __future__ import annotations
