@@ -271,8 +271,8 @@ _REWRITE_SUFFIX = re.compile(r"-c[0-9a-f]{12}$")
 
 
 def rewrite_name(first: str, digest: str) -> str:
-    """The name of the shard that rewrites a group whose first shard is ``first``: it sorts right
-    after ``first`` (same commit time, see featstore.rewrite), so the samples keep their order."""
+    """The name of the shard that rewrites a group whose earliest shard is ``first``: it sorts
+    right after ``first`` (same commit time, see featstore.rewrite), taking its place in snapshot order."""
     return check_shard_name(f"{_REWRITE_SUFFIX.sub('', first)[:180]}-c{digest[:12]}")
 
 

@@ -48,7 +48,8 @@ class EpochOrder:
     @classmethod
     def of_dense(cls, seed: int, store: Store, window: int | None, *, legacy: bool = False) -> EpochOrder:
         """The order of every sample of a dense store (a sample's position is its row): the same
-        permutations as ``EpochOrder(seed, shard_positions(store, arange(len(store))), window)``,
+        permutations as ``EpochOrder(seed, shard_positions(store, arange(len(store)), by_name=legacy),
+        window, as_numbered=legacy)``,
         from the shard table alone. Each shard's positions are one range, kept as its bounds, so
         nothing per sample is held but the epoch's permutation itself. ``legacy``: the order of
         mmcache before shard sequences (``as_numbered``, the shards by name)."""

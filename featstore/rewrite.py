@@ -54,7 +54,7 @@ class DataCompaction:
 
 @dataclass(kw_only=True)
 class Group:
-    """Small shards rewritten into one: ``shards`` in snapshot order; ``replaces`` adds what
+    """Small shards rewritten into one: ``shards`` in the shuffles' sequence; ``replaces`` adds what
     those shards replaced themselves, so that a replaced name stays known once its rewrite goes."""
 
     shards: list[str]

@@ -38,7 +38,7 @@ DEFAULT_SHARD_BYTES = 256 << 20
 class Rewrite:
     """A commit that rewrites committed shards (a data compaction, featstore.rewrite). Its rows
     are copies of theirs by design, so none is left out as committed elsewhere; its record names
-    them (``replaces``) and takes the first one's commit time, hence its place in snapshot order."""
+    them (``replaces``) and takes the earliest one's commit time, hence its place in snapshot order."""
 
     replaces: tuple[str, ...]
     committed_at: float
