@@ -153,11 +153,29 @@ def gather_parts(storage: Storage, *, strict: bool, list_parts: bool = True, onl
     # the earliest commit, which is the one any reader that opened in between already saw.
     order = sorted(((found.entries[info.name], info) for info in found.shards.values()), key=lambda p: (p[1].committed_at, p[1].name))
     if wanted is not None and (gone := sorted(wanted - set(found.shards) - set(found.damaged) - set(replaced))):
-        raise SnapshotError(
-            f"{storage.url}: {len(gone)} shard(s) of the requested snapshot are not committed there, e.g. {gone[0]!r}; "
-            "the store was changed or is a different one"
-        )
+        raise SnapshotError(f"{storage.url}: {len(gone)} shard(s) of the requested snapshot are not committed there, e.g. {gone[0]!r}"
+                            + _why_gone(storage, listing, set(gone)))
     return GatheredParts(storage, listing, order, found.records, found.damaged, found.tables, checkpoint, covered, replaced)
+
+
+def _why_gone(storage: Storage, listing: dict[str, str], gone: set[str]) -> str:
+    """Why shards of a requested snapshot are gone: a data compaction that rewrote them and then
+    deleted them past its grace (its part's ``replaces`` names them), or else a change of store.
+    Read only on that error: the listed rewrites' parts, a few small objects."""
+    for entry in sorted(listing):
+        parsed = fmt.parse_index_part_name(entry)
+        if parsed is None or not fmt.is_rewrite_name(parsed[0]):
+            continue
+        key = f"{fmt.INDEX_DIR}/{entry}"
+        try:
+            _, record = parse_index_part_record(storage.read(key), parsed[0], key, storage.url, parsed[1])
+        except (FileNotFoundError, CorruptionError):
+            continue  # another compaction's, deleted or damaged since: not what this error is about
+        if gone & set(record.get("replaces") or ()):
+            return (f": a data compaction rewrote them into {parsed[0]!r} and deleted them once its grace period had passed. "
+                    "A snapshot (a training run's, to resume) outlives its shards only within the grace (`mmcache compact --grace`, "
+                    "run.compact_grace): start a new run on the store as it is now, or raise the grace for runs that last longer")
+    return "; the store was changed or is a different one"
 
 
 @dataclass

@@ -73,6 +73,9 @@ def test_compaction_keeps_every_sample_in_order_and_grace_keeps_old_readers(tmp_
     assert_same_contents(contents(fresh), expected)
     assert set(fresh.replaced) == set(before.shards)  # still known as committed
     assert all(fresh.has_shard(name) for name in before.shards)  # a writer of that name is told so
+    # A snapshot of the old shards (a training run's, resumed) is refused, saying why and what to do.
+    with pytest.raises(featstore.SnapshotError, match=r"a data compaction rewrote them into .* start a new run"):
+        open_store(url, shards=list(before.shards))
     report = verify_store(open_store(url, strict=False))
     assert report.ok and not report.warnings, (report.problems, report.warnings)
 
