@@ -201,3 +201,26 @@ def test_a_covered_part_damaged_after_the_open_reads_from_the_checkpoint(tmp_pat
         sample_id = expected["ids"][position]
         assert store.id_at(position) == sample_id
         assert {k: v.tobytes() for k, v in store.read_at(position).items()} == expected["samples"][sample_id]
+
+
+def test_a_checkpoint_carries_each_shards_first_id_and_verify_checks_it(tmp_path, monkeypatch):
+    """Each commit record holds its shard's first id, and an index checkpoint copies them out (an
+    epoch order reads them without decoding a record): the same ids either way, and a checkpoint
+    whose copies disagree with the records is a problem `mmcache verify` names."""
+    from mmcache.featstore import compact as compacting
+
+    url = str(tmp_path / "store")
+    dense_store(url)
+    through_checkpoint = featstore.open(url)
+    assert through_checkpoint.checkpoint is not None
+    firsts = {name: info.first_id for name, info in through_checkpoint.shards.items()}
+    assert sorted(firsts.values()) == [f"id{s * PER_SHARD:03d}" for s in range(SHARDS)]
+    without_checkpoints(url)
+    assert {name: info.first_id for name, info in featstore.open(url).shards.items()} == firsts  # from the parts
+    assert verify_store(open_store(url, strict=False)).ok
+    # A compactor that copied wrong ids (a fault injected into it) writes a checkpoint verify refuses.
+    monkeypatch.setattr(compacting, "first_id_of", lambda info: "id999")
+    compact_store(featstore.open(url).storage)
+    monkeypatch.undo()
+    report = verify_store(open_store(url, strict=False))
+    assert not report.ok and any("first id 'id999' is not the record's" in p for p in report.problems), report.problems
