@@ -17,8 +17,7 @@ import gzip
 import lzma
 import struct
 import zlib
-from dataclasses import dataclass
-from typing import IO
+from typing import IO, NamedTuple
 
 BLOCK = 512
 _ZEROS = bytes(BLOCK)
@@ -36,8 +35,9 @@ class TarFormatError(Exception):
     """Not a tar, or one cut short or corrupt where it was read."""
 
 
-@dataclass(frozen=True)
-class TarMember:
+class TarMember(NamedTuple):
+    """One member's header (a tuple: three are made per sample, a frozen dataclass costs more)."""
+
     name: str
     kind: str   # "file", "directory", or what else it is ("a symbolic link", ...)
     size: int   # its data's bytes (what ``read`` returns for a file)
@@ -106,7 +106,7 @@ class TarReader:
         try:
             stored = _number(block[148:156], "checksum")
             # Unsigned bytes, as POSIX says; some old writers summed signed ones (tarfile accepts both).
-            if stored != sum(block[:148]) + 256 + sum(block[156:]) and stored != sum(_SIGNED.unpack(block)) + 256:
+            if stored != sum(block) - sum(block[148:156]) + 256 and stored != sum(_SIGNED.unpack(block)) + 256:
                 raise TarFormatError("a header's checksum does not match")
             size = _number(block[124:136], "size")
         except TarFormatError as exc:
