@@ -163,7 +163,7 @@ def list_index(storage: Storage) -> dict[str, str]:
 
 
 def read_parts(storage: Storage, keys: list[str]) -> Iterator[bytes]:
-    """Index parts in order; from an object store many at once (one request each)."""
+    """Objects (index parts, rejects) in order; from an object store many at once (one request each)."""
     if not storage.is_remote or len(keys) < 2:
         return (storage.read(key) for key in keys)
     with ThreadPoolExecutor(min(16, len(keys)), thread_name_prefix="featstore-index") as pool:  # joined on return

@@ -61,6 +61,7 @@ class Store:
         self._lock = threading.Lock()
         self._scans: weakref.WeakSet[Generator[Any, None, None]] = weakref.WeakSet()  # open scans (see _track)
         self._chunk_index: dict[tuple[str, str], np.ndarray] = {}
+        self._rejects: tuple[list[str], pa.Table] | None = None  # (the rejects objects read, their table)
         # load_index=False: a writer that only adds shards (an encode task) need not read every
         # index part of a large store first; its snapshot is then empty.
         # shards: open exactly this snapshot (say, the one a run started with) rather than
@@ -311,14 +312,17 @@ class Store:
 
     @property
     def rejects(self) -> pa.Table:
-        tables = [
-            read_parquet(self.storage.read(info.rejects_key))
-            for info in self.shards.values()
-            if info.num_rejected
-        ]
-        if not tables:
-            return pa.table({"source": pa.array([], pa.string()), "reason": pa.array([], pa.string())})
-        return pa.concat_tables(tables, promote_options="permissive")
+        """Every shard's rejects, one table: read once per set of shards that have any (a re-run's
+        planning asks several times), their objects many at once from an object store."""
+        keys = [info.rejects_key for info in self.shards.values() if info.num_rejected]
+        kept = self._rejects
+        if kept is not None and kept[0] == keys:
+            return kept[1]
+        tables = [read_parquet(raw) for raw in read_parts(self.storage, keys)]
+        table = (pa.concat_tables(tables, promote_options="permissive") if tables
+                 else pa.table({"source": pa.array([], pa.string()), "reason": pa.array([], pa.string())}))
+        self._rejects = (keys, table)
+        return table
 
     def num_rejected(self) -> int:
         return sum(info.num_rejected for info in self.shards.values())

@@ -84,6 +84,23 @@ def test_a_writer_reads_back_no_index_part_of_its_own(s3_bucket, s3_server):
     assert sorted(featstore.open(url).sample_ids()) == ["other", "s0", "s1", "s2", "s3"]
 
 
+def test_rejects_are_read_once_per_snapshot_all_at_once(s3_bucket, s3_server):
+    # A re-run's planning asks for the store's rejects several times (the survey, the plan, each
+    # row classifier): each shard's rejects object is read once, the objects at once.
+    url = f"{s3_bucket}/store"
+    fields = {"f0": {"dtype": "float16", "ndim": 2}}
+    featstore.create(url, fields=fields).close()
+    for shard in range(4):
+        _pending_shard(url, fields, 2, f"t-{shard}").commit(f"t-{shard}")
+    store = open_store(url)
+    with s3_server.slowed(0.1), s3_server.recording() as requests:  # each request takes 0.1 s: concurrent ones overlap
+        for _ in range(3):
+            assert store.rejects.column("source").to_pylist() == ["in/bad.png"] * 4
+    gets = [r for r in requests if r.method == "GET" and r.key.startswith(f"store/{fmt.REJECTS_DIR}/")]
+    assert sorted(r.key for r in gets) == sorted(f"store/{store.shards[f't-{k}'].rejects_key}" for k in range(4)), gets
+    assert max(r.start for r in gets) < min(r.end for r in gets)  # in flight together, not one after another
+
+
 @pytest.fixture
 def proxy(s3_server):
     with FaultProxy((s3_server.host, s3_server.port), lifetime=120) as p:
