@@ -17,7 +17,7 @@ import collections
 import hashlib
 import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -260,23 +260,18 @@ def unit_tasks(units: list[SourceUnit], store: featstore.Store, config: EncodeCo
     if not units:
         return [], {}
     salt = retry_salt(store) if config.data.retry_rejects and store.num_rejected() > 0 else ""
-    # id -> (where it came from, its media's hash): the worker tells a resume from a duplicate id.
-    leave_out = known_sources(store, rejects=not config.data.retry_rejects, clips=config.frames.clips is not None)
+    pending = _pending_groups(units, store, config, part_size=part_size, workers=workers, sample_bytes=sample_bytes, salt=salt)
+    if not pending:
+        return [], {}  # every unit done (a re-run): no id of the store is looked at
+    # id -> (where it came from, its media's hash) of the pending units' ids: the worker tells a
+    # resume from a duplicate id.
+    leave_out = known_sources(store, rejects=not config.data.retry_rejects, clips=config.frames.clips is not None,
+                              keep=_pending_ids([unit for group, _ in pending for unit in group], ids_of or {}))
     by_prefix: dict[str, dict[str, tuple[str, str]]] = {}
     for sample_id, known in leave_out.items():
         by_prefix.setdefault(sample_id.split(":", 1)[0] + ":", {})[sample_id] = known
-    done = set(store.shards) | set(store.replaced)  # a task's shard may be compacted since (featstore.rewrite)
     tasks, skips = [], {}
-    for every in group_units(units, config, workers=workers, sample_bytes=sample_bytes):
-        # Not named by the fields: a task done is done (a field added later reaches its samples one by one: committed_unit_tasks).
-        # Grouped whether done or not, so the groups are the same on every run. A unit its own task
-        # read (an earlier mmcache's, one task a tar, or a run on another number of workers) is
-        # left out, and the task is named by the units it reads: a resume reads past its committed
-        # parts by counting members, which holds only for the same units in the same order.
-        group = [unit for unit in every if len(every) == 1 or unit_task_name([unit], part_size, salt) not in done]
-        name = unit_task_name(group, part_size, salt) if group else ""
-        if not group or name in done:
-            continue
+    for group, name in pending:
         # One dict per prefix, shared by its units: the job's own rows of that prefix join it (_RowGroups).
         maps = {unit.id_prefix: by_prefix.setdefault(unit.id_prefix, {}) for unit in group if unit.id_prefix}
         skips.update(maps)
@@ -286,6 +281,36 @@ def unit_tasks(units: list[SourceUnit], store: featstore.Store, config: EncodeCo
         skip = next(iter(maps.values())) if len(maps) == 1 else collections.ChainMap(*maps.values())
         tasks.append(TaskSpec(shard=name, rows=[], fields=fields, units=tuple(group), skip=skip, part_size=part_size))
     return tasks, skips
+
+
+def _pending_ids(units: list[SourceUnit], ids_of: dict[tuple[str, tuple[int, ...]], list[str]]) -> Callable[[str], bool]:
+    """Whether an id may be one of ``units``': of a unit's id prefix (a tar's, a Parquet file's
+    stem), or one the client read of a unit without one (a Parquet ``id`` column; any id where
+    those were not read)."""
+    prefixes = {unit.id_prefix for unit in units if unit.id_prefix}
+    unprefixed = [unit for unit in units if not unit.id_prefix]
+    if any((unit.shown, unit.row_groups) not in ids_of for unit in unprefixed):
+        return lambda sample_id: True
+    named = {sample_id for unit in unprefixed for sample_id in ids_of[(unit.shown, unit.row_groups)]}
+    return lambda sample_id: sample_id.split(":", 1)[0] + ":" in prefixes or sample_id in named
+
+
+def _pending_groups(units: list[SourceUnit], store: featstore.Store, config: EncodeConfig, *, part_size: int, workers: int,
+                    sample_bytes: int, salt: str) -> list[tuple[list[SourceUnit], str]]:
+    """(units, task name) of the groups whose task is not done (its last shard not committed)."""
+    done = set(store.shards) | set(store.replaced)  # a task's shard may be compacted since (featstore.rewrite)
+    pending = []
+    for every in group_units(units, config, workers=workers, sample_bytes=sample_bytes):
+        # Not named by the fields: a task done is done (a field added later reaches its samples one by one: committed_unit_tasks).
+        # Grouped whether done or not, so the groups are the same on every run. A unit its own task
+        # read (an earlier mmcache's, one task a tar, or a run on another number of workers) is
+        # left out, and the task is named by the units it reads: a resume reads past its committed
+        # parts by counting members, which holds only for the same units in the same order.
+        group = [unit for unit in every if len(every) == 1 or unit_task_name([unit], part_size, salt) not in done]
+        name = unit_task_name(group, part_size, salt) if group else ""
+        if group and name not in done:
+            pending.append((group, name))
+    return pending
 
 
 def _committed_of(units: list[SourceUnit], leave_out: dict[str, tuple[str, str]],

@@ -159,21 +159,23 @@ class _UnitParts:
         self.pool.shutdown(cancel_pending=False)
 
 
-def known_sources(store: Any, *, rejects: bool, clips: bool = False) -> dict[str, tuple[str, str]]:
+def known_sources(store: Any, *, rejects: bool, clips: bool = False, keep: Callable[[str], bool] | None = None) -> dict[str, tuple[str, str]]:
     """Committed ids (and with ``rejects`` rejected ones) -> (where each came from, the sha256 of
     its media): a sample's ``source_uri`` and ``content_hash``, a reject's source ('' where a
     store does not say). With ``clips``, the video of each clip id ``<id>=<frame>`` too (its
-    clips commit together, in one part)."""
+    clips commit together, in one part). ``keep``: only the ids it accepts (a re-run's pending
+    units'), the index read a batch at a time: no entry, nor Python string, per id of a large store."""
     index = store.index
-
-    def column(name: str) -> list:
-        return index.column(name).to_pylist() if name in index.column_names else [None] * index.num_rows
-
-    known = {i: (s or "", h or "") for i, s, h in zip(column("id"), column("source_uri"), column("content_hash"), strict=True) if i}
+    names = [name for name in ("id", "source_uri", "content_hash") if name in index.column_names]
+    known: dict[str, tuple[str, str]] = {}
+    for batch in index.select(names).to_batches(max_chunksize=1 << 16):
+        ids = batch.column("id").to_pylist()
+        sources, hashes = (batch.column(name).to_pylist() if name in names else [None] * len(ids) for name in ("source_uri", "content_hash"))
+        known.update((i, (s or "", h or "")) for i, s, h in zip(ids, sources, hashes, strict=True) if i and (keep is None or keep(i)))
     if rejects and store.num_rejected() and "id" in store.rejects.column_names:
         table = store.rejects
         for sample_id, source in zip(table.column("id").to_pylist(), table.column("source").to_pylist(), strict=True):
-            if sample_id:
+            if sample_id and (keep is None or keep(sample_id)):
                 known.setdefault(sample_id, (source or "", ""))
     if clips:
         known.update({parent: entry for sample_id, entry in list(known.items()) if (parent := clip_parent(sample_id)) is not None})
