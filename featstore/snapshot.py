@@ -22,6 +22,7 @@ import hashlib
 import json
 import warnings
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,7 @@ import pyarrow.compute as pc
 
 from mmcache.featstore import format as fmt
 from mmcache.featstore.checkpoints import CheckpointWarning, find_checkpoint
-from mmcache.featstore.errors import CorruptionError, SnapshotError
+from mmcache.featstore.errors import CorruptionError, FeatstoreError, SnapshotError
 from mmcache.featstore.idhash import any_known, id_hashes
 from mmcache.featstore.index import IndexPart, ShardInfo, index_parts, list_index, parse_index_part_record, read_parts, shard_info
 from mmcache.featstore.storage import Storage
@@ -161,20 +162,22 @@ def gather_parts(storage: Storage, *, strict: bool, list_parts: bool = True, onl
 def _why_gone(storage: Storage, listing: dict[str, str], gone: set[str]) -> str:
     """Why shards of a requested snapshot are gone: a data compaction that rewrote them and then
     deleted them past its grace (its part's ``replaces`` names them), or else a change of store.
-    Read only on that error: the listed rewrites' parts, a few small objects."""
-    for entry in sorted(listing):
-        parsed = fmt.parse_index_part_name(entry)
-        if parsed is None or not fmt.is_rewrite_name(parsed[0]):
-            continue
+    Read only on that error: the listed rewrites' parts, many at once."""
+    rewrites = [(entry, parsed) for entry in sorted(listing) if (parsed := fmt.parse_index_part_name(entry)) and fmt.is_rewrite_name(parsed[0])]
+
+    def replaced(item: tuple[str, tuple[str, Any]]) -> set[str]:
+        entry, (shard, crc) = item
         key = f"{fmt.INDEX_DIR}/{entry}"
         try:
-            _, record = parse_index_part_record(storage.read(key), parsed[0], key, storage.url, parsed[1])
-        except (FileNotFoundError, CorruptionError):
-            continue  # another compaction's, deleted or damaged since: not what this error is about
-        if gone & set(record.get("replaces") or ()):
-            return (f": a data compaction rewrote them into {parsed[0]!r} and deleted them once its grace period had passed. "
-                    "A snapshot (a training run's, to resume) outlives its shards only within the grace (`mmcache compact --grace`, "
-                    "run.compact_grace): start a new run on the store as it is now, or raise the grace for runs that last longer")
+            return set(parse_index_part_record(storage.read(key), shard, key, storage.url, crc)[1].get("replaces") or ())
+        except (OSError, FeatstoreError):
+            return set()  # deleted, damaged or unreadable now: the message falls back to its plain wording
+    with ThreadPoolExecutor(min(16, max(1, len(rewrites))), thread_name_prefix="featstore-why") as pool:  # joined on return
+        for (_, (shard, _)), names in zip(rewrites, pool.map(replaced, rewrites), strict=True):
+            if gone & names:
+                return (f": a data compaction rewrote them into {shard!r} and deleted them past its grace period. A snapshot (a "
+                        "training run's, to resume) outlives its shards only within the grace (`mmcache compact --grace`, "
+                        "run.compact_grace): start a new run on the store as it is now, or raise the grace for runs that last longer")
     return "; the store was changed or is a different one"
 
 

@@ -171,15 +171,21 @@ def known_sources(store: Any, *, rejects: bool, clips: bool = False, keep: Calla
     for batch in index.select(names).to_batches(max_chunksize=1 << 16):
         ids = batch.column("id").to_pylist()
         sources, hashes = (batch.column(name).to_pylist() if name in names else [None] * len(ids) for name in ("source_uri", "content_hash"))
-        known.update((i, (s or "", h or "")) for i, s, h in zip(ids, sources, hashes, strict=True) if i and (keep is None or keep(i)))
+        known.update((i, (s or "", h or "")) for i, s, h in zip(ids, sources, hashes, strict=True) if i and _kept(i, keep, clips))
     if rejects and store.num_rejected() and "id" in store.rejects.column_names:
         table = store.rejects
         for sample_id, source in zip(table.column("id").to_pylist(), table.column("source").to_pylist(), strict=True):
-            if sample_id and (keep is None or keep(sample_id)):
+            if sample_id and _kept(sample_id, keep, clips):
                 known.setdefault(sample_id, (source or "", ""))
     if clips:
         known.update({parent: entry for sample_id, entry in list(known.items()) if (parent := clip_parent(sample_id)) is not None})
     return known
+
+
+def _kept(sample_id: str, keep: Callable[[str], bool] | None, clips: bool) -> bool:
+    """Whether ``keep`` takes the id, or (with clips) its video's: a clip ``<id>=<frame>`` stands
+    for its video, whose id may be one a Parquet file's ``id`` column gave."""
+    return keep is None or keep(sample_id) or (clips and (parent := clip_parent(sample_id)) is not None and keep(parent))
 
 
 def same_input(source: str, shown: str) -> bool:

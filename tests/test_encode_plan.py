@@ -162,3 +162,21 @@ def test_a_unit_task_is_named_by_the_units_it_reads(tmp_path):
         store.commit(unit_task_name(units[:1], 4, ""))  # the first tar, done by a task of its own
     (task,), _ = unit_tasks(units, featstore.open(str(tmp_path / "store")), config, ["latent"], part_size=4, workers=1, sample_bytes=1)
     assert task.units == tuple(units[1:]) and task.shard == unit_task_name(units[1:], 4, "")
+
+
+def test_a_pending_units_committed_ids_include_its_videos_clips(tmp_path):
+    """A re-run tells a pending unit's task only the committed ids that may be its own (not every id
+    of the store); a clip ``<video>=<frame>`` counts for its video, whose id a Parquet ``id`` column
+    gave (no prefix to match it by)."""
+    from mmcache.precompute.unit_tasks import known_sources
+
+    url = str(tmp_path / "store")
+    with featstore.create(url, fields={"x": "float16"}, compact_every=0) as writer:
+        for sample_id in ("vid1=0", "vid1=16", "vid2=0", "00007:a", "00008:b"):
+            writer.add(sample_id, {"x": np.zeros(2, np.float16)}, {"source_uri": f"in/{sample_id}", "content_hash": "ab"})
+        writer.commit()
+    store = featstore.open(url)
+    wanted = lambda i: i in {"vid1"} or i.startswith("00007:")  # noqa: E731 - a pending Parquet file's ids, a pending tar's prefix
+    assert set(known_sources(store, rejects=True, clips=True, keep=wanted)) == {"vid1=0", "vid1=16", "vid1", "00007:a"}
+    assert set(known_sources(store, rejects=True, clips=False, keep=wanted)) == {"00007:a"}
+    assert len(known_sources(store, rejects=True, clips=True)) == 7  # every id, and both videos
