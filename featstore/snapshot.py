@@ -22,7 +22,6 @@ import hashlib
 import json
 import warnings
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,22 +161,17 @@ def gather_parts(storage: Storage, *, strict: bool, list_parts: bool = True, onl
 def _why_gone(storage: Storage, listing: dict[str, str], gone: set[str]) -> str:
     """Why shards of a requested snapshot are gone: a data compaction that rewrote them and then
     deleted them past its grace (its part's ``replaces`` names them), or else a change of store.
-    Read only on that error: the listed rewrites' parts, many at once."""
+    Read only on that error: the listed rewrites' parts, many at once (``read_parts``)."""
     rewrites = [(entry, parsed) for entry in sorted(listing) if (parsed := fmt.parse_index_part_name(entry)) and fmt.is_rewrite_name(parsed[0])]
-
-    def replaced(item: tuple[str, tuple[str, Any]]) -> set[str]:
-        entry, (shard, crc) = item
-        key = f"{fmt.INDEX_DIR}/{entry}"
-        try:
-            return set(parse_index_part_record(storage.read(key), shard, key, storage.url, crc)[1].get("replaces") or ())
-        except (OSError, FeatstoreError):
-            return set()  # deleted, damaged or unreadable now: the message falls back to its plain wording
-    with ThreadPoolExecutor(min(16, max(1, len(rewrites))), thread_name_prefix="featstore-why") as pool:  # joined on return
-        for (_, (shard, _)), names in zip(rewrites, pool.map(replaced, rewrites), strict=True):
-            if gone & names:
+    keys = [f"{fmt.INDEX_DIR}/{entry}" for entry, _ in rewrites]
+    try:
+        for key, (_, (shard, crc)), raw in zip(keys, rewrites, read_parts(storage, keys), strict=True):
+            if gone & set(parse_index_part_record(raw, shard, key, storage.url, crc)[1].get("replaces") or ()):
                 return (f": a data compaction rewrote them into {shard!r} and deleted them past its grace period. A snapshot (a "
                         "training run's, to resume) outlives its shards only within the grace (`mmcache compact --grace`, "
                         "run.compact_grace): start a new run on the store as it is now, or raise the grace for runs that last longer")
+    except (OSError, FeatstoreError) as exc:  # a part deleted, damaged or unreadable since the listing: said, not hidden
+        return f"; the store was changed or is a different one (its data compactions could not be read to tell: {exc})"
     return "; the store was changed or is a different one"
 
 
