@@ -55,3 +55,47 @@ def test_the_wheel_installs_nothing_but_mmcache_at_top_level(tmp_path):
 def test_house_rules():
     result = subprocess.run([sys.executable, str(HOUSE_CHECK), str(ROOT)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+PACKAGES = {"featstore": "mmcache.featstore", "precompute": "mmcache.precompute", "train": "mmcache.train"}
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file names in an import, lazy ones included, as absolute dotted names."""
+    import ast
+
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = [PACKAGES[rel.parts[0]], *rel.parts[1:]]
+    package = parts if rel.name == "__init__" else parts[:-1]
+    package = [p for p in ".".join(package).split(".") if p != "__init__"]
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            names.add(module)
+            names.update(f"{module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("mmcache."):
+            names.add(node.value)  # importlib.import_module("mmcache...") and the like
+    return names
+
+
+def importers_of(package: str, target: str) -> dict[str, list[str]]:
+    found = {}
+    for path in sorted((ROOT / package).glob("**/*.py")):
+        hits = sorted(n for n in imported_modules(path) if n == target or n.startswith(target + "."))
+        if hits:
+            found[str(path.relative_to(ROOT))] = hits
+    return found
+
+
+def test_train_reaches_precompute_through_one_seam():
+    found = importers_of("train", "mmcache.precompute")
+    assert set(found) == {"train/encoding.py"}, f"train imports mmcache.precompute only in train/encoding.py; also in {sorted(set(found) - {'train/encoding.py'})}"
+
+
+def test_dependencies_run_one_way():
+    assert importers_of("precompute", "mmcache.train") == {}, "precompute never imports train"
+    assert importers_of("featstore", "mmcache.precompute") == {} and importers_of("featstore", "mmcache.train") == {}, "the store imports neither stage"

@@ -29,8 +29,7 @@ from typing import Any
 
 from mmcache import featstore
 from mmcache.featstore.errors import ConfigError
-from mmcache.precompute.encoder_inputs import text_only_rows_are_samples
-from mmcache.precompute.inputs import read_inputs
+from mmcache.train.encoding import read_inputs, text_only_rows_are_samples
 from mmcache.train.models.registry import on_store
 
 

@@ -1,6 +1,6 @@
 """Re-attach the encoder that made a store's field, so it can run live (or train) in ``mmtrain``.
 
-This is the one place ``train`` imports ``precompute``'s encoders. ``mmcache encode`` records,
+The encoder is rebuilt through ``precompute``'s registry (imported through ``train.encoding``, the one seam). ``mmcache encode`` records,
 in each field's metadata, the encoder's registry name and typed config (``meta["encoder"]``:
 ``{"encoder": NAME, "config": {...}, "transform": {resize, frames, size_multiple}, "threads": N}``)
 beside its fingerprint, and per sample the media's source (``source_uri``, ``source_path`` as the manifest
@@ -49,23 +49,27 @@ import torch
 
 from mmcache import featstore
 from mmcache.featstore.errors import ConfigError, FingerprintMismatchError
-from mmcache.precompute.encoder_inputs import (
+from mmcache.train.encoding import (
     GEOMETRY,
+    MediaError,
+    UnknownEncoderError,
+    build_encoder,
+    conversations_digest,
+    file_name,
+    modality_of,
+    open_source,
     planned_input_shape,
+    quiet_offline_env,
+    read_recorded,
+    read_source,
     section_input,
     size_rule_for,
+    split_recorded,
     text_input,
+    torch_dtype,
     transform_from_record,
     transform_record,
 )
-from mmcache.precompute.encoders import UnknownEncoderError, build_encoder
-from mmcache.precompute.encoders.base import torch_dtype
-from mmcache.precompute.input_sources.base import file_name
-from mmcache.precompute.input_sources.located import read_recorded, split_recorded
-from mmcache.precompute.inputs import conversations_digest, modality_of
-from mmcache.precompute.media import MediaError
-from mmcache.precompute.sources import open_source, read_source
-from mmcache.precompute.tasks import quiet_offline_env
 from mmcache.train.live.reproduce import pinned_thread, round_through
 
 # Written into an exported (finetuned) encoder folder: the cache it was trained from is stale for it.

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from mmcache.precompute.daemon_pool import DaemonPool
+from mmcache.train.encoding import DaemonPool
 
 _PINNED: dict[int, Any] = {}
 _PINNED_LOCK = threading.Lock()

@@ -30,7 +30,7 @@ from typing import Any
 
 from mmcache import featstore
 from mmcache.featstore.errors import ConfigError
-from mmcache.precompute.encoder_inputs import transform_record
+from mmcache.train.encoding import transform_record
 from mmcache.featstore.snapshot import snapshot_digest
 from mmcache.train.selection import MissingSamplesError
 from mmcache.train.failures import all_gather_json

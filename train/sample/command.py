@@ -10,7 +10,7 @@ import torch
 from mmcache import featstore
 from mmcache.featstore.errors import ConfigError
 from mmcache.featstore.prompts import EMPTY_PROMPT, MissingPromptError, read_prompt_file
-from mmcache.precompute.prompts import load_prompt_file
+from mmcache.train.encoding import load_prompt_file
 from mmcache.train.live.reattach import ReattachError, reattach_encoder
 from mmcache.train.parallel.dims import pick_device
 from mmcache.train.sample.answer import AnswerConfig, AnswerConfigError, answer_vlm

@@ -22,10 +22,13 @@ import numpy as np
 import torch
 
 from mmcache.featstore.errors import ConfigError, FingerprintMismatchError
-from mmcache.precompute.config import TINY_PATH, default_cache_dir
-from mmcache.precompute.encoders import build_encoder
-from mmcache.precompute.encoders.tiny import TINY_VERSION
-from mmcache.precompute.tasks import quiet_offline_env
+from mmcache.train.encoding import (
+    TINY_PATH,
+    TINY_VERSION,
+    build_encoder,
+    default_cache_dir,
+    quiet_offline_env,
+)
 
 
 class NoDecoderError(ConfigError):

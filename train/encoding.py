@@ -1,0 +1,60 @@
+"""The one seam from ``train`` into ``mmcache.precompute``: what live encoders and sampling reuse.
+
+Joint finetuning (``live/``) rebuilds the encoder a field was made with and prepares its inputs
+exactly as ``mmcache encode`` did; sampling (``sample/``) decodes latents with the same VAE and
+reads prompt files as ``--prompts`` does. Both take those pieces from here, so the dependency of
+``train`` on the encode stage is one list of names (``tests/test_house.py`` keeps it the only one).
+"""
+
+from __future__ import annotations
+
+from mmcache.precompute.config import TINY_PATH, default_cache_dir
+from mmcache.precompute.daemon_pool import DaemonPool
+from mmcache.precompute.encoder_inputs import (
+    GEOMETRY,
+    planned_input_shape,
+    section_input,
+    size_rule_for,
+    text_input,
+    text_only_rows_are_samples,
+    transform_from_record,
+    transform_record,
+)
+from mmcache.precompute.encoders import UnknownEncoderError, build_encoder
+from mmcache.precompute.encoders.base import torch_dtype
+from mmcache.precompute.encoders.tiny import TINY_VERSION
+from mmcache.precompute.input_sources.base import file_name
+from mmcache.precompute.input_sources.located import read_recorded, split_recorded
+from mmcache.precompute.inputs import conversations_digest, modality_of, read_inputs
+from mmcache.precompute.media import MediaError
+from mmcache.precompute.prompts import load_prompt_file
+from mmcache.precompute.sources import open_source, read_source
+from mmcache.precompute.tasks import quiet_offline_env
+
+__all__ = [
+    "GEOMETRY",
+    "TINY_PATH",
+    "TINY_VERSION",
+    "DaemonPool",
+    "MediaError",
+    "UnknownEncoderError",
+    "build_encoder",
+    "conversations_digest",
+    "default_cache_dir",
+    "file_name",
+    "load_prompt_file",
+    "modality_of",
+    "open_source",
+    "planned_input_shape",
+    "read_inputs",
+    "read_recorded",
+    "read_source",
+    "section_input",
+    "size_rule_for",
+    "split_recorded",
+    "text_input",
+    "text_only_rows_are_samples",
+    "torch_dtype",
+    "transform_from_record",
+    "transform_record",
+]
