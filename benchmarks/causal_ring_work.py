@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mmcache.train.packing import first_fit_decreasing  # noqa: E402
+from mmcache.train.data.packing import first_fit_decreasing  # noqa: E402
 from mmcache.train.parallel.sequence import DocumentMaskPlan  # noqa: E402
 from mmcache.train.parallel.sequence.causal_layout import packed_causal_layout  # noqa: E402
 from mmcache.train.parallel.sequence.document_mask import pad_document_ids  # noqa: E402
@@ -54,7 +54,7 @@ def layouts(docs: torch.Tensor, ring: int) -> dict[str, SequenceLayout]:
 
 def long_tailed_packs(seq_len: int, packs: int, rows: int, seed: int = 0) -> list[torch.Tensor]:
     """``packs`` batches of ``rows`` packed rows: sample lengths log-normal (median ~600, long
-    tail, capped at the pack length), packed first-fit-decreasing like ``mmcache.train.packing.pack``."""
+    tail, capped at the pack length), packed first-fit-decreasing like ``mmcache.train.data.packing.pack``."""
     rng = np.random.default_rng(seed)
     batches = []
     for _ in range(packs):

@@ -38,7 +38,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks.device_steps import STEPS, core  # noqa: E402
-from mmcache.precompute.tasks import quiet_offline_env  # noqa: E402
+from mmcache.precompute.worker.encoder_cache import quiet_offline_env  # noqa: E402
 from mmcache.train.parallel.dims import device_and_backend  # noqa: E402
 
 SHARED_TAEF2 = Path(__file__).resolve().parents[2] / "shared" / "weights" / "taef2"

@@ -78,12 +78,12 @@ sys.path.insert(0, str(REPO))  # run from a checkout
 from mmcache import featstore  # noqa: E402
 from mmcache.featstore.config import load_config  # noqa: E402
 from mmcache.precompute.config import EncodeConfig  # noqa: E402
-from mmcache.precompute.inputs import sample_id_for  # noqa: E402
+from mmcache.precompute.inputs.rows import sample_id_for  # noqa: E402
 from mmcache.precompute.encoders import build_encoder  # noqa: E402
-from mmcache.precompute.media import prepare as prepare_media  # noqa: E402
-from mmcache.precompute.executors import local_cluster  # noqa: E402
+from mmcache.precompute.media.decode import prepare as prepare_media  # noqa: E402
+from mmcache.precompute.runtime.local_cluster import local_cluster  # noqa: E402
 from mmcache.precompute.pipeline import run_encode  # noqa: E402
-from mmcache.precompute.specs import encoder_specs  # noqa: E402
+from mmcache.precompute.planning.specs import encoder_specs  # noqa: E402
 
 SHARED = REPO.parent / "shared"
 CORES = os.cpu_count() or 1
@@ -165,7 +165,7 @@ def load_encoders(config: EncodeConfig, device: str | torch.device = "cpu") -> d
 def size_rule(config: EncodeConfig, vae):
     import dataclasses
 
-    rule = vae.size_rule()  # the same rule precompute.tasks.encode_task derives
+    rule = vae.size_rule()  # the same rule precompute.worker.tasks.encode_task derives
     return dataclasses.replace(rule, spatial_multiple=math.lcm(rule.spatial_multiple, config.size_multiple))
 
 
@@ -176,7 +176,7 @@ def prepare_row(row: dict, config: EncodeConfig, rule):
 
 
 def bucketed(items, batch_size: int):
-    """(row, prepared) pairs -> batches of one shape, as precompute.tasks._bucketed forms them."""
+    """(row, prepared) pairs -> batches of one shape, as precompute.worker.tasks._bucketed forms them."""
     buckets: dict[tuple, list] = {}
     for row, prepared in items:
         key = (row["modality"], prepared.pixels.shape)
@@ -493,8 +493,8 @@ def run_startup(args) -> list[tuple[str, float, float]]:
 def planning_seconds(manifest: Path, per_task: int) -> float:
     """What planning this job costs (manifest read and checked, tasks named), timed here, imports
     done: the part of a job's start-up that grows with the job and is not start-up overhead."""
-    from mmcache.precompute.inputs import read_inputs
-    from mmcache.precompute.plan import plan_tasks
+    from mmcache.precompute.inputs.manifest import read_inputs
+    from mmcache.precompute.planning.plan import plan_tasks
 
     t0 = time.perf_counter()
     rows, _ = read_inputs(str(manifest))

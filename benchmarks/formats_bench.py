@@ -110,10 +110,10 @@ def reading_alone(manifest: Path, tar_dir: Path, rounds: int = 8) -> None:
     import glob
     import hashlib
 
-    from mmcache.precompute.input_sources import open_unit
-    from mmcache.precompute.input_sources.base import SourceOptions
-    from mmcache.precompute.input_sources.webdataset import read_tar
-    from mmcache.precompute.sources import read_source
+    from mmcache.precompute.inputs.stream import open_unit
+    from mmcache.precompute.inputs.registry import SourceOptions
+    from mmcache.precompute.inputs.webdataset import read_tar
+    from mmcache.precompute.inputs.source_bytes import read_source
 
     units = [u for p in sorted(glob.glob(str(tar_dir / "*.tar"))) for u in read_tar(p, SourceOptions()).units]
     paths = [str(manifest.parent / json.loads(line)["path"]) for line in manifest.read_text().splitlines()]
@@ -191,7 +191,7 @@ def main() -> None:
 
     from mmcache.featstore.config import load_config
     from mmcache.precompute.config import EncodeConfig
-    from mmcache.precompute.executors import local_cluster
+    from mmcache.precompute.runtime.local_cluster import local_cluster
 
     server = None
     if not args.no_s3:

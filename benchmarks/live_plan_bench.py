@@ -17,7 +17,7 @@ after, are not in it).
   temporary ``git worktree`` and imported in the rank processes instead of this checkout: the
   editable install maps ``mmcache.featstore``/``precompute``/``train`` onto this checkout's
   folders, so each rank puts a finder first on ``sys.meta_path`` that maps them onto the
-  worktree's, and prints where ``mmcache.train.data`` came from. Every rank reads and sizes every
+  worktree's, and prints where ``mmcache.train.data.stream`` came from. Every rank reads and sizes every
   absent file itself, whole.
 - ``after``: this checkout: each rank sizes 1/R of them from their headers and the shapes are
   all-gathered; ``resumed`` is the same plan again in the same run folder (sizes read back).
@@ -84,7 +84,7 @@ def _encode(manifest: Path, out: Path) -> None:
 
     from mmcache.featstore.config import load_config
     from mmcache.precompute.config import EncodeConfig
-    from mmcache.precompute.executors import local_cluster
+    from mmcache.precompute.runtime.local_cluster import local_cluster
     from mmcache.precompute.pipeline import run_encode
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

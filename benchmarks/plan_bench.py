@@ -1,6 +1,6 @@
 """Planning a large manifest: wall time and peak RSS of ``mmcache encode --dry-run`` (the
-streamed planner: ``precompute.survey``), against the client-side reading the planner did before
-(``precompute.inputs.read_inputs``, still the reader of folders and of the trainer's live
+streamed planner: ``precompute.planning.survey``), against the client-side reading the planner did before
+(``precompute.inputs.manifest.read_inputs``, still the reader of folders and of the trainer's live
 manifest: every row an ``InputRow``, every file resolved and stat'ed on the client, duplicate ids
 in a set) followed by naming every task of 32 rows (``plan.plan_tasks``), measured in the same run.
 
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OLD_PLANNER = """
 import sys
 from mmcache.precompute.inputs import read_inputs
-from mmcache.precompute.plan import plan_tasks
+from mmcache.precompute.planning.plan import plan_tasks
 rows, rejects = read_inputs(sys.argv[1])
 tasks = plan_tasks(rows, "digest", 32, ["latent", "text_emb"])
 print(len(rows), len(rejects), len(tasks))

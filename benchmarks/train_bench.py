@@ -12,7 +12,7 @@ by 10x from step to step).
    of one cannot hide in the other's):
      (a) cached: the batch's features are read from a store written by ``run_encode`` (the
          trainer's own FeatureStream.plan: balanced plan + store reads), then the step;
-     (b) live:   every step reads each sample's media bytes, ``mmcache.precompute.media.prepare``s them
+     (b) live:   every step reads each sample's media bytes, ``mmcache.precompute.media.decode.prepare``s them
          (decode, bucket, crop, resize) on 2 threads as the encode stage does, runs the frozen
          VAE + T5 (``build_encoder`` with the very options the store was encoded with, in
          inference_mode), then the same step.
@@ -143,7 +143,7 @@ def child(args: argparse.Namespace) -> None:
     from mmcache import featstore
     from mmcache.featstore.config import load_config
     from mmcache.train.config import TrainConfig
-    from mmcache.train.data import FeatureStream, StreamOptions
+    from mmcache.train.data.stream import FeatureStream, StreamOptions
     from mmcache.train.parallel.dims import ParallelDims
     from mmcache.train.parallel.fsdp import apply_fsdp
     from mmcache.train.plan import input_sizes, resolve_model
@@ -232,7 +232,8 @@ def make_live(args: argparse.Namespace, rows: list[dict]):
     from mmcache.featstore.config import load_config
     from mmcache.precompute.config import EncodeConfig
     from mmcache.precompute.encoders import build_encoder
-    from mmcache.precompute.media import FrameSampling, ResizeConfig, prepare
+    from mmcache.precompute.media.clips import FrameSampling
+    from mmcache.precompute.media.decode import ResizeConfig, prepare
     from mmcache.precompute.pipeline import encoder_specs
 
     config = load_config(EncodeConfig, args.preset, "encode", json.loads(args.overrides))
@@ -329,7 +330,7 @@ def data_wait(store: str, work: Path, steps: int, threads: int) -> dict:
 def balance_bench(median: int, sigma: float, low: int, high: int, batches: int = 50, batch: int = 64, ranks: int = 8) -> dict:
     import numpy as np
 
-    from mmcache.train.balance import CostModel, balance, imbalance
+    from mmcache.train.data.balance import CostModel, balance, imbalance
 
     cost = CostModel.for_transformer(dim=1152)
     rng = np.random.default_rng(0)
@@ -381,7 +382,7 @@ def cache_bench(work: Path, threads: int, shards: int = 48, per_shard: int = 16)
     from mmcache import featstore
     from tests.s3_server import S3Server
     from tests.test_epoch_order import write_store
-    from mmcache.train.order import shard_read_bytes
+    from mmcache.train.data.order import shard_read_bytes
 
     server = S3Server()
     try:

@@ -17,7 +17,7 @@ does before and during its first steps, as rank --rank of --ranks data-parallel 
 
 as seconds and RSS growth (VmRSS after minus before; VmHWM: the peak), "before" through the
 general stream that lists every sample (forced: an adapter the stream cannot size by position),
-"after" through the stream by position (train.positions), both of this checkout and in one run.
+"after" through the stream by position (train.data.positions), both of this checkout and in one run.
 Their global batches are checked equal step by step (a digest of the steps' sample ids).
 """
 
@@ -78,8 +78,8 @@ def stream_of(path: str, url: str, window: str, rank: int, ranks: int, global_ba
     live fields or a held-out split skips): the plan, the epoch order and this rank's stream."""
     from mmcache.featstore.config import load_config
     from mmcache.train.config import TrainConfig
-    from mmcache.train.data import FeatureStream, StreamOptions
-    from mmcache.train.order import plan_order
+    from mmcache.train.data.stream import FeatureStream, StreamOptions
+    from mmcache.train.data.order import plan_order
     from mmcache.train.plan import plan_run
 
     sets = [f"data.global_batch={global_batch}"] + ([] if window == "none" else [f"data.shuffle_window={window}"])

@@ -32,7 +32,7 @@ from tests.vlm_store import draw, random_store, shapes_store, tiny_vit, train_to
 from mmcache.train.config import DataSection  # noqa: E402
 from mmcache.train.models import build_model, get_model_family  # noqa: E402
 from mmcache.train.models.vlm import next_token_loss  # noqa: E402
-from mmcache.train.packing import SAMPLE_ID  # noqa: E402
+from mmcache.train.data.packing import SAMPLE_ID  # noqa: E402
 
 
 def _samples(url):
@@ -159,7 +159,7 @@ def _padded(adapter, batch, lengths):
     old = adapter.max_tokens
     adapter.max_tokens = longest
     try:
-        from mmcache.train.packing import expand_sample, pack
+        from mmcache.train.data.packing import expand_sample, pack
 
         meta = adapter.ids_meta
         rows = [pack([expand_sample(s[SAMPLE_ID], s[adapter.ids_field], s[adapter.target_field], s.get(adapter.vit_field),

@@ -1,37 +1,55 @@
 """mmcache's feature store: ragged, sharded, checksummed features in Zarr v3 + Parquet.
 
-    from mmcache import featstore
     with featstore.create("./st", fields={"latent": "bfloat16", "text": "float16"}) as w:
         w.add("sample-0", {"latent": latent, "text": text}, meta={"caption": "a cat"})
-    s = featstore.open("./st")
-    s.read("sample-0")          # {"latent": np.ndarray[bfloat16], "text": ...}, exact
-    s[0], s.read_at(-1)         # by position in the snapshot's order
-    s.read("sample-0", with_meta=True).meta["caption"]  # a Sample: the arrays, .id, .meta
-    s.index                     # pyarrow.Table, one row per sample (per shard it has fields in)
+    featstore.open("./st").read("sample-0")   # {"latent": np.ndarray[bfloat16], ...}, exact
 
-This package imports neither torch nor dask: anything that reads numpy can use it (tensors.py
-and dataset-style helpers take torch from the caller).
-
-The modules, bottom up (each imports only those above it):
-    errors, secrets, retry    user-facing errors; credentials kept out of messages; retried remote calls
-    format                    the on-disk format: names, dtypes, chunk layouts, checksums (docs/FORMAT.md)
-    storage                   the object layer's interface (Storage ABC)
-    local_storage, object_storage, backends   its local and fsspec backends; open_storage picks one by URL
-    cache                     the local read-through cache
-    manifest, config          the store's declarations (zarr.json); typed YAML configs for every command
-    index                     listing index/ and parsing its parts: ShardInfo, one home for both
-    checkpoints, snapshot     reading index checkpoints; the snapshot an open takes (parts in commit order)
-    compact                   writing index checkpoints (mmcache compact; writers every so often)
-    sample, tensors           Sample (arrays + id + meta); torch tensors in and out, torch from the caller
-    writer, scan              committing shards atomically; full scans in large sequential blocks
-    reader                    Store: open, read, read_at, scan, add fields, writer()
-    prompts, repair, copy     prompt embeddings; mmcache repair; mmcache copy
-    verify, user_errors       mmcache verify / info; one-line errors for the command-line tools
-    cli, demo                 the store commands (info, verify, copy, repair, compact); a demo store
-    order, latents            epoch orders (global or shard windows); a latent field's recorded scale
-    importer                  mmcache import: per-sample caches of other trainers (torch only in its loaders)
-    dataset, mixture, buckets torch-only, imported by nothing here: StreamingDataset, MixedDataset,
-                              ShapeBatches for any PyTorch loop (docs/dataset.md)
+Imports neither torch nor dask (dataset, mixture, buckets and importer's loaders aside). More
+examples and the design: docs/store-api.md, docs/design/store.md. The modules, bottom up (each
+imports only those above it):
+    errors          user-facing errors (ValueError subclasses that say what to do)
+    secrets         credentials kept out of messages, logs and run files
+    retry           retried remote calls: transient faults, backoff, clear errors
+    checksums       CRC-32C: the library that runs it, CRCs of concatenations
+    format          the on-disk format: names, dtypes, chunk layouts, seals (docs/FORMAT.md)
+    storage         the object layer's interface (Storage ABC)
+    local_storage   its local-disk backend (mmap, preadv, atomic renames)
+    object_storage  its fsspec backend (memory://, s3://, ...)
+    backends        open_storage: picks a backend by URL
+    cache_files     the cache's files: shared descriptors, preads, locks
+    cache           the local read-through cache of a remote store's objects
+    manifest        the store's declarations (zarr.json without races); ManifestView
+    config          typed YAML configs for every command
+    index           listing index/ and parsing its parts: ShardInfo
+    idhash          64-bit hashes of sample ids (checkpoints' id sets)
+    checkpoints     reading index checkpoints
+    snapshot        the snapshot an open takes (parts in commit order)
+    rows            one shard's per-sample rows, loaded on first use
+    sample_index    ShardTable and SampleIndex: where each sample of a snapshot is
+    chunk_index     ChunkIndex: the shard indexes of field objects, and byte ranges
+    compact         writing index checkpoints (mmcache compact; writers every so often)
+    sample          Sample: arrays + id + meta
+    tensors         torch tensors in and out, torch from the caller
+    writer          StoreWriter: committing shards atomically
+    scan            full scans in large sequential blocks
+    store           Store: one snapshot, read (read, read_at, scan, metadata)
+    appendable      AppendableStore(Store): add fields and shards, writer(); create_store
+    reader          open_store (Store, or AppendableStore with mode="a")
+    order           epoch orders (global or shard windows)
+    prompts         prompt embeddings beside the samples
+    repair          mmcache repair
+    copy            mmcache copy
+    rewrite         data compaction (small shards rewritten into large ones)
+    verify          mmcache verify / info
+    user_errors     one-line errors for the command-line tools
+    importer        mmcache import: other trainers' per-sample caches (torch in its loaders only)
+    cli             the store commands (info, verify, copy, repair, compact)
+    demo            a demo store of generated features
+    mixing          weighted mixing of sources into one epoch order
+    latents         a latent field's recorded scale
+    dataset         torch: StreamingDataset for any PyTorch loop (docs/dataset.md)
+    mixture         torch: MixedDataset, several stores in set proportions
+    buckets         torch: ShapeBatches, batches of equal shapes
 """
 
 from __future__ import annotations
@@ -58,7 +76,9 @@ from mmcache.featstore.errors import (
 from mmcache.featstore.copy import copy_store
 from mmcache.featstore.format import FORMAT_VERSION, FieldSpec
 from mmcache.featstore.prompts import prompt_embedding, read_prompts, write_prompts
-from mmcache.featstore.reader import Store, create_store, open_store
+from mmcache.featstore.appendable import create_store
+from mmcache.featstore.reader import open_store
+from mmcache.featstore.store import Store
 from mmcache.featstore.sample import Sample
 from mmcache.featstore.writer import StoreWriter
 

@@ -4,12 +4,8 @@
     batches = ShapeBatches(StreamingDataset(url, shuffle=True), batch_size=8)
     loader = DataLoader(batches, batch_size=None, num_workers=2)   # each item is a whole batch
 
-Each worker takes its share of the epoch's order (as the dataset splits it), cuts it into runs of
-``lookahead`` batches' worth of samples, and within a run groups the samples by their fields'
-shapes (from the index: nothing is read to group), in order of first appearance, then cuts each
-group into batches of ``batch_size`` (the last of a group may be smaller). So a batch never mixes
-shapes, every sample still comes once per epoch, and the batches are a function of (seed, epoch,
-placement) alone: a resumed loader skips the batches already yielded and goes on exactly.
+Batches are grouped by shape within runs of ``lookahead`` batches, a function of (seed, epoch,
+placement) alone, so a resumed loader goes on exactly (docs/design/store.md, "ShapeBatches").
 """
 
 from __future__ import annotations

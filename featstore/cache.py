@@ -1,43 +1,13 @@
 """A local read-through cache of a remote store's objects (``mmcache.featstore.open(..., cache_dir=)``).
 
-A second epoch (or a second run) of a trainer streaming ``s3://...`` reads at local-disk speed.
-Correct by construction rather than by invalidation:
-
-* Only objects named in commit records are cached, and those never change once committed (a
-  shard's index part carries its CRC in its key). An entry is keyed by (store URL, object key,
-  size, CRC-32C from the commit record), so a cache can never serve a stale object: a different
-  object under the same key has a different key here.
-* An object is downloaded whole into a temporary file, checked against its size and CRC-32C,
-  and only then renamed into place; a reader never sees a partial or unverified entry. An entry
-  found on disk is checked again (size and CRC) the first time a process opens it.
-* The cache is bounded (``max_bytes``): before a download makes room, the least recently used
-  entries (by mtime, refreshed on use) are evicted under an exclusive lock file, so several
-  processes (the ranks of one node) can share a directory. An in-flight download reserves its
-  size by its temporary file's name, so concurrent downloads do not overrun the bound. A
-  process still reading an evicted entry keeps its open descriptor (POSIX unlink semantics)
-  for that read; the next read of it sees the entry gone (no link left) and fetches it again,
-  so evicted bytes do not linger on disk behind open descriptors.
-* The bytes held are a running total in a small ledger file, updated under that lock, so a
-  download costs O(1) bookkeeping. The directory is scanned only when the ledger says the bound
-  is reached (eviction then frees down to ``LOW_WATER`` of the bound, so the next downloads do
-  not scan again) or is unreadable; a scan recomputes the truth, which also absorbs what a
-  crashed process left behind.
-* An object that will not fit, or a local disk error, is read by byte ranges from the remote
-  store (``cat_ranges``: only the bytes asked for, nothing stored): the cache can make reads
-  faster, never make them fail or wrong. "Will not fit" is: two objects of its size do not fit
-  under the low-water mark (``admits``). A reader going through a store shard by shard (the
-  trainer's shard-aware order) needs one object to stay while the next arrives; a bigger one
-  would be evicted before its samples are all read and downloaded again, so fetching only the
-  samples' own bytes moves fewer bytes.
-* ``stats()`` counts what actually moved: requests served from a copy already here (hits),
-  after downloading it whole (misses) or by ranges from the store (uncached), and the bytes
-  received from the store (the downloaded files' sizes plus the ranges read), so a trainer can
-  report its hit rate and bytes downloaded per epoch.
+A second epoch (or run) of a trainer streaming ``s3://...`` reads at local-disk speed. Correct by
+construction: only committed objects (which never change) are cached, keyed by their size and
+CRC-32C, downloaded whole and checked before use; bounded, shared by processes, and never making
+a read fail (docs/design/store.md, "The local read-through cache").
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -50,13 +20,12 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from mmcache.featstore import format as fmt
+from mmcache.featstore import cache_files as files
 from mmcache.featstore.errors import ConfigError, CorruptionError
 from mmcache.featstore.storage import ReadRequest, Storage
 
@@ -66,7 +35,6 @@ LAYOUT = "mmcache-objects-v1"
 STALE_PART_SECONDS = 3600   # temporary files older than this belong to a dead process
 TOUCH_SECONDS = 30          # refresh an entry's mtime (its LRU age) at most this often
 LOW_WATER = 0.9             # an eviction frees down to this share of the bound
-_CHUNK = 8 << 20
 STATS = ("requests", "hits", "misses", "uncached_reads", "downloads", "bytes_downloaded", "bytes_read", "other_bytes")
 
 
@@ -84,7 +52,7 @@ class CachingStorage(Storage):
         except OSError as exc:
             raise ConfigError(f"cache directory {cache_dir}: {exc}") from None
         self.scans = 0  # full scans of the directory (O(entries) each): once here, then rarely
-        with _flock(self.root / "lock"):
+        with files.locked(self.root / "lock"):
             held = self._usage()[0]
             self._write_ledger(held)
         if max_bytes is None:  # default: most of the free space (what is cached already counts as free)
@@ -94,7 +62,7 @@ class CachingStorage(Storage):
         self.max_bytes = int(max_bytes)
         self._known: dict[str, tuple[int, int]] = {}
         # key -> open descriptor of its entry; a descriptor is closed only when no read holds it
-        self._handles: OrderedDict[str, _Handle] = OrderedDict()
+        self._handles: OrderedDict[str, files.Handle] = OrderedDict()
         self._touched: dict[str, float] = {}
         self._lock = threading.Lock()
         self._key_locks: dict[str, threading.Lock] = {}
@@ -176,7 +144,7 @@ class CachingStorage(Storage):
                 continue
             counts["hits" if outcome == "hit" else "misses"] += 1
             try:
-                _pread(handle.fd, ranges, out, f"{self.url}/{key}")
+                files.pread_ranges(handle.fd, ranges, out, f"{self.url}/{key}")
             finally:
                 self._release(handle)
         if remote:
@@ -185,13 +153,13 @@ class CachingStorage(Storage):
             self.remote.read_into(remote)
         self._count(**counts)
 
-    def _acquire(self, key: str) -> tuple[_Handle | None, str]:
+    def _acquire(self, key: str) -> tuple[files.Handle | None, str]:
         """The open, verified local copy of ``key`` (fetched if needed), held until released, and
         how it was found: "hit" (here already) or "miss" (downloaded now); (None, "uncached")
         when it is not cached (it will not fit, no room now, or a local disk error)."""
         with self._lock:
             handle = self._handles.get(key)
-            if handle is not None and _unlinked(handle.fd):
+            if handle is not None and files.unlinked(handle.fd):
                 # Evicted (by any process) since it was opened: reads already holding it finish
                 # on it, new ones fetch it again. Reading on from the descriptor would keep the
                 # evicted bytes on disk, outside the bound, for as long as it stays open.
@@ -221,7 +189,7 @@ class CachingStorage(Storage):
             try:
                 fd = self._open_verified(path, nbytes, crc)
                 if fd is None:
-                    with _flock(self.root / "locks" / name):  # ...and per cache directory
+                    with files.locked(self.root / "locks" / name):  # ...and per cache directory
                         fd = self._open_verified(path, nbytes, crc)
                         if fd is None:
                             fd, outcome = self._fetch(key, name, path, nbytes, crc), "miss"
@@ -232,7 +200,7 @@ class CachingStorage(Storage):
             except OSError as exc:  # the local disk (full, read-only, ...): read remotely instead
                 log.warning("cache %s: %s; reading %s/%s from the store instead", self.root, exc, self.url, key)
                 return None, "uncached"
-            handle = _Handle(fd)
+            handle = files.Handle(fd)
             with self._lock:
                 self._handles[key] = handle
                 self._touched[key] = time.monotonic()
@@ -243,7 +211,7 @@ class CachingStorage(Storage):
                         os.close(old.fd)
             return handle, outcome
 
-    def _release(self, handle: _Handle | None) -> None:
+    def _release(self, handle: files.Handle | None) -> None:
         if handle is None:
             return
         with self._lock:
@@ -265,7 +233,7 @@ class CachingStorage(Storage):
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             return None
-        if os.fstat(fd).st_size == nbytes and _file_crc(fd, nbytes) == crc:
+        if os.fstat(fd).st_size == nbytes and files.file_crc(fd, nbytes) == crc:
             try:
                 os.utime(path)
             except FileNotFoundError:
@@ -274,8 +242,8 @@ class CachingStorage(Storage):
         size = os.fstat(fd).st_size
         os.close(fd)
         log.warning("cache entry %s does not match its object (size or checksum); fetching it again", path)
-        with _flock(self.root / "lock"):
-            if _unlink(path):
+        with files.locked(self.root / "lock"):
+            if files.unlink(path):
                 self._add_to_ledger(-size)
         return None
 
@@ -293,19 +261,19 @@ class CachingStorage(Storage):
                 fd = os.open(part, os.O_RDONLY)
                 size = os.fstat(fd).st_size
                 self._count(bytes_downloaded=size)  # what arrived, checked or not
-                if size == nbytes and _file_crc(fd, nbytes) == crc:
+                if size == nbytes and files.file_crc(fd, nbytes) == crc:
                     path.parent.mkdir(parents=True, exist_ok=True)
                     # Under the directory's lock: a scan lists objects/ then tmp/, and must not
                     # miss a reservation that turns into an entry between the two.
-                    with _flock(self.root / "lock"):
+                    with files.locked(self.root / "lock"):
                         os.replace(part, path)  # the entry appears whole and verified, or not at all
                     self._count(downloads=1)
                     return fd  # the reservation is now the entry: the ledger already counts it
                 os.close(fd)
             finally:
                 if os.path.exists(part):  # not committed: give the reservation back
-                    with _flock(self.root / "lock"):  # file and ledger change together
-                        if _unlink(part):
+                    with files.locked(self.root / "lock"):  # file and ledger change together
+                        if files.unlink(part):
                             self._add_to_ledger(-nbytes)
             if size != nbytes:
                 raise CorruptionError(f"{where}: the store holds {size} bytes, its commit record says {nbytes} (truncated or overwritten); run `mmcache verify {self.url}`")
@@ -318,7 +286,7 @@ class CachingStorage(Storage):
         """Make room for ``nbytes`` and create the temporary file that reserves it; both under the
         directory's lock, so concurrent fetches (of any process) see each other. None when the
         room is held by other downloads still in flight (they cannot be evicted)."""
-        with _flock(self.root / "lock"):
+        with files.locked(self.root / "lock"):
             total = self._read_ledger()
             if total is None or total + nbytes > self.max_bytes:
                 total = self._evict(nbytes)
@@ -337,8 +305,8 @@ class CachingStorage(Storage):
         for _mtime, size, entry in sorted(entries):
             if total <= goal:
                 break
-            _unlink(entry)
-            _unlink(self.root / "locks" / entry.name)
+            files.unlink(entry)
+            files.unlink(self.root / "locks" / entry.name)
             total -= size
         return total
 
@@ -360,8 +328,8 @@ class CachingStorage(Storage):
         """Bytes held (entries + reservations of in-flight fetches) and the entries, oldest first."""
         self.scans += 1
         total, entries = 0, []
-        for sub in _scandir(self.root / "objects"):
-            for entry in _scandir(Path(sub.path)):
+        for sub in files.scandir(self.root / "objects"):
+            for entry in files.scandir(Path(sub.path)):
                 try:
                     st = entry.stat()
                 except FileNotFoundError:
@@ -369,13 +337,13 @@ class CachingStorage(Storage):
                 total += st.st_size
                 entries.append((st.st_mtime, st.st_size, Path(entry.path)))
         now = time.time()
-        for entry in _scandir(self.root / "tmp"):
+        for entry in files.scandir(self.root / "tmp"):
             try:
                 age = now - entry.stat().st_mtime
             except FileNotFoundError:
                 continue
             if age > STALE_PART_SECONDS:
-                _unlink(Path(entry.path))
+                files.unlink(Path(entry.path))
             else:
                 parts = entry.name.split(".")
                 total += int(parts[1]) if len(parts) == 5 and parts[1].isdigit() else 0
@@ -453,69 +421,3 @@ def parse_size(value: int | str, what: str = "size") -> int:
     if size <= 0:
         raise ConfigError(f"{what}: must be positive, got {value!r}")
     return size
-
-
-class _Handle:
-    __slots__ = ("fd", "refs", "retired")
-
-    def __init__(self, fd: int) -> None:
-        self.fd, self.refs, self.retired = fd, 1, False
-
-
-def _pread(fd: int, ranges: Sequence[tuple[int, int]], out: np.ndarray, where: str) -> None:
-    view = memoryview(out).cast("B")
-    pos = 0
-    for start, end in ranges:
-        want = end - start
-        got = os.preadv(fd, [view[pos : pos + want]], start)
-        if got != want:
-            raise CorruptionError(f"{where}: expected {want} bytes at offset {start}, got {got} (truncated cache entry)")
-        pos += want
-
-
-def _unlinked(fd: int) -> bool:
-    """True when the file open as ``fd`` has no name left (its entry was evicted)."""
-    try:
-        return os.fstat(fd).st_nlink == 0
-    except OSError:
-        return True
-
-
-def _file_crc(fd: int, nbytes: int) -> int:
-    crc, pos = 0, 0
-    buf = bytearray(min(_CHUNK, max(nbytes, 1)))
-    view = memoryview(buf)
-    while pos < nbytes:
-        got = os.preadv(fd, [view[: min(len(buf), nbytes - pos)]], pos)
-        if got <= 0:
-            break
-        crc = fmt.crc32c(np.frombuffer(buf, dtype=np.uint8, count=got), crc)
-        pos += got
-    return crc
-
-
-@contextmanager
-def _flock(path: Path):
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing releases the lock
-
-
-def _scandir(path: Path) -> list[os.DirEntry]:
-    try:
-        with os.scandir(path) as it:
-            return list(it)
-    except FileNotFoundError:
-        return []
-
-
-def _unlink(path: Path) -> bool:
-    """Remove ``path``; True if this call removed it."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        return False
-    return True

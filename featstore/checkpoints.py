@@ -1,20 +1,9 @@
 """Index checkpoints, read: the rows of many committed index parts in two Parquet objects, so
-that opening a store costs one listing and a couple of reads at any shard count (Delta Lake and
-Iceberg checkpoint their logs for the same reason). How a checkpoint is written and pruned is
-``featstore.compact``'s; ``mmcache verify`` checks checkpoints against the parts.
+that opening a store costs one listing and a couple of reads at any shard count. Writing and
+pruning them is ``featstore.compact``'s; ``mmcache verify`` checks them against the parts.
 
-A checkpoint (docs/FORMAT.md, "Index checkpoints"): ``checkpoints/<digest>.rows.parquet`` holds
-every row of the parts it covers, in snapshot order, with a ``shard`` column;
-``checkpoints/<digest>.parts.parquet`` one row per covered part (its file name, its listing
-fingerprint, its commit record). ``<digest>`` is the SHA-256 of the two objects' bytes, parts then
-rows (first 32 hex digits): a reader checks what it read against the name. The marker
-``index/_checkpoint.<parts>.<digest>.json`` makes it visible; it sits in ``index/`` so that the
-one listing a reader takes anyway finds it.
-
-A reader uses a covered part's rows from the checkpoint only when the part is still listed with
-the fingerprint it had (size plus the backend's mtime, inode or ETag): a part deleted since
-(``mmcache repair``) drops out, one committed since, or recreated under the same name, is read.
-So a checkpoint never hides or changes a committed shard; it only saves reads.
+A covered part's rows come from the checkpoint only while the part is listed as it was, so a
+checkpoint never hides or changes a committed shard (docs/design/store.md, "Index checkpoints, read").
 """
 
 from __future__ import annotations

@@ -1,26 +1,7 @@
-"""Index checkpoints, written: the rows of many committed index parts in two Parquet objects, so that
-opening a store costs one listing and a couple of reads at any shard count (Delta Lake and
-Iceberg checkpoint their logs for the same reason). ``mmcache verify`` checks them against the
-parts (featstore.verify); reading them is featstore.checkpoints'.
-
-A checkpoint is written in two steps, like a shard (docs/FORMAT.md, "Index checkpoints"):
-
-1. ``checkpoints/<digest>.rows.parquet``: every row of the parts it covers, in snapshot order,
-   with a ``shard`` column; ``checkpoints/<digest>.parts.parquet``: one row per covered part (its
-   file name, its listing fingerprint, its commit record). ``<digest>`` is the SHA-256 of the two
-   objects' bytes, parts then rows (first 32 hex digits): a reader checks what it read against
-   the name, and two compactors of the same parts write the same objects.
-2. ``index/_checkpoint.<parts>.<digest>.json``, created only if absent: the marker that makes the
-   checkpoint visible. It sits in ``index/`` so that the one listing a reader takes anyway finds
-   it; its name does not end in ``.parquet`` and does not start like a shard, so plain readers and
-   older mmcache skip it.
-
-A reader uses a covered part's rows from the checkpoint only when the part is still listed with
-the fingerprint it had (size plus the backend's mtime, inode or ETag): a part deleted since
-(``mmcache repair``) drops out, one committed since, or recreated under the same name, is read.
-So a checkpoint never hides or changes a committed shard; it only saves reads. Nothing here
-deletes an index part; old checkpoints are pruned marker first, and a reader that finds one gone
-falls back to the next one, or to the parts.
+"""Index checkpoints, written (``mmcache compact``; writers every so often): the rows of many
+committed index parts in two Parquet objects, then a marker in ``index/`` that makes them
+visible; old checkpoints are pruned marker first. Reading them is featstore.checkpoints'
+(docs/FORMAT.md, "Index checkpoints"; docs/design/store.md, "Index checkpoints, written").
 """
 
 from __future__ import annotations
@@ -33,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from mmcache.featstore import checksums
 from mmcache.featstore import format as fmt
 from mmcache.featstore.checkpoints import (
     CHECKPOINT_DIR,
@@ -195,7 +177,7 @@ def after_commit(storage: Storage, shard: str, every: int, commits: int) -> None
     each, like encode tasks, take part without coordination), lists the index and compacts it
     when at least ``every`` parts are not covered by a checkpoint. The commit has happened
     whatever this does: a failure here is a warning."""
-    if every <= 0 or (commits % every and fmt.crc32c(shard.encode()) % every):
+    if every <= 0 or (commits % every and checksums.crc32c(shard.encode()) % every):
         return
     compact_when(storage, every, f"after shard {shard!r}")
 

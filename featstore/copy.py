@@ -1,30 +1,9 @@
 """``mmcache copy SRC DST``: copy a store between any two URLs (local, s3://, memory://, ...).
 
-The copy follows the store's own commit protocol, so a reader of the destination never sees a
-half-copied shard, and an interrupted copy resumes by doing only what is missing:
-
-1. The manifest (``zarr.json``) and the shards group go first: the destination is then a valid,
-   empty-looking store, before any index part exists there.
-2. Per shard, every object of its commit record (data, zarr metadata, rejects) is copied in
-   parallel, each checked against the size and CRC-32C its commit record gives, so a damaged
-   source is never propagated. An object an interrupted copy left behind is kept when its size
-   and CRC-32C match, and copied again otherwise.
-3. The shard's index part goes last, byte for byte, created only if absent: that PUT (or link,
-   on disk) commits the shard at the destination.
-
-Shards already committed at the destination are skipped; one committed there with different
-content is an error (the destination is another store). A destination is copied into only if it
-is an earlier copy of the source (its shards are some of the source's); with ``merge`` it may be
-any store with the same fields, and each source shard is committed there without the rows whose
-(sample id, field) the destination already holds (an index part rewritten over the same objects),
-so every sample stays in one shard. The source is read as the snapshot taken when the copy starts.
-
-Prompt embeddings (``prompts/``, see ``mmcache.featstore.prompts``) are copied too, each object checked
-(its CRC-32Cs, its metadata against its name) and created only if absent, before any shard. The
-destination's embedding of a prompt wins: a plain copy refuses a destination that holds another
-embedding of a source prompt (same field and encoder); ``merge`` leaves such prompts out of the
-source's object (written under the name of what is left), so every (field, encoder, prompt) keeps
-one embedding in the destination, as every (sample, field) keeps one shard.
+The copy follows the store's commit protocol (manifest first, each shard's objects checked
+against its commit record, its index part last), so a reader of the destination never sees a
+half-copied shard and an interrupted copy resumes; ``merge`` copies into another store with the
+same fields. Prompt embeddings are copied too (docs/design/store.md, "Copying a store").
 """
 
 from __future__ import annotations
@@ -37,12 +16,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from mmcache.featstore import checksums
 from mmcache.featstore import format as fmt
 from mmcache.featstore import manifest as manifests
 from mmcache.featstore.errors import CorruptionError, NotAStoreError, SchemaError
 from mmcache.featstore.index import index_parts, parse_index_part, row_outside_data
 from mmcache.featstore.prompts import list_parts, part_bytes, read_part
-from mmcache.featstore.reader import Store, open_store
+from mmcache.featstore.reader import open_store
+from mmcache.featstore.store import Store
 from mmcache.featstore.repair import rewritten_part
 from mmcache.featstore.backends import open_storage
 from mmcache.featstore.storage import Storage
@@ -152,9 +133,9 @@ def _plan_shards(source: Store, dest: Storage, at_dest: dict[str, str], held: se
             skipped += 1
             continue
         # --merge: each (sample id, field) stays in one shard; the destination's copy wins.
-        rows = source._shard_rows[name]
-        drop = {source._ids[r] for r in rows if any((source._ids[r], f) in held for f in info.layouts)}
-        held.update((source._ids[r], f) for r in rows for f in info.layouts if source._ids[r] not in drop)
+        rows, ids = source.shard_rows(name), source.sample_index.ids
+        drop = {ids[r] for r in rows if any((ids[r], f) in held for f in info.layouts)}
+        held.update((ids[r], f) for r in rows for f in info.layouts if ids[r] not in drop)
         dropped += len(drop)
         todo.append((info, drop))
     return todo, skipped, dropped
@@ -274,12 +255,12 @@ def _copy_object(src: Storage, dest: Storage, key: str, expected: dict[str, int]
             have = dest.size(key)
         except FileNotFoundError:
             have = None
-        if have == nbytes and fmt.crc32c(dest.read(key)) == crc:
+        if have == nbytes and checksums.crc32c(dest.read(key)) == crc:
             return 0  # left whole by an interrupted copy
         data = src.read(key)
         if len(data) != nbytes:
             raise CorruptionError(f"{src.url}/{key} has {len(data)} bytes, its commit record says {nbytes}: the source is damaged, run `mmcache verify {src.url}`")
-        if fmt.crc32c(data) != crc:
+        if checksums.crc32c(data) != crc:
             raise CorruptionError(f"{src.url}/{key} fails its checksum: the source is damaged, run `mmcache verify {src.url}`")
         dest.write_parts(key, [data])
         return nbytes

@@ -2,24 +2,10 @@
 
     ds = StreamingDataset("s3://bucket/st", fields=["latent", "text"], shuffle=True, seed=0)
     loader = DataLoader(ds, batch_size=8, num_workers=2, collate_fn=ds.pad_collate())
-    for epoch in range(3):
-        ds.set_epoch(epoch)
-        for batch in loader: ...   # {"latent": bf16 [8, ...], "text": ..., "text_mask": ..., "id": [...]}
 
-The only featstore module that imports torch (nothing else in featstore imports this one).
-
-Each epoch visits the store's samples in one order, a function of (seed, epoch, snapshot) only
-(``featstore.order``: a global shuffle, or shards shuffled then samples within windows of
-``window`` shards so that a cache smaller than the store streams). Rank ``r`` of ``W`` takes
-positions ``r, r+W, ...`` of it, and DataLoader worker ``k`` of ``K`` every ``K``-th of those:
-each sample is read once per epoch over all ranks and workers, and rank counts differ by at most
-one (``drop_last`` cuts the order to a multiple of ``W``). The dataset pickles without its open
-store: the main process fixes the snapshot (the committed shards when it was made), and workers,
-whatever their start method, open exactly that snapshot on first use.
-
-``state_dict()`` / ``load_state_dict()`` follow torchdata's ``StatefulDataLoader``, which calls
-them inside each worker: the state is the epoch and how many samples this worker has yielded,
-so a resumed loader goes on with the very next sample (see docs/dataset.md for other world sizes).
+Imports torch (nothing else in featstore imports this module). Each sample is read once per epoch
+over all ranks and workers, in an order of (seed, epoch, snapshot) only, and a loader resumes with
+the very next sample (docs/dataset.md; docs/design/store.md, "StreamingDataset").
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """The on-disk format, version 3 (docs/FORMAT.md is the prose version of this module).
 
-A store is a Zarr v3 hierarchy plus Parquet index parts::
-
-    zarr.json                             root group; attributes["mmcache"] is the store manifest
-    declarations/<kind>.<name>.json       manifest changes, immutable, merged at open
-    shards/<shard>.<w>/zarr.json          one group per committed shard (<w>: its writer's token)
-    shards/<shard>.<w>/<field>/zarr.json  a 1-D array: every sample's elements of that field, flat
-    shards/<shard>.<w>/<field>/c/0        its single zarr shard object (sharding_indexed codec)
-    rejects/<shard>.<w>.parquet           inputs a producer rejected, with the reason
-    index/<shard>.parquet                 one row per sample; created last and only if absent, it
-                                          *is* the commit (versions 1-2: <shard>.<crc32c>.parquet)
-
-Each field array uses the standard ``sharding_indexed`` codec with uncompressed inner chunks, so
-plain zarr can read it, while our reader computes byte ranges from the shard index and fetches a
-sample with one ranged read. bfloat16 (which zarr-python 3.1 cannot name) is stored as its raw
-uint16 bits, with ``attributes["mmcache"]["dtype"] == "bfloat16"`` saying how to view them.
+A store is a Zarr v3 hierarchy (the root group's attributes hold the manifest; one group per
+committed shard, one 1-D array per field holding one zarr shard object) plus Parquet index parts
+under ``index/``, whose creation *is* the commit. Plain zarr can read the arrays; our reader
+computes a sample's byte ranges from the shard index (docs/design/store.md, "The on-disk format").
 """
 
 from __future__ import annotations
@@ -22,13 +11,14 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import google_crc32c
 import numpy as np
 
+# Re-exported: their home is featstore.checksums (code outside featstore imports them from here).
+from mmcache.featstore.checksums import crc32c, crc32c_combine, crc32c_concat, crc32c_function, crc32c_releases_gil  # noqa: F401
 from mmcache.featstore.errors import CorruptionError, FormatVersionError, NotAStoreError, SchemaError
 
 FORMAT_NAME = "mmcache-featstore"
@@ -425,133 +415,6 @@ def byte_ranges(chunks: np.ndarray, layout: ChunkLayout, start: int, count: int,
         else:
             ranges.append((base + lo, base + hi))
     return ranges
-
-
-# CRC-32C libraries, and which one runs decides whether checksums run in parallel and how fast:
-# * awscrt (a dependency): carry-less multiplication over AVX-512 where the CPU has it (the CRC
-#   instruction elsewhere, ARM's on aarch64), ~21 GiB/s a core from memory here, and it releases
-#   the GIL above 5 KiB, so a scan's checks run on all cores beside the consumer;
-# * google_crc32c (zarr's dependency; the CRC instruction, ~14 GiB/s) holds the GIL for anything
-#   but ``bytes``: short calls, where releasing costs more than it frees, and the fallback where
-#   awscrt cannot be imported (then checks run one at a time).
-# awscrt is imported on first use (~27 ms, which a CLI command that never checks a large buffer
-# should not pay). Installed, it also becomes botocore's SigV4 signer (s3fs): the S3 tests run so.
-_LARGE = 1 << 20  # from here on (or on request) a buffer goes to the releasing library
-
-
-@functools.cache
-def _releasing_crc32c() -> Callable[[Any, int], int] | None:
-    """A CRC-32C (data, crc) -> crc that releases the GIL: awscrt's, or None where it is missing."""
-    try:
-        from awscrt import checksums
-    except ImportError:
-        return None
-    return checksums.crc32c  # type: ignore[no-any-return]
-
-
-def crc32c_releases_gil() -> bool:
-    return _releasing_crc32c() is not None
-
-
-def crc32c(data: Any, crc: int = 0, *, release_gil: bool | None = None) -> int:
-    """CRC-32C of a buffer (continuing from ``crc``), hardware-accelerated.
-
-    ``release_gil``: True on a background thread, so the check runs beside other threads' Python
-    code; False for many short calls on a thread others wait on (each release may hand the GIL to
-    a waiting thread for a whole switch interval); None: released for buffers of 1 MiB or more.
-    The GIL is released only where ``crc32c_releases_gil()``."""
-    # A view as uint8 makes any contiguous array (bfloat16 too) acceptable to both libraries,
-    # and google_crc32c takes no writable memoryview.
-    if not isinstance(data, bytes):
-        data = np.frombuffer(data, dtype=np.uint8) if isinstance(data, (bytearray, memoryview)) else np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-    if release_gil is not False and (release_gil or len(data) >= _LARGE) and (releasing := _releasing_crc32c()) is not None:
-        return releasing(data, crc)
-    return google_crc32c.extend(crc, data)
-
-
-def crc32c_function(*, release_gil: bool) -> Callable[[Any], int]:
-    """``crc32c(data, release_gil=...)`` for hot loops over contiguous uint8 arrays: the library
-    call itself, without ``crc32c``'s conversions (a few microseconds a call, as much as the
-    checksum of a 32 KB sample takes)."""
-    releasing = _releasing_crc32c() if release_gil else None
-    if releasing is not None:
-        return lambda data: releasing(data, 0)
-    return functools.partial(google_crc32c.extend, 0)
-
-
-# CRC-32C (reflected polynomial 0x82F63B78) of a concatenation from the CRCs of its parts, as
-# zlib's crc32_combine does for CRC-32: appending n zero bytes to a CRC register is a linear map
-# over GF(2), and the maps for n = 2^k bytes are precomputed once. A writer thus checksums each
-# sample once and derives the whole object's CRC without a second pass over the bytes.
-def _gf2_times(matrix: list[int], vector: int) -> int:
-    out, row = 0, 0
-    while vector:
-        if vector & 1:
-            out ^= matrix[row]
-        vector >>= 1
-        row += 1
-    return out
-
-
-def _gf2_square(matrix: list[int]) -> list[int]:
-    return [_gf2_times(matrix, column) for column in matrix]
-
-
-def _zero_byte_operators(count: int = 48) -> list[list[int]]:
-    one_bit = [0x82F63B78] + [1 << n for n in range(31)]
-    op = _gf2_square(_gf2_square(_gf2_square(one_bit)))  # 8 zero bits: one byte
-    ops = []
-    for _ in range(count):
-        ops.append(op)
-        op = _gf2_square(op)
-    return ops
-
-
-_ZERO_BYTES = _zero_byte_operators()
-
-
-def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
-    """CRC-32C of A+B from crc(A), crc(B) and len(B)."""
-    bit = 0
-    while len2:
-        if len2 & 1:
-            crc1 = _gf2_times(_ZERO_BYTES[bit], crc1)
-        len2 >>= 1
-        bit += 1
-    return crc1 ^ crc2
-
-
-def crc32c_concat(crcs: Any, lengths: Any) -> int:
-    """CRC-32C of buffers back to back, from their CRCs and byte lengths (in order): what folding
-    ``crc32c_combine`` over them gives, for many at once in ~100 numpy calls whatever their
-    number. crc(A+B) is crc(A) advanced by len(B) zero bytes, XOR crc(B); so the whole is the XOR
-    of every CRC advanced by the bytes after it. Advancing by n is the product of the operators
-    for n's hexadecimal digits, each applied to all CRCs at once through byte tables."""
-    values = np.array(crcs, dtype=np.uint32)
-    sizes = np.asarray(lengths, dtype=np.int64)
-    if not values.size:
-        return 0
-    after = np.cumsum(sizes[::-1])[::-1] - sizes
-    for position in range((int(after.max()).bit_length() + 3) // 4):
-        tables, digit = _advance_tables(position), (after >> (4 * position)) & 15
-        values = (tables[digit, 0, values & 0xFF] ^ tables[digit, 1, (values >> 8) & 0xFF]
-                  ^ tables[digit, 2, (values >> 16) & 0xFF] ^ tables[digit, 3, values >> 24])
-    return int(np.bitwise_xor.reduce(values))
-
-
-@functools.cache
-def _advance_tables(position: int) -> np.ndarray:
-    """[d, b, v]: the operator for d * 16**position zero bytes applied to the value v in byte b
-    of a CRC; the XOR over a CRC's four bytes is the operator applied to it (d = 0: itself)."""
-    has_bit = (np.arange(256)[None, :] >> np.arange(8)[:, None]) & 1 == 1  # [i, v]: bit i of v
-    tables = np.zeros((16, 4, 256), dtype=np.uint32)
-    operator = [1 << n for n in range(32)]  # identity, then each digit's operator in turn
-    for d in range(16):
-        if d:
-            operator = [_gf2_times(_ZERO_BYTES[4 * position], column) for column in operator]  # one more 16**position
-        columns = np.array(operator, dtype=np.uint32).reshape(4, 8, 1)  # [byte, i]: the image of bit 8 * byte + i
-        tables[d] = np.bitwise_xor.reduce(np.where(has_bit, columns, np.uint32(0)), axis=1)
-    return tables
 
 
 def _dumps(doc: dict[str, Any]) -> bytes:

@@ -1,21 +1,9 @@
 """``mmcache import``: per-sample caches other trainers wrote, brought into a store.
 
-A layout (a registry: ``LAYOUTS``) says how a cache folder groups its files into samples and
-what metadata it keeps beside them:
-
-    simpletuner   one ``.pt`` per image, anywhere under the folder (its VAE cache): a tensor, or a dict of them
-    finetrainers  one ``.pt`` per item, a dict of tensors (latents, prompt embeddings, ...)
-    musubi        ``<item>_<W>x<H>_<arch>.safetensors`` (latents) and ``<item>_<arch>_te.safetensors``
-                  (text-encoder states), merged by item
-    mindspeed     MindSpeed-MM: ``data.jsonl`` rows naming a ``features/*.pt`` file each; the row's
-                  other values (caption, size, ...) become the sample's metadata
-
-Tensors map to the store's fields by name (``fields``: store field -> a key or an fnmatch pattern
-such as ``latents_*``, musubi's keys carrying shape and dtype). ``.pt`` files are loaded with
-``torch.load(weights_only=True)``: nothing in a cache can run code. A file that does not load, or
-a sample that lacks a field or holds two tensors for one, is a reject with the reason, never a
-crash. The fields' metadata records where they came from (``fingerprint.imported``): no encoder
-fingerprint vouches for them. torch is imported by the loaders only (this module loads without it).
+A layout (``LAYOUTS``: simpletuner, finetrainers, musubi, mindspeed) says how a cache folder
+groups its files into samples; tensors map to the store's fields by name or pattern. ``.pt`` files
+load with ``weights_only=True``; a sample that does not fit is a reject, never a crash. torch is
+imported by the loaders only (docs/design/store.md, "Importing other trainers' caches").
 """
 
 from __future__ import annotations

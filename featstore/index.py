@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mmcache.featstore import checksums
 from mmcache.featstore import format as fmt
 from mmcache.featstore.errors import CorruptionError, FormatVersionError
 from mmcache.featstore.storage import Storage
@@ -180,7 +181,7 @@ def parse_index_part(raw: bytes, name: str, key: str, url: str, crc: int | None)
 def parse_index_part_record(raw: bytes, name: str, key: str, url: str, crc: int | None) -> tuple[pa.Table, dict[str, Any]]:
     """``parse_index_part``, with the commit record as stored (a dict) instead of a ``ShardInfo``."""
     where = f"{url}/{key}"
-    if crc is not None and fmt.crc32c(raw) != crc:
+    if crc is not None and checksums.crc32c(raw) != crc:
         raise CorruptionError(f"{where}: index part of shard {name!r} fails its checksum")
     try:
         parquet = parquet_file(raw)
@@ -244,6 +245,13 @@ def _counts(*values: Any) -> tuple[int, ...]:
     if not all(type(v) is int and 0 <= v < 1 << 63 for v in values):
         raise ValueError(f"not sizes: {values}")
     return values
+
+
+def read_rejects(storage: Storage, keys: list[str]) -> pa.Table:
+    """The rejects objects ``keys``, one table (their objects many at once from an object store)."""
+    tables = [read_parquet(raw) for raw in read_parts(storage, keys)]
+    return (pa.concat_tables(tables, promote_options="permissive") if tables
+            else pa.table({"source": pa.array([], pa.string()), "reason": pa.array([], pa.string())}))
 
 
 def parquet_file(raw: bytes) -> pq.ParquetFile:

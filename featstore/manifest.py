@@ -1,21 +1,9 @@
-"""Changing a store's manifest without a read-modify-write race.
+"""Changing a store's manifest without a read-modify-write race, and the manifest in effect.
 
-The manifest (``zarr.json``) is one object that several writers may want to change at once: one
-adds a field, another records a field's ``ndim`` on its first commit, a third raises the format
-version. Rewriting it whole, each from what it read, lets the last writer silently drop the
-others' changes. So every change is first *declared* as its own immutable object under
-``declarations/``, created only if absent (``Storage.write_new``), and only then folded into
-``zarr.json``:
-
-* ``declarations/field.<name>.json``  a field's spec (dtype, ndim, meta)
-* ``declarations/ndim.<name>.json``   ``{"ndim": n}`` for a field declared without one
-* ``declarations/version.<n>.json``   the format version was raised to n
-
-Readers merge the declarations into the manifest they read, so a change is in effect as soon as
-its declaration exists, whatever ``zarr.json`` says. Two declarations of the same thing race on
-one key: the first wins, and a second that disagrees is refused. The rewrite of ``zarr.json`` is
-repeated until it holds every declaration listed after it was written, so it converges (for
-plain zarr readers and older mmcache) once the writers stop.
+Every change (a field, a field's ndim, a format version) is first declared as its own immutable
+object under ``declarations/``, created only if absent, then folded into ``zarr.json``; readers
+merge the declarations, so no writer's change is lost (docs/design/store.md, "Manifest
+declarations"). ``ManifestView``: a store's fields, attrs and format version.
 """
 
 from __future__ import annotations
@@ -86,3 +74,42 @@ def publish(storage: Storage) -> dict[str, Any]:
         storage.write_atomic(fmt.MANIFEST_KEY, fmt.root_group_json(want))
     # Writers kept changing it under us: the declarations are in effect anyway (readers merge).
     return merged(storage, fmt.parse_root_group(storage.read(fmt.MANIFEST_KEY), storage.url))
+
+
+class ManifestView:
+    """The manifest in effect for an open store (``zarr.json`` with the declarations merged): its
+    fields, attributes and format version. The base of featstore.store's ``Store``."""
+
+    storage: Storage
+    url: str
+    _manifest: dict[str, Any]
+
+    @property
+    def format_version(self) -> int:
+        return int(self._manifest["format_version"])
+
+    @property
+    def fields(self) -> dict[str, fmt.FieldSpec]:
+        # Cached: every add() and read asks for it. A new manifest (AppendableStore.fix_ndims, add_fields) replaces the cache.
+        cached = self.__dict__.get("_fields")
+        if cached is None or cached[0] is not self._manifest:
+            cached = (self._manifest, {name: fmt.FieldSpec.from_value(name, value) for name, value in self._manifest["fields"].items()})
+            self._fields = cached
+        return cached[1]
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        """The manifest in effect for this store (``zarr.json`` with the declarations merged), as
+        plain JSON: what ``open_store(..., manifest=...)`` takes."""
+        return copy.deepcopy(self._manifest)
+
+    @property
+    def attrs(self) -> dict[str, Any]:
+        return dict(self._manifest.get("attrs") or {})
+
+    def field_ndim(self, name: str) -> int | None:
+        return self._manifest["fields"][name].get("ndim")
+
+    def storage_manifest(self) -> dict[str, Any]:
+        """The manifest in effect now (``zarr.json`` with every declaration merged)."""
+        return merged(self.storage, fmt.parse_root_group(self.storage.read(fmt.MANIFEST_KEY), self.url))

@@ -1,13 +1,8 @@
 """Weighted mixing of several sample sources into one epoch order (numpy only: no torch).
 
-The one home of the counting rule that ``featstore.mixture.MixedDataset`` (users' own loops) and
-``mmtrain fit`` with ``data.sources`` (train.data) both follow. An epoch of ``total`` slots gives
-source ``i`` its weight's share of them (largest remainders, so the counts add up exactly). A
-source with fewer samples than its share repeats: it goes through as many of its own epochs as
-needed, each in its own order; one with more is subsampled: the first samples of its epoch order,
-so a different subset each epoch when its order shuffles. The slots are then interleaved by a
-permutation of (seed, epoch): the whole mixed order is a pure function of those and the sources'
-own orders, never of a world size or rank.
+The one home of the counting rule that ``featstore.mixture.MixedDataset`` and ``mmtrain fit``
+with ``data.sources`` both follow: per-source counts by weight (largest remainders), repeated or
+subsampled, interleaved by a permutation of (seed, epoch) (docs/design/store.md, "Mixing sources").
 """
 
 from __future__ import annotations

@@ -4,10 +4,8 @@ featstore.dataset; nothing else in featstore imports it).
     mix = MixedDataset([StreamingDataset("s3://b/laion", shuffle=True), StreamingDataset("./aes", shuffle=True)],
                        weights=[0.8, 0.2], seed=0)
 
-An epoch holds ``num_samples`` samples (default: as many as the sources together), counted per
-source, repeated or subsampled and interleaved by featstore.mixing (the rule ``mmtrain fit`` with
-``data.sources`` follows too). The mixture is split over ranks and DataLoader workers exactly as
-a ``StreamingDataset`` is (featstore.dataset.share): the sources' own rank settings play no part.
+Counted and interleaved by featstore.mixing, split over ranks and workers as a ``StreamingDataset``
+is (docs/design/store.md, "MixedDataset").
 """
 
 from __future__ import annotations

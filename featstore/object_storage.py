@@ -1,13 +1,8 @@
 """Object-store storage through fsspec (``memory://``, ``s3://``, ...), whose single-object PUTs
 are atomic and whose ``cat_ranges`` batches many ranged reads into few concurrent requests.
 
-Remote operations are retried (``mmcache.featstore.retry``): a transient fault (HTTP 5xx, throttling,
-connection reset or refused, timeout, a body cut short) is tried again with backoff, and one that
-persists fails with a ``StorageError`` naming the object. Messages never carry credentials.
-
-Writes are batched (``write_many``): a shard's data objects go up at once, as concurrent requests
-on fsspec's event loop, large ones in parts (S3 multipart upload) that are each retried on their
-own, so a commit costs a few round trips whatever its number of objects.
+Remote operations are retried (featstore.retry); writes are batched (``write_many``), large
+objects in parts, so a commit costs a few round trips (docs/design/store.md, "Object storage").
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
 """The order a stream visits a store's samples in: one permutation per epoch, aware of shards.
 
-A global permutation reads every shard a little at every step. From an object store through a
-local cache smaller than the store, that evicts each shard's objects long before their samples
-are all read, so an epoch downloads the store several times over. The windowed order instead
-shuffles the shards, cuts them into windows of ``window`` shards, and shuffles the samples
-within each window: at any time a reader reads one window (and, at its end, the start of the
-next), so each object is downloaded once per epoch when two windows fit in the cache.
-
-Either order is a pure function of (seed, epoch, the snapshot's shards, window): never of the
-world size or the rank, so every rank computes the same order and a resumed run goes on with the
-very samples it would have seen. Both visit the shards in ``shard_sequence`` (by each shard's
-first sample id), never in the order they were committed: two encodes of the same inputs, whose
-tasks finish in any order, from wherever the inputs lay, give one order (data compaction groups
-shards in that sequence too: featstore.rewrite). ``window=None`` (or a window of every shard) is
-the plain global permutation, of the positions taken shard by shard in that sequence
-(``as_numbered=True``: of the positions as numbered, where their numbering is already the same on
-every encode: a training manifest's). A run that predates shard sequences goes on in its own
-order (``legacy``: the shards by name, a global shuffle of the positions in commit order). Both
-``mmtrain fit`` (train.data) and ``featstore.dataset.StreamingDataset`` use it; how a trainer
-sizes the window from its cache is train.order's.
+The windowed order shuffles the shards, cuts them into windows of ``window`` shards and shuffles
+within each, so a cache smaller than the store downloads each object once per epoch;
+``window=None`` is a global permutation. Either is a pure function of (seed, epoch, the
+snapshot's shards, window), visiting shards in ``shard_sequence`` (docs/design/store.md, "Epoch orders").
 """
 
 from __future__ import annotations
@@ -31,7 +16,7 @@ import numpy as np
 from mmcache.featstore.index import first_id_of
 
 if TYPE_CHECKING:
-    from mmcache.featstore.reader import Store
+    from mmcache.featstore.store import Store
 
 
 class EpochOrder:

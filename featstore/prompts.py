@@ -1,20 +1,9 @@
 """Prompt embeddings kept beside a store's samples: validation prompts and the empty prompt.
 
-A trainer needs text embeddings that belong to no sample: the empty prompt's (caption dropout,
-classifier-free guidance) and those of the prompts it samples from during and after training.
-``mmcache encode`` writes them with the same text encoder as the samples' captions, so they carry
-that field's encoder fingerprint, and a reader takes only the ones whose fingerprint is the
-field's current one (an embedding from other weights would be silently wrong).
-
-Layout (see docs/FORMAT.md, "Prompt embeddings")::
-
-    prompts/<field>.<fingerprint digest>.<set digest>.parquet
-
-one immutable Parquet object per (text field, encoder, set of prompts), created only if absent
-(like an index part): columns ``prompt`` (string; ``""`` is the empty prompt), ``dtype``,
-``shape`` (list<int64>), ``data`` (the array's little-endian C-order bytes) and ``crc32c`` (of
-``data``); Parquet key/value metadata ``mmcache.prompts`` holds the field name and its full
-fingerprint. Plain pyarrow reads it; numpy (``ml_dtypes`` for bfloat16) rebuilds the arrays.
+One immutable Parquet object per (text field, encoder, set of prompts) under ``prompts/``,
+created only if absent and tagged with the field's encoder fingerprint; a reader takes only the
+embeddings of the field's current encoder (docs/FORMAT.md, "Prompt embeddings";
+docs/design/store.md, "Prompt embeddings").
 """
 
 from __future__ import annotations
@@ -30,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mmcache.featstore import checksums
 from mmcache.featstore import format as fmt
 from mmcache.featstore.errors import CorruptionError, FeatstoreError, ReadOnlyError, SchemaError
 from mmcache.featstore.index import read_parquet
@@ -120,7 +110,7 @@ def part_bytes(field: str, fingerprint: Mapping[str, Any], embeddings: RawEmbedd
         rows["dtype"].append(dtype)
         rows["shape"].append(list(shape))
         rows["data"].append(data)
-        rows["crc32c"].append(fmt.crc32c(data))
+        rows["crc32c"].append(checksums.crc32c(data))
     schema = pa.schema([("prompt", pa.string()), ("dtype", pa.string()), ("shape", pa.list_(pa.int64())),
                         ("data", pa.binary()), ("crc32c", pa.uint32())],
                        metadata={METADATA_KEY: json.dumps({"field": field, "fingerprint": dict(fingerprint)}, sort_keys=True).encode()})
@@ -148,7 +138,7 @@ def read_part(raw: bytes, key: str, where: str) -> PromptPart:
         raise CorruptionError(f"{where}/{key}: its metadata names field {info.get('field')!r}, fingerprint {fingerprint.get('digest')}, not what its name says")
     embeddings: RawEmbeddings = {}
     for prompt, dtype, shape, data, crc in zip(*columns, strict=True):
-        if fmt.crc32c(data) != crc:
+        if checksums.crc32c(data) != crc:
             raise CorruptionError(f"{where}/{key}: the embedding of prompt {prompt[:40]!r} fails its CRC-32C")
         try:
             itemsize = fmt.dtype_info(dtype)[0].itemsize

@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 
 from mmcache.featstore import format as fmt
 from mmcache.featstore.errors import CorruptionError
-from mmcache.featstore.reader import Store
+from mmcache.featstore.store import Store
 from mmcache.featstore.index import ShardInfo, read_parquet
 from mmcache.featstore.writer import index_part_bytes
 

@@ -1,15 +1,9 @@
 """Retrying remote storage operations: which faults are transient, backoff, clear errors.
 
-A transient fault (HTTP 5xx, throttling, connection reset or refused, timeout, a body cut short)
-is tried again with exponential backoff and jitter, bounded in attempts and time; one that
-persists fails with a ``StorageError`` naming the object. A missing object or a denied request
-is an answer, not a fault, and fails at once. Messages never carry credentials or signed URLs.
-
-This is the one retry layer. The stacks under fsspec retry on their own (s3fs 5 times, botocore
-up to 5 attempts of up to 60 s each, so 25 hidden tries under every one of ours and a deadline
-that means nothing); ``remote_filesystem`` opens filesystems with those layers set to a single
-attempt and per-attempt timeouts from the ``RetryPolicy``, so the policy's attempts and
-deadline are what happens. Options a user sets explicitly (``config_kwargs``) are kept.
+A transient fault is tried again with exponential backoff and jitter, bounded in attempts and
+time; one that persists, a missing object or a denied request fails with an error naming the
+object, never a credential. The one retry layer: ``remote_filesystem`` turns fsspec's and
+botocore's own retries off (docs/design/store.md, "Retries").
 """
 
 from __future__ import annotations

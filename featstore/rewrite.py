@@ -1,16 +1,9 @@
 """Data compaction: committed shards much smaller than the store's target size are rewritten,
 a group at a time, into shards of about that size (docs/FORMAT.md, "Data compaction").
 
-Each group becomes one new shard, written through the ordinary writer (its samples' bytes, ids,
-shapes, metadata and its shards' rejects copied), whose commit record names the shards it
-``replaces``. Committing its index part (created only if absent, as every commit) is the atomic
-switch: a snapshot leaves out every shard that a listed part replaces (featstore.snapshot), so a
-reader sees the old shards or the new one, never both, never neither. The old objects stay for a
-grace period (``grace_s``), for readers that opened before the switch and load their rows and
-data lazily; a later compaction (``mmcache compact``) deletes them after it.
-
-Nothing here imports torch or dask: ``compact_data`` takes the function that runs the groups'
-rewrites (a Dask client's, so that the bytes go through the workers, or ``map`` in process).
+Each group becomes one shard whose commit record names the shards it ``replaces``: committing it
+is the atomic switch; the old objects stay for a grace period. No torch or dask here:
+``compact_data`` takes the function that runs the rewrites (docs/design/store.md, "Data compaction").
 """
 
 from __future__ import annotations
@@ -26,7 +19,8 @@ from mmcache.featstore import format as fmt
 from mmcache.featstore.errors import CorruptionError, ShardCommittedError
 from mmcache.featstore.index import ShardInfo, parse_index_part_record, read_parquet, shard_info
 from mmcache.featstore.order import shard_sequence
-from mmcache.featstore.reader import Store, open_store
+from mmcache.featstore.reader import open_store
+from mmcache.featstore.store import Store
 from mmcache.featstore.storage import Storage
 from mmcache.featstore.writer import DEFAULT_SHARD_BYTES, Rewrite
 
@@ -107,7 +101,8 @@ def plan_groups(store: Store, target_bytes: int) -> list[Group]:
 
 def _winners(store: Store) -> set[str]:
     """Shards whose rows win over a duplicate elsewhere: moving them would change the winner."""
-    return {store._shard_of[store._holder[f][store._row_of[i]]] for i, f, _ in store.duplicates}
+    samples = store.sample_index
+    return {samples.shard_of[samples.holder[f][samples.row_of[i]]] for i, f, _ in samples.duplicates}
 
 
 def _group(store: Store, members: list[ShardInfo]) -> Group:
@@ -145,7 +140,7 @@ def _copy_shard(source: Store, writer: Any, name: str, meta_columns: list[str]) 
     if info.num_rejected:
         for reject in read_parquet(source.storage.read(info.rejects_key)).to_pylist():
             writer.reject(reject.pop("source"), reject.pop("reason"), **reject)
-    rows = source._shard_rows[name]
+    rows = source.shard_rows(name)
     metas = {c: source.index.column(c).slice(rows.start, len(rows)).to_pylist() for c in meta_columns}
     for k, (sample_id, arrays) in enumerate(source.iter_shard(name)):
         # Copies: the scan's arrays may be views of a block it reuses.
@@ -258,13 +253,14 @@ def check_replaced(store: Store, report: Any, grace_s: float = DEFAULT_GRACE_S) 
 def _not_in_snapshot(store: Store, table: Any, fields: list[str]) -> str:
     """Why the rows of a replaced shard are not all in the snapshot as they were ('' if they are)."""
     ids = table.column("id").to_pylist()
+    samples = store.sample_index
     for name in fields:
         crcs = table.column(f"{name}.crc32c").to_pylist()
         for sample_id, crc in zip(ids, crcs, strict=True):
-            row = store._row_of.get(sample_id)
-            holder = -1 if row is None else int(store._holder[name][row])
+            row = samples.row_of.get(sample_id)
+            holder = -1 if row is None else int(samples.holder[name][row])
             if holder < 0:
                 return f"sample {sample_id!r} field {name!r} is in no shard of the snapshot (lost)"
-            if int(store._crcs[name][holder]) != crc:
+            if int(samples.crcs[name][holder]) != crc:
                 return f"sample {sample_id!r} field {name!r} differs in the snapshot (another CRC-32C)"
     return ""

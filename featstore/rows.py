@@ -1,14 +1,8 @@
 """The second level of a store's index: one shard's per-sample rows, loaded when a read first
-needs them, as a few compact columns (numpy, and Arrow for the ids) rather than a Python object
-per sample.
+needs them, as a few compact columns (numpy, and Arrow for the ids).
 
-A store opens from its shard table alone (featstore.snapshot: one row per shard, from an index
-checkpoint's parts object or the parts read whole). Where the snapshot is dense (every sample is
-one row, in position order) a read by position finds its shard from the shard table and its
-offsets, shapes and CRCs here; a rank that reads a few shards loads only those. Loaded shards are
-kept up to ``ROWS_KEPT`` rows in all, least recently used dropped first: a reader touching every
-shard of a large store (a strided or shuffled share of it) holds a bounded amount, and pays a
-re-read of a dropped shard's index part when it comes back to it.
+Loaded shards are kept up to ``ROWS_KEPT`` rows in all, least recently used dropped first
+(docs/design/store.md, "Two-level index").
 """
 
 from __future__ import annotations

@@ -1,32 +1,9 @@
 """Full scans: shards read in large sequential blocks that their samples view without a copy.
 
-A shard's rows are cut into blocks of about ``BLOCK_BYTES`` (at sample boundaries; one sample
-bigger than that is a block of its own). Per field, a block's samples are one contiguous run of
-the field's object, so a block costs one sequential read per field:
-
-* locally the object is memory-mapped (copy-on-write), so the page cache *is* the buffer: no
-  read into a buffer of ours, no copy. The mapping asks for huge pages: a cold scan then reads
-  the file into the page cache in 2 MiB pages (4 MiB per fault, several loading threads at once),
-  and every later scan maps 2 MiB per page-table entry instead of 4 KiB, which is what lets a warm
-  scan run at memory speed. (The price: a disk that fails a read under a mapping raises SIGBUS,
-  not OSError. A file shorter than its commit record says is refused before it is mapped.)
-* elsewhere (object stores, ``memory://``, a cache over either) the block's ranges of every
-  field are fetched in one batched ``read_into`` (concurrent requests) into one new buffer.
-
-Blocks are loaded and CRC-checked on background threads, up to ``readahead_bytes`` ahead of the
-consumer (a shard in the page cache on a thread per core, one on disk on many): page faults, preadv and the checksum (``fmt.crc32c``, awscrt's) release the GIL, so the
-checks of several blocks run at once and beside the caller's work, and the caller's thread only
-cuts views. (Without awscrt the checks hold the GIL: google_crc32c releases it for ``bytes`` only.)
-
-Not ``MADV_WILLNEED`` for a cold scan: the kernel reads those pages into the page cache in 4 KiB
-pages, and a page cache of 4 KiB pages makes every later warm scan of the file fault and map page
-by page (measured: 3x slower). The loading threads' own faults read ahead instead.
-
-Ownership rule: a block's buffer is never reused or written by the store. A yielded array views
-its block and keeps it alive (and nothing else does): hold samples as long as you like, they
-never change under you; they are writable, and a write never reaches the file or another
-sample's bytes. Holding one sample holds its block (locally only address space, since the pages
-are the page cache's; elsewhere up to ``BLOCK_BYTES`` of memory): ``np.array(x)`` keeps just it.
+A block is about ``BLOCK_BYTES`` of a shard's samples, one contiguous run per field: memory-mapped
+locally (the page cache is the buffer), one batched ``read_into`` elsewhere. Blocks are loaded and
+CRC-checked on background threads up to ``readahead_bytes`` ahead. A block is never reused: a
+yielded array stays valid for as long as it is held (docs/design/store.md, "Full scans").
 """
 
 from __future__ import annotations
@@ -45,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from mmcache.featstore import format as fmt
+from mmcache.featstore import checksums
 from mmcache.featstore.errors import CorruptionError
 
 # ``store`` below is the reader's ``Store`` (its snapshot arrays and storage). It is not imported:
@@ -83,10 +60,11 @@ def plan_blocks(store: Store, shard: str, fields: Sequence[str] | None, block_by
     block_bytes = block_bytes or BLOCK_BYTES
     held = store.shards[shard].layouts
     specs = store.fields
+    samples = store.sample_index
     names = [f for f in (fields or specs) if f in held]
-    rows = store._shard_rows[shard]
-    sizes = {f: [math.prod(s) for s in store._shapes[f][rows.start : rows.stop]] for f in names}
-    offsets = {f: store._offsets[f][rows.start : rows.stop].tolist() for f in names}
+    rows = store.shard_rows(shard)
+    sizes = {f: [math.prod(s) for s in samples.shapes[f][rows.start : rows.stop]] for f in names}
+    offsets = {f: samples.offsets[f][rows.start : rows.stop].tolist() for f in names}
     itemsize = {f: np.dtype(specs[f].zarr_dtype).itemsize for f in names}
     start, nbytes = 0, 0
     for i in range(len(rows)):
@@ -106,10 +84,11 @@ class Scanner:
 
     def __init__(self, store: Store, fields: Sequence[str] | None, *, whole: bool) -> None:
         self.store = store
+        self.index = store.sample_index  # the per-sample index (featstore.sample_index)
         self.fields = fields
         # whole: a sample whose fields live in several shards is yielded once, with every field
         # it has (or ``fields``), at its first row; otherwise each row with this shard's fields.
-        self.whole = whole and not (store._dense and all(f in store.fields for f in fields or ()))
+        self.whole = whole and not (store.dense and all(f in store.fields for f in fields or ()))
         self._maps: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
         self._in_page_cache: dict[str, bool] = {}
@@ -140,7 +119,7 @@ class Scanner:
         bad, checked = None, False
         if store.verify_reads and block.nbytes >= CHECK_AHEAD_BYTES * len(block.rows):
             bad, checked = self._check(block, flat), True
-        elif store.verify_reads and fmt.crc32c_releases_gil():
+        elif store.verify_reads and checksums.crc32c_releases_gil():
             bad, checked = self._check_runs(block, flat)
         if not checked:
             for array in flat.values():
@@ -153,7 +132,7 @@ class Scanner:
         store, (lo, hi) = self.store, block.fields[name]
         info = store.shards[block.shard]
         key = info.data_key(name)
-        ranges = store._ranges(block.shard, store.fields[name], lo, hi - lo)
+        ranges = store.byte_ranges(block.shard, name, lo, hi - lo)
         return key, ranges, self._map(block.shard, name, key, info.objects[key]["nbytes"])
 
     def in_page_cache(self, block: _Block) -> bool:
@@ -194,21 +173,20 @@ class Scanner:
     def _yielded(self, block: _Block) -> list[int]:
         if not self.whole:
             return list(block.rows)
-        ids, first = self.store._ids, self.store._row_of
-        return [row for row in block.rows if first[ids[row]] == row]
+        return [row for row in block.rows if self.index.is_first(row)]
 
     def _check(self, block: _Block, flat: dict[str, np.ndarray]) -> tuple[int, str] | None:
         """The first (row, field) that fails its CRC-32C, of the rows this scan yields (rows it
         skips are duplicates readers ignore, or fields read for their sample from here anyway,
         with their own check, by ``_elsewhere``)."""
-        store = self.store
+        store, index = self.store, self.index
         rows = self._yielded(block)
-        crc32c = fmt.crc32c_function(release_gil=True)  # the GIL is free for others meanwhile
+        crc32c = checksums.crc32c_function(release_gil=True)  # the GIL is free for others meanwhile
         bad: tuple[int, str] | None = None
         for name, (lo, _) in block.fields.items():
-            data, shapes = flat[name], store._shapes[name]
+            data, shapes = flat[name], index.shapes[name]
             itemsize = np.dtype(store.fields[name].zarr_dtype).itemsize
-            offsets, crcs = store._offsets[name], store._crcs[name]
+            offsets, crcs = index.offsets[name], index.crcs[name]
             for row in rows:
                 if bad is not None and row >= bad[0]:
                     break
@@ -224,15 +202,15 @@ class Scanner:
         any one sample changes the run's CRC as surely as its own (advancing a CRC by the bytes
         after it is invertible). On a mismatch, the samples one by one say which. (None, False)
         where the run holds bytes of no sample: then each sample is checked as handed out."""
-        store, rows = self.store, block.rows
+        store, index, rows = self.store, self.index, block.rows
         for name, (lo, hi) in block.fields.items():
-            offsets, sizes = store._offsets[name][rows.start : rows.stop], np.array(block.sizes[name], dtype=np.int64)
+            offsets, sizes = index.offsets[name][rows.start : rows.stop], np.array(block.sizes[name], dtype=np.int64)
             if offsets[0] != lo or offsets[-1] + sizes[-1] != hi or (offsets[1:] != offsets[:-1] + sizes[:-1]).any():
                 return None, False
         for name in block.fields:
             itemsize = np.dtype(store.fields[name].zarr_dtype).itemsize
-            crcs = store._crcs[name][rows.start : rows.stop]
-            if fmt.crc32c(flat[name], release_gil=True) != fmt.crc32c_concat(crcs, np.array(block.sizes[name], dtype=np.int64) * itemsize):
+            crcs = index.crcs[name][rows.start : rows.stop]
+            if checksums.crc32c(flat[name], release_gil=True) != checksums.crc32c_concat(crcs, np.array(block.sizes[name], dtype=np.int64) * itemsize):
                 return self._check(block, flat), True
         return None, True
 
@@ -243,8 +221,8 @@ class Scanner:
         store = self.store
         wanted: dict[tuple[str, ...], list[int]] = {}
         for row in block.rows:
-            if store._row_of[store._ids[row]] == row:
-                names = tuple(f for f in store._fields_to_read(row, self.fields) if f not in flat)
+            if self.index.is_first(row):
+                names = tuple(f for f in store.fields_to_read(row, self.fields) if f not in flat)
                 if names:
                     wanted.setdefault(names, []).append(row)
         out: dict[int, dict[str, np.ndarray]] = {}
@@ -256,20 +234,21 @@ class Scanner:
 
     # ---- handing out (the caller's thread) -------------------------------------------------
     def samples(self, loaded: _Loaded) -> Iterator[tuple[str, dict[str, np.ndarray]]]:
-        store, block = self.store, loaded.block
+        store, index, block = self.store, self.index, loaded.block
         specs = store.fields
         first, stop = block.rows.start, block.rows.stop
         # Per-field columns of the block as plain lists: the loop below runs once per sample.
         views = []
         for name, (lo, _) in block.fields.items():
             dtype = specs[name].numpy_dtype
-            views.append((name, loaded.flat[name], dtype, dtype.itemsize, lo, store._offsets[name][first:stop].tolist(),
-                          store._shapes[name][first:stop], store._crcs[name][first:stop].tolist()))
+            views.append((name, loaded.flat[name], dtype, dtype.itemsize, lo, index.offsets[name][first:stop].tolist(),
+                          index.shapes[name][first:stop], index.crcs[name][first:stop].tolist()))
         check_here = store.verify_reads and not loaded.checked
-        crc32c = fmt.crc32c_function(release_gil=False)  # short calls: releasing costs more
+        crc32c = checksums.crc32c_function(release_gil=False)  # short calls: releasing costs more
+        ids, first_row = index.ids, index.row_of
         for i, row in enumerate(block.rows):
-            sample_id = store._ids[row]
-            if self.whole and store._row_of[sample_id] != row:
+            sample_id = ids[row]
+            if self.whole and first_row[sample_id] != row:
                 continue  # this row adds fields to a sample listed earlier: yielded there
             if loaded.bad is not None and loaded.bad[0] == row:
                 raise self._corrupt(block.shard, sample_id, loaded.bad[1])
@@ -299,12 +278,12 @@ def _fault_in(view: np.ndarray) -> None:
     owner, mapping = _mapping_of(view)
     if mapping is None or not view.size:
         return
-    if fmt.crc32c_releases_gil():
+    if checksums.crc32c_releases_gil():
         # A checksum pass (its value unused) faults every page in without the GIL, so the
         # consumer runs meanwhile; Python's mmap.madvise holds the GIL for the whole populate,
         # and MADV_POPULATE_READ called from 8 threads through libc (without the GIL) read a cold
         # store here at 2/3 the speed of these passes' faults.
-        fmt.crc32c(view, release_gil=True)
+        checksums.crc32c(view, release_gil=True)
         return
     start = view.__array_interface__["data"][0] - owner.__array_interface__["data"][0]
     aligned = start - start % mmap.PAGESIZE

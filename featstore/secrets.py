@@ -1,15 +1,8 @@
 """Keeping credentials out of what mmcache prints and writes.
 
-Storage options may hold secrets (``{"key": ..., "secret": ..., "token": ...}``), the standard
-AWS variables hold them too, and URLs may be signed (``?X-Amz-Signature=...``). Nothing of that
-may reach a log line, an error message, ``run.json`` or ``mmcache info``. So:
-
-* every secret value mmcache is handed (storage options, AWS variables) is registered here once,
-  and ``redact()`` replaces any registered value in a text with ``***``;
-* ``redact_url()`` drops the query string of a URL that carries a signature or a token, and the
-  user:password part of any URL;
-* ``RedactedOptions`` is a dict whose ``repr`` hides its values, for options that travel to Dask
-  workers (whose logs print task arguments on failure).
+Secret values mmcache is handed are registered once and ``redact()`` hides them in any text;
+``redact_url()`` drops signatures, tokens and passwords from URLs; ``RedactedOptions`` hides its
+values in its repr (docs/design/store.md, "Secrets").
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """The snapshot a reader takes when it opens a store: the index parts committed at that moment,
 checked and concatenated, and where each field of each sample is.
 
-Two levels (docs/FORMAT.md, "Two-level index"): ``gather_parts`` gives the shard table (one
-``ShardInfo`` per shard, in snapshot order) without reading a checkpoint's rows (``lazy``);
-``dense_samples`` tells from it whether each sample is one row, and how many there are;
-``GatheredParts.rows_of`` gives one shard's rows when a read needs them; ``snapshot_of`` builds
-the per-sample structures of the whole snapshot for what needs them all.
-
-Index parts are listed once and each is checked against the CRC-32C sealed in it (versions 1-2:
-in its name); the rows of the parts an index checkpoint covers come from it instead, in one read
-(featstore.checkpoints). Their rows are concatenated in commit order (each shard's rows are one range). A sample's row is its first; in
-a store whose fields were added after some samples were written, a field of a sample may live in
-a later shard, under the same id, and ``holder[field][row]`` points there. A (sample id, field)
-that racing writers both committed is read from the earliest commit; the others are listed in
-``duplicates``.
+``gather_parts`` gives the shard table; ``dense_samples`` tells from it whether each sample is one
+row; ``GatheredParts.rows_of`` gives one shard's rows; ``snapshot_of`` the per-sample structures
+(docs/FORMAT.md, "Two-level index"; docs/design/store.md, "The snapshot").
 """
 
 from __future__ import annotations

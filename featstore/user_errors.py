@@ -1,13 +1,9 @@
 """One-line errors for the command-line tools (``mmcache``, ``mmtrain``).
 
-A user error (a bad config, a bad input, a full disk, a read-only output...) is printed as one
-``Error: ...`` line that says what to do, and the command exits 1. Anything else is a bug and
-keeps its traceback. ``--debug`` (before the command: ``mmcache --debug encode ...``) or
-``MMCACHE_DEBUG=1`` shows the traceback of user errors too.
-
-User errors are the project's own ``ValueError`` subclasses (``featstore.FeatstoreError`` and
-the errors of ``precompute`` and ``train``: ``BalanceError``, ``InputShapeError``, ...), so a new
-one needs no registration here, and operating-system errors that a user can fix.
+A user error (the project's own ``ValueError`` subclasses, and operating-system errors a user
+can fix) is printed as one ``Error: ...`` line that says what to do, and the command exits 1;
+anything else keeps its traceback. ``--debug`` or ``MMCACHE_DEBUG=1`` shows them all
+(docs/design/store.md, "User errors").
 """
 
 from __future__ import annotations

@@ -21,13 +21,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from mmcache.featstore import checksums
 from mmcache.featstore import checkpoints
 from mmcache.featstore import format as fmt
 from mmcache.featstore.errors import CorruptionError, FormatVersionError
 from mmcache.featstore.idhash import id_hashes
 from mmcache.featstore.index import IN_RECORD, list_index, parse_index_part_record
 from mmcache.featstore.prompts import PROMPTS_DIR, parse_part_name, read_part
-from mmcache.featstore.reader import Store
+from mmcache.featstore.store import Store
 from mmcache.featstore.rewrite import check_replaced
 from mmcache.featstore.storage import Storage
 
@@ -269,13 +270,14 @@ def _verify_shard(store: Store, name: str, info: Any, report: VerifyReport) -> N
         report.bytes_checked += len(blob)
         if len(blob) != expected["nbytes"]:
             report.problems.append(f"shard {name!r}: object {key} has {len(blob)} bytes, expected {expected['nbytes']} (truncated or overwritten)")
-        elif fmt.crc32c(blob) != expected["crc32c"]:
+        elif checksums.crc32c(blob) != expected["crc32c"]:
             report.problems.append(f"shard {name!r}: object {key} fails its checksum (corrupted bytes)")
         else:
             blobs[key] = blob
-    rows = store._shard_rows[name]
+    rows = store.shard_rows(name)
+    samples = store.sample_index
     # Counted once per sample, at its first row (a sample spread over shards is one sample).
-    report.samples_checked += sum(1 for row in rows if store._row_of.get(store._ids[row]) == row)
+    report.samples_checked += sum(1 for row in rows if samples.is_first(row))
     if info.num_samples and not info.layouts:
         report.problems.append(f"shard {name!r}: {info.num_samples} samples but no field layouts recorded")
     for fname, layout in info.layouts.items():
@@ -300,10 +302,10 @@ def _verify_shard(store: Store, name: str, info: Any, report: VerifyReport) -> N
             continue
         buffer = np.frombuffer(blob, dtype=np.uint8)
         for row in rows:
-            sample_id = store._ids[row]
-            shape = store._shapes[fname][row]
+            sample_id = samples.ids[row]
+            shape = samples.shapes[fname][row]
             count = math.prod(shape)  # Python integers: an absurd shape must not wrap around
-            start = int(store._offsets[fname][row])
+            start = int(samples.offsets[fname][row])
             if len(shape) != (spec.ndim if spec.ndim is not None else len(shape)):
                 report.problems.append(f"sample {sample_id!r} field {fname!r}: shape {shape} does not have {spec.ndim} dimensions")
             if start < 0 or start + count > layout.elements:
@@ -312,8 +314,8 @@ def _verify_shard(store: Store, name: str, info: Any, report: VerifyReport) -> N
             parts = [buffer[a:b] for a, b in fmt.byte_ranges(chunks, layout, start, count, itemsize)]
             crc = 0
             for part in parts:
-                crc = fmt.crc32c(part, crc)
-            if crc != int(store._crcs[fname][row]):
+                crc = checksums.crc32c(part, crc)
+            if crc != int(samples.crcs[fname][row]):
                 report.problems.append(f"sample {sample_id!r} field {fname!r} in shard {name!r} fails its checksum")
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from mmcache.featstore import checksums
 from mmcache.featstore import compact
 from mmcache.featstore import format as fmt
 from mmcache.featstore.compact import DEFAULT_COMPACT_EVERY
@@ -26,9 +27,9 @@ from mmcache.featstore.index import parquet_bytes
 from mmcache.featstore.storage import Storage
 from mmcache.featstore.tensors import as_array
 
-# ``store`` below is the reader's ``Store``, opened for append (its fields, storage and the ids
-# committed so far). It is not imported: the reader imports this module (``Store.writer``), and
-# dependencies here run one way.
+# ``store`` below is an ``AppendableStore`` (featstore.appendable: its fields, storage and the ids
+# committed so far). It is not imported: that module imports this one (``AppendableStore.writer``),
+# and dependencies here run one way.
 Store = Any
 
 DEFAULT_SHARD_BYTES = 256 << 20
@@ -318,7 +319,7 @@ class StoreWriter:
 
 def _add_small(batch: list, objects: dict, key: str, data: bytes) -> None:
     batch.append((key, [data]))
-    objects[key] = {"nbytes": len(data), "crc32c": fmt.crc32c(data)}
+    objects[key] = {"nbytes": len(data), "crc32c": checksums.crc32c(data)}
 
 
 def _add_field(batch: list, objects: dict, base: str, spec: fmt.FieldSpec, arrays: list[np.ndarray]) -> tuple[fmt.ChunkLayout, list[int]]:
@@ -329,7 +330,7 @@ def _add_field(batch: list, objects: dict, base: str, spec: fmt.FieldSpec, array
     layout = fmt.ChunkLayout.for_elements(sum(v.size for v in views), storage_dtype.itemsize)
     _add_small(batch, objects, f"{base}/{spec.name}/zarr.json", fmt.array_json(spec, layout))
     padding, tail = fmt.shard_object_tail(layout, storage_dtype.itemsize)
-    crcs = [fmt.crc32c(v) for v in views]
+    crcs = [checksums.crc32c(v) for v in views]
     parts = [v for v in views if v.size] + [bytes(padding), tail]
     key = f"{base}/{spec.name}/c/0"
     batch.append((key, parts))
@@ -339,7 +340,7 @@ def _add_field(batch: list, objects: dict, base: str, spec: fmt.FieldSpec, array
 
 def _object_crc(views: list[np.ndarray], crcs: list[int], tail: list[bytes]) -> int:
     """The whole object's CRC-32C from the per-sample CRCs (no second pass over the data)."""
-    return fmt.crc32c_concat([*crcs, *(fmt.crc32c(part) for part in tail)], [v.nbytes for v in views] + [len(p) for p in tail])
+    return checksums.crc32c_concat([*crcs, *(checksums.crc32c(part) for part in tail)], [v.nbytes for v in views] + [len(p) for p in tail])
 
 
 def _meta_column(key: str, values: list[Any]) -> pa.Array:

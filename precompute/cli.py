@@ -10,8 +10,8 @@ from mmcache.featstore.cli import cli, parse_storage_options, storage_options_op
 from mmcache.featstore.config import load_config
 from mmcache.featstore.user_errors import check_output_location
 from mmcache.precompute.config import EncodeConfig
-from mmcache.precompute.devices import DEVICES
-from mmcache.precompute.prompts import load_prompt_file
+from mmcache.precompute.output.prompts import load_prompt_file
+from mmcache.precompute.runtime.devices import DEVICES
 
 
 @cli.command()

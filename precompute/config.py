@@ -10,7 +10,8 @@ from typing import Any, Literal
 from mmcache.featstore.cache import parse_size
 from mmcache.featstore.errors import ConfigError
 from mmcache.featstore.rewrite import DEFAULT_GRACE_S
-from mmcache.precompute.media import FrameSampling, ResizeConfig
+from mmcache.precompute.media.clips import FrameSampling
+from mmcache.precompute.media.decode import ResizeConfig
 
 # `path: tiny` in a preset means "the tiny random-weight model of this encoder", built once into
 # this cache (see precompute.encoders.tiny) and then loaded through from_pretrained like any other.
@@ -58,7 +59,7 @@ class DataConfig:
 @dataclass(kw_only=True)
 class RunConfig:
     # A task is one shard of about shard_bytes of features (the encoders' estimate of a sample:
-    # precompute.feature_bytes), or a worker's share of a smaller job, and at most samples_per_task
+    # precompute.planning.feature_bytes), or a worker's share of a smaller job, and at most samples_per_task
     # rows: a task's rows travel to its worker as its arguments, and a killed task re-runs whole.
     shard_bytes: int | str = "256MiB"
     samples_per_task: int = 10_000
@@ -69,11 +70,11 @@ class RunConfig:
     # FIFO, a hung network read) becomes a reject saying so. 0 = no limit.
     task_timeout: float = 1800.0
     # Seconds a job on Dask workers (a local cluster, or --scheduler) may go without one live worker
-    # before it fails with one line saying so (precompute.worker_watch): every worker died and none
+    # before it fails with one line saying so (precompute.runtime.worker_watch): every worker died and none
     # could start again, or an external scheduler has none. Long enough for a nanny to restart a
     # killed worker many times over; raise it for a cluster that scales up from zero workers.
     no_worker_timeout: float = NO_WORKER_TIMEOUT
-    # Where a job without --scheduler runs (precompute.executors): "threads" in this process (the
+    # Where a job without --scheduler runs (precompute.runtime.executors): "threads" in this process (the
     # encoders load once and the first sample comes soonest), "processes" (a LocalCluster of
     # worker processes: a killed worker's task runs again on another), or "auto": threads for a
     # job of at most threads_max_samples samples on at most one device, else processes.
@@ -81,7 +82,7 @@ class RunConfig:
     executor: Literal["auto", "threads", "processes"] = "auto"
     threads_max_samples: int = 256
     # Encoded bytes per worker process that may still be committing (uploading, fsyncing) while
-    # the worker encodes its next task (precompute.commit_ahead); 0: each task commits before
+    # the worker encodes its next task (precompute.worker.commit_ahead); 0: each task commits before
     # the worker starts the next.
     commit_ahead_bytes: int | str = "1GiB"
     # At the end of a job that leaves clearly more small shards (under shard_bytes / 4) than

@@ -1,8 +1,8 @@
 """``mmcache encode --dry-run``: the plan of a job, printed, without running it.
 
-It takes the job's first planning pass (``precompute.survey``: the inputs read in batches, rows
+It takes the job's first planning pass (``precompute.planning.survey``: the inputs read in batches, rows
 rejected and duplicate ids counted, rows already in the store skipped) and sizes the tasks as a
-run would (``precompute.plan.rows_per_task``), from the encoders' configs alone: no encoder
+run would (``precompute.planning.plan.rows_per_task``), from the encoders' configs alone: no encoder
 loads, no worker starts, nothing is written (the output store, if there is one, is only read).
 Feature bytes are the encoders' estimates (``Encoder.estimated_bytes``), not measurements.
 """
@@ -16,16 +16,16 @@ from typing import Any
 
 from mmcache.featstore.secrets import redact_url
 from mmcache.precompute.config import EncodeConfig
-from mmcache.precompute.executors import choose_placement
-from mmcache.precompute.feature_bytes import outline
-from mmcache.precompute.input_sources import InputStream
-from mmcache.precompute.output_store import open_existing
+from mmcache.precompute.inputs.stream import InputStream
+from mmcache.precompute.output.store import open_existing
 from mmcache.precompute.pipeline import source_options
+from mmcache.precompute.planning.feature_bytes import outline
+from mmcache.precompute.planning.plan import group_units, rows_per_task
+from mmcache.precompute.planning.specs import encoder_specs, takes_text_only
+from mmcache.precompute.planning.stale import describe as describe_stale
+from mmcache.precompute.planning.survey import Survey, survey
 from mmcache.precompute.progress import UNREAD_UNIT_SAMPLES
-from mmcache.precompute.plan import group_units, rows_per_task
-from mmcache.precompute.specs import encoder_specs, takes_text_only
-from mmcache.precompute.stale import describe as describe_stale
-from mmcache.precompute.survey import Survey, survey
+from mmcache.precompute.runtime.placement import choose_placement
 
 
 @dataclass(kw_only=True)

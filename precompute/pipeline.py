@@ -1,18 +1,9 @@
 """The client side of ``mmcache encode``: start the job, plan it, run it where it fits (this
-process's threads, a local cluster of worker processes, an external Dask cluster:
-precompute.executors).
-
-1. Survey the inputs (precompute.survey: a manifest streamed in batches; bad rows become
-   rejects, duplicate ids are counted) in a few bytes per row.
-2. Have the workers load the encoders and describe them (fields, fingerprints), while the store
-   is opened; create the store, or check that the existing one was made by the same encoders
-   (fail closed: precompute.output_store). With the in-process executor the encoders load here,
-   once, in the background.
-3. Plan (``precompute.plan.plan_encode``, pure): skip every row already committed (or already
-   rejected), group the rest into named tasks, each a shard of about ``run.shard_bytes``, made
-   as ``execute`` asks for them (the inputs' second pass), a few per worker in flight.
-A job killed at any moment loses nothing committed; running it again does only what is left.
-"""
+process's threads, a local cluster of worker processes, an external Dask cluster: ``runtime.executors``).
+Survey the inputs (``planning.survey``); have the workers load and describe the encoders while the
+store is opened, created or checked (``output.store``); plan (``planning.plan.plan_encode``, pure);
+execute, a few tasks per worker in flight. A job killed at any moment loses nothing committed;
+running it again does only what is left. The steps in full: docs/design/encode.md, "The client side of a job"."""
 
 from __future__ import annotations
 
@@ -29,29 +20,24 @@ from mmcache import featstore
 from mmcache.featstore import secrets
 from mmcache.featstore.secrets import RedactedOptions
 from mmcache.precompute.config import EncodeConfig
-from mmcache.precompute.executors import (
-    DaskExecutor,
-    Placement,
-    ThreadExecutor,
-    choose_placement,
-    connect,
-    open_executor,
-    preserved_environ,
-)
-from mmcache.precompute.feature_bytes import FieldsOutline, outline
-from mmcache.precompute.input_sources import InputStream, SourceOptions
-from mmcache.precompute.input_sources.located import recorded_rows
-from mmcache.precompute.job_compaction import compact_after_job
-from mmcache.precompute.output_store import commit_plan_rejects, open_existing, open_or_create
-from mmcache.precompute.plan import EncodePlan, plan_encode
+from mmcache.precompute.inputs.located import recorded_rows
+from mmcache.precompute.inputs.registry import SourceOptions
+from mmcache.precompute.inputs.stream import InputStream
+from mmcache.precompute.output.compaction import compact_after_job
+from mmcache.precompute.output.prompts import store_prompt_embeddings
+from mmcache.precompute.output.store import commit_plan_rejects, open_existing, open_or_create
+from mmcache.precompute.planning.feature_bytes import FieldsOutline, outline
+from mmcache.precompute.planning.plan import EncodePlan, plan_encode
+from mmcache.precompute.planning.specs import EncoderSpec, TaskSettings, TaskSpec, encoder_specs, takes_text_only, with_client_paths
+from mmcache.precompute.planning.stale import describe as describe_stale
+from mmcache.precompute.planning.stale import stale_samples
+from mmcache.precompute.planning.survey import Survey, survey
 from mmcache.precompute.progress import UNREAD_UNIT_SAMPLES, ProgressMeter, SampleTotal
-from mmcache.precompute.prompts import store_prompt_embeddings
-from mmcache.precompute.specs import EncoderSpec, TaskSettings, TaskSpec, encoder_specs, takes_text_only, with_client_paths
-from mmcache.precompute.stale import describe as describe_stale
-from mmcache.precompute.stale import stale_samples
-from mmcache.precompute.survey import Survey, survey
-from mmcache.precompute.tasks import quiet_offline_env
-from mmcache.precompute.worker_deaths import split_task
+from mmcache.precompute.runtime.executors import DaskExecutor, ThreadExecutor, connect, open_executor
+from mmcache.precompute.runtime.local_cluster import preserved_environ
+from mmcache.precompute.runtime.placement import Placement, choose_placement
+from mmcache.precompute.runtime.worker_deaths import split_task
+from mmcache.precompute.worker.encoder_cache import quiet_offline_env
 
 Executor = ThreadExecutor | DaskExecutor
 
@@ -67,7 +53,7 @@ class EncodeSummary:
     seconds: float
     startup_seconds: float
     stale: int = 0  # committed samples whose input changed since (reported, not re-encoded)
-    executor: str = ""  # where the tasks ran: threads | processes | scheduler (precompute.executors)
+    executor: str = ""  # where the tasks ran: threads | processes | scheduler (precompute.runtime.executors)
 
     def line(self) -> str:
         rate = self.samples_written / self.seconds if self.seconds > 0 else 0.0
@@ -88,7 +74,7 @@ class _Started:
     specs: list[EncoderSpec]
     outline: FieldsOutline  # the encoders' fields and a sample's estimated bytes, before any loads
     inputs: InputStream  # read again, in batches, to make the tasks
-    survey: Survey  # the inputs' first pass: counts, rejects, duplicates (precompute.survey)
+    survey: Survey  # the inputs' first pass: counts, rejects, duplicates (precompute.planning.survey)
     existing: featstore.Store | None  # the output store's snapshot before this job (None: no store yet)
     loading: Any  # the encoders loading where the tasks run: .result() -> {fields, loaded}
 
@@ -186,7 +172,7 @@ def _start(stack: contextlib.ExitStack, config: EncodeConfig, input_url: str | l
 
 
 def _stale(job: _Started, store: featstore.Store, config: EncodeConfig, input_storage_options: dict[str, Any] | None) -> dict[str, str]:
-    """Committed samples whose input changed since (precompute.stale): what the survey found, or
+    """Committed samples whose input changed since (precompute.planning.stale): what the survey found, or
     with ``data.check_content`` a pass over the inputs that hashes their bytes too."""
     if not config.data.check_content or job.existing is None or not len(job.existing):
         return job.survey.stale
@@ -233,7 +219,7 @@ class Executed:
 
 
 # Tasks in flight per worker: one running, one queued behind it (no idle gap between tasks), one
-# more for a task that commits while the next encodes (precompute.commit_ahead). More are
+# more for a task that commits while the next encodes (precompute.worker.commit_ahead). More are
 # submitted as tasks finish: the client never holds the job's tasks, nor the scheduler.
 IN_FLIGHT_PER_WORKER = 3
 
@@ -242,7 +228,7 @@ def execute(plan: EncodePlan, executor: Executor, *, progress: bool | None = Non
     """Run ``plan`` on ``executor``: record the input readers' rejects, then keep
     ``IN_FLIGHT_PER_WORKER`` tasks per worker running (each commits its shard), taking the next
     from the plan as one finishes. A task whose worker died running it comes back unrun, and runs
-    again as two halves (precompute.worker_deaths). Duplicate ids found meanwhile are recorded last."""
+    again as two halves (precompute.runtime.worker_deaths). Duplicate ids found meanwhile are recorded last."""
     commit_plan_rejects(plan.store, plan.plan_rejects)
     total = SampleTotal(plan.samples, plan.units)
     meter = ProgressMeter(total, enabled=sys.stderr.isatty() if progress is None else progress)

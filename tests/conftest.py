@@ -10,7 +10,7 @@ import pytest
 @pytest.fixture(scope="session", autouse=True)
 def _user_cache(tmp_path_factory):
     """The suite's user cache (XDG_CACHE_HOME, for this process and every one it starts): the
-    encode runs' crash journals (precompute.crash_journal) go there, not into the real
+    encode runs' crash journals (precompute.runtime.crash_journal) go there, not into the real
     ~/.cache. (Models built for `path: tiny` follow MMCACHE_CACHE, which stays as it is.)"""
     saved = os.environ.get("XDG_CACHE_HOME")
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("user-cache"))

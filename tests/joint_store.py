@@ -26,7 +26,7 @@ def encode(manifest: Path, out: Path, *overrides: str, preset: str = "tiny") -> 
     """``mmcache encode --config PRESET`` into ``out`` on a threaded one-worker cluster."""
     from distributed import Client
 
-    from mmcache.precompute.executors import local_cluster
+    from mmcache.precompute.runtime.local_cluster import local_cluster
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with local_cluster(1, processes=False) as cluster, Client(cluster):

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 # What the ranks' cases import, loaded once in the fork server (each costs ~1 s per process).
-PRELOAD = ["torch", "torch.distributed", "mmcache.featstore", "mmcache.train.models", "mmcache.train.parallel.fsdp", "mmcache.train.parallel.sequence_parallel"]
+PRELOAD = ["torch", "torch.distributed", "mmcache.featstore", "mmcache.train.models", "mmcache.train.parallel.fsdp", "mmcache.train.parallel.sequence.install"]
 DEADLINE_S = 150
 _CONTEXT: Any = None
 

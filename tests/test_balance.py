@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mmcache.featstore.errors import ConfigError
-from mmcache.train.balance import (
+from mmcache.train.data.balance import (
     BALANCERS,
     BalanceConfig,
     BalanceError,

@@ -29,7 +29,7 @@ from mmcache.train.parallel.sequence import (
 )
 from mmcache.train.parallel.sequence.causal_layout import chunk_work, packed_causal_layout
 from mmcache.train.parallel.sequence.document_mask import DocumentMaskPlan, pad_document_ids
-from mmcache.train.parallel.sequence_parallel import (
+from mmcache.train.parallel.sequence.install import (
     CausalPackedSequenceSharding,
     DiTSequenceSharding,
     apply_sequence_parallel,

@@ -13,8 +13,9 @@ from mmcache import featstore
 from mmcache.featstore.config import load_config
 from mmcache.featstore.errors import ConfigError
 from mmcache.precompute.config import EncodeConfig
-from mmcache.precompute.inputs import read_inputs
-from mmcache.precompute.media import MediaError, SizeRule, prepare_video_clips
+from mmcache.precompute.inputs.manifest import read_inputs
+from mmcache.precompute.media.errors import MediaError
+from mmcache.precompute.media.decode import SizeRule, prepare_video_clips
 from mmcache.precompute.pipeline import run_encode
 from tests.test_media import frame_levels, write_gray_ramp_video
 
@@ -52,8 +53,8 @@ def test_head_clips_follow_each_other_and_stop_at_the_end(ramp):
 
 def test_a_recorded_clip_is_prepared_from_its_own_frames_or_refused(ramp):
     """A field added to a committed clip: the clip of the rule from its first frame, which must be
-    the recorded one (precompute.encoder_inputs.prepare_recorded_clip)."""
-    from mmcache.precompute.encoder_inputs import prepare_recorded_clip
+    the recorded one (precompute.worker.encoder_inputs.prepare_recorded_clip)."""
+    from mmcache.precompute.worker.encoder_inputs import prepare_recorded_clip
 
     config = tiny("frames.clips.policy=head", "frames.clips.count=3")
     prepared = prepare_recorded_clip(ramp, "ramp.mp4", (10, 12, 14, 16, 18), {"vit": RULE}, resize=config.resize, frames=config.frames)

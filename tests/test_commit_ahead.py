@@ -1,4 +1,4 @@
-"""A Dask worker encodes its next task while the last one commits (precompute.commit_ahead), on
+"""A Dask worker encodes its next task while the last one commits (precompute.worker.commit_ahead), on
 real S3 (moto over HTTP, every answer late, and a proxy injecting faults): the overlap is seen
 in the requests the server answered, each shard still commits in FORMAT.md's order (its index
 part after all of its data objects and the check), nothing is lost or doubled, and with
@@ -11,9 +11,9 @@ import pytest
 
 from mmcache import featstore
 from mmcache.featstore.verify import verify_store
-from mmcache.precompute.commit_ahead import commit_ahead, committing_bytes
+from mmcache.precompute.worker.commit_ahead import commit_ahead, committing_bytes
 from mmcache.precompute.demo_data import make_dataset
-from mmcache.precompute.executors import local_cluster
+from mmcache.precompute.runtime.local_cluster import local_cluster
 from mmcache.precompute.pipeline import run_encode
 from tests.s3_server import FaultProxy
 from tests.test_encode import tiny_config

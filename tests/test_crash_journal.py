@@ -1,4 +1,4 @@
-"""The in-process executor's crash journal (precompute.crash_journal): a journal left by a dead
+"""The in-process executor's crash journal (precompute.runtime.crash_journal): a journal left by a dead
 process (a real one, SIGKILLed) sends the next run on the store to worker processes, unless the
 user chose the executor; a live run's, another host's, a clean or a Python-level end are not
 deaths. Real processes and files under a temporary XDG_CACHE_HOME."""
@@ -15,8 +15,8 @@ import textwrap
 
 import pytest
 
-from mmcache.precompute import crash_journal
-from mmcache.precompute.executors import choose_placement
+from mmcache.precompute.runtime import crash_journal
+from mmcache.precompute.runtime.placement import choose_placement
 from tests.test_encode import tiny_config
 
 
@@ -30,7 +30,7 @@ def die_in_task(url: str, shard: str) -> int:
     """A real process that journals a run on ``url`` and is SIGKILLed with ``shard`` in flight."""
     code = textwrap.dedent(f"""
         import os, signal
-        from mmcache.precompute import crash_journal
+        from mmcache.precompute.runtime import crash_journal
         journal = crash_journal.Journal({url!r})
         with journal.running({shard!r}):
             os.kill(os.getpid(), signal.SIGKILL)

@@ -20,7 +20,7 @@ from mmcache.train.models import (
     get_model_family,
     pad_text,
 )
-from mmcache.train.balance import BalanceConfig, CostModel, plan_global_batch
+from mmcache.train.data.balance import BalanceConfig, CostModel, plan_global_batch
 from mmcache.train.objective import (
     FlowMatchingConfig,
     draw_timesteps_and_noise,

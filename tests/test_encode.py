@@ -27,7 +27,7 @@ TAEF2 = SHARED / "weights" / "taef2"
 def cluster():
     from distributed import Client
 
-    from mmcache.precompute.executors import local_cluster
+    from mmcache.precompute.runtime.local_cluster import local_cluster
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with local_cluster(2) as cluster, Client(cluster) as client:
@@ -257,7 +257,7 @@ def test_local_cluster_settings_stay_with_its_workers(dataset, tmp_path):
     import dask
     from distributed import Client
 
-    from mmcache.precompute.executors import local_cluster
+    from mmcache.precompute.runtime.local_cluster import local_cluster
 
     before = dict(os.environ)
     with local_cluster(1) as cluster, Client(cluster) as client:

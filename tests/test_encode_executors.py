@@ -1,4 +1,4 @@
-"""Where `mmcache encode` runs (precompute.executors): this process's threads for a small job,
+"""Where `mmcache encode` runs (precompute.runtime.executors): this process's threads for a small job,
 worker processes for a big one or on request, an external cluster whose workers keep their
 encoders loaded between jobs. Real encoders (tiny), a real LocalCluster, real HTTP sources."""
 
@@ -19,9 +19,10 @@ import pytest
 from mmcache import featstore
 from mmcache.precompute.config import EncodeConfig
 from mmcache.precompute.demo_data import make_dataset
-from mmcache.precompute.executors import choose_placement, local_cluster
+from mmcache.precompute.runtime.placement import choose_placement
+from mmcache.precompute.runtime.local_cluster import local_cluster
 from mmcache.precompute.pipeline import run_encode
-from mmcache.precompute.specs import encoder_specs
+from mmcache.precompute.planning.specs import encoder_specs
 from tests.client_probe import imported, not_in_the_client, probed_command
 from tests.test_encode import manifest_rows, tiny_config, write_manifest
 from tests.test_encode_faults import StallingServer
@@ -79,7 +80,7 @@ def test_in_process_threads_write_the_same_store_as_worker_processes(dataset, tm
 
 
 def test_second_job_on_a_warm_cluster_loads_no_encoder(dataset, tmp_path, cluster):
-    from mmcache.precompute.worker_plugin import encoder_loads
+    from mmcache.precompute.worker.plugin import encoder_loads
 
     address, client = cluster
     rows = manifest_rows(dataset)
@@ -114,7 +115,8 @@ def test_second_job_on_a_warm_cluster_loads_no_encoder(dataset, tmp_path, cluste
 def test_what_every_task_depends_on_is_held_by_every_worker(cluster):
     """Dask places a task on a worker that holds its dependencies: with the job's shard list on
     the one worker that computed it, every encode task queued there and waited for work stealing."""
-    from mmcache.precompute.executors import DaskExecutor, Placement
+    from mmcache.precompute.runtime.executors import DaskExecutor
+    from mmcache.precompute.runtime.placement import Placement
 
     _, client = cluster
     placement = Placement(kind="scheduler", workers=2, threads=1, device_type="cpu", device_count=0, reason="test")
@@ -207,7 +209,7 @@ def test_the_executor_is_chosen_by_job_size_unless_asked(overrides, kw, samples,
 def test_model_folders_relative_to_the_client_are_resolved_by_it(tmp_path, monkeypatch):
     """An external cluster's worker resolves the specs (with_client_paths first): a folder named
     relative to the command's directory must reach it as that folder, not its own cwd's."""
-    from mmcache.precompute.specs import with_client_paths
+    from mmcache.precompute.planning.specs import with_client_paths
 
     monkeypatch.chdir(tmp_path)
     config = with_client_paths(tiny_config("vae.path=models/vae"))
@@ -257,7 +259,7 @@ def test_a_worker_dead_before_its_encoders_load_hangs_nothing(tmp_path, dataset)
     the dead address, they waited forever."""
     from distributed import Client
 
-    from mmcache.precompute.executors import DaskExecutor
+    from mmcache.precompute.runtime.executors import DaskExecutor
 
     config = tiny_config()
     placement = choose_placement(config, scheduler=None, workers=2, output_url=str(tmp_path / "s"), samples=lambda: 0)

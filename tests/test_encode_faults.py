@@ -24,7 +24,7 @@ from mmcache import featstore
 from mmcache.featstore.verify import verify_store
 from mmcache.precompute.demo_data import make_dataset
 from mmcache.precompute.pipeline import run_encode
-from mmcache.precompute.worker_deaths import newest_death
+from mmcache.precompute.runtime.worker_deaths import newest_death
 from tests.test_encode import encode, tiny_config, write_manifest
 
 
@@ -38,7 +38,7 @@ def media(tmp_path_factory):
 def cluster():
     from distributed import Client
 
-    from mmcache.precompute.executors import local_cluster
+    from mmcache.precompute.runtime.local_cluster import local_cluster
 
     with local_cluster(1) as local, Client(local) as client:
         yield local.scheduler_address, client
@@ -350,7 +350,7 @@ def test_a_worker_killed_while_its_encoders_load_leaves_a_job_that_finishes(medi
     One worker is killed while it runs that load; the job finishes, every sample once."""
     from distributed import Client
 
-    from mmcache.precompute.executors import local_cluster
+    from mmcache.precompute.runtime.local_cluster import local_cluster
 
     out = tmp_path / "store"
     with local_cluster(2) as local, Client(local) as client:

@@ -36,7 +36,7 @@ pytest.importorskip("PIL")
 def cluster():
     from distributed import Client
 
-    from mmcache.precompute.executors import local_cluster
+    from mmcache.precompute.runtime.local_cluster import local_cluster
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with local_cluster(2) as cluster, Client(cluster) as client:
@@ -103,7 +103,8 @@ def test_tar_shards_locally_then_grown(tmp_path, cluster, capsys):
 def test_tar_shards_from_s3(tmp_path, cluster, s3_server, s3_bucket):
     import fsspec
 
-    from mmcache.precompute.input_sources import SourceOptions, read_all
+    from mmcache.precompute.inputs.registry import SourceOptions
+    from mmcache.precompute.inputs.stream import read_all
 
     for shard in range(2):
         write_tar(tmp_path / f"{shard:05d}.tar", shard, 4)

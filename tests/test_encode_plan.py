@@ -16,15 +16,16 @@ from mmcache import featstore
 from mmcache.featstore.config import load_config
 from mmcache.precompute.config import EncodeConfig
 from mmcache.precompute.demo_data import make_dataset
-from mmcache.precompute.executors import choose_placement, open_executor
-from mmcache.precompute.feature_bytes import outline
-from mmcache.precompute.input_sources import InputStream
-from mmcache.precompute.output_store import open_or_create
+from mmcache.precompute.runtime.placement import choose_placement
+from mmcache.precompute.runtime.executors import open_executor
+from mmcache.precompute.planning.feature_bytes import outline
+from mmcache.precompute.inputs.stream import InputStream
+from mmcache.precompute.output.store import open_or_create
 from mmcache.precompute.pipeline import Executed, execute, run_encode, source_options
-from mmcache.precompute.plan import plan_encode
-from mmcache.precompute.specs import TaskSettings, encoder_specs, takes_text_only
-from mmcache.precompute.survey import survey
-from mmcache.precompute.tasks import PROCESS_ENCODERS
+from mmcache.precompute.planning.plan import plan_encode
+from mmcache.precompute.planning.specs import TaskSettings, encoder_specs, takes_text_only
+from mmcache.precompute.planning.survey import survey
+from mmcache.precompute.worker.encoder_cache import PROCESS_ENCODERS
 
 
 def _config() -> EncodeConfig:
@@ -107,8 +108,8 @@ def test_small_units_are_grouped_into_tasks_that_a_grown_set_keeps():
     """Tars are grouped in input order up to run.shard_bytes of tar, at most a worker's share;
     Parquet row groups up to rows_per_task rows; kinds never mix. Tars appended to a job larger
     than a shard per worker leave the earlier groups as they were (their names: done stays done)."""
-    from mmcache.precompute.input_sources import SourceUnit
-    from mmcache.precompute.plan import group_units
+    from mmcache.precompute.inputs.registry import SourceUnit
+    from mmcache.precompute.planning.plan import group_units
 
     config = load_config(EncodeConfig, "tiny", "encode", ["run.shard_bytes=100", "run.samples_per_task=10"])
 
@@ -149,8 +150,8 @@ def test_a_unit_task_is_named_by_the_units_it_reads(tmp_path):
     """A tar its own task read (an earlier mmcache's, or a run on another number of workers) is
     left out of its group, and the task is named by the tars it does read: a resume reads past
     committed parts by counting members, which holds only for the same tars in the same order."""
-    from mmcache.precompute.input_sources import SourceUnit
-    from mmcache.precompute.plan import unit_task_name, unit_tasks
+    from mmcache.precompute.inputs.registry import SourceUnit
+    from mmcache.precompute.planning.plan import unit_task_name, unit_tasks
 
     units = [SourceUnit(kind="webdataset", uri=f"{n}.tar", shown=f"{n}.tar", id_prefix=f"{n}:", nbytes=10) for n in range(3)]
     config = load_config(EncodeConfig, "tiny", "encode", ["run.shard_bytes=100"])
@@ -168,7 +169,7 @@ def test_a_pending_units_committed_ids_include_its_videos_clips(tmp_path):
     """A re-run tells a pending unit's task only the committed ids that may be its own (not every id
     of the store); a clip ``<video>=<frame>`` counts for its video, whose id a Parquet ``id`` column
     gave (no prefix to match it by)."""
-    from mmcache.precompute.unit_tasks import known_sources
+    from mmcache.precompute.worker.unit_encode import known_sources
 
     url = str(tmp_path / "store")
     with featstore.create(url, fields={"x": "float16"}, compact_every=0) as writer:

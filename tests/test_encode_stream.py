@@ -1,4 +1,4 @@
-"""Streamed planning (precompute.survey, precompute.plan): duplicate ids found across batches and
+"""Streamed planning (precompute.planning.survey, precompute.planning.plan): duplicate ids found across batches and
 inputs, local files checked by the task that reads them (not stat'ed by the planner),
 ``mmcache encode --dry-run`` (its plan is what a run then does; it loads and writes nothing),
 and tasks sized by bytes: 300 tiny samples on 2 workers leave at most 4 shards. Real files, the
@@ -20,10 +20,10 @@ from mmcache.precompute.cli import cli
 from mmcache.precompute.config import EncodeConfig
 from mmcache.precompute.demo_data import make_dataset
 from mmcache.precompute.dry_run import dry_run
-from mmcache.precompute.input_sources import files
+from mmcache.precompute.inputs import file_sources as files
 from mmcache.precompute.pipeline import run_encode
-from mmcache.precompute.sources import OUTSIDE_ROOT
-from mmcache.precompute.tasks import PROCESS_ENCODERS
+from mmcache.precompute.inputs.source_bytes import OUTSIDE_ROOT
+from mmcache.precompute.worker.encoder_cache import PROCESS_ENCODERS
 from tests.test_encode import write_manifest
 
 
@@ -104,8 +104,8 @@ def test_ids_of_one_hash_are_not_duplicates(tmp_path, monkeypatch):
     """Planning keeps a 64-bit hash per row and confirms a suspected duplicate by its id: with a
     hash that collides on purpose (the id's length), distinct ids all encode and only the true
     duplicate is a reject."""
-    from mmcache.precompute import plan as plan_module
-    from mmcache.precompute import survey as survey_module
+    from mmcache.precompute.planning import plan as plan_module
+    from mmcache.precompute.planning import survey as survey_module
 
     for module in (survey_module, plan_module):
         monkeypatch.setattr(module, "hash", len, raising=False)  # module globals shadow the builtin

@@ -27,7 +27,8 @@ from mmcache.precompute.encoders import (
 from mmcache.precompute.encoders.base import sha256_state_dict, to_numpy
 from mmcache.precompute.encoders.taef2 import TAEF2Encoder, build_taef2_decoder, build_taef2_encoder
 from mmcache.precompute.encoders.tiny import ensure_tiny_models
-from mmcache.precompute.media import FrameSampling, PreparedMedia, ResizeConfig, prepare_image, prepare_video
+from mmcache.precompute.media.clips import FrameSampling
+from mmcache.precompute.media.decode import PreparedMedia, ResizeConfig, prepare_image, prepare_video
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 TAEF2_DIR = SHARED / "weights" / "taef2"

@@ -25,12 +25,12 @@ from mmcache.featstore.order import shard_sequence
 from mmcache.featstore.config import load_config
 from mmcache.featstore.errors import ConfigError
 from tests.s3_server import FaultProxy
-from mmcache.train.balance import BalanceConfig, CostModel
-from mmcache.train.data import FeatureStream, StreamOptions
+from mmcache.train.data.balance import BalanceConfig, CostModel
+from mmcache.train.data.stream import FeatureStream, StreamOptions
 from mmcache.train.models.dit_data import LatentTextData
 from mmcache.train.config import DataSection, TrainConfig
-from mmcache.train.order import auto_window, plan_order, resolve_window, shard_positions, shard_read_bytes
-from mmcache.train.packing import SAMPLE_ID
+from mmcache.train.data.order import auto_window, plan_order, resolve_window, shard_positions, shard_read_bytes
+from mmcache.train.data.packing import SAMPLE_ID
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[1]

@@ -62,11 +62,11 @@ def test_samples_and_val_loss_when_due(setup):
 def test_held_out_samples_are_never_trained_on(setup):
     from mmcache import featstore
     from mmcache.featstore.errors import ConfigError
-    from mmcache.train.balance import BalanceConfig
-    from mmcache.train.data import FeatureStream, StreamOptions
+    from mmcache.train.data.balance import BalanceConfig
+    from mmcache.train.data.stream import FeatureStream, StreamOptions
     from mmcache.train.models.dit_data import LatentTextData
     from mmcache.train.models import DiTConfig
-    from mmcache.train.packing import SAMPLE_ID
+    from mmcache.train.data.packing import SAMPLE_ID
     from mmcache.train.sample.during_fit import validation_ids
 
     store = featstore.open(setup["store"])

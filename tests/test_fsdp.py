@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from mmcache.featstore.errors import ConfigError
 from tests.ranks import run_on_ranks
-from mmcache.train.balance import karmarkar_karp, plan_micro_batches
+from mmcache.train.data.balance import karmarkar_karp, plan_micro_batches
 from mmcache.train.models import LatentTextBatch, build_model
 from mmcache.train.objective import flow_matching_terms
 from mmcache.train.parallel import dims as dims_module
@@ -285,7 +285,7 @@ def test_device_and_backend_on_cpu_and_with_broken_torch_npu(monkeypatch):
     monkeypatch.setattr(dims_module.importlib, "import_module", broken_import)
     with pytest.warns(RuntimeWarning, match="torch_npu is installed but unusable .OSError: libhccl.so.*Ascend CANN"):
         assert npu_device_count() == 0
-    from mmcache.precompute import devices
+    from mmcache.precompute.runtime import devices
 
     with pytest.warns(RuntimeWarning, match="torch_npu is installed but unusable .OSError: libhccl.so"):
         assert devices.npu_count() == 0

@@ -10,9 +10,10 @@ import tarfile
 import pytest
 
 from mmcache.featstore.errors import ConfigError
-from mmcache.precompute.input_sources import SourceOptions, open_unit, read_all, source_for
-from mmcache.precompute.input_sources.expand import expand_braces
-from mmcache.precompute.inputs import EmptyInputError, ManifestError
+from mmcache.precompute.inputs.registry import SourceOptions
+from mmcache.precompute.inputs.stream import open_unit, read_all, source_for
+from mmcache.precompute.inputs.expand import expand_braces
+from mmcache.precompute.inputs.rows import EmptyInputError, ManifestError
 from tests.input_data import add_member, png, write_llava, write_media_parquet, write_tar
 from tests.s3_server import FAKE_KEY_ID, FAKE_SECRET
 
@@ -141,7 +142,8 @@ def test_a_parquet_manifest_is_streamed_in_batches_and_a_media_file_s_units_kept
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from mmcache.precompute.input_sources import InputStream, files
+    from mmcache.precompute.inputs.stream import InputStream
+    from mmcache.precompute.inputs import file_sources as files
 
     monkeypatch.setattr(files, "BATCH_ROWS", 2)
     for n in range(5):

@@ -1,4 +1,4 @@
-"""Contained inputs (``mmcache.precompute.inputs`` / ``mmcache.precompute.sources.read_source``), with real files,
+"""Contained inputs (``mmcache.precompute.inputs`` / ``mmcache.precompute.inputs.source_bytes.read_source``), with real files,
 symlinks, a FIFO and a device: nothing outside the input root is read unless allowed, only
 regular files are opened (and never blocking), a size cap holds before decoding; manifests
 with a BOM, bad lines, control characters in captions, empty inputs and colliding ids."""
@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from mmcache.precompute.inputs import EmptyInputError, ManifestError, read_inputs, sample_id_for
-from mmcache.precompute.media import MediaError
-from mmcache.precompute.sources import open_source, read_source
+from mmcache.precompute.inputs.rows import EmptyInputError, ManifestError, sample_id_for
+from mmcache.precompute.inputs.manifest import read_inputs
+from mmcache.precompute.media.errors import MediaError
+from mmcache.precompute.inputs.source_bytes import open_source, read_source
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 64  # bytes enough for the reading rules (decoding is not tested here)
 

@@ -1,5 +1,5 @@
 """The launch files in jobs/ give external Dask workers the settings run_encode gives a
-LocalCluster's workers (precompute.executors.WORKER_CONFIG), read the way Dask reads them."""
+LocalCluster's workers (precompute.runtime.local_cluster.WORKER_CONFIG), read the way Dask reads them."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mmcache.precompute.executors import WORKER_CONFIG
+from mmcache.precompute.runtime.local_cluster import WORKER_CONFIG
 
 JOBS = Path(__file__).resolve().parents[1] / "jobs"
 

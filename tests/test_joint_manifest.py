@@ -19,7 +19,7 @@ from PIL import Image
 from mmcache import featstore
 from tests import joint_store
 from tests.joint_store import ROOT, dataset, encode, fit_ranks, losses, manifest_rows, records, subset_manifest
-from mmcache.precompute.png_chunks import TAIL_BYTES
+from mmcache.precompute.media.png_chunks import TAIL_BYTES
 from mmcache.train.cli import cli
 from mmcache.train.live.manifest import ManifestResumeError
 
@@ -227,9 +227,10 @@ def _exif_after_pixels(source: Path, out: Path, *, one_idat: bool = False) -> Pa
 
 def test_prepared_shape_reads_what_prepare_gives(tmp_path):
     """From the bytes, and from the file opened for its headers only (what the trainer plans with)."""
-    from mmcache.precompute.inputs import modality_of
-    from mmcache.precompute.media import FrameSampling, ResizeConfig, SizeRule, TilingConfig, prepare, prepared_shape
-    from mmcache.precompute.sources import open_source
+    from mmcache.precompute.inputs.rows import modality_of
+    from mmcache.precompute.media.clips import FrameSampling
+    from mmcache.precompute.media.decode import ResizeConfig, SizeRule, TilingConfig, prepare, prepared_shape
+    from mmcache.precompute.inputs.source_bytes import open_source
 
     rules = [SizeRule(spatial_multiple=8), SizeRule(spatial_multiple=16, temporal="4k+1"), SizeRule(fixed_size=(32, 32)),
              SizeRule(fixed_size=(32, 32), tiling=TilingConfig(max_tiles=6))]

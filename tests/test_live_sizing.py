@@ -41,7 +41,7 @@ def _stream(store: str, manifest: Path, run_dir: str | None, *sets: str, rank: i
     """The tiny-dit run's feature stream of ``store`` with ``manifest`` (what fit builds)."""
     from mmcache.featstore.config import load_config
     from mmcache.train.config import TrainConfig
-    from mmcache.train.data import FeatureStream, StreamOptions
+    from mmcache.train.data.stream import FeatureStream, StreamOptions
     from mmcache.train.live.fields import LiveFields
     from mmcache.train.plan import plan_run
 
@@ -57,7 +57,7 @@ def _stream(store: str, manifest: Path, run_dir: str | None, *sets: str, rank: i
 def _summary(stream, live) -> dict:
     """What the planner decided: each sample's shape, the global batches of the first steps, and
     their split over 2 data-parallel ranks."""
-    from mmcache.train.balance import plan_global_batch
+    from mmcache.train.data.balance import plan_global_batch
 
     steps = [stream.global_indices(s) for s in range(STEPS)]
     split = [[[[list(mb.indices), mb.loss_scale] for mb in part]
@@ -161,8 +161,10 @@ def test_headers_of_media_on_s3(s3_bucket, tmp_path):
     """``open_source`` on an object store: the same checks, and the same shape as the bytes give."""
     import fsspec
 
-    from mmcache.precompute.media import FrameSampling, MediaError, ResizeConfig, SizeRule, prepared_shape
-    from mmcache.precompute.sources import open_source
+    from mmcache.precompute.media.clips import FrameSampling
+    from mmcache.precompute.media.errors import MediaError
+    from mmcache.precompute.media.decode import ResizeConfig, SizeRule, prepared_shape
+    from mmcache.precompute.inputs.source_bytes import open_source
 
     rng = np.random.default_rng(0)
     picture = tmp_path / "photo.jpg"

@@ -14,16 +14,15 @@ import pytest
 from PIL import Image
 
 from mmcache.featstore.errors import ConfigError
-from mmcache.precompute.sizing import bucket_sizes, center_crop_box
-from mmcache.precompute.media import (
-    FrameSampling,
-    MediaError,
+from mmcache.precompute.media.sizing import bucket_sizes, center_crop_box
+from mmcache.precompute.media.clips import FrameSampling, select_frames
+from mmcache.precompute.media.errors import MediaError
+from mmcache.precompute.media.decode import (
     ResizeConfig,
     SizeRule,
     decode_image,
     prepare_image,
     prepare_video,
-    select_frames,
 )
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
@@ -242,7 +241,7 @@ def test_bad_videos_are_rejected_with_a_reason(tmp_path, ramp_video):
 
 
 def test_sixteen_bit_samples_scale_exactly_as_before_without_float64():
-    from mmcache.precompute.media import sixteen_to_eight
+    from mmcache.precompute.media.decode import sixteen_to_eight
 
     rng = np.random.default_rng(0)
     values = np.concatenate([np.arange(65536), rng.integers(-5, 70000, 10000)]).astype(np.int64)

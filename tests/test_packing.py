@@ -12,7 +12,7 @@ from tests.vlm_store import random_store
 from mmcache.train.config import DataSection
 from mmcache.train.models import build_model, get_model_family
 from mmcache.train.models.vlm import next_token_loss
-from mmcache.train.packing import IGNORE, SAMPLE_ID, ImageTokenMismatchError, SampleTooLongError, first_fit_decreasing
+from mmcache.train.data.packing import IGNORE, SAMPLE_ID, ImageTokenMismatchError, SampleTooLongError, first_fit_decreasing
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 import tarfile
 
-from mmcache.precompute.input_sources.base import SourceOptions, SourceUnit
-from mmcache.precompute.input_sources.webdataset import read_tar
+from mmcache.precompute.inputs.registry import SourceOptions, SourceUnit
+from mmcache.precompute.inputs.webdataset import read_tar
 from mmcache.precompute.progress import UNREAD_UNIT_SAMPLES, SampleTotal
 
 

@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from mmcache.precompute.executors import local_cluster
+from mmcache.precompute.runtime.local_cluster import local_cluster
 
 from mmcache import featstore
 from mmcache.featstore.config import load_config

@@ -113,7 +113,7 @@ def test_resumed_run_keeps_its_snapshot_while_the_store_grows(encoded, trained, 
 
 
 def test_signed_input_urls_are_fetched_but_never_shown(tmp_path):
-    from mmcache.precompute.inputs import read_inputs
+    from mmcache.precompute.inputs.manifest import read_inputs
 
     signed = "https://example.invalid/media/cat.png?X-Amz-Credential=AKIAX%2F1&X-Amz-Signature=deadbeef00"
     manifest = tmp_path / "m.jsonl"

@@ -16,7 +16,7 @@ from tests.featstore.conformance import FIELDS, ragged_samples
 def _rank(rank: int, port: int, url: str, results) -> None:
     import torch.distributed as dist
 
-    import mmcache.train.data
+    import mmcache.train.data.stream
 
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60))
@@ -29,8 +29,8 @@ def _rank(rank: int, port: int, url: str, results) -> None:
                     writer.add("late-0", ragged_samples(1, seed=9)[0][1])
                 return real_open(*args, **kwargs)
 
-            mmcache.train.data.featstore.open = commit_then_open
-        store = mmcache.train.data.open_features(url, None)
+            mmcache.train.data.stream.featstore.open = commit_then_open
+        store = mmcache.train.data.stream.open_features(url, None)
         dist.barrier()
         results.put((rank, sorted(store.shards), len(store)))
     except BaseException:  # noqa: BLE001 - reported to the parent

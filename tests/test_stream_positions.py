@@ -12,12 +12,12 @@ import pytest
 from mmcache import featstore
 from mmcache.featstore.config import load_config
 from mmcache.featstore.rows import PositionIds
-from mmcache.train.balance import BalanceConfig, CostModel
+from mmcache.train.data.balance import BalanceConfig, CostModel
 from mmcache.train.config import TrainConfig
-from mmcache.train.data import FeatureStream, StreamOptions
+from mmcache.train.data.stream import FeatureStream, StreamOptions
 from mmcache.train.models.dit_data import LatentTextData
-from mmcache.train.order import plan_order
-from mmcache.train.packing import SAMPLE_ID
+from mmcache.train.data.order import plan_order
+from mmcache.train.data.packing import SAMPLE_ID
 from mmcache.train.plan import plan_run
 
 SHARDS, PER_SHARD = 5, 7
@@ -107,7 +107,7 @@ def test_the_default_config_streams_a_plain_store_by_position(url):
     assert not hasattr(stream, "shapes") and stream.reads is None and stream.num_samples == SHARDS * PER_SHARD
     assert all(sum(len(mb.indices) for mb, _ in d.micro_batches) == 4 for d in steps)
     # The store never built its per-sample structures (a list of every id, shapes, rows by id).
-    assert "_ids" not in plan.store.__dict__ and "_row_of" not in plan.store.__dict__
+    assert "sample_index" not in plan.store.__dict__
 
 
 def test_a_vlm_store_by_position_and_its_token_limit(tmp_path):
@@ -115,7 +115,7 @@ def test_a_vlm_store_by_position_and_its_token_limit(tmp_path):
     listed, and a sample over data.max_tokens refused, named, when its shard is first sized."""
     from mmcache.train.config import DataSection
     from mmcache.train.models import get_model_family
-    from mmcache.train.packing import SampleTooLongError
+    from mmcache.train.data.packing import SampleTooLongError
     from tests.vlm_store import random_store
 
     url = random_store(str(tmp_path / "vlm"), 12, seed=3, text_only_every=0)  # every sample with an image: dense

@@ -12,9 +12,9 @@ import tarfile
 
 import pytest
 
-from mmcache.precompute.input_sources.located import read_recorded
-from mmcache.precompute.input_sources.tar_reader import TarFormatError, TarReader
-from mmcache.precompute.media import MediaError
+from mmcache.precompute.inputs.located import read_recorded
+from mmcache.precompute.inputs.tar_reader import TarFormatError, TarReader
+from mmcache.precompute.media.errors import MediaError
 
 # A name over 100 bytes (GNU long name / pax path), one a ustar prefix splits, non-ASCII, a folder.
 NAMES = ["a/" + "long" * 40 + ".png", "d" * 90 + "/" + "e" * 90 + ".txt", "caf\u00e9/\u00e9t\u00e9.json", "plain.txt"]
@@ -175,9 +175,9 @@ def test_a_moved_parquet_file_with_ids_is_found_by_name_for_the_ids_it_holds(tmp
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from mmcache.precompute.input_sources import InputStream
-    from mmcache.precompute.input_sources.base import SourceOptions
-    from mmcache.precompute.input_sources.located import _by_file_name, _named_input
+    from mmcache.precompute.inputs.stream import InputStream
+    from mmcache.precompute.inputs.registry import SourceOptions
+    from mmcache.precompute.inputs.located import _by_file_name, _named_input
     from tests.input_data import png, write_media_parquet
 
     (tmp_path / "a").mkdir()

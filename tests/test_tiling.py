@@ -16,7 +16,8 @@ from mmcache.featstore.config import load_config
 from mmcache.precompute.config import EncodeConfig
 from mmcache.precompute.encoders import build_encoder
 from mmcache.precompute.encoders.tiny import ensure_tiny_models
-from mmcache.precompute.media import SizeRule, TilingConfig, choose_tile_grid, crop_and_resize, prepare_image, ResizeConfig
+from mmcache.precompute.media.decode import SizeRule, TilingConfig, choose_tile_grid, prepare_image, ResizeConfig
+from mmcache.precompute.media.sizing import crop_and_resize
 from mmcache.precompute.pipeline import run_encode
 
 
@@ -84,7 +85,7 @@ def test_flat_tile_batching_equals_encoding_each_tile_alone(tmp_path):
 def cluster():
     from distributed import Client
 
-    from mmcache.precompute.executors import local_cluster
+    from mmcache.precompute.runtime.local_cluster import local_cluster
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with local_cluster(2) as cluster, Client(cluster) as client:

@@ -25,7 +25,7 @@ from mmcache.precompute.pipeline import run_encode
 def cluster():
     from distributed import Client
 
-    from mmcache.precompute.executors import local_cluster
+    from mmcache.precompute.runtime.local_cluster import local_cluster
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with local_cluster(2) as cluster, Client(cluster) as client:
@@ -148,7 +148,7 @@ def test_text_only_samples_and_edited_text_on_a_rerun(media, tmp_path, cluster):
 
 def test_text_only_rows_need_the_tokenizer(tmp_path, media, cluster):
     """A DiT config (no tokenizer) has nothing to train on in a caption without its image."""
-    from mmcache.precompute.inputs import read_inputs
+    from mmcache.precompute.inputs.manifest import read_inputs
 
     manifest = write_manifest(media / "dit.jsonl", [{"path": "media/image_000.png", "caption": "x"}, {"path": None, "caption": "y"}])
     rows, rejects = read_inputs(str(manifest))
@@ -249,7 +249,7 @@ def test_chat_template_of_the_tokenizer_is_used(tmp_path, tokenizer_dir):
 
 @pytest.mark.parametrize("preset", ["internvl2-2b", "llava-1.5-7b"])
 def test_real_presets_load_and_ask_for_their_folders(preset):
-    from mmcache.precompute.specs import encoder_specs
+    from mmcache.precompute.planning.specs import encoder_specs
 
     config = load_config(EncodeConfig, preset, "encode", [])
     assert config.vit["encoder"] in ("internvl_vision", "clip_vision") and config.text["encoder"] == "tokenizer"
@@ -262,7 +262,7 @@ def test_real_presets_load_and_ask_for_their_folders(preset):
 def test_conversations_column_in_csv_is_a_json_string(tmp_path):
     import csv
 
-    from mmcache.precompute.inputs import read_inputs
+    from mmcache.precompute.inputs.manifest import read_inputs
 
     (tmp_path / "a.png").write_bytes(b"png")
     turns = [{"from": "human", "value": "<image>\nhi"}, {"from": "gpt", "value": "hello"}]

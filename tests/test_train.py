@@ -277,11 +277,11 @@ def test_caption_dropout_is_the_same_at_any_world_size(tmp_path):
     """Which captions a step drops depends on (seed, step, position in the global batch) only:
     the ranks of 2-way data parallelism drop exactly the captions one process drops, and each
     dropped sample gets the stored empty caption's embedding."""
-    from mmcache.train.balance import BalanceConfig, CostModel
-    from mmcache.train.data import FeatureStream, StreamOptions
+    from mmcache.train.data.balance import BalanceConfig, CostModel
+    from mmcache.train.data.stream import FeatureStream, StreamOptions
     from mmcache.train.models.dit_data import LatentTextData
     from mmcache.train.live.dropout import CaptionDropout
-    from mmcache.train.packing import SAMPLE_ID
+    from mmcache.train.data.packing import SAMPLE_ID
 
     url = str(tmp_path / "store")
     rng = np.random.default_rng(1)

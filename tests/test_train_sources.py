@@ -106,11 +106,11 @@ def test_the_mixed_stream_reads_each_source_and_counts_by_weight(stores):
     """The view reads each sample from its own store, bytes equal to ``Store.read``; each epoch
     the large source gives a different subset of distinct samples, the small one repeats all of
     its samples as evenly as its share allows."""
-    from mmcache.train.balance import BalanceConfig, CostModel
-    from mmcache.train.data import FeatureStream, StreamOptions
+    from mmcache.train.data.balance import BalanceConfig, CostModel
+    from mmcache.train.data.stream import FeatureStream, StreamOptions
     from mmcache.train.models.dit_data import LatentTextData
-    from mmcache.train.packing import SAMPLE_ID
-    from mmcache.train.sources import StoreMix
+    from mmcache.train.data.packing import SAMPLE_ID
+    from mmcache.train.data.sources import StoreMix
 
     big, small = featstore.open(stores["big"]), featstore.open(stores["small"])
     mix = StoreMix([big, small], [1, 3])

@@ -83,7 +83,7 @@ def test_the_model_learns_to_read_the_image(tmp_path):
     from mmcache.train.config import DataSection
     from mmcache.train.models import build_model, get_model_family
     from mmcache.train.models.vlm import next_token_loss
-    from mmcache.train.packing import SAMPLE_ID
+    from mmcache.train.data.packing import SAMPLE_ID
 
     tokenizer, vit = train_tokenizer(), tiny_vit()
     train_url, _ = shapes_store(str(tmp_path / "train"), 160, seed=0, tokenizer=tokenizer, vit=vit)

@@ -94,7 +94,7 @@ def test_kv_cache_logits_equal_the_full_forward():
 
 def test_greedy_answers_are_the_models_argmax_step_by_step(setup):
     from mmcache.train.live.reattach import sample_rows
-    from mmcache.train.packing import expand_sample, pack
+    from mmcache.train.data.packing import expand_sample, pack
     from mmcache.train.sample.source import load_trained, reattach_trained
 
     out = setup["root"] / "greedy"
@@ -131,7 +131,7 @@ def test_greedy_answers_are_the_models_argmax_step_by_step(setup):
 
 
 def test_text_only_questions_are_answered_from_the_text_alone(setup):
-    from mmcache.train.packing import expand_sample, pack
+    from mmcache.train.data.packing import expand_sample, pack
     from mmcache.train.sample.source import load_trained, reattach_trained
 
     root, run = setup["root"], str(setup["run"])

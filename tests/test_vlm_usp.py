@@ -48,9 +48,9 @@ def _gradients_under_sp(store_url: str, rank: int, world: int) -> None:
     from mmcache.train.config import DataSection
     from mmcache.train.models import build_model, get_model_family
     from mmcache.train.models.vlm import next_token_loss
-    from mmcache.train.packing import SAMPLE_ID
+    from mmcache.train.data.packing import SAMPLE_ID
     from mmcache.train.parallel.dims import ParallelDims
-    from mmcache.train.parallel.sequence_parallel import apply_sequence_parallel
+    from mmcache.train.parallel.sequence.install import apply_sequence_parallel
 
     store = featstore.open(store_url)
     samples = [{**store.read(i, [f for f in store.fields if store.has_field(i, f)]), SAMPLE_ID: i} for i in store.sample_ids()[:8]]

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from mmcache.featstore.cache import parse_size
 from mmcache.featstore.errors import ConfigError
-from mmcache.train.balance import BalanceConfig
+from mmcache.train.data.balance import BalanceConfig
 from mmcache.train.parallel.dims import ParallelConfig
 
 
@@ -36,7 +36,7 @@ class SourceSection:
 @dataclass(kw_only=True)
 class DataSection:
     # Several stores with the same fields, mixed by weight (instead of --features): each epoch
-    # holds as many samples as they together, each source its weight's share (see train.sources).
+    # holds as many samples as they together, each source its weight's share (see train.data.sources).
     sources: list[SourceSection] = field(default_factory=list)
     latent_field: str = "latent"            # DiT: VAE latents
     text_field: str = "text_emb"            # DiT: text-encoder states
@@ -61,7 +61,7 @@ class DataSection:
     # so a cache smaller than the store downloads each object once per epoch. Unset: sized from
     # data.cache_bytes so that two windows fit in it beside prefetch + 1 global batches (a global
     # shuffle without cache_bytes, or when the store fits). A number >= the shard count is a
-    # global shuffle. See train.order.
+    # global shuffle. See train.data.order.
     shuffle_window: int | None = None
     # A held-out split for the validation loss (every sample.every steps): the samples whose id
     # hashes below validation_fraction (stable as the store grows), plus validation_ids. They

@@ -9,27 +9,19 @@ reads prompt files as ``--prompts`` does. Both take those pieces from here, so t
 from __future__ import annotations
 
 from mmcache.precompute.config import TINY_PATH, default_cache_dir
-from mmcache.precompute.daemon_pool import DaemonPool
-from mmcache.precompute.encoder_inputs import (
-    GEOMETRY,
-    planned_input_shape,
-    section_input,
-    size_rule_for,
-    text_input,
-    text_only_rows_are_samples,
-    transform_from_record,
-    transform_record,
-)
 from mmcache.precompute.encoders import UnknownEncoderError, build_encoder
 from mmcache.precompute.encoders.base import torch_dtype
 from mmcache.precompute.encoders.tiny import TINY_VERSION
-from mmcache.precompute.input_sources.base import file_name
-from mmcache.precompute.input_sources.located import read_recorded, split_recorded
-from mmcache.precompute.inputs import conversations_digest, modality_of, read_inputs
-from mmcache.precompute.media import MediaError
-from mmcache.precompute.prompts import load_prompt_file
-from mmcache.precompute.sources import open_source, read_source
-from mmcache.precompute.tasks import quiet_offline_env
+from mmcache.precompute.inputs.located import read_recorded, split_recorded
+from mmcache.precompute.inputs.manifest import read_inputs
+from mmcache.precompute.inputs.registry import file_name
+from mmcache.precompute.inputs.rows import conversations_digest, modality_of
+from mmcache.precompute.inputs.source_bytes import open_source, read_source
+from mmcache.precompute.media.errors import MediaError
+from mmcache.precompute.output.prompts import load_prompt_file
+from mmcache.precompute.runtime.daemon_pool import DaemonPool
+from mmcache.precompute.worker.encoder_cache import quiet_offline_env
+from mmcache.precompute.worker.encoder_inputs import GEOMETRY, planned_input_shape, section_input, size_rule_for, text_input, text_only_rows_are_samples, transform_from_record, transform_record
 
 __all__ = [
     "GEOMETRY",
@@ -46,6 +38,7 @@ __all__ = [
     "modality_of",
     "open_source",
     "planned_input_shape",
+    "quiet_offline_env",
     "read_inputs",
     "read_recorded",
     "read_source",

@@ -1,16 +1,9 @@
 """Failures of the machine a run trains on, told as one line: a full disk, a permission denied, the
 host out of memory, Ctrl-C.
 
-Writers that are not Python's own lose the operating system's error on the way: torch's
-checkpoint writer reports a full disk as ``unexpected pos 704 vs 598`` (wrapped by DCP in a
-``CheckpointException``, which is a ``BaseException``), safetensors as a ``SafetensorError``. So a
-failed write is diagnosed by asking the file system again (``diagnose_write``): a probe write
-into the same folder, which fails with the real errno when the disk is full, read-only or not
-ours, and the free space against what the write needed.
-
-An error that every rank raises alike (decided together, after a collective) says so with
-``every_rank = True``: rank 0 alone prints it, so a run prints one line at any world size. Any
-other error is printed by the rank that raised it (it may be the only one that knows).
+A failed write is diagnosed by asking the file system again (``diagnose_write``), since torch's and
+safetensors' writers lose the OS error; an error every rank raises alike (``every_rank = True``) is
+printed by rank 0 alone. Design: docs/design/train.md, "Failures of the machine, told as one line".
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """Training objectives and the loss contract every model family follows.
 
-``LossTerms`` is what one micro-batch's ``training_loss`` returns: a *sum* of per-element losses and
-the element count it covers. The trainer divides each sum by the step's *global* count before
-``backward`` (gradients are summed across ranks by ``apply_fsdp``), which makes the update equal to
-the full-batch mean however the batch was split across ranks and micro-batches.
-
-Flow matching (rectified flow) for the DiT: a clean latent ``x0`` and Gaussian noise ``eps`` are
-joined by the straight path ``x_t = (1 - t) * x0 + t * eps``; the model predicts the constant
-velocity ``v = eps - x0`` of that path from ``(x_t, t, text)``, trained with MSE. Timesteps come
-from a logit-normal distribution (``t = sigmoid(mean + std * z)``, z ~ N(0, 1)), which spends more
-samples at mid-range t where the prediction is hardest (Stable Diffusion 3).
-
-Randomness is per *sample*: ``training_loss`` gets one ``torch.Generator`` per sample of the
-micro-batch, seeded by ``sample_generators`` from (seed, step, the sample's position in the step's
-global batch), and draws each sample's timestep and then its noise from that sample's generator.
-So a sample's noise does not depend on which rank or micro-batch it lands in, and losses do not
-depend on the world size, the balancer or how samples are grouped (a per-micro-batch generator
-would tie them to the grouping).
+``LossTerms`` (a loss *sum* and the element count it covers), flow matching (rectified flow) with
+logit-normal timesteps for the DiT, and per-sample generators (``sample_generators``) so losses do
+not depend on the world size or the grouping. Design: docs/design/train.md, "The loss contract and
+flow matching".
 """
 
 from __future__ import annotations
@@ -39,7 +26,7 @@ class ObjectiveConfigError(ConfigError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LossTerms:
-    """One micro-batch's contribution to the step loss (see the module docstring)."""
+    """One micro-batch's contribution to the step loss (see docs/design/train.md)."""
 
     loss_sum: torch.Tensor  # scalar: sum of per-element losses of this micro-batch
     count: int  # number of elements ``loss_sum`` sums over: the mean's denominator

@@ -23,12 +23,12 @@ from mmcache.featstore.errors import ConfigError
 from mmcache.train.checkpoint import latest_checkpoint
 from mmcache.train.config import TrainConfig
 from mmcache.featstore.snapshot import snapshot_digest
-from mmcache.train.data import check_fingerprints, open_features, run_fields
+from mmcache.train.data.stream import check_fingerprints, open_features, run_fields
 from mmcache.train.live.manifest import TrainingManifest
 from mmcache.train.live.manifest import check_resume as check_manifest_resume
 from mmcache.train.models import get_model_family
 from mmcache.train.parallel.dims import MESH_DIMS, ParallelDims
-from mmcache.train.sources import StoreMix, check_mix_config
+from mmcache.train.data.sources import StoreMix, check_mix_config
 
 
 def resolve_model(config: TrainConfig):
@@ -77,7 +77,7 @@ class RunPlan:
     model_config: Any
     store: featstore.Store | StoreMix  # the run's snapshot of committed shards (of each source with data.sources)
     adapter: Any  # the family's data adapter (train.models.registry.DataAdapter)
-    fields: list[str]  # the fields the run reads (train.data.run_fields)
+    fields: list[str]  # the fields the run reads (train.data.stream.run_fields)
     fingerprints: dict[str, Any]  # of those fields, checked against what the run expects
     manifest: TrainingManifest | None
     dims: ParallelDims

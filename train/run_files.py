@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from mmcache.featstore.snapshot import snapshot_digest
-from mmcache.train.data import FeatureStream
+from mmcache.train.data.stream import FeatureStream
 from mmcache.train.models.dit_data import latent_normalisation
 from mmcache.train.parallel.fsdp import local_state_bytes
 

@@ -1,14 +1,9 @@
 """``mmtrain fit``: train a registered model on cached features.
 
-One code path for 1 process and for ``torchrun --nproc-per-node K``: the process group always
-exists (a 1-rank gloo group when not launched by torchrun), the model is sharded with FSDP2 over
-the mesh's FSDP dims, and each rank trains on its part of a balanced global batch. Losses are
-sums over elements, gradients are summed across ranks, and both are divided by the global element
-count of the step, so the update equals the full-batch gradient at any world size.
-
-``fit`` is plan, build, run: ``train.plan.plan_run`` settles the run (the same plan ``--dry-run``
-prints), ``Trainer.build`` makes the model, optimizer and data stream from it, and
-``Trainer.run`` loops over ``train_step``, ``evaluate``, ``log`` and ``save``.
+One code path for 1 process and for ``torchrun``: ``fit`` is plan (``train.plan.plan_run``), build
+(``Trainer.build``: model, optimizer, data stream) and run (``Trainer.run``: ``train_step``,
+``evaluate``, ``log``, ``save``); the update equals the full-batch gradient at any world size.
+Design: docs/design/train.md, "mmtrain fit: one code path at any world size".
 """
 
 from __future__ import annotations
@@ -29,7 +24,7 @@ from mmcache.train.checkpoint import export_safetensors, load_checkpoint, resume
 from mmcache.train.config import TrainConfig
 from mmcache.train.failures import stopped_by_machine
 from mmcache.featstore.snapshot import snapshot_digest
-from mmcache.train.data import FeatureStream, StreamOptions
+from mmcache.train.data.stream import FeatureStream, StreamOptions
 from mmcache.train.run_dir import claim_run_dir
 from mmcache.train.live.dropout import CaptionDropout
 from mmcache.train.live.fields import LiveFields
@@ -37,13 +32,13 @@ from mmcache.train.live.joint import JointEncoders
 from mmcache.train.live.manifest import manifest_line
 from mmcache.train.models import export_model
 from mmcache.train.objective import sample_generators
-from mmcache.train.order import plan_order
+from mmcache.train.data.order import plan_order
 from mmcache.train.parallel.dims import ParallelMeshes, device_and_backend
 from mmcache.train.parallel.fsdp import reshard
 from mmcache.train.parallel.parallelize import parallelize
 from mmcache.train.plan import RunPlan, plan_run
 from mmcache.train.run_files import EpochCacheStats, peak_memory, tensorboard, update_run_json, write_run_json
-from mmcache.train.sources import MixOrder, StoreMix
+from mmcache.train.data.sources import MixOrder, StoreMix
 from mmcache.train.sample.during_fit import FitSampler, Validator, due, validation_ids
 
 # The scalars of a step's record that go to TensorBoard.

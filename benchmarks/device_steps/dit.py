@@ -28,9 +28,9 @@ from benchmarks.device_steps.encode import BF16_TOLERANCE
 from benchmarks.encode_bench import bucketed, encode_batch, load_encoders, manifest_rows, prepare_row, size_rule
 from mmcache import featstore
 from mmcache.precompute.pipeline import run_encode
-from mmcache.train.balance import BalanceConfig
+from mmcache.train.data.balance import BalanceConfig
 from mmcache.train.config import DataSection
-from mmcache.train.data import FeatureStream, StreamOptions
+from mmcache.train.data.stream import FeatureStream, StreamOptions
 from mmcache.train.models import get_model_family
 from mmcache.train.parallel.dims import ParallelDims
 from mmcache.train.parallel.fsdp import apply_fsdp

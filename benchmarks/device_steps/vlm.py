@@ -22,7 +22,7 @@ from mmcache import featstore
 from mmcache.train.config import DataSection
 from mmcache.train.models import get_model_family
 from mmcache.train.models.vlm import next_token_loss
-from mmcache.train.packing import SAMPLE_ID
+from mmcache.train.data.packing import SAMPLE_ID
 from mmcache.train.parallel.dims import ParallelDims
 from mmcache.train.parallel.fsdp import apply_fsdp
 from tests.vlm_store import random_store

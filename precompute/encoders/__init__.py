@@ -4,6 +4,12 @@ Importing this package registers every built-in encoder; heavy libraries (transf
 diffusers) are imported only when an encoder is loaded, so listing encoders stays cheap.
 """
 
+# Imported for their @register side effect.
+from mmcache.precompute.encoders import taef2 as _taef2  # noqa: E402,F401
+from mmcache.precompute.encoders import text as _text  # noqa: E402,F401
+from mmcache.precompute.encoders import tokenizer as _tokenizer  # noqa: E402,F401
+from mmcache.precompute.encoders import vae as _vae  # noqa: E402,F401
+from mmcache.precompute.encoders import vision as _vision  # noqa: E402,F401
 from mmcache.precompute.encoders.base import (
     ENCODERS,
     Encoder,
@@ -17,13 +23,6 @@ from mmcache.precompute.encoders.base import (
     encoder_class,
     register,
 )
-
-# Imported for their @register side effect.
-from mmcache.precompute.encoders import taef2 as _taef2  # noqa: E402,F401
-from mmcache.precompute.encoders import text as _text  # noqa: E402,F401
-from mmcache.precompute.encoders import tokenizer as _tokenizer  # noqa: E402,F401
-from mmcache.precompute.encoders import vae as _vae  # noqa: E402,F401
-from mmcache.precompute.encoders import vision as _vision  # noqa: E402,F401
 
 __all__ = [
     "ENCODERS",

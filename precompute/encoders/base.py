@@ -21,7 +21,7 @@ import torch
 from mmcache.featstore.config import from_dict
 from mmcache.featstore.errors import ConfigError
 from mmcache.featstore.tensors import tensor_to_numpy
-from mmcache.precompute.media import SizeRule
+from mmcache.precompute.media.decode import SizeRule
 
 FINGERPRINT_VERSION = 1
 Modality = Literal["image", "video", "text"]
@@ -146,7 +146,7 @@ class Encoder(ABC):
     def estimated_bytes(self, area: int, frames: int) -> int:
         """About how many bytes this encoder stores for one input of ``area`` pixels and
         ``frames`` frames (1: an image; 0: a text-only row), from its config alone (no weights
-        load): what sizes an encode job's tasks and shards (``precompute.feature_bytes``). An
+        load): what sizes an encode job's tasks and shards (``precompute.planning.feature_bytes``). An
         upper bound where the size depends on the input (a caption's length)."""
         return 0
 

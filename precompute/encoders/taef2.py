@@ -19,7 +19,7 @@ from torch import nn
 
 from mmcache.precompute.encoders.base import EncoderConfigError, FieldSpec, register, sha256_json, sha256_state_dict
 from mmcache.precompute.encoders.visual import VisualEncoder
-from mmcache.precompute.media import SizeRule
+from mmcache.precompute.media.decode import SizeRule
 
 LATENT_CHANNELS = 32
 WIDTH = 64  # feature channels of every hidden layer

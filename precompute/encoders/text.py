@@ -1,18 +1,10 @@
 """T5-family text encoders (T5 v1.1, UMT5 as in Wan, mT5 as in Open-Sora-Plan).
 
-The stored embedding is *unpadded*: L x D for the L real tokens of the caption (EOS included),
-never max_length x D. Padded fp32 embeddings are what made other caches ~10x too big; a trainer
-pads per batch, to the batch's own longest caption, when it streams them back.
-T5 uses relative position biases and an attention mask, so padding changes a caption's
-embedding only through rounding: the matrix products' sums run over the padded length, in an
-order their kernels pick by size (measured: a caption padded to another's 25 tokens instead of
-its own 23 differs in one bf16 value). So a caption is never padded to its batch-mates' length:
-each forward pass holds captions of one *padded length*, their own token count rounded up to a
-multiple of ``PAD_MULTIPLE`` (capped at ``max_length``). A caption's embedding then depends on
-the caption alone: the same bits in any batch, as a prompt, live or cached, which is what makes
-encoding each distinct caption once (and copying the result to its duplicates) exact. (A
-*trained* encoder's ``features`` pass is one per batch: see there.)
-"""
+The stored embedding is *unpadded*: L x D for the L real tokens of the caption (EOS included).
+Each forward pass holds captions of one padded length (their own token count rounded up to
+``PAD_MULTIPLE``), never their batch-mates' length, so a caption's embedding depends on the caption
+alone: the same bits in any batch, as a prompt, live or cached. Why: docs/design/encode.md,
+"Text embeddings"."""
 
 from __future__ import annotations
 
@@ -28,20 +20,19 @@ import numpy as np
 import torch
 
 from mmcache.precompute.encoders.base import (
-    dtype_bytes,
     Encoder,
     EncoderConfigError,
     EncoderInputError,
     FieldSpec,
     architecture_config,
     check_finite,
+    dtype_bytes,
     register,
     sha256_json,
     sha256_state_dict,
     to_numpy,
     torch_dtype,
 )
-
 
 # Captions are padded to a multiple of this many tokens of their own length (see the module doc):
 # few distinct lengths per batch, so few forward passes, and little padding.

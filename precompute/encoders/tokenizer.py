@@ -1,26 +1,11 @@
 """Token ids for an LLM: a Hugging Face tokenizer folder, no model.
 
-Each sample becomes two aligned ragged fields (the VLM data contract, docs/FORMAT.md):
-``input_ids`` (int32, the whole tokenized sample with exactly one image placeholder token per
-image, never expanded on disk) and ``target_mask`` (uint8, 1 on the tokens to be predicted:
-caption / assistant tokens and the end-of-turn token that closes them; 0 on prompts, system and
-human turns and the placeholder).
-
-Two input shapes (``TextSample``), with or without an image (a text-only sample has no
-placeholder and zero image tokens):
-- a caption: ``bos + caption_prompt + caption + eos``; the caption (and eos) is the answer; a
-  text-only caption drops the placeholder (and the newline after it) from the prompt;
-- a LLaVA-style conversation (``[{from: human|gpt|system, value}]``): rendered with the tokenizer's
-  own chat template when it has one, else with the built-in template below; only gpt turns train.
-
-Which tokens are answers is decided on the rendered *text* (character spans of the answers) and
-mapped to tokens through the tokenizer's offsets, so it holds for any template and any BPE merge
-at a boundary (a token overlapping an answer is an answer token).
-A sample is rejected, never truncated, when it is longer than ``max_length`` tokens.
-
-For answering (``mmtrain sample`` on a VLM run), ``generation_prompt`` renders the start of a
-sample the same way, up to where its answer begins, and ``stop_token_ids`` names what ends one.
-"""
+Each sample becomes two aligned ragged fields (the VLM data contract, docs/FORMAT.md): ``input_ids``
+(int32, one image placeholder token per image) and ``target_mask`` (uint8, 1 on the tokens to be
+predicted). A sample is a caption or a LLaVA-style conversation (``TextSample``); answer tokens are
+found from the rendered text's character spans; a sample longer than ``max_length`` is rejected,
+never truncated. ``generation_prompt`` and ``stop_token_ids`` serve answering (``mmtrain sample``).
+The rules in full: docs/design/encode.md, "Token ids for an LLM"."""
 
 from __future__ import annotations
 
@@ -33,16 +18,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from mmcache.precompute.encoders.base import (
-    FINGERPRINT_VERSION,
-    Encoder,
-    EncoderConfigError,
-    EncoderInputError,
-    FieldSpec,
-    TextSample,
-    canonical_json,
-    register,
-)
+from mmcache.precompute.encoders.base import FINGERPRINT_VERSION, Encoder, EncoderConfigError, EncoderInputError, FieldSpec, TextSample, canonical_json, register
 
 # Files that decide how text becomes ids, hashed into the fingerprint when present. Weights of a
 # model folder the tokenizer may sit in are deliberately not read.

@@ -19,7 +19,7 @@ import torch
 
 from mmcache.precompute.encoders.base import EncoderConfigError, FieldSpec, architecture_config, register, sha256_json, sha256_state_dict
 from mmcache.precompute.encoders.visual import VisualEncoder
-from mmcache.precompute.media import SizeRule
+from mmcache.precompute.media.decode import SizeRule
 
 
 @dataclass(kw_only=True)

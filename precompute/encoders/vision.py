@@ -11,22 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
-
-from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from mmcache.precompute.encoders.base import (
-    dtype_bytes,
     EncoderConfigError,
     EncoderInputError,
     FieldSpec,
     architecture_config,
     check_finite,
+    dtype_bytes,
     register,
     sha256_json,
     sha256_state_dict,
@@ -34,7 +33,7 @@ from mmcache.precompute.encoders.base import (
     torch_dtype,
 )
 from mmcache.precompute.encoders.visual import VisualEncoder
-from mmcache.precompute.media import PreparedMedia, SizeRule, TilingConfig
+from mmcache.precompute.media.decode import PreparedMedia, SizeRule, TilingConfig
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from mmcache.precompute.encoders.base import Encoder, EncoderInputError, check_finite, dtype_bytes, to_numpy, torch_dtype
-from mmcache.precompute.media import PreparedMedia
+from mmcache.precompute.media.decode import PreparedMedia
 
 
 class VisualEncoder(Encoder):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from mmcache import featstore
-from mmcache.featstore import format as fmt
+from mmcache.featstore import checksums as fmt
 from mmcache.featstore import scan as scan_module
 from mmcache.featstore.errors import CorruptionError, MissingFieldError, SchemaError
 from mmcache.featstore.sample import Sample

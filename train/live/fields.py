@@ -1,23 +1,10 @@
 """The fields of a run that are not (only) read from the cache: ``encoders.<field>.mode`` live or
 train, and ``data.on_missing: live`` fill-ins for samples that lack a field.
 
-Written against the model family's ``DataAdapter``, not a model: a field is whatever the adapter
-reads from the store, so the data pipeline hands the adapter the same per-sample dict whichever
-way each field was made.
-
-- ``live`` fields are encoded in the data pipeline's background thread (``FeatureStream`` reads
-  ahead), as numpy arrays in the stored dtype: exactly what a cached read returns.
-- ``fill`` fields (on_missing: live) are read from the cache where a sample has them and encoded
-  like ``live`` where it does not.
-- ``train`` fields: the background thread prepares the encoder's inputs (captions, decoded pixels);
-  the step runs the encoder with autograd (``wrap_collate``), its output rounded to the stored
-  dtype with a straight-through gradient, so step 1 sees the cached values.
-
-Under sequence parallelism (``mmcache.train.parallel.encoders``, installed as ``split``) the ranks of an SP
-group, which train on the same samples, each encode only their share of them: ``complete`` encodes
-this rank's share of a live/fill field and hands back what ``gather`` (on the training thread)
-completes from the other ranks' shares; a train field's share is encoded and gathered in the step.
-``encoded`` counts, per field, the samples this rank encoded for the run's batches.
+Written against the model family's ``DataAdapter``: ``live`` and ``fill`` fields are encoded in
+the data pipeline's background thread, ``train`` fields in the step with autograd
+(``wrap_collate``); under sequence parallelism each SP rank encodes its share (``complete`` /
+``gather``). Design: docs/design/train.md, "Joint finetuning: live, fill and train fields".
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from mmcache import featstore
 from mmcache.train.checkpoint import Extra, full_state_dict
 from mmcache.train.live.drift import check_before_training
 from mmcache.train.live.fields import LiveFields, repeated_blocks
-from mmcache.train.live.reattach import EXPORT_RECORD
+from mmcache.train.live.record import EXPORT_RECORD
 from mmcache.train.parallel.encoders import apply_encoder_sequence_parallel
 from mmcache.train.parallel.fsdp import apply_fsdp
 

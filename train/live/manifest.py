@@ -1,22 +1,10 @@
 """A training manifest (``data.manifest``): the samples a run trains on, named by the same kind of
 input ``mmcache encode`` reads, some of which the store may not hold yet.
 
-The manifest is parsed by ``mmcache encode``'s own reader (``mmcache.precompute.inputs.read_inputs``: JSONL,
-CSV or Parquet with ``path``, ``caption``, optional ``id`` and ``conversations``, or a folder of
-media with ``.txt`` captions), so a sample has the id ``mmcache encode`` gives it and its media
-resolve against the manifest's folder the same way. A named sample the store holds is read from
-the cache as usual; one it does not hold (*absent*) is what ``data.on_missing`` decides about:
-``error`` names them, ``skip`` drops them with a count, ``live`` encodes every field of them in
-the data pipeline from the manifest row, decoded and resized by the recorded preparation.
-
-Sizing an absent sample for the batch planner reads only its media's header (its prepared size
-and frame count, ``mmcache.precompute.media.prepared_shape``) and runs the field's encoder once per
-distinct input shape on zeros, once per run, split over the ranks and kept in the run folder
-(``mmcache.train.live.sizing``); the plan is then a function of the manifest, the store snapshot
-and the seed alone, as for cached samples (same at any world size, and on resume).
-
-The manifest also gives the conversations that a tokenizer field was encoded from (the store keeps
-only their sha256): a live tokenizer field needs it for samples encoded from conversations.
+Parsed by ``mmcache encode``'s own reader, so ids and media resolve the same way; absent samples
+are what ``data.on_missing`` decides about, sized from their media's headers
+(``train.live.sizing``); it also gives a tokenizer field's conversations. Design:
+docs/design/train.md, "Joint finetuning: training manifests".
 """
 
 from __future__ import annotations
@@ -40,7 +28,7 @@ class ManifestResumeError(ConfigError):
 @dataclass(kw_only=True)
 class TrainingManifest:
     url: str
-    rows: dict[str, Any]  # sample id -> precompute.inputs.InputRow, in manifest order
+    rows: dict[str, Any]  # sample id -> precompute.inputs.rows.InputRow, in manifest order
     unusable: dict[str, str]  # sample id -> why mmcache encode would reject its row
 
     @classmethod

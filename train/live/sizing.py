@@ -1,20 +1,9 @@
 """Sizing the samples a run encodes live, once, before step 1 (``data.on_missing: live``).
 
-The batch planner needs every sample's shape before anything is read. A sample the store lacks
-(or a store sample lacking a field made live) is sized from its media's headers
-(``LiveEncoder.planned_shape``: the image's size and orientation, the video's declared frames,
-never the pixels). ``size_ahead`` does that for 1/world of those samples on each rank and
-all-gathers the shapes, so every rank holds all of them and plans the same batches as one
-process would; rank 0 keeps them in the run folder (``live_sizes.parquet``), so a resumed run
-reads them instead of opening the media again.
-
-The kept sizes are keyed by what they depend on: the manifest's digest (ids, sources, captions),
-the samples sized, the store snapshot, and each live field's encoder and input settings. Another
-key is another plan: the sizes are made afresh and the file replaced. Media are not hashed for
-the key, nor when sizing: a file changed in place since it was sized is found when the sample is
-encoded (its shape is checked against the planned one, and a store sample's recorded content hash
-against its bytes), and the run stops there with an error naming it. That is the same guarantee
-the plan had when it read the headers itself, and it costs no read of a whole file before step 1.
+``size_ahead`` sizes 1/world of them on each rank from their media's headers and all-gathers the
+shapes, so every rank plans the same batches; rank 0 keeps them in ``live_sizes.parquet``, keyed
+by what they depend on, so a resumed run reads them back. Design: docs/design/train.md, "Joint
+finetuning: sizing live samples before step 1".
 """
 
 from __future__ import annotations
@@ -32,9 +21,9 @@ from mmcache import featstore
 from mmcache.featstore.errors import ConfigError
 from mmcache.train.encoding import transform_record
 from mmcache.featstore.snapshot import snapshot_digest
-from mmcache.train.selection import MissingSamplesError
+from mmcache.train.data.selection import MissingSamplesError
 from mmcache.train.failures import all_gather_json
-from mmcache.train.live.reattach import LiveInputError, MediaMovedError
+from mmcache.train.live.record import LiveInputError, MediaMovedError
 
 SIZES_FILE = "live_sizes.parquet"
 _KEY = b"mmcache.live_sizes.key"
@@ -121,7 +110,7 @@ def _size_share(live: Any, ids: Sequence[str], shape_of: Callable[[str], Any]) -
 
 
 def sizing_key(live: Any, ids: Sequence[str]) -> str:
-    """What the planned shapes depend on (see the module's docstring)."""
+    """What the planned shapes depend on (see docs/design/train.md)."""
     fields = {}
     for name, field in sorted(live.fields.items()):
         encoder = field.encoder

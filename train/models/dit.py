@@ -1,32 +1,8 @@
 """A video/image diffusion transformer (DiT) over cached VAE latents, conditioned on cached text.
 
-Plain ``nn.Module``, no distributed code (parallelism is applied from outside, see
-``mmcache.train.parallel``). The forward pass:
-
-    latents [B, C, T, H, W]  --3-D patchify (pt, ph, pw) + Linear-->  tokens [B, N, dim]
-    timesteps [B]            --sinusoid + MLP-->                      conditioning [B, dim]
-    text [B, L, Dtext] + mask --zero padding, MLP-->                  context [B, L, dim]
-    depth × block: adaLN-Zero self-attention (3-D RoPE) -> cross-attention (masked) -> adaLN-Zero MLP
-    final adaLN + Linear -> unpatchify -> velocity [B, C, T, H, W]
-
-Design notes (the why):
-- Positions are 3-D rotary embeddings over (t, h, w) patch coordinates, so one model runs at any
-  resolution and frame count, images being T = 1, with no learned position table to interpolate.
-- adaLN-Zero: the per-block shift/scale/gate projection and the cross-attention output are
-  zero-initialised, so each block starts as the identity and the final projection starts at zero;
-  deep stacks then train stably from step 0 (Peebles & Xie, DiT).
-- ``adaln_single`` (PixArt-α): one shared timestep->modulation MLP plus a small learned offset per
-  block instead of a ``dim × 6·dim`` projection in every block. At Open-Sora-Plan width that saves
-  ~1 B parameters; the ``osp`` preset uses it, ``tiny`` uses the classic per-block form.
-- Text arrives unpadded from the store and is padded per micro-batch with a mask. Padded positions
-  are zeroed before anything reads them and masked out of attention, so their values (even NaN)
-  can never reach the output.
-- Self-attention calls ``self.attn_fn`` (default SDPA on [B, H, S, D]); ``set_attention_fn`` swaps
-  in sequence-parallel attention. ``sequence_sharding`` (None by default) is the matching hook
-  that splits tokens and rotary tables across sequence-parallel ranks after patch embedding and
-  gathers the per-token outputs before unpatchify.
-- The model casts its inputs to its own weight dtype, so under FSDP mixed precision the timesteps
-  and rotary tables stay float32 (``apply_fsdp`` turns off FSDP's input casting).
+Plain ``nn.Module``, no distributed code (``mmcache.train.parallel`` lays it out): 3-D patchify,
+adaLN-Zero blocks of self-attention (3-D RoPE), masked cross-attention and MLP, unpatchify to a
+velocity. The forward pass and the design notes: docs/design/train.md, "The DiT".
 """
 
 from __future__ import annotations
@@ -64,7 +40,7 @@ class DiTConfig:
     patch_h: int = 2
     patch_w: int = 2
     qk_norm: bool = True
-    adaln_single: bool = False  # shared modulation MLP + per-block offsets (see module docstring)
+    adaln_single: bool = False  # shared modulation MLP + per-block offsets (see docs/design/train.md)
     rope_split: tuple[int, int, int] | None = None  # head-dim share of (t, h, w); None = 1/4, 3/8, 3/8
     rope_theta: float = 10_000.0
     timestep_freq_dim: int = 256

@@ -1,7 +1,7 @@
 """The DiT's data side: what a sample of a store becomes for the DiT. ``LatentTextData`` is the
 family's data adapter (which fields it reads, how micro-batches group and collate),
 ``LatentTextBatch`` the micro-batch the model trains on, ``latent_normalisation`` the per-channel
-scaling a latent field's metadata asks for. The generic stream (``train.data``) knows none of it.
+scaling a latent field's metadata asks for. The generic stream (``train.data.stream``) knows none of it.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class LatentTextBatch:
         if len({tuple(x.shape) for x in stacked}) != 1:
             raise InputShapeError(
                 f"a micro-batch needs latents of one shape, got {sorted({tuple(x.shape) for x in stacked})}; "
-                "group samples with train.balance.plan_micro_batches"
+                "group samples with train.data.balance.plan_micro_batches"
             )
         text, mask = pad_text(texts, dtype=text_dtype, device=device)
         return cls(latents=torch.stack(stacked).to(device), text=text, text_mask=mask)

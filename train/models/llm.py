@@ -1,28 +1,9 @@
 """A lean decoder-only LLM (the Llama / Qwen2 architecture) for packed sequences.
 
-Plain ``nn.Module``, no distributed code. Per layer (pre-norm):
-
-    h = h + o_proj(attention(rope(q_proj(rms(h))), rope(k_proj(rms(h))), v_proj(rms(h))))
-    h = h + down_proj(silu(gate_proj(rms(h))) * up_proj(rms(h)))         # SwiGLU
-
-Design notes (the why):
-- Module and parameter names follow Hugging Face's ``LlamaForCausalLM`` (``embed_tokens``,
-  ``self_attn.q_proj``, ``mlp.gate_proj``, ``input_layernorm``, ...) with ``model.layers`` called
-  ``blocks`` (what ``apply_fsdp`` shards one by one), so the key mapping to and from a Hugging Face
-  folder (``mmcache.train.models.hf``) is a prefix rename, both ways.
-- Rotary embeddings in Hugging Face's "rotate half" layout, computed from explicit
-  ``position_ids``: in a packed row every sample restarts at position 0.
-- Attention goes through ``self.attn_fn(q, k, v, document_ids)`` (q ``[B, H, S_local, Dh]``, k/v
-  ``[B, H_kv, S_local, Dh]``, ``document_ids`` the full ``[B, S]``): the default is an exact masked
-  SDPA with a block-diagonal causal mask; sequence parallelism swaps in its own function through
-  ``set_attention_fn`` and splits tokens with ``sequence_sharding`` (None by default).
-- A tied head reuses ``embed_tokens.weight`` through ``F.linear`` rather than a second module
-  sharing the tensor: state dicts then hold the weight once (safetensors refuses shared tensors).
-- Generation (``mmtrain sample`` on a VLM) goes through ``decode_logits`` with a ``KVCache``: each
-  layer keeps the rotated keys and the values of the positions so far, so a new token costs one
-  position's forward, not the whole sequence's; ``KVCache.fork`` continues one prompt's cache
-  several ways (one per seed). One sequence per row, no packing, no sequence parallelism;
-  training never passes a cache.
+Plain ``nn.Module``, no distributed code; Hugging Face's module names (``blocks`` for
+``model.layers``), rotary embeddings from explicit ``position_ids``, attention through
+``attn_fn(q, k, v, document_ids)``, and a ``KVCache`` for generation. The layer and the design
+notes: docs/design/train.md, "The decoder-only LLM".
 """
 
 from __future__ import annotations

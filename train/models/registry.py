@@ -1,42 +1,9 @@
 """The model registry: the one place the trainer learns what a model family is.
 
-A *family* (``"dit"``, later an LLM over cached ViT features) is registered once with everything
-the trainer needs to use it without knowing which family it is:
-
-- ``config_cls``   the typed ``kw_only`` dataclass of its architecture (filled from YAML);
-- ``objective_cls`` the typed dataclass of its loss settings (e.g. flow-matching timesteps);
-- the builder      ``builder(config, **input_sizes) -> nn.Module``. Input sizes (latent channels,
-                   text width, ViT width, ...) come from the feature store's schema at run time, so
-                   they are keyword arguments, never config; their names are the builder's
-                   keyword-only parameters and are listed in ``ModelFamily.input_sizes``;
-- ``training_loss(model, batch, generators, objective) -> LossTerms``  one micro-batch's loss;
-                   ``generators[i]`` is sample i's own (``mmcache.train.objective.sample_generators``): draw
-                   all of a sample's randomness from it, so losses do not depend on the grouping;
-- ``tokens_per_sample(config, sample_shape) -> int``  the model's sequence length for a sample,
-                   which is what the batch balancer's cost model needs;
-- ``presets``      named configs (``tiny``, ``osp``, ...);
-- ``export``       optional ``export(model, out_dir) -> [paths]``: write a trained model in its
-                   ecosystem's format (the VLM: a Hugging Face LLM folder + the projector) from a
-                   plain, unsharded module on CPU. The function ``export_model`` builds that module
-                   from a full state dict; ``mmtrain fit`` calls it at the end of a run
-                   (``RUN_DIR/export``), and ``mmtrain export`` (``ModelFamily.write_export``)
-                   writes it under ``DIR/hf`` beside the plain ``model.safetensors`` +
-                   ``config.json`` that ``mmtrain sample`` reads back;
-- ``data``         ``data(config, data_section, store) -> DataAdapter``: which store fields the
-                   family reads, its input sizes from the schema, each sample's shape (what
-                   ``tokens_per_sample`` reads) and micro-batch group, and how a micro-batch of
-                   samples becomes the ``batch`` of ``training_loss`` (stacked latents for the DiT,
-                   packed rows for the VLM);
-- ``validation_loss`` (optional) the held-out loss, deterministic for a model (the DiT's at fixed
-                   timesteps); default: ``training_loss`` with per-sample generators of a fixed seed.
-
-The loss contract (why ``LossTerms`` is a *sum* plus a *count*): a global batch is split unevenly
-across data-parallel ranks and micro-batches (that is the point of token balancing), so a per-rank
-mean would weight samples wrongly. Each micro-batch returns the *sum* of its per-element losses and
-how many elements that sum covers; the trainer divides every sum by the *global* count of the step
-(known on every rank from the batch plan, or all-reduced) before ``backward``, and ``apply_fsdp``
-sums (not averages) gradients across ranks. The result is exactly the gradient of the full-batch
-mean, whatever the split.
+A family (``ModelFamily``) is registered once with its config and objective classes, builder,
+``training_loss``, ``tokens_per_sample``, presets, optional export, its ``data`` adapter and an
+optional ``validation_loss``; losses follow the sum-plus-count contract (``LossTerms``). The
+contract in full: docs/design/train.md, "The model registry".
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """The ``vlm`` family: an InternVL / LLaVA-style vision-language model over cached ViT features.
 
-Plain ``nn.Module``s, no distributed code:
-
-    vit_features [T, P, D_vit] (cached, before any projector)
-      --optional 2x2 pixel shuffle: [T, g*g, D] -> [T, (g/2)^2, 4D]  (InternVL: 4x fewer tokens)
-      --LayerNorm -> Linear -> GELU -> Linear-->  image tokens [N, dim]
-    input_ids (packed rows, each <image> placeholder expanded to N positions, see train.packing)
-      --embed_tokens, image tokens spliced in at the image positions-->  inputs_embeds [B, S, dim]
-      --Decoder (train.models.llm: Llama / Qwen2 layers, block-diagonal causal attention)--> logits
-
-The LLM starts from a Hugging Face Llama / Qwen2 folder (``model.args.llm_path``) or from random
-weights of the configured dims. ``model.args.train`` lists the parts that train: ``[projector]``
-for stage 1 (alignment: the LLM frozen), ``[projector, llm]`` for stage 2 (instruction tuning).
-Frozen parameters get ``requires_grad=False``, which keeps them out of the optimizer.
-
-The loss (``next_token_loss``) is the sum of token cross-entropies over label positions and their
-count, the registry's loss contract: the trainer divides by the step's global count of label
-tokens, so the result does not depend on packing or on the split across ranks.
+Plain ``nn.Module``s, no distributed code: a projector (optional pixel shuffle, MLP) turns cached
+ViT features into image tokens spliced into packed rows (``train.data.packing``) of the decoder
+(``train.models.llm``); ``model.args.train`` picks the parts that train; ``next_token_loss``
+follows the registry's loss contract. Design: docs/design/train.md, "The VLM family".
 """
 
 from __future__ import annotations
@@ -31,13 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmcache.train.live.reattach import EXPORT_RECORD  # marks a trained encoder's folder
+from mmcache.train.live.record import EXPORT_RECORD  # marks a trained encoder's folder
 from mmcache.train.models.hf import decoder_config_from_hf, load_hf_weights, read_hf_config, save_hf
 from mmcache.train.models.llm import Decoder, DecoderConfig
 from mmcache.train.models.registry import InputShapeError, ModelConfigError, register_model
 from mmcache.train.models.vlm_data import PackedVLMData
 from mmcache.train.objective import LossTerms
-from mmcache.train.packing import IGNORE, PackedBatch
+from mmcache.train.data.packing import IGNORE, PackedBatch
 
 PARTS = ("projector", "llm")
 
@@ -276,7 +263,7 @@ class VLM(nn.Module):
         if tokens.shape[0] != positions:
             raise InputShapeError(
                 f"the batch has {positions} image positions but its {len(batch.images)} image(s) project to {tokens.shape[0]} "
-                "tokens; pack with the model's image_tokens (train.packing.expand_sample)"
+                "tokens; pack with the model's image_tokens (train.data.packing.expand_sample)"
             )
         return embeds.masked_scatter(batch.image_mask[..., None], tokens.to(embeds.dtype))
 

@@ -1,31 +1,9 @@
 """Parallel layout: how many ranks replicate, shard and split sequences, and the meshes for each.
 
-The world is a 4-D ``DeviceMesh`` with dims, outermost first,
-
-    ("dp_replicate", "dp_shard", "ring", "ulysses")
-
-Size-1 dims are *kept*, so every name always exists and trainer code never branches on which
-parallelisms are on (a size-1 dim costs one trivial process group). Ulysses is innermost, so its
-ranks are consecutive — on one node, where its all-to-alls run on the fast links; ring attention
-only exchanges K/V with neighbours and tolerates the slower hops.
-
-From one 1-D mesh over all ranks we build these views, once and in the same order on every rank
-(each creates process groups, a collective call):
-
-- ``dp``     = dp_replicate × dp_shard: ranks that see *different samples*. The data loader shards
-               the global batch over it, and the loss is averaged over it for logging. Ranks of one
-               sequence-parallel group share samples, so sp ranks are not in it.
-- ``fsdp``   = dp_shard × ring × ulysses as one dim "dp_shard_cp" (torchtitan's name): parameters
-               are sharded over sequence-parallel ranks too, since they hold the same model. With
-               dp_replicate > 1 it is the 2-D (dp_replicate, dp_shard_cp) mesh, which FSDP2 runs as
-               HSDP: shard within a group, all-reduce across groups (hierarchical ZeRO).
-- ``sp``     the 2-D (ring, ulysses) submesh, for sequence-parallel attention; ``sp_block`` the
-             same ranks as one 1-D dim "sp" (its one group: the SP block, for encoder sharing).
-
-Device choice (``device_and_backend``) is lazy about torch_npu: only if it is installed, imports
-(it needs Ascend's CANN libraries) and reports a device. We set no environment variables; note
-that merely installing torch_npu without CANN breaks ``import torch`` itself through torch's device
-backend auto-loading unless the launcher exports ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``.
+The world is a 4-D ``DeviceMesh`` ("dp_replicate", "dp_shard", "ring", "ulysses"), size-1 dims
+kept; ``ParallelDims.build_meshes`` makes the ``dp``, ``fsdp``, ``sp`` and ``sp_block`` views once,
+in the same order on every rank. ``device_and_backend`` picks the device (torch_npu lazily).
+Design: docs/design/train.md, "Parallel layout: dims and meshes".
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """``apply_encoder_sequence_parallel(live, meshes)``: live and trained encoders under sequence
 parallelism, each rank of a sequence-parallel group encoding only its share of the samples.
 
-The ranks of one SP group (``ring × ulysses``) train on the same samples: each attends its slice
-of every sample's tokens, but the model needs every sample's whole encoder output (the DiT keeps
-the caption replicated for cross-attention; the VLM embeds the whole sequence before sharding).
-Left alone, every rank would run each live/trained encoder on all of them. Instead the group
-splits each batch's samples over its ranks (``greedy``: by size, heaviest first, deterministic, so
-every rank computes the same split without talking), each encodes its own, and the features are
-all-gathered so every rank holds all of them, bit for bit what its owner computed:
-
-- a ``live``/``fill`` field: encoded in the data pipeline's background thread, the numpy arrays
-  exchanged on the training thread when the step is handed out (``gather_arrays``; collectives
-  stay on one thread per process, so nothing can interleave with the step's, and a stopped run
-  never leaves a reader blocked in one);
-- a ``train`` field: encoded with autograd in the step, gathered by ``_GatherSamples``, whose
-  backward reduce-scatters the gradient: each rank gets the gradient of its own samples summed over
-  the group's ranks (each of which back-propagated only its tokens' share). Its encoder's parameter
-  gradients are then those of its samples, and FSDP, which shards over the SP ranks and sums,
-  adds them into the full-batch gradient: the same gradient as before, with 1/SP of the encoding.
-
-A rank left without a sample of a micro-batch (fewer samples than ranks) still runs the trained
-encoder once, on the smallest sample, contributing nothing: FSDP's all-gathers and reduce-scatters
-are collectives every rank of its mesh must run.
+The group splits each batch's samples over its ranks (``greedy``, deterministic), each encodes its
+own and the features are all-gathered: live/fill fields on the training thread
+(``gather_arrays``), train fields in the step (``_GatherSamples``, whose backward reduce-scatters).
+Design: docs/design/train.md, "Parallel: encoders under sequence parallelism".
 """
 
 from __future__ import annotations
@@ -37,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from mmcache.train.balance import greedy
+from mmcache.train.data.balance import greedy
 from mmcache.train.parallel.dims import ParallelMeshes
 from mmcache.train.parallel.sequence.comm import all_gather_rows
 

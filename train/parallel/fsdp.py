@@ -1,26 +1,9 @@
 """ZeRO-style sharding with FSDP2 (``torch.distributed.fsdp.fully_shard``).
 
-``apply_fsdp(model, meshes.fsdp, zero=3)`` shards each block, then the root (the embeddings and the
-final layer), on a 1-D mesh (plain FSDP) or a 2-D (replicate, shard) mesh (HSDP). What the ZeRO
-stages map to:
-
-- ZeRO-3: ``reshard_after_forward=True`` — a block's parameters are all-gathered for its forward,
-  freed, and gathered again for its backward. Least memory, one extra all-gather per block.
-- ZeRO-2: ``reshard_after_forward=False`` — gathered parameters stay until the backward has used
-  them; gradients and optimizer state are still sharded. More memory, less communication.
-- HSDP (2-D mesh) is the hierarchical/layered ZeRO: shard inside a replica group, all-reduce the
-  gradient shards across groups.
-
-Gradient reduction is a SUM by default (``sum_gradients=True``), not FSDP's average: the trainer
-normalises each micro-batch loss by the step's global element count (see ``mmcache.train.objective``), so
-summing gives the exact full-batch gradient even when ranks hold different numbers of samples or
-tokens, and sequence-parallel ranks — each contributing the gradient of its slice of the tokens —
-add up correctly.
-
-Mixed precision: bf16 parameters for compute with fp32 gradient reduction on accelerators; fp32
-throughout on CPU (where bf16 matmuls are slow and gloo gains nothing). Parameters stay fp32 in the
-sharded master copy either way; the optimizer steps on those. FSDP's casting of forward inputs is
-off because the models cast their own inputs and want timesteps/rotary tables in fp32.
+``apply_fsdp(model, meshes.fsdp, zero=3)`` shards each block, then the root, on a 1-D (FSDP) or
+2-D (HSDP) mesh; ZeRO-3/ZeRO-2 by ``reshard_after_forward``; gradients are summed, not averaged
+(the loss contract); bf16 compute with fp32 reduction on accelerators, fp32 on CPU. Design:
+docs/design/train.md, "Parallel: FSDP2 and the ZeRO stages".
 """
 
 from __future__ import annotations

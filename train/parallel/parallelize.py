@@ -1,18 +1,8 @@
 """``parallelize``: the one place a model is laid out over the run's meshes.
 
-The order is fixed, as in torchtitan's ``parallelize_llama`` (tensor/sequence parallelism, then
-activation checkpointing and compilation, then FSDP last):
-
-1. Sequence parallelism (Ulysses x Ring) first: it swaps the attention's forward for one that
-   splits and exchanges tokens, and it must see the model's own modules; FSDP's units wrap those
-   modules and would otherwise hide them behind its hooks.
-2. FSDP2 last: it shards the parameters as they finally are, one unit per repeated block, and its
-   pre-forward all-gathers then run around the sequence-parallel forward already in place.
-   On one CPU rank FSDP would only add hooks (compute stays fp32 there), so it is left out; on one
-   accelerator it stays, because its mixed-precision policy is what makes the step bf16.
-
-The re-attached encoders of live/train fields are laid out by ``train.live.joint`` in the same
-order (``apply_encoder_sequence_parallel``, then ``apply_fsdp``).
+The order is fixed: sequence parallelism first (it must see the model's own modules), FSDP2 last
+(left out on one CPU rank); ``train.live.joint`` lays out re-attached encoders in the same order.
+Why: docs/design/train.md, "Parallel: the order of parallelize".
 """
 
 from __future__ import annotations
@@ -22,7 +12,7 @@ import torch
 from mmcache.train.config import TrainConfig
 from mmcache.train.parallel.dims import ParallelMeshes
 from mmcache.train.parallel.fsdp import apply_fsdp
-from mmcache.train.parallel.sequence_parallel import apply_sequence_parallel
+from mmcache.train.parallel.sequence.install import apply_sequence_parallel
 
 
 def parallelize(model: torch.nn.Module, meshes: ParallelMeshes, config: TrainConfig) -> torch.nn.Module:

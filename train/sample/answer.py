@@ -1,24 +1,9 @@
 """Answers from a trained VLM: ``mmtrain sample --run RUN [--image PATH ...] [--prompt TEXT]``.
 
-Everything is prepared as it was for training, by the encoders that made the run's store: each
-image by the run's ViT (re-attached from the store's record, or the weights the run trained it
-to), with the same decoding, resize and tiling as ``mmcache encode``; the prompt by the store's
-tokenizer and template (``TokenizerEncoder.generation_prompt``: a caption's start without
-``--prompt``, a one-turn conversation with one). Without ``--image`` a ``--prompt`` is asked from
-the text alone, through the model's image-less path (the one its text-only samples trained). The
-LLM then continues token by token with a KV cache (``mmcache.train.models.llm.KVCache``): greedy
-(argmax), or with ``--temperature`` > 0 nucleus sampling (``--top-p``) from a CPU generator
-seeded with ``--seed`` alone, until a stop token (eos, or the template's end of turn) or
-``--max-new-tokens``. Each (image, prompt) is decoded once (``prefill``) and every seed continues
-from a fork of its cache (``continue_answer``): the same computation as decoding it again.
-
-Each (image, prompt, seed) is answered alone, a batch of one, in float32 on ``--device`` (the CPU
-by default), so the same run, image, prompt, seed and device give the same answer and the same
-bytes of ``answers.jsonl``: one JSON object per line, ``{"image", "prompt", "seed", "answer",
-"tokens", "finish"}`` (``tokens``: the answer's token ids without the stop token; ``finish``:
-``stop`` or ``length``; ``image`` is null for a text-only question, ``prompt`` null for a
-caption, ``seed`` null when greedy). On an accelerator the kernels differ from the CPU's, so
-answers can differ from the CPU's in their rounding (and hence, rarely, in a token).
+Images and prompts are prepared as for training, by the encoders that made the run's store; the
+LLM continues with a KV cache, greedy or nucleus-sampled from a seeded CPU generator. Each (image,
+prompt, seed) is answered alone, so the same inputs and device give the same ``answers.jsonl``.
+The details and the file's format: docs/design/train.md, "Sampling: a VLM's answers".
 """
 
 from __future__ import annotations
@@ -35,7 +20,7 @@ import torch
 from mmcache import featstore
 from mmcache.featstore.errors import ConfigError
 from mmcache.train.models.llm import KVCache
-from mmcache.train.packing import expand_sample, pack
+from mmcache.train.data.packing import expand_sample, pack
 from mmcache.train.sample.source import reattach_trained
 
 

@@ -1,15 +1,9 @@
 """VAE decoders that match a store's latent field.
 
-The latent field's fingerprint names the encoder that made it (``taef2``, ``autoencoder_kl``,
-``autoencoder_kl_wan``) and the hash of its weights. A decoder is loaded from a folder (``--vae
-DIR``; else the model folder the store recorded for that encoder, when it is still there; else
-the tiny model of that name that ``path: tiny`` built on this machine) through the
-encoder's own loader in ``mmcache.precompute.encoders``, and is used only when the weights there hash to
-what the fingerprint records: a decoder of another VAE would turn the latents into noise without
-saying so. (TAESD-F2's hash is that of its encoder file, which sits beside the decoder's.)
-
-A decoder turns one latent ``[C, T, h, w]`` in the store's latent space (the trainer's
-normalisation undone, ``to_store_space``) into uint8 RGB frames ``[T', H, W, 3]``.
+A decoder is loaded (``--vae DIR``, else the recorded model folder, else the tiny model) through
+the encoder's own loader and used only when its weights hash to what the field's fingerprint
+records; it turns one latent ``[C, T, h, w]`` into uint8 RGB frames ``[T', H, W, 3]``. Design:
+docs/design/train.md, "Sampling: VAE decoders".
 """
 
 from __future__ import annotations

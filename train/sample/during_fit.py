@@ -1,18 +1,8 @@
 """Samples and a validation loss while ``mmtrain fit`` runs (``sample.every``, ``sample.at_start``).
 
-**Validation loss.** The held-out split (``data.validation_fraction``: ids whose hash falls below
-it, stable as the store grows; plus ``data.validation_ids``) is never trained on. Its samples are
-sorted by id and sample j, with a generator of (VALIDATION_SEED, j) — not of the run's seed, so
-runs compare — goes to data-parallel rank j mod D. Each rank puts its samples' loss sums and
-element counts into slot j of two zero vectors, the vectors are summed over the data-parallel
-group (adding zeros is exact), and every rank sums the slots in order: the result is bit-for-bit
-the same at any world size. Under FSDP every rank must run as many forwards as the others, so a
-rank without a sample in a round runs one with weight zero.
-
-**Samples.** All (prompt, seed) pairs go in one batch (a forward per Euler step). Every rank runs the same sampling forwards (FSDP gathers parameters inside each
-forward, so a rank alone would wait forever); rank 0 alone decodes and writes. Rank 0 then tells
-the others whether that worked, so a failed write stops every rank with the error rather than
-leaving them waiting on the next collective.
+The validation loss over the held-out split is bit-for-bit the same at any world size; samples
+are drawn by every rank's forwards and written by rank 0, which tells the others whether that
+worked. Design: docs/design/train.md, "Sampling: samples and validation during fit".
 """
 
 from __future__ import annotations
@@ -27,9 +17,9 @@ import torch.distributed as dist
 
 from mmcache import featstore
 from mmcache.featstore.errors import ConfigError
-from mmcache.train.data import sample_reads
+from mmcache.train.data.stream import sample_reads
 from mmcache.train.objective import sample_generators
-from mmcache.train.packing import SAMPLE_ID
+from mmcache.train.data.packing import SAMPLE_ID
 from mmcache.train.sample.decode import load_decoder, no_decoder_reason
 from mmcache.train.sample.generate import SampleJob, default_size, generate, latent_shape, parse_size, store_prompt_embeddings
 from mmcache.train.sample.sampler import SamplerConfig, default_guidance
@@ -43,7 +33,7 @@ def validation_ids(store: featstore.Store, required: list[str], fraction: float,
     in the store with the fields training needs); ``named``: the samples data.manifest names,
     the only ones the run sees."""
     if fraction <= 0 and not listed:
-        return []  # nothing held out: no list of every id (a large store's trainer goes without one, train.positions)
+        return []  # nothing held out: no list of every id (a large store's trainer goes without one, train.data.positions)
     have = store.sample_ids(with_fields=required)
     if named is not None:
         named = set(named)
@@ -62,7 +52,7 @@ def validation_ids(store: featstore.Store, required: list[str], fraction: float,
 
 
 def read_held_out(store, sample_ids: list[str], data_adapter, live=None) -> list[dict]:
-    """The held-out samples as the training stream makes them (``mmcache.train.data.FeatureStream.read``):
+    """The held-out samples as the training stream makes them (``mmcache.train.data.stream.FeatureStream.read``):
     the cached fields (the required ones, and the optional ones each sample has, e.g. a VLM's
     image), then what the run's live/train fields add (``live.complete``: a train field's prepared
     inputs, which ``Validator`` encodes with the encoder as it is at each evaluation)."""

@@ -1,21 +1,9 @@
 """Euler sampling of a flow-matching DiT, with classifier-free guidance and a timestep shift.
 
-The convention is ``mmcache.train.objective``'s, exactly: ``x_t = (1 - t) * x0 + t * eps`` joins data
-(t = 0) to noise (t = 1), and the model predicts the velocity ``v = eps - x0 = dx_t/dt``. So a
-sample starts from noise at t = 1 and integrates ``dx = v dt`` down to t = 0 in ``steps`` Euler
-steps: ``x <- x + (t_next - t) * v(x, t)``. On a straight path (what the objective trains
-towards) one Euler step is exact, which is what the analytic test checks.
-
-Timestep shift (SD3 / FLUX): ``t' = s t / (1 + (s - 1) t)`` spends more of the steps at high
-noise for s > 1, where large images need them; s = 1 is the plain uniform grid.
-
-Classifier-free guidance: ``v = v_uncond + g (v_cond - v_uncond)`` with the *empty prompt* as the
-unconditional text (its embedding is stored with the features, ``mmcache.featstore.read_prompts``).
-g = 1 is the conditional prediction alone, and the unconditional pass is then skipped.
-
-Determinism: each (prompt, seed) is sampled on its own, its noise drawn by a CPU generator seeded
-with the seed alone (float32), so the result depends on nothing else in the request, and the same
-model, prompt and seed give the same bytes.
+``mmcache.train.objective``'s convention exactly: from noise at t = 1 down to t = 0 in ``steps``
+Euler steps; the SD3/FLUX timestep shift; guidance against the empty prompt (skipped at g = 1);
+each (prompt, seed) sampled alone from a CPU generator, so the same model, prompt and seed give
+the same bytes. Design: docs/design/train.md, "Sampling: the Euler sampler".
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """A trained model from a run folder or an export, and ``mmtrain export``.
 
-A run folder (``mmtrain fit --out``) holds ``run.json`` (the resolved config, the input sizes, the
-fields it trained on), DCP checkpoints and, after the last step, ``model.safetensors``. An export
-(``mmtrain export RUN --out DIR``) holds ``config.json`` (the same facts, flattened) and the
-family's weights. Both load into one ``Trained``.
-
-Weights come from safetensors when they can (``model.safetensors``, an export): nothing is
-unpickled. ``--checkpoint STEP`` (or a run stopped before its end) reads a DCP checkpoint, whose
-metadata is pickled: as for ``--resume``, only from run folders you trust.
-
-An encoder the run trained (``encoders.<field>.mode: train``, e.g. a VLM's ViT) is part of what
-it learned: ``reattach_trained`` rebuilds it from the store's record with the run's weights (the
-final ``RUN/export/<field>``, a checkpoint's state, or an export's ``encoders/<field>``).
+Both load into one ``Trained``: weights from safetensors when they can (nothing unpickled), a DCP
+checkpoint only from run folders you trust; an encoder the run trained is rebuilt with the run's
+weights (``reattach_trained``). Design: docs/design/train.md, "Sampling: a trained model from a run
+or an export".
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Sequence-parallel attention primitives (USP = Ulysses all-to-all x ring attention).
-
-Tensors are ``[batch, seq, heads, head_dim]`` everywhere in the public API. Typical use::
+"""Sequence-parallel attention primitives (USP = Ulysses all-to-all x ring attention); ``install``
+puts them on a model (``apply_sequence_parallel``, not imported here). Tensors are
+``[batch, seq, heads, head_dim]`` everywhere in the public API. Typical use::
 
     groups = sequence_parallel_groups_from_mesh(mesh)            # dims "ring", "ulysses"
     layout = layout_for_groups(seq_len, groups, causal=causal)

@@ -1,16 +1,9 @@
 """Attention on one (query block, key block) pair, returning the log-sum-exp.
 
-Ring attention needs, per block, the softmax-normalised output *and* the row-wise
-log-sum-exp of the scores, so partial results can be merged exactly and the backward
-can be recomputed block by block against the final (merged) output and lse.
-
-Layout here is ``[B, H, S, D]`` (heads before sequence), as attention kernels want.
-K/V may have fewer heads than Q (GQA); ``H % H_kv == 0``.
-
-Which fused kernel runs on which device is the table in ``kernels.py``. A block may carry
-a key-padding mask (``key_mask [B, S_k]``) or a general visibility mask (``mask
-[B, S_q, S_k]``, e.g. a document mask); rows that see no key in the block are made
-neutral here (``out = 0, lse = -inf``) whatever the kernel returned for them.
+Ring attention merges partial results exactly and recomputes the backward block by block from
+(out, lse); layout ``[B, H, S, D]``, GQA allowed; rows that see no key are made neutral here
+(``out = 0, lse = -inf``). Kernels: ``kernels.py``. Design: docs/design/train.md, "Sequence
+parallelism: block attention".
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """Which ring rank holds which chunk of a packed causal sequence: balanced by the work it costs.
 
-Causal ring attention computes, for every query chunk, the key chunks it can see. With one
-document that is the whole past, and the zigzag (head-tail) layout -- ``2R`` chunks, rank ``r``
-holding chunks ``r`` and ``2R-1-r`` -- gives every rank the same work. A *packed* row holds many
-documents, each attending only to itself: a query chunk then costs only the chunks back to the
-start of its document, so the cost of chunk ``j`` depends on where the documents lie, and zigzag
-leaves ranks uneven (max/mean 1.14-1.39 measured on 5-document packs).
-
-So the layout is computed per batch from the document ids every SP rank holds anyway:
-
-1. cut the padded sequence into ``R x chunks_per_block`` equal chunks;
-2. the *work* of query chunk ``j`` is the number of key chunks its queries may see: with the
-   first chunk of the earliest document present in ``j`` (over all rows of the batch) being
-   ``f(j)``, every chunk in ``f(j)..j`` holds a visible key, so ``work(j) = j - f(j) + 1`` (0 for
-   an all-padding chunk). It does not depend on the assignment, because each rank keeps its
-   chunks in sequence order, so the key chunks one query chunk needs in any source block are
-   adjacent there and form one tile (``DocumentMaskPlan``);
-3. give every rank exactly ``chunks_per_block`` chunks with the least-loaded-first greedy rule
-   (longest processing time with a cardinality bound), then swap chunks out of the most loaded
-   rank while that lowers the maximum.
-
-With one document and two chunks per block the greedy rule reproduces zigzag exactly. The
-result is deterministic, so all SP ranks derive the same layout without communicating.
+Zigzag balances one causal document but not a packed row of many; so the layout is computed per
+batch from the document ids: each query chunk's work, then a greedy assignment of equal chunk
+counts with swaps. One document: exactly zigzag; deterministic, so no communication. Design and
+the measured imbalance: docs/design/train.md, "Sequence parallelism: the causal layout of packed
+rows".
 """
 
 from __future__ import annotations
@@ -52,7 +35,7 @@ def chunks_per_block_for(seq_len: int, ring_size: int, ulysses_size: int, *, max
 
 def chunk_work(document_ids: torch.Tensor, num_chunks: int, padded_len: int) -> list[int]:
     """Work of each of ``num_chunks`` equal query chunks of the padded sequence, in key chunks
-    (see the module docstring). ``document_ids``: ``[B, S]`` (``-1`` = padding)."""
+    (see docs/design/train.md). ``document_ids``: ``[B, S]`` (``-1`` = padding)."""
     ids = pad_document_ids(document_ids.to("cpu", torch.int64), padded_len)
     batch, length = ids.shape
     chunk = length // num_chunks

@@ -1,20 +1,9 @@
 """Which tiles of a ring step a causal document mask leaves to compute, and their masks.
 
-Packed sequences hold several documents; a token sees the earlier tokens of its own
-document only (``document_ids`` per global position, ``-1`` for padding, which sees
-nothing and is seen by nothing). Under ring attention, ring rank ``r`` meets the K/V block
-of every ring rank ``src`` once; each block is cut into ``chunks_per_block`` contiguous
-chunks (the two zigzag chunks by default), and for every (query chunk, key chunk) pair we
-know up front -- from the document ids and global positions, which every rank holds --
-whether any query may see any key (else the pair is skipped: no kernel call at all) and
-whether all may (then the kernel runs without a mask).
-
-A *tile* is what one kernel call computes: a query chunk against the span of key chunks
-it needs (adjacent query chunks needing the same span share one tile), with the
-visibility mask of that span, or None when everything in it is visible.
-
-``BLOCK_WORK`` counts the tiles and the query x key area the forward passes computed, so
-tests and benchmarks read the real work per rank (``count_block_work``).
+From the document ids and global positions every rank holds, each (query chunk, key chunk) pair
+of a ring step is known up front to be skipped, unmasked or masked; a *tile* is one kernel call.
+``BLOCK_WORK`` counts the work (``count_block_work``). Design: docs/design/train.md, "Sequence
+parallelism: document masks".
 """
 
 from __future__ import annotations

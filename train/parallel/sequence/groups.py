@@ -1,15 +1,9 @@
 """Process groups for USP sequence parallelism and the checks that guard them.
 
-The sequence-parallel (SP) ranks form a 2-D grid ``ring x ulysses``:
-
-* **ulysses** ranks are contiguous global ranks (same node). They exchange whole
-  activations with all-to-all, which needs the fat intra-node links.
-* **ring** ranks are strided by the ulysses size (across nodes). They only pass
-  K/V blocks to a neighbour, which tolerates slower links and overlaps with compute.
-
-The trainer's mesh is ``dp_replicate x dp_shard x ring x ulysses``; we only read the
-``ring`` and ``ulysses`` dims from it. Everything here that does not need a
-process group is a pure function so it can be tested in one process.
+The SP ranks form a 2-D grid ``ring x ulysses`` (ulysses ranks contiguous, on one node; ring
+ranks strided across nodes), read from the trainer's mesh; what needs no process group is a pure
+function, testable in one process. Design: docs/design/train.md, "Sequence parallelism: process
+groups".
 """
 
 from __future__ import annotations

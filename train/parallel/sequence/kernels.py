@@ -1,23 +1,8 @@
 """The kernel table of block attention: which fused op computes (out, lse) on which device.
 
-Ring and Ulysses attention need, for one (query block, key block) pair, the output *and*
-the row-wise log-sum-exp, forward, and a backward that recomputes the block from the
-*final* merged (out, lse). Every kernel here has that one signature::
-
-    forward(q, k, v, *, causal, mask, scale) -> (out [B,H,S_q,D], lse fp32 [B,H,S_q])
-    backward(dout, q, k, v, out, lse, *, causal, mask, scale) -> (dq, dk, dv)
-
-``q`` is ``[B, H, S_q, D]``, ``k``/``v`` ``[B, H_kv, S_k, D]`` (GQA: ``H % H_kv == 0``),
-``mask`` None or bool ``[B, S_q | 1, S_k]`` (True = the query may see the key), ``causal``
-the kernel's own top-left causal flag (square blocks only). Rows that see no key may come
-back with any finite lse or output: ``block_attention`` overwrites them.
-
-Table (``DEVICE_KERNELS``): CPU -> ATen's flash kernel for CPU (takes an additive mask);
-CUDA -> ATen's memory-efficient kernel (takes a bias, returns the lse, any float dtype);
-NPU -> ``torch_npu.npu_fusion_attention`` (imported when first called). ``math`` is the
-exact reference that materialises the fp32 scores of a block: only on explicit request,
-never picked for an accelerator. The CUDA and NPU entries cannot run on this CPU-only
-machine; their selection is tested, their numerics are not.
+Every kernel has one forward/backward signature; ``DEVICE_KERNELS`` maps CPU, CUDA and NPU to
+their fused ops, ``math`` is the exact reference (only on request). The signature, the table and
+what is tested where: docs/design/train.md, "Sequence parallelism: the kernel table".
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """Ring attention: each rank keeps its Q block and passes K/V blocks around the ring.
 
-Forward, step ``i`` on ring rank ``r``: post "send my current K/V to r+1, receive the
-next from r-1", attend the local Q to the current K/V block (owned by ``r - i``), fold
-the result into fp32 accumulators with the log-sum-exp rule, then wait. After R steps
-every query has seen every key, and only K/V ever moved.
-
-Backward replays the ring: dQ stays local; each block's dK/dV partial rides the ring
-with it, every rank adding its contribution, and after R hops it lands on the owner.
-
-Causal attention uses the **zigzag** layout so the work per rank is balanced: the
-sequence is cut into ``2R`` equal chunks and rank ``r`` holds chunks ``r`` and
-``2R-1-r``. Then, against the block of rank ``src``:
-  * ``src == r``: causal attention within the local block (chunks are in order);
-  * ``src <  r``: all local queries see the first half of the K/V block, none the rest;
-  * ``src >  r``: only the second half of the queries sees the K/V block, all of it.
-
-Public tensors are ``[B, S_block, H, D]``; every ring rank must hold the same
-``S_block`` (an even number when causal).
+Forward folds each K/V block into fp32 accumulators by the log-sum-exp rule; backward replays the
+ring with dK/dV riding along; causal attention uses the zigzag layout. Tensors are
+``[B, S_block, H, D]``, the same ``S_block`` on every ring rank. Design: docs/design/train.md,
+"Sequence parallelism: ring attention".
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """Ulysses sequence parallelism: trade a sequence shard for a head shard with all-to-all.
 
-Before attention each rank holds ``[B, S_local, H, D]`` (its slice of the sequence,
-all heads). One all-to-all turns that into ``[B, S_full, H/U, D]`` (the whole
-sequence of the Ulysses group, its own ``H/U`` heads), so attention runs locally and
-exactly; the inverse all-to-all brings the output back to ``[B, S_local, H, D]``.
-
-Sequence shards may be uneven (``split_sizes``, one length per Ulysses rank, in rank
-order; the full sequence is their concatenation). Heads are split evenly: rank ``u``
-owns heads ``[u*H/U, (u+1)*H/U)``.
-
-GQA/MQA: when K/V have fewer heads than U (or U does not divide them), each K/V head
-is repeated just enough times that every rank receives the K/V heads its query heads
-read (see ``groups.kv_replication_factor``). The repeat is a normal autograd op, so
-gradients of the copies are summed back.
+``[B, S_local, H, D]`` becomes ``[B, S_full, H/U, D]`` for a local, exact attention and back;
+shards may be uneven (``split_sizes``), heads are split evenly, and GQA/MQA K/V heads are repeated
+just enough. Design: docs/design/train.md, "Sequence parallelism: Ulysses".
 """
 
 from __future__ import annotations

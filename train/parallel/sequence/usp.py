@@ -1,21 +1,9 @@
 """USP: Ulysses all-to-all inside a node x ring attention across nodes.
 
-Data flow for one attention layer on SP rank ``(ring r, ulysses u)``::
-
-    q, k, v  [B, S_local, H, D]         this rank's sequence shard, all heads
-      | all-to-all in the ulysses group  (sequence -> heads)
-    [B, S_block, H/U, D]                ring block r (the U shards of ring rank r), H/U heads
-      | ring attention over the ring group (K/V blocks travel, lse merge)
-    [B, S_block, H/U, D]
-      | all-to-all in the ulysses group  (heads -> sequence)
-    out      [B, S_local, H, D]
-
-``SequenceLayout`` says which global positions an SP rank holds: the (padded)
-sequence is cut into R ring blocks -- for causal attention, blocks of equal chunks spread over
-the ring (zigzag by default; ``causal_layout.py`` balances them by the work of a packed batch)
--- and each ring block into U contiguous Ulysses shards. ``shard_sequence`` pads and slices a full
-tensor with it, ``gather_sequence`` undoes that, and the layout also yields the
-key-padding mask (and position ids, e.g. for RoPE) of the local shard.
+``usp_attention`` runs all-to-all (sequence -> heads), ring attention, all-to-all back;
+``SequenceLayout`` says which global positions an SP rank holds, ``shard_sequence`` /
+``gather_sequence`` pad, slice and undo with it. The data flow: docs/design/train.md, "Sequence
+parallelism: USP data flow and layouts".
 """
 
 from __future__ import annotations
