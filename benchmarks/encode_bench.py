@@ -83,7 +83,7 @@ from mmcache.precompute.encoders import build_encoder  # noqa: E402
 from mmcache.precompute.media.decode import prepare as prepare_media  # noqa: E402
 from mmcache.precompute.runtime.local_cluster import local_cluster  # noqa: E402
 from mmcache.precompute.pipeline import run_encode  # noqa: E402
-from mmcache.precompute.planning.specs import encoder_specs  # noqa: E402
+from mmcache.precompute.worker.specs import encoder_specs  # noqa: E402
 
 SHARED = REPO.parent / "shared"
 CORES = os.cpu_count() or 1

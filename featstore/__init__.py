@@ -57,7 +57,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from mmcache.featstore.errors import (
+from .errors import (
     ConfigError,
     CorruptionError,
     DuplicateSampleError,
@@ -73,14 +73,14 @@ from mmcache.featstore.errors import (
     SnapshotError,
     StorageError,
 )
-from mmcache.featstore.copy import copy_store
-from mmcache.featstore.format import FORMAT_VERSION, FieldSpec
-from mmcache.featstore.prompts import prompt_embedding, read_prompts, write_prompts
-from mmcache.featstore.appendable import create_store
-from mmcache.featstore.reader import open_store
-from mmcache.featstore.store import Store
-from mmcache.featstore.sample import Sample
-from mmcache.featstore.writer import StoreWriter
+from .copy import copy_store
+from .format import FORMAT_VERSION, FieldSpec
+from .prompts import prompt_embedding, read_prompts, write_prompts
+from .appendable import create_store
+from .reader import open_store
+from .store import Store
+from .sample import Sample
+from .writer import StoreWriter
 
 __all__ = [
     "FORMAT_VERSION",

@@ -11,14 +11,14 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from mmcache.featstore import format as fmt
-from mmcache.featstore import manifest as manifests
-from mmcache.featstore.backends import open_storage
-from mmcache.featstore.errors import NotAStoreError, SchemaError
-from mmcache.featstore.index import index_parts, parse_index_part, read_parts
-from mmcache.featstore.storage import Storage
-from mmcache.featstore.store import Store
-from mmcache.featstore.writer import StoreWriter
+from . import format as fmt
+from . import manifest as manifests
+from .backends import open_storage
+from .errors import NotAStoreError, SchemaError
+from .index import index_parts, parse_index_part, read_parts
+from .storage import Storage
+from .store import Store
+from .writer import StoreWriter
 
 
 class AppendableStore(Store):

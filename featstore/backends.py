@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from mmcache.featstore.local_storage import LocalStorage
-from mmcache.featstore.object_storage import FsspecStorage
-from mmcache.featstore.storage import Storage
+from .local_storage import LocalStorage
+from .object_storage import FsspecStorage
+from .storage import Storage
 
 
 def open_storage(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Storage:

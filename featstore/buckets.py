@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from mmcache.featstore.dataset import Resumable, StreamingDataset, collate, placement
+from .dataset import Resumable, StreamingDataset, collate, placement
 
 
 class ShapeBatches(Resumable):

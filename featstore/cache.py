@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from mmcache.featstore import cache_files as files
-from mmcache.featstore.errors import ConfigError, CorruptionError
-from mmcache.featstore.storage import ReadRequest, Storage
+from . import cache_files as files
+from .errors import ConfigError, CorruptionError
+from .storage import ReadRequest, Storage
 
 log = logging.getLogger("mmcache.featstore.cache")
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mmcache.featstore import checksums
-from mmcache.featstore.errors import CorruptionError
+from . import checksums
+from .errors import CorruptionError
 
 CHUNK = 8 << 20  # a whole-file checksum reads this much at a time
 

@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from mmcache.featstore import format as fmt
-from mmcache.featstore.errors import CorruptionError, FormatVersionError
-from mmcache.featstore.index import IN_RECORD, ShardInfo, is_first_id, parquet_file, read_parquet, recorded_shard_info
-from mmcache.featstore.storage import Storage
+from . import format as fmt
+from .errors import CorruptionError, FormatVersionError
+from .index import IN_RECORD, ShardInfo, is_first_id, parquet_file, read_parquet, recorded_shard_info
+from .storage import Storage
 
 CHECKPOINT_DIR = "checkpoints"
 CHECKPOINT_METADATA_KEY = b"mmcache.checkpoint"

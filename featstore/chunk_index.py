@@ -11,10 +11,10 @@ import threading
 
 import numpy as np
 
-from mmcache.featstore import format as fmt
-from mmcache.featstore.errors import CorruptionError
-from mmcache.featstore.index import ShardInfo
-from mmcache.featstore.storage import Storage
+from . import format as fmt
+from .errors import CorruptionError
+from .index import ShardInfo
+from .storage import Storage
 
 
 class ChunkIndex:

@@ -11,17 +11,19 @@ from typing import Any
 
 import click
 
-from mmcache import featstore
-from mmcache.featstore import secrets
-from mmcache.featstore.checkpoints import CheckpointWarning
-from mmcache.featstore.compact import compact_store
-from mmcache.featstore.reader import open_store
-from mmcache.featstore.cache import parse_size
-from mmcache.featstore.repair import repair_store
-from mmcache.featstore.rewrite import DEFAULT_GRACE_S, DataCompaction, compact_data
-from mmcache.featstore.secrets import redact
-from mmcache.featstore.user_errors import UserErrorGroup, check_output_location, debug_option
-from mmcache.featstore.verify import store_info, verify_store
+from .copy import copy_store
+from .errors import FeatstoreError
+from . import secrets
+from .checkpoints import CheckpointWarning
+from .compact import compact_store
+from .reader import open_store
+from .cache import parse_size
+from .repair import repair_store
+from .rewrite import DEFAULT_GRACE_S, DataCompaction, compact_data
+from .secrets import redact
+from .store import Store
+from .user_errors import UserErrorGroup, check_output_location, debug_option
+from .verify import store_info, verify_store
 
 
 def parse_storage_options(raw: str | None) -> dict[str, Any] | None:
@@ -113,8 +115,8 @@ def echo_info(summary: dict[str, Any]) -> None:
 @storage_options_option
 def import_(src: str, dst: str, config_name: str | None, overrides: tuple[str, ...], storage_options: str | None) -> None:
     """Bring a per-sample cache (SimpleTuner, finetrainers, musubi-tuner, MindSpeed-MM) at SRC into a new store at DST."""
-    from mmcache.featstore.config import load_config
-    from mmcache.featstore.importer import ImportConfig, import_cache  # lazy: its loaders import torch
+    from .config import load_config
+    from .importer import ImportConfig, import_cache  # lazy: its loaders import torch
 
     config = load_config(ImportConfig, config_name, "import", overrides)
     check_output_location(dst, "DST")
@@ -170,19 +172,19 @@ def copy(src, dst, storage_options, src_storage_options, dst_storage_options, wo
             click.echo(f"\r{done}/{total} shards, {_human(nbytes)}   ", err=True, nl=False)
 
     try:
-        summary = featstore.copy_store(src, dst, src_options, dst_options, workers=workers, progress=report, merge=merge)
+        summary = copy_store(src, dst, src_options, dst_options, workers=workers, progress=report, merge=merge)
         if show:
             click.echo("", err=True)
         click.echo(summary.line())
         if check:
-            with featstore.open(dst, dst_options, strict=False) as store:
+            with open_store(dst, dst_options, strict=False) as store:
                 result = verify_store(store)
             for line in result.problems:
                 click.echo(f"problem: {line}", err=True)
             if not result.ok:
                 raise click.ClickException(f"{dst}: verify FAILED ({len(result.problems)} problem(s))")
             click.echo(f"verified: {result.shards_checked} shard(s), {result.samples_checked} sample(s), {_human(result.bytes_checked)}")
-    except featstore.FeatstoreError as exc:
+    except FeatstoreError as exc:
         raise click.ClickException(redact(exc)) from None
 
 
@@ -193,8 +195,8 @@ def repair(url: str, storage_options: str | None) -> None:
     """Remove the rows of URL that readers ignore: a (sample id, field) that racing writers both
     committed is kept in the earliest commit only. Moves no data; safe while others read."""
     try:
-        store = featstore.open(url, parse_storage_options(storage_options), mode="a")
-    except featstore.FeatstoreError as exc:
+        store = open_store(url, parse_storage_options(storage_options), mode="a")
+    except FeatstoreError as exc:
         raise click.ClickException(redact(exc)) from None
     with store:
         summary = _guarded(repair_store, store)
@@ -227,7 +229,7 @@ def compact(url: str, storage_options: str | None, rebuild: bool, target_bytes: 
             click.echo(_guarded(lambda: compact_data(store, settings, options)).line())
     try:  # the store's index is what this reads, once, below
         store = open_store(url, options, load_index=False)
-    except featstore.FeatstoreError as exc:
+    except FeatstoreError as exc:
         raise click.ClickException(redact(exc)) from None
     with store:
         summary = _guarded(lambda: compact_store(store.storage, rebuild=rebuild))
@@ -237,14 +239,14 @@ def compact(url: str, storage_options: str | None, rebuild: bool, target_bytes: 
 def _guarded(fn, *args):
     try:
         return fn(*args)
-    except featstore.FeatstoreError as exc:
+    except FeatstoreError as exc:
         raise click.ClickException(redact(exc)) from None
 
 
-def _open(url: str, storage_options: str | None, strict: bool = True) -> featstore.Store:
+def _open(url: str, storage_options: str | None, strict: bool = True) -> Store:
     try:
-        return featstore.open(url, parse_storage_options(storage_options), strict=strict)
-    except featstore.FeatstoreError as exc:
+        return open_store(url, parse_storage_options(storage_options), strict=strict)
+    except FeatstoreError as exc:
         raise click.ClickException(redact(exc)) from None
 
 

@@ -14,9 +14,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from mmcache.featstore import checksums
-from mmcache.featstore import format as fmt
-from mmcache.featstore.checkpoints import (
+from . import checksums
+from . import format as fmt
+from .checkpoints import (
     CHECKPOINT_DIR,
     CHECKPOINT_METADATA_KEY,
     CHECKPOINT_VERSION,
@@ -31,11 +31,11 @@ from mmcache.featstore.checkpoints import (
     markers,
     read_checkpoint,
 )
-from mmcache.featstore.errors import CorruptionError, FeatstoreError, FormatVersionError
-from mmcache.featstore.idhash import id_hashes
-from mmcache.featstore.index import first_id_of, index_parts, list_index, parquet_bytes
-from mmcache.featstore.snapshot import gather_parts
-from mmcache.featstore.storage import Storage
+from .errors import CorruptionError, FeatstoreError, FormatVersionError
+from .idhash import id_hashes
+from .index import first_id_of, index_parts, list_index, parquet_bytes
+from .snapshot import gather_parts
+from .storage import Storage
 
 # Writers start a compaction after about this many commits (StoreWriter(compact_every=...)).
 DEFAULT_COMPACT_EVERY = 64

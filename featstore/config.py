@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from mmcache.featstore.errors import ConfigError
+from .errors import ConfigError
 
 T = TypeVar("T")
 

@@ -16,17 +16,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from mmcache.featstore import checksums
-from mmcache.featstore import format as fmt
-from mmcache.featstore import manifest as manifests
-from mmcache.featstore.errors import CorruptionError, NotAStoreError, SchemaError
-from mmcache.featstore.index import index_parts, parse_index_part, row_outside_data
-from mmcache.featstore.prompts import list_parts, part_bytes, read_part
-from mmcache.featstore.reader import open_store
-from mmcache.featstore.store import Store
-from mmcache.featstore.repair import rewritten_part
-from mmcache.featstore.backends import open_storage
-from mmcache.featstore.storage import Storage
+from . import checksums
+from . import format as fmt
+from . import manifest as manifests
+from .errors import CorruptionError, NotAStoreError, SchemaError
+from .index import index_parts, parse_index_part, row_outside_data
+from .prompts import list_parts, part_bytes, read_part
+from .reader import open_store
+from .store import Store
+from .repair import rewritten_part
+from .backends import open_storage
+from .storage import Storage
 
 
 @dataclass(kw_only=True)

@@ -20,12 +20,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
-from mmcache import featstore
-from mmcache.featstore.latents import latent_normalisation
-from mmcache.featstore.order import EpochOrder, shard_positions
-from mmcache.featstore.rows import PositionIds
-from mmcache.featstore.snapshot import snapshot_digest
-from mmcache.featstore.tensors import as_tensor
+from .latents import latent_normalisation
+from .order import EpochOrder, shard_positions
+from .reader import open_store
+from .rows import PositionIds
+from .snapshot import snapshot_digest
+from .store import Store
+from .tensors import as_tensor
 
 READ_BATCH = 16  # samples per read_rows call: one batch of concurrent ranged reads on an object store
 
@@ -131,12 +132,12 @@ class StreamingDataset(Resumable):
         self.epoch = 0
         self._resume: dict[str, Any] | None = None  # a loaded state, used by the next __iter__
         self._yielded = 0
-        store = featstore.open(self.url, storage_options, **open_options)
+        store = open_store(self.url, storage_options, **open_options)
         self.shards = sorted(store.shards)  # the snapshot every worker and rank opens
         self.fields = list(fields) if fields else list(store.fields)
         self._attach(store)
 
-    def _attach(self, store: featstore.Store) -> None:
+    def _attach(self, store: Store) -> None:
         self._store, self._pid = store, os.getpid()
         self._ids: Sequence[str]
         if store.dense and all(f in store.fields for f in self.fields):
@@ -159,11 +160,11 @@ class StreamingDataset(Resumable):
                 if found is not None:
                     self._scales[name] = tuple(torch.tensor(v, dtype=torch.float32) for v in found)
 
-    def store(self) -> featstore.Store:
+    def store(self) -> Store:
         # A worker's first use opens the snapshot the main process took; a forked worker too, as
         # it inherits the parent's store with its lock and connections in whatever state they were.
         if self._store is None or self._pid != os.getpid():
-            self._attach(featstore.open(self.url, self.storage_options, shards=self.shards, **self.open_options))
+            self._attach(open_store(self.url, self.storage_options, shards=self.shards, **self.open_options))
         return self._store
 
     def __getstate__(self) -> dict[str, Any]:

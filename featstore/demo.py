@@ -8,13 +8,15 @@ import sys
 import ml_dtypes
 import numpy as np
 
-from mmcache import featstore
+from .appendable import create_store
+from .reader import open_store
+from .store import Store
 
 
-def write_demo_store(url: str, num_samples: int = 64, seed: int = 0) -> featstore.Store:
+def write_demo_store(url: str, num_samples: int = 64, seed: int = 0) -> Store:
     rng = np.random.default_rng(seed)
     fields = {"latent": {"dtype": "bfloat16", "ndim": 4}, "text": {"dtype": "float16", "ndim": 2}}
-    with featstore.create(url, fields=fields, exist_ok=True, shard_bytes=1 << 20) as writer:
+    with create_store(url, fields, exist_ok=True).writer(shard_bytes=1 << 20) as writer:
         for i in range(num_samples):
             sample_id = f"demo-{i:05d}"
             if writer.store.is_known(sample_id):
@@ -29,7 +31,7 @@ def write_demo_store(url: str, num_samples: int = 64, seed: int = 0) -> featstor
                 },
                 meta={"caption": f"generated sample {i}", "frames": frames},
             )
-    return featstore.open(url)
+    return open_store(url)
 
 
 if __name__ == "__main__":

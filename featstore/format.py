@@ -18,8 +18,8 @@ import google_crc32c
 import numpy as np
 
 # Re-exported: their home is featstore.checksums (code outside featstore imports them from here).
-from mmcache.featstore.checksums import crc32c, crc32c_combine, crc32c_concat, crc32c_function, crc32c_releases_gil  # noqa: F401
-from mmcache.featstore.errors import CorruptionError, FormatVersionError, NotAStoreError, SchemaError
+from .checksums import crc32c, crc32c_combine, crc32c_concat, crc32c_function, crc32c_releases_gil  # noqa: F401
+from .errors import CorruptionError, FormatVersionError, NotAStoreError, SchemaError
 
 FORMAT_NAME = "mmcache-featstore"
 # The newest version this code reads. A store is written as version 1 (every shard holds every

@@ -18,9 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from mmcache import featstore
-from mmcache.featstore.errors import ConfigError, FeatstoreError
-from mmcache.featstore.tensors import as_array
+from .appendable import create_store
+from .errors import ConfigError, FeatstoreError
+from .tensors import as_array
+from .writer import StoreWriter
 
 
 @dataclass(frozen=True)
@@ -194,11 +195,11 @@ def import_cache(root: str | Path, url: str, *, layout_name: str, fields: dict[s
 
 
 def _writer(url: str, arrays: dict[str, np.ndarray], fields: dict[str, str], layout_name: str, root: Path,
-            storage_options: dict[str, Any] | None) -> featstore.StoreWriter:
+            storage_options: dict[str, Any] | None) -> StoreWriter:
     imported = {"imported": {"layout": layout_name, "from": str(root)}, "digest": f"imported:{layout_name}"}
     specs = {name: {"dtype": array.dtype.name, "ndim": array.ndim, "meta": {"fingerprint": {**imported, "tensor": fields[name]}}}
              for name, array in arrays.items()}
-    return featstore.create(url, specs, storage_options)
+    return create_store(url, specs, storage_options=storage_options).writer()
 
 
 @dataclass(kw_only=True)

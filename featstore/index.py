@@ -19,10 +19,10 @@ from typing import Any, NamedTuple
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mmcache.featstore import checksums
-from mmcache.featstore import format as fmt
-from mmcache.featstore.errors import CorruptionError, FormatVersionError
-from mmcache.featstore.storage import Storage
+from . import checksums
+from . import format as fmt
+from .errors import CorruptionError, FormatVersionError
+from .storage import Storage
 
 
 class IndexPart(NamedTuple):

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from mmcache.featstore.errors import CorruptionError
-from mmcache.featstore.storage import Storage, check_key
+from .errors import CorruptionError
+from .storage import Storage, check_key
 
 
 class LocalStorage(Storage):

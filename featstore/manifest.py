@@ -12,9 +12,9 @@ import copy
 import json
 from typing import Any
 
-from mmcache.featstore import format as fmt
-from mmcache.featstore.errors import SchemaError
-from mmcache.featstore.storage import Storage
+from . import format as fmt
+from .errors import SchemaError
+from .storage import Storage
 
 _PUBLISH_TRIES = 20
 

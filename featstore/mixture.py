@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from mmcache.featstore.dataset import READ_BATCH, Resumable, StreamingDataset, placement, share
-from mmcache.featstore.mixing import apportion, mixed_order
+from .dataset import READ_BATCH, Resumable, StreamingDataset, placement, share
+from .mixing import apportion, mixed_order
 
 
 class MixedDataset(Resumable):

@@ -15,10 +15,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from mmcache.featstore import secrets
-from mmcache.featstore.errors import ConfigError, CorruptionError
-from mmcache.featstore.retry import RetryPolicy, describe, is_transient, remote_filesystem, with_retries, with_retries_async
-from mmcache.featstore.storage import ReadRequest, Storage, check_key
+from . import secrets
+from .errors import ConfigError, CorruptionError
+from .retry import RetryPolicy, describe, is_transient, remote_filesystem, with_retries, with_retries_async
+from .storage import ReadRequest, Storage, check_key
 
 T = TypeVar("T")
 log = logging.getLogger("mmcache.featstore.storage")

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mmcache.featstore.index import first_id_of
+from .index import first_id_of
 
 if TYPE_CHECKING:
-    from mmcache.featstore.store import Store
+    from .store import Store
 
 
 class EpochOrder:

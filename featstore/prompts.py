@@ -19,10 +19,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mmcache.featstore import checksums
-from mmcache.featstore import format as fmt
-from mmcache.featstore.errors import CorruptionError, FeatstoreError, ReadOnlyError, SchemaError
-from mmcache.featstore.index import read_parquet
+from . import checksums
+from . import format as fmt
+from .errors import CorruptionError, FeatstoreError, ReadOnlyError, SchemaError
+from .index import read_parquet
 
 PROMPTS_DIR = "prompts"
 METADATA_KEY = b"mmcache.prompts"

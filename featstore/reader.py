@@ -11,12 +11,12 @@ import os
 from collections.abc import Sequence
 from typing import Any, Literal, overload
 
-from mmcache.featstore import format as fmt
-from mmcache.featstore.appendable import AppendableStore, create_store
-from mmcache.featstore.backends import open_storage
-from mmcache.featstore.cache import CachingStorage
-from mmcache.featstore.errors import NotAStoreError
-from mmcache.featstore.store import Store
+from . import format as fmt
+from .appendable import AppendableStore, create_store
+from .backends import open_storage
+from .cache import CachingStorage
+from .errors import NotAStoreError
+from .store import Store
 
 __all__ = ["AppendableStore", "Store", "create_store", "open_store"]
 

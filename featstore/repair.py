@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from mmcache.featstore import format as fmt
-from mmcache.featstore.errors import CorruptionError
-from mmcache.featstore.store import Store
-from mmcache.featstore.index import ShardInfo, read_parquet
-from mmcache.featstore.writer import index_part_bytes
+from . import format as fmt
+from .errors import CorruptionError
+from .store import Store
+from .index import ShardInfo, read_parquet
+from .writer import index_part_bytes
 
 
 @dataclass(kw_only=True)

@@ -17,8 +17,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from mmcache.featstore import secrets
-from mmcache.featstore.errors import FeatstoreError, StorageError
+from . import secrets
+from .errors import FeatstoreError, StorageError
 
 log = logging.getLogger("mmcache.featstore.storage")
 T = TypeVar("T")

@@ -15,14 +15,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmcache.featstore import format as fmt
-from mmcache.featstore.errors import CorruptionError, ShardCommittedError
-from mmcache.featstore.index import ShardInfo, parse_index_part_record, read_parquet, shard_info
-from mmcache.featstore.order import shard_sequence
-from mmcache.featstore.reader import open_store
-from mmcache.featstore.store import Store
-from mmcache.featstore.storage import Storage
-from mmcache.featstore.writer import DEFAULT_SHARD_BYTES, Rewrite
+from . import format as fmt
+from .errors import CorruptionError, ShardCommittedError
+from .index import ShardInfo, parse_index_part_record, read_parquet, shard_info
+from .order import shard_sequence
+from .reader import open_store
+from .store import Store
+from .storage import Storage
+from .writer import DEFAULT_SHARD_BYTES, Rewrite
 
 # Old objects outlive the switch by this long: a reader that opened before it loads the old
 # shards' rows and data when it first reads them, and a training run keeps one snapshot open for

@@ -15,7 +15,7 @@ from typing import Protocol, overload
 import numpy as np
 import pyarrow as pa
 
-from mmcache.featstore.snapshot import column_numpy
+from .snapshot import column_numpy
 
 # About 10 MB of loaded rows for a store of one small field (~40 bytes a row).
 ROWS_KEPT = 1 << 18

@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from mmcache.featstore import format as fmt
-from mmcache.featstore.index import ShardInfo
-from mmcache.featstore.rows import LoadedRows, ShardRows
-from mmcache.featstore.snapshot import GatheredParts, dense_samples, snapshot_of
+from . import format as fmt
+from .index import ShardInfo
+from .rows import LoadedRows, ShardRows
+from .snapshot import GatheredParts, dense_samples, snapshot_of
 
 
 class ShardTable:

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from mmcache.featstore import checksums
-from mmcache.featstore.errors import CorruptionError
+from . import checksums
+from .errors import CorruptionError
 
 # ``store`` below is the reader's ``Store`` (its snapshot arrays and storage). It is not imported:
 # the reader imports this module, and dependencies here run one way.

@@ -19,12 +19,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from mmcache.featstore import format as fmt
-from mmcache.featstore.checkpoints import CheckpointWarning, find_checkpoint
-from mmcache.featstore.errors import CorruptionError, FeatstoreError, SnapshotError
-from mmcache.featstore.idhash import any_known, id_hashes
-from mmcache.featstore.index import IndexPart, ShardInfo, index_parts, list_index, parse_index_part_record, read_parts, shard_info
-from mmcache.featstore.storage import Storage
+from . import format as fmt
+from .checkpoints import CheckpointWarning, find_checkpoint
+from .errors import CorruptionError, FeatstoreError, SnapshotError
+from .idhash import any_known, id_hashes
+from .index import IndexPart, ShardInfo, index_parts, list_index, parse_index_part_record, read_parts, shard_info
+from .storage import Storage
 
 
 def snapshot_digest(shards: Sequence[str]) -> str:

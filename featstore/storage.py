@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from mmcache.featstore.errors import CorruptionError
+from .errors import CorruptionError
 
 __all__ = ["ReadRequest", "Storage", "check_key"]
 

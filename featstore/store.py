@@ -19,18 +19,18 @@ from typing import Any, Literal, TypeVar, overload
 import numpy as np
 import pyarrow as pa
 
-from mmcache.featstore import checksums
-from mmcache.featstore import format as fmt
-from mmcache.featstore import manifest as manifests
-from mmcache.featstore.chunk_index import ChunkIndex
-from mmcache.featstore.errors import CorruptionError, MissingFieldError, ReadOnlyError, SchemaError
-from mmcache.featstore.index import ShardInfo, read_rejects
-from mmcache.featstore.sample import Sample
-from mmcache.featstore.sample_index import SampleIndex, ShardTable
-from mmcache.featstore.scan import DEFAULT_READAHEAD_BYTES, scan_samples
-from mmcache.featstore.snapshot import gather_parts
-from mmcache.featstore.storage import Storage
-from mmcache.featstore.tensors import in_format
+from . import checksums
+from . import format as fmt
+from . import manifest as manifests
+from .chunk_index import ChunkIndex
+from .errors import CorruptionError, MissingFieldError, ReadOnlyError, SchemaError
+from .index import ShardInfo, read_rejects
+from .sample import Sample
+from .sample_index import SampleIndex, ShardTable
+from .scan import DEFAULT_READAHEAD_BYTES, scan_samples
+from .snapshot import gather_parts
+from .storage import Storage
+from .tensors import in_format
 
 T = TypeVar("T")
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from mmcache.featstore.errors import SchemaError
-from mmcache.featstore.format import dtype_info
+from .errors import SchemaError
+from .format import dtype_info
 
 FORMATS = ("numpy", "torch")
 

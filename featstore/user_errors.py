@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from mmcache.featstore.secrets import redact
+from .secrets import redact
 
 DEBUG_ENV = "MMCACHE_DEBUG"
 PROJECT_PACKAGES = frozenset({"mmcache"})

@@ -21,16 +21,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from mmcache.featstore import checksums
-from mmcache.featstore import checkpoints
-from mmcache.featstore import format as fmt
-from mmcache.featstore.errors import CorruptionError, FormatVersionError
-from mmcache.featstore.idhash import id_hashes
-from mmcache.featstore.index import IN_RECORD, list_index, parse_index_part_record
-from mmcache.featstore.prompts import PROMPTS_DIR, parse_part_name, read_part
-from mmcache.featstore.store import Store
-from mmcache.featstore.rewrite import check_replaced
-from mmcache.featstore.storage import Storage
+from . import checksums
+from . import checkpoints
+from . import format as fmt
+from .errors import CorruptionError, FormatVersionError
+from .idhash import id_hashes
+from .index import IN_RECORD, list_index, parse_index_part_record
+from .prompts import PROMPTS_DIR, parse_part_name, read_part
+from .store import Store
+from .rewrite import check_replaced
+from .storage import Storage
 
 
 @dataclass

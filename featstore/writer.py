@@ -18,14 +18,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from mmcache.featstore import checksums
-from mmcache.featstore import compact
-from mmcache.featstore import format as fmt
-from mmcache.featstore.compact import DEFAULT_COMPACT_EVERY
-from mmcache.featstore.errors import DuplicateSampleError, NonFiniteError, SchemaError, ShardCommittedError
-from mmcache.featstore.index import parquet_bytes
-from mmcache.featstore.storage import Storage
-from mmcache.featstore.tensors import as_array
+from . import checksums
+from . import compact
+from . import format as fmt
+from .compact import DEFAULT_COMPACT_EVERY
+from .errors import DuplicateSampleError, NonFiniteError, SchemaError, ShardCommittedError
+from .index import parquet_bytes
+from .storage import Storage
+from .tensors import as_array
 
 # ``store`` below is an ``AppendableStore`` (featstore.appendable: its fields, storage and the ids
 # committed so far). It is not imported: that module imports this one (``AppendableStore.writer``),

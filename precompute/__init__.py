@@ -9,8 +9,8 @@ The package, bottom up:
     media/          frames chosen, images and videos decoded and sized, ``MediaError``
     inputs/         manifests, folders, tars, Parquet, LLaVA JSON: input rows, read safely
     encoders/       the encoder registry: VAEs, T5-family text, ViTs, a tokenizer, tiny stand-ins
-    planning/       the values sent to workers, the inputs' first pass, the plan, stale samples
-    worker/         what runs on a worker: load the encoders once, encode a task, commit its shard
+    planning/       the inputs' first pass, the plan and its tasks, stale samples (on the client)
+    worker/         what runs on a worker: its task values, encoders loaded once, a task into a shard
     runtime/        where tasks run (threads, a local or external Dask cluster) and their faults
     output/         the job's writes besides shards: the output store, prompts, compaction
     progress        the progress line and the sample count it is measured against

@@ -9,9 +9,9 @@ import click
 from mmcache.featstore.cli import cli, parse_storage_options, storage_options_option
 from mmcache.featstore.config import load_config
 from mmcache.featstore.user_errors import check_output_location
-from mmcache.precompute.config import EncodeConfig
-from mmcache.precompute.output.prompts import load_prompt_file
-from mmcache.precompute.runtime.devices import DEVICES
+from .config import EncodeConfig
+from .output.prompts import load_prompt_file
+from .runtime.devices import DEVICES
 
 
 @cli.command()
@@ -39,7 +39,7 @@ def encode(config_name, input_urls, output_url, workers, scheduler, device, over
     if dry_run and scheduler:
         raise click.UsageError("--dry-run plans on this machine: leave out --scheduler (--workers N plans for N workers)")
     # lazy: the encode pipeline is imported only by `encode`, so `mmcache --help`/`info` stay fast
-    from mmcache.precompute.pipeline import run_encode
+    from .pipeline import run_encode
 
     config = load_config(EncodeConfig, config_name, "encode", overrides)
     prompts = load_prompt_file(prompts_file) if prompts_file else None
@@ -49,7 +49,7 @@ def encode(config_name, input_urls, output_url, workers, scheduler, device, over
     if allow_empty:
         config.data.allow_empty = True
     if dry_run:
-        from mmcache.precompute.dry_run import dry_run as plan_only
+        from .dry_run import dry_run as plan_only
 
         report = plan_only(config, list(input_urls), output_url, workers=workers, storage_options=parse_storage_options(storage_options),
                            input_storage_options=parse_storage_options(input_storage_options))

@@ -10,8 +10,8 @@ from typing import Any, Literal
 from mmcache.featstore.cache import parse_size
 from mmcache.featstore.errors import ConfigError
 from mmcache.featstore.rewrite import DEFAULT_GRACE_S
-from mmcache.precompute.media.clips import FrameSampling
-from mmcache.precompute.media.decode import ResizeConfig
+from .media.clips import FrameSampling
+from .media.decode import ResizeConfig
 
 # `path: tiny` in a preset means "the tiny random-weight model of this encoder", built once into
 # this cache (see precompute.encoders.tiny) and then loaded through from_pretrained like any other.

@@ -28,7 +28,7 @@ def main() -> None:
     bindir = Path(sys.executable).parent
 
     # lazy: demo_data imports PIL, needed only when the demo makes its data
-    from mmcache.precompute.demo_data import make_dataset
+    from .demo_data import make_dataset
 
     shards = [out / "data" / f"{shard:05d}.tar" for shard in range(SHARDS)]
     if not all(shard.exists() for shard in shards):

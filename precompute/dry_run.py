@@ -15,17 +15,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmcache.featstore.secrets import redact_url
-from mmcache.precompute.config import EncodeConfig
-from mmcache.precompute.inputs.stream import InputStream
-from mmcache.precompute.output.store import open_existing
-from mmcache.precompute.pipeline import source_options
-from mmcache.precompute.planning.feature_bytes import outline
-from mmcache.precompute.planning.plan import group_units, rows_per_task
-from mmcache.precompute.planning.specs import encoder_specs, takes_text_only
-from mmcache.precompute.planning.stale import describe as describe_stale
-from mmcache.precompute.planning.survey import Survey, survey
-from mmcache.precompute.progress import UNREAD_UNIT_SAMPLES
-from mmcache.precompute.runtime.placement import choose_placement
+from .config import EncodeConfig
+from .inputs.stream import InputStream
+from .output.store import open_existing
+from .pipeline import source_options
+from .planning.feature_bytes import outline
+from .planning.plan import group_units, rows_per_task
+from .worker.specs import encoder_specs, takes_text_only
+from .planning.stale import describe as describe_stale
+from .planning.survey import Survey, survey
+from .progress import UNREAD_UNIT_SAMPLES
+from .runtime.placement import choose_placement
 
 
 @dataclass(kw_only=True)

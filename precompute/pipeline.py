@@ -19,25 +19,25 @@ from typing import Any
 from mmcache import featstore
 from mmcache.featstore import secrets
 from mmcache.featstore.secrets import RedactedOptions
-from mmcache.precompute.config import EncodeConfig
-from mmcache.precompute.inputs.located import recorded_rows
-from mmcache.precompute.inputs.registry import SourceOptions
-from mmcache.precompute.inputs.stream import InputStream
-from mmcache.precompute.output.compaction import compact_after_job
-from mmcache.precompute.output.prompts import store_prompt_embeddings
-from mmcache.precompute.output.store import commit_plan_rejects, open_existing, open_or_create
-from mmcache.precompute.planning.feature_bytes import FieldsOutline, outline
-from mmcache.precompute.planning.plan import EncodePlan, plan_encode
-from mmcache.precompute.planning.specs import EncoderSpec, TaskSettings, TaskSpec, encoder_specs, takes_text_only, with_client_paths
-from mmcache.precompute.planning.stale import describe as describe_stale
-from mmcache.precompute.planning.stale import stale_samples
-from mmcache.precompute.planning.survey import Survey, survey
-from mmcache.precompute.progress import UNREAD_UNIT_SAMPLES, ProgressMeter, SampleTotal
-from mmcache.precompute.runtime.executors import DaskExecutor, ThreadExecutor, connect, open_executor
-from mmcache.precompute.runtime.local_cluster import preserved_environ
-from mmcache.precompute.runtime.placement import Placement, choose_placement
-from mmcache.precompute.runtime.worker_deaths import split_task
-from mmcache.precompute.worker.encoder_cache import quiet_offline_env
+from .config import EncodeConfig
+from .inputs.located import recorded_rows
+from .inputs.registry import SourceOptions
+from .inputs.stream import InputStream
+from .output.compaction import compact_after_job
+from .output.prompts import store_prompt_embeddings
+from .output.store import commit_plan_rejects, open_existing, open_or_create
+from .planning.feature_bytes import FieldsOutline, outline
+from .planning.plan import EncodePlan, plan_encode
+from .worker.specs import EncoderSpec, TaskSettings, TaskSpec, encoder_specs, takes_text_only, with_client_paths
+from .planning.stale import describe as describe_stale
+from .planning.stale import stale_samples
+from .planning.survey import Survey, survey
+from .progress import UNREAD_UNIT_SAMPLES, ProgressMeter, SampleTotal
+from .runtime.executors import DaskExecutor, ThreadExecutor, connect, open_executor
+from .runtime.local_cluster import preserved_environ
+from .runtime.placement import Placement, choose_placement
+from .worker.deaths import split_task
+from .worker.encoder_cache import quiet_offline_env
 
 Executor = ThreadExecutor | DaskExecutor
 
@@ -228,7 +228,7 @@ def execute(plan: EncodePlan, executor: Executor, *, progress: bool | None = Non
     """Run ``plan`` on ``executor``: record the input readers' rejects, then keep
     ``IN_FLIGHT_PER_WORKER`` tasks per worker running (each commits its shard), taking the next
     from the plan as one finishes. A task whose worker died running it comes back unrun, and runs
-    again as two halves (precompute.runtime.worker_deaths). Duplicate ids found meanwhile are recorded last."""
+    again as two halves (precompute.worker.deaths). Duplicate ids found meanwhile are recorded last."""
     commit_plan_rejects(plan.store, plan.plan_rejects)
     total = SampleTotal(plan.samples, plan.units)
     meter = ProgressMeter(total, enabled=sys.stderr.isatty() if progress is None else progress)

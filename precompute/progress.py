@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 
-from mmcache.precompute.inputs.registry import SourceUnit
+from .inputs.registry import SourceUnit
 
 # A tar's sample count before any tar of the job has been read, or when its size is unknown.
 UNREAD_UNIT_SAMPLES = 32

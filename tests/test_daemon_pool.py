@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from mmcache.precompute.runtime.daemon_pool import handed_over, kept_ahead
+from mmcache.precompute.worker.daemon_pool import handed_over, kept_ahead
 
 
 def test_items_come_in_order_from_another_thread_and_its_error_after_them():

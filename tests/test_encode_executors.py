@@ -22,7 +22,7 @@ from mmcache.precompute.demo_data import make_dataset
 from mmcache.precompute.runtime.placement import choose_placement
 from mmcache.precompute.runtime.local_cluster import local_cluster
 from mmcache.precompute.pipeline import run_encode
-from mmcache.precompute.planning.specs import encoder_specs
+from mmcache.precompute.worker.specs import encoder_specs
 from tests.client_probe import imported, not_in_the_client, probed_command
 from tests.test_encode import manifest_rows, tiny_config, write_manifest
 from tests.test_encode_faults import StallingServer
@@ -209,7 +209,7 @@ def test_the_executor_is_chosen_by_job_size_unless_asked(overrides, kw, samples,
 def test_model_folders_relative_to_the_client_are_resolved_by_it(tmp_path, monkeypatch):
     """An external cluster's worker resolves the specs (with_client_paths first): a folder named
     relative to the command's directory must reach it as that folder, not its own cwd's."""
-    from mmcache.precompute.planning.specs import with_client_paths
+    from mmcache.precompute.worker.specs import with_client_paths
 
     monkeypatch.chdir(tmp_path)
     config = with_client_paths(tiny_config("vae.path=models/vae"))

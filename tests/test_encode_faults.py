@@ -24,7 +24,7 @@ from mmcache import featstore
 from mmcache.featstore.verify import verify_store
 from mmcache.precompute.demo_data import make_dataset
 from mmcache.precompute.pipeline import run_encode
-from mmcache.precompute.runtime.worker_deaths import newest_death
+from mmcache.precompute.worker.deaths import newest_death
 from tests.test_encode import encode, tiny_config, write_manifest
 
 

@@ -23,7 +23,7 @@ from mmcache.precompute.inputs.stream import InputStream
 from mmcache.precompute.output.store import open_or_create
 from mmcache.precompute.pipeline import Executed, execute, run_encode, source_options
 from mmcache.precompute.planning.plan import plan_encode
-from mmcache.precompute.planning.specs import TaskSettings, encoder_specs, takes_text_only
+from mmcache.precompute.worker.specs import TaskSettings, encoder_specs, takes_text_only
 from mmcache.precompute.planning.survey import survey
 from mmcache.precompute.worker.encoder_cache import PROCESS_ENCODERS
 

@@ -27,7 +27,7 @@ from mmcache import featstore
 from mmcache.featstore.verify import verify_store
 from mmcache.precompute.demo_data import make_dataset
 from mmcache.precompute.pipeline import run_encode
-from mmcache.precompute.runtime.worker_deaths import DIED_REASON, died_reason
+from mmcache.precompute.worker.deaths import DIED_REASON, died_reason
 from tests.test_encode import tiny_config, write_manifest
 from tests.test_encode_faults import StallingServer
 
@@ -171,8 +171,8 @@ def test_a_poison_input_that_kills_the_default_in_process_run_is_a_reject_on_the
 
 def test_a_task_whose_worker_died_is_split_and_a_lone_input_that_died_again_is_rejected():
     from mmcache.precompute.inputs.rows import InputRow
-    from mmcache.precompute.planning.specs import TaskSpec
-    from mmcache.precompute.runtime.worker_deaths import split_task, verdict
+    from mmcache.precompute.worker.specs import TaskSpec
+    from mmcache.precompute.worker.deaths import split_task, verdict
 
     rows = [InputRow(sample_id=f"s{i}", uri=f"/in/{i}.png", caption="c", source=f"{i}.png", modality="image") for i in range(5)]
     task = TaskSpec(shard="t-0", rows=rows, fields=["latent"])

@@ -21,7 +21,7 @@ from tests import joint_store
 from tests.joint_store import ROOT, dataset, encode, fit_ranks, losses, manifest_rows, records, subset_manifest
 from mmcache.precompute.media.png_chunks import TAIL_BYTES
 from mmcache.train.cli import cli
-from mmcache.train.live.manifest import ManifestResumeError
+from mmcache.train.data.manifest import ManifestResumeError
 
 PARITY = ["optim.grad_clip=0"]  # clipping is exact too, but its norm adds rounding across ranks
 SHARED = ROOT.parent / "shared" / "media"

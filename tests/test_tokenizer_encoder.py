@@ -249,7 +249,7 @@ def test_chat_template_of_the_tokenizer_is_used(tmp_path, tokenizer_dir):
 
 @pytest.mark.parametrize("preset", ["internvl2-2b", "llava-1.5-7b"])
 def test_real_presets_load_and_ask_for_their_folders(preset):
-    from mmcache.precompute.planning.specs import encoder_specs
+    from mmcache.precompute.worker.specs import encoder_specs
 
     config = load_config(EncodeConfig, preset, "encode", [])
     assert config.vit["encoder"] in ("internvl_vision", "clip_vision") and config.text["encoder"] == "tokenizer"

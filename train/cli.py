@@ -15,7 +15,7 @@ from mmcache import featstore
 from mmcache.featstore.cli import parse_storage_options, storage_options_option
 from mmcache.featstore.config import load_config
 from mmcache.featstore.user_errors import UserErrorGroup, check_output_location, debug_option, debug_requested, user_message
-from mmcache.train.live.manifest import TrainingManifest
+from .data.manifest import TrainingManifest
 
 
 # Under torchrun, how long a rank that is not its node's first waits, on a user error met before the
@@ -49,7 +49,7 @@ def fit(config_name, features, run_dir, steps, resume, overwrite, overrides, dry
     which is pickled: resume only run folders you trust."""
     with _printed_by_first_rank():
         # lazy: keeps `mmtrain --help` from importing torch
-        from mmcache.train.config import TrainConfig
+        from .config import TrainConfig
 
         config = load_config(TrainConfig, config_name, "train", overrides)
         if cache_dir:
@@ -59,7 +59,7 @@ def fit(config_name, features, run_dir, steps, resume, overwrite, overrides, dry
         options = parse_storage_options(storage_options)
         if dry_run:
             # lazy: keeps `mmtrain --help` from importing torch
-            from mmcache.train.trainer import dry_run as describe
+            from .trainer import dry_run as describe
 
             click.echo(json.dumps(describe(config, features, options, run_dir=run_dir, resume=resume), indent=2, default=str))
             return
@@ -69,7 +69,7 @@ def fit(config_name, features, run_dir, steps, resume, overwrite, overrides, dry
     # lazy: keeps `mmtrain --help` from importing torch
     import torch.distributed as dist
 
-    from mmcache.train.trainer import fit as run_fit
+    from .trainer import fit as run_fit
 
     try:
         result = run_fit(config, features, run_dir, steps=steps, resume=resume, overwrite=overwrite, storage_options=options, log=click.echo)
@@ -126,7 +126,7 @@ def _interrupted(run_dir: str) -> None:
     """Ctrl-C: one line on rank 0 (torchrun sends SIGINT to every rank), exit code 130 (128 + SIGINT)."""
     from pathlib import Path
 
-    from mmcache.train.checkpoint import resume_hint
+    from .checkpoint import resume_hint
 
     if int(os.environ.get("RANK", "0")) == 0:
         click.echo(f"interrupted (Ctrl-C): {resume_hint(Path(run_dir))}", err=True)
@@ -150,9 +150,9 @@ def drift(features, field_names, samples, seed, media_root, tolerance, config_na
     import sys
 
     # lazy: keeps `mmtrain --help` from importing torch
-    from mmcache.train.config import TrainConfig
-    from mmcache.train.live.drift import measure_drift, pick_samples
-    from mmcache.train.live.reattach import reattach_field
+    from .config import TrainConfig
+    from .live.drift import measure_drift, pick_samples
+    from .live.reattach import reattach_field
 
     if samples < 1:
         raise click.UsageError("--samples must be >= 1")
@@ -208,7 +208,7 @@ def sample(run, checkpoint, prompt, prompts_file, out, seeds, steps, guidance, s
     one), or to each --prompt alone without --image, in answers.jsonl. Same run, input, seed and
     device -> the same bytes."""
     # lazy: keeps `mmtrain --help` from importing torch
-    from mmcache.train.sample.command import sample_command
+    from .sample.command import sample_command
 
     check_output_location(out, "--out")
     doc = sample_command(run, checkpoint=checkpoint, prompt=prompt, prompts_file=prompts_file, out=out, seeds=seeds, steps=steps,
@@ -228,7 +228,7 @@ def sample(run, checkpoint, prompt, prompts_file, out, seeds, steps, guidance, s
 def export(run_dir, out, checkpoint) -> None:
     """Write a run's model (safetensors + config.json, or the family's own format) from any checkpoint."""
     # lazy: keeps `mmtrain --help` from importing torch
-    from mmcache.train.sample.source import export_run
+    from .sample.source import export_run
 
     check_output_location(out, "--out")
     result = export_run(run_dir, out, checkpoint)

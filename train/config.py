@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from mmcache.featstore.cache import parse_size
 from mmcache.featstore.errors import ConfigError
-from mmcache.train.data.balance import BalanceConfig
-from mmcache.train.parallel.dims import ParallelConfig
+from .data.balance import BalanceConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """The ``parallel:`` section of a trainer config; the world size comes from the launcher."""
+
+    # The ZeRO stage is the top-level ``zero`` (it shapes FSDP, not the mesh).
+    MOVED_KEYS: ClassVar[dict[str, str]] = {"zero": "the ZeRO stage is the top-level `zero: 2|3`; use --set zero=N"}
+
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: whatever the other sizes leave of the world
+    ring: int = 1
+    ulysses: int = 1
 
 
 @dataclass(kw_only=True)

@@ -19,7 +19,7 @@ from mmcache.precompute.inputs.rows import conversations_digest, modality_of
 from mmcache.precompute.inputs.source_bytes import open_source, read_source
 from mmcache.precompute.media.errors import MediaError
 from mmcache.precompute.output.prompts import load_prompt_file
-from mmcache.precompute.runtime.daemon_pool import DaemonPool
+from mmcache.precompute.worker.daemon_pool import DaemonPool
 from mmcache.precompute.worker.encoder_cache import quiet_offline_env
 from mmcache.precompute.worker.encoder_inputs import GEOMETRY, planned_input_shape, section_input, size_rule_for, text_input, text_only_rows_are_samples, transform_from_record, transform_record
 

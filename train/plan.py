@@ -20,15 +20,15 @@ import torch
 from mmcache import featstore
 from mmcache.featstore.config import to_dict
 from mmcache.featstore.errors import ConfigError
-from mmcache.train.checkpoint import latest_checkpoint
-from mmcache.train.config import TrainConfig
+from .checkpoint import latest_checkpoint
+from .config import TrainConfig
 from mmcache.featstore.snapshot import snapshot_digest
-from mmcache.train.data.stream import check_fingerprints, open_features, run_fields
-from mmcache.train.live.manifest import TrainingManifest
-from mmcache.train.live.manifest import check_resume as check_manifest_resume
-from mmcache.train.models import get_model_family
-from mmcache.train.parallel.dims import MESH_DIMS, ParallelDims
-from mmcache.train.data.sources import StoreMix, check_mix_config
+from .data.stream import check_fingerprints, open_features, run_fields
+from .data.manifest import TrainingManifest
+from .data.manifest import check_resume as check_manifest_resume
+from .models import get_model_family
+from .parallel.dims import MESH_DIMS, ParallelDims
+from .data.sources import StoreMix, check_mix_config
 
 
 def resolve_model(config: TrainConfig):

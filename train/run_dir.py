@@ -25,7 +25,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from mmcache.featstore.errors import ConfigError
-from mmcache.train.data.stream import broadcast_json
+from .data.stream import broadcast_json
 
 LOCK_NAME = ".mmtrain.lock"
 # What a run writes into its folder (train.run_files, checkpoint, sample.during_fit, export):

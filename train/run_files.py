@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from mmcache.featstore.snapshot import snapshot_digest
-from mmcache.train.data.stream import FeatureStream
-from mmcache.train.models.dit_data import latent_normalisation
-from mmcache.train.parallel.fsdp import local_state_bytes
+from .data.stream import FeatureStream
+from .models.dit_data import latent_normalisation
+from .parallel.fsdp import local_state_bytes
 
 
 def tensorboard(run: Path):

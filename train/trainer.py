@@ -20,26 +20,26 @@ import torch
 import torch.distributed as dist
 
 from mmcache.featstore.errors import ConfigError
-from mmcache.train.checkpoint import export_safetensors, load_checkpoint, resume_hint, save_checkpoint
-from mmcache.train.config import TrainConfig
-from mmcache.train.failures import stopped_by_machine
+from .checkpoint import export_safetensors, load_checkpoint, resume_hint, save_checkpoint
+from .config import TrainConfig
+from .failures import stopped_by_machine
 from mmcache.featstore.snapshot import snapshot_digest
-from mmcache.train.data.stream import FeatureStream, StreamOptions
-from mmcache.train.run_dir import claim_run_dir
-from mmcache.train.live.dropout import CaptionDropout
-from mmcache.train.live.fields import LiveFields
-from mmcache.train.live.joint import JointEncoders
-from mmcache.train.live.manifest import manifest_line
-from mmcache.train.models import export_model
-from mmcache.train.objective import sample_generators
-from mmcache.train.data.order import plan_order
-from mmcache.train.parallel.dims import ParallelMeshes, device_and_backend
-from mmcache.train.parallel.fsdp import reshard
-from mmcache.train.parallel.parallelize import parallelize
-from mmcache.train.plan import RunPlan, plan_run
-from mmcache.train.run_files import EpochCacheStats, peak_memory, tensorboard, update_run_json, write_run_json
-from mmcache.train.data.sources import MixOrder, StoreMix
-from mmcache.train.sample.during_fit import FitSampler, Validator, due, validation_ids
+from .data.stream import FeatureStream, StreamOptions
+from .run_dir import claim_run_dir
+from .live.dropout import CaptionDropout
+from .live.fields import LiveFields
+from .live.joint import JointEncoders
+from .data.manifest import manifest_line
+from .models import export_model
+from .objective import sample_generators
+from .data.order import plan_order
+from .parallel.dims import ParallelMeshes, device_and_backend
+from .parallel.fsdp import reshard
+from .parallel.parallelize import parallelize
+from .plan import RunPlan, plan_run
+from .run_files import EpochCacheStats, peak_memory, tensorboard, update_run_json, write_run_json
+from .data.sources import MixOrder, StoreMix
+from .sample.during_fit import FitSampler, Validator, due, validation_ids
 
 # The scalars of a step's record that go to TensorBoard.
 BOARD_KEYS = ("loss", "lr", "step_time_s", "data_wait_s", "imbalance", "val_loss")

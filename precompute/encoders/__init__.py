@@ -5,12 +5,12 @@ diffusers) are imported only when an encoder is loaded, so listing encoders stay
 """
 
 # Imported for their @register side effect.
-from mmcache.precompute.encoders import taef2 as _taef2  # noqa: E402,F401
-from mmcache.precompute.encoders import text as _text  # noqa: E402,F401
-from mmcache.precompute.encoders import tokenizer as _tokenizer  # noqa: E402,F401
-from mmcache.precompute.encoders import vae as _vae  # noqa: E402,F401
-from mmcache.precompute.encoders import vision as _vision  # noqa: E402,F401
-from mmcache.precompute.encoders.base import (
+from . import taef2 as _taef2  # noqa: E402,F401
+from . import text as _text  # noqa: E402,F401
+from . import tokenizer as _tokenizer  # noqa: E402,F401
+from . import vae as _vae  # noqa: E402,F401
+from . import vision as _vision  # noqa: E402,F401
+from .base import (
     ENCODERS,
     Encoder,
     EncoderConfigError,

@@ -21,7 +21,7 @@ import torch
 from mmcache.featstore.config import from_dict
 from mmcache.featstore.errors import ConfigError
 from mmcache.featstore.tensors import tensor_to_numpy
-from mmcache.precompute.media.decode import SizeRule
+from ..media.decode import SizeRule
 
 FINGERPRINT_VERSION = 1
 Modality = Literal["image", "video", "text"]

@@ -17,9 +17,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmcache.precompute.encoders.base import EncoderConfigError, FieldSpec, register, sha256_json, sha256_state_dict
-from mmcache.precompute.encoders.visual import VisualEncoder
-from mmcache.precompute.media.decode import SizeRule
+from .base import EncoderConfigError, FieldSpec, register, sha256_json, sha256_state_dict
+from .visual import VisualEncoder
+from ..media.decode import SizeRule
 
 LATENT_CHANNELS = 32
 WIDTH = 64  # feature channels of every hidden layer

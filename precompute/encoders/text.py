@@ -19,7 +19,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from mmcache.precompute.encoders.base import (
+from .base import (
     Encoder,
     EncoderConfigError,
     EncoderInputError,

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from mmcache.precompute.encoders.base import FINGERPRINT_VERSION, Encoder, EncoderConfigError, EncoderInputError, FieldSpec, TextSample, canonical_json, register
+from .base import FINGERPRINT_VERSION, Encoder, EncoderConfigError, EncoderInputError, FieldSpec, TextSample, canonical_json, register
 
 # Files that decide how text becomes ids, hashed into the fingerprint when present. Weights of a
 # model folder the tokenizer may sit in are deliberately not read.

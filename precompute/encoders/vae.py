@@ -17,9 +17,9 @@ from typing import Any, Literal
 
 import torch
 
-from mmcache.precompute.encoders.base import EncoderConfigError, FieldSpec, architecture_config, register, sha256_json, sha256_state_dict
-from mmcache.precompute.encoders.visual import VisualEncoder
-from mmcache.precompute.media.decode import SizeRule
+from .base import EncoderConfigError, FieldSpec, architecture_config, register, sha256_json, sha256_state_dict
+from .visual import VisualEncoder
+from ..media.decode import SizeRule
 
 
 @dataclass(kw_only=True)

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from mmcache.precompute.encoders.base import (
+from .base import (
     EncoderConfigError,
     EncoderInputError,
     FieldSpec,
@@ -32,8 +32,8 @@ from mmcache.precompute.encoders.base import (
     to_numpy,
     torch_dtype,
 )
-from mmcache.precompute.encoders.visual import VisualEncoder
-from mmcache.precompute.media.decode import PreparedMedia, SizeRule, TilingConfig
+from .visual import VisualEncoder
+from ..media.decode import PreparedMedia, SizeRule, TilingConfig
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmcache.precompute.encoders.base import Encoder, EncoderInputError, check_finite, dtype_bytes, to_numpy, torch_dtype
-from mmcache.precompute.media.decode import PreparedMedia
+from .base import Encoder, EncoderInputError, check_finite, dtype_bytes, to_numpy, torch_dtype
+from ..media.decode import PreparedMedia
 
 
 class VisualEncoder(Encoder):

@@ -6,4 +6,4 @@ Importing the package registers every built-in input source (each module registe
 ``registry.register``), so a lookup in ``registry.SOURCES`` finds them whichever module is imported
 first; they are plain Python (no torch, no dask)."""
 
-from mmcache.precompute.inputs import file_sources, llava, parquet_media, webdataset  # noqa: F401  (they register)
+from . import file_sources, llava, parquet_media, webdataset  # noqa: F401  (they register)

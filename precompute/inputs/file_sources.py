@@ -16,11 +16,11 @@ from typing import Any
 
 from mmcache.featstore.retry import protocol_of, remote_filesystem, with_retries
 from mmcache.featstore.secrets import redact_url
-from mmcache.precompute.inputs.manifest import csv_records, jsonl_records, read_inputs
-from mmcache.precompute.inputs.registry import InputSource, SourceOptions, SourceRead, open_input, register
-from mmcache.precompute.inputs.row_rules import record_rows, stream_rules
-from mmcache.precompute.inputs.rows import EmptyInputError, ManifestError
-from mmcache.precompute.inputs.source_bytes import InputFileError
+from .manifest import csv_records, jsonl_records, read_inputs
+from .registry import InputSource, SourceOptions, SourceRead, open_input, register
+from .row_rules import record_rows, stream_rules
+from .rows import EmptyInputError, ManifestError
+from .source_bytes import InputFileError
 
 # Records parsed into rows at a time: a few MB of rows, and few enough batches that their overhead is nil.
 BATCH_ROWS = 10_000

@@ -15,10 +15,10 @@ from typing import Any
 
 from mmcache.featstore.retry import protocol_of, remote_filesystem, with_retries
 from mmcache.featstore.secrets import redact_url
-from mmcache.precompute.inputs.manifest import rows_from_records
-from mmcache.precompute.inputs.registry import InputSource, SourceOptions, SourceRead, register
-from mmcache.precompute.inputs.rows import ManifestError
-from mmcache.precompute.inputs.source_bytes import InputFileError, read_local_file
+from .manifest import rows_from_records
+from .registry import InputSource, SourceOptions, SourceRead, register
+from .rows import ManifestError
+from .source_bytes import InputFileError, read_local_file
 
 # A LLaVA array is read whole on the client (it is the manifest): LLaVA-Pretrain's is ~180 MB.
 MAX_JSON_BYTES = 4 << 30

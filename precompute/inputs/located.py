@@ -19,12 +19,12 @@ from typing import IO, Any
 
 from mmcache.featstore.retry import protocol_of, remote_filesystem, with_retries
 from mmcache.featstore.secrets import redact_url
-from mmcache.precompute.inputs.registry import SOURCES, InputSource, Located, SourceUnit, file_name, open_input
-from mmcache.precompute.inputs.rows import InputRow
-from mmcache.precompute.inputs.source_bytes import DEFAULT_MAX_INPUT_BYTES, OUTSIDE_ROOT, as_media_errors, open_local, read_source, under_root
-from mmcache.precompute.inputs.tar_reader import BLOCK, STREAM_ERRORS, TarFormatError, TarReader, decompressed, plain_name
-from mmcache.precompute.media.clips import clip_parent
-from mmcache.precompute.media.errors import MediaError
+from .registry import SOURCES, InputSource, Located, SourceUnit, file_name, open_input
+from .rows import InputRow
+from .source_bytes import DEFAULT_MAX_INPUT_BYTES, OUTSIDE_ROOT, as_media_errors, open_local, read_source, under_root
+from .tar_reader import BLOCK, STREAM_ERRORS, TarFormatError, TarReader, decompressed, plain_name
+from ..media.clips import clip_parent
+from ..media.errors import MediaError
 
 MAX_INDEXED = 1 << 20  # tar members indexed per process, over all tars (~200 bytes each)
 

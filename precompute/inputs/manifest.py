@@ -19,9 +19,9 @@ from mmcache.featstore.format import MANIFEST_KEY, parse_root_group
 from mmcache.featstore.index import read_parquet
 from mmcache.featstore.retry import protocol_of, remote_filesystem, with_retries
 from mmcache.featstore.secrets import redact_url
-from mmcache.precompute.inputs.row_rules import _LOCAL_PROTOCOLS, WALK_PROBLEM, _rows, _Rules, local_file_problem
-from mmcache.precompute.inputs.rows import EmptyInputError, InputRow, ManifestError, Reject
-from mmcache.precompute.inputs.source_bytes import DEFAULT_MAX_INPUT_BYTES, InputFileError, read_local_file, under_root
+from .row_rules import _LOCAL_PROTOCOLS, WALK_PROBLEM, _rows, _Rules, local_file_problem
+from .rows import EmptyInputError, InputRow, ManifestError, Reject
+from .source_bytes import DEFAULT_MAX_INPUT_BYTES, InputFileError, read_local_file, under_root
 
 MAX_CAPTION_BYTES = 1 << 20
 _MANIFEST_BYTES = 64 << 20  # a store manifest read to tell a store folder from media (see _is_store)

@@ -14,12 +14,12 @@ from typing import Any
 
 from mmcache.featstore.retry import protocol_of, remote_filesystem, with_retries
 from mmcache.featstore.secrets import redact_url
-from mmcache.precompute.inputs.file_sources import manifest_batches, read_rows
-from mmcache.precompute.inputs.located import container_key, is_local
-from mmcache.precompute.inputs.registry import InputSource, Located, Member, SourceOptions, SourceRead, SourceUnit, duplicate_reason, file_stem, open_input, register
-from mmcache.precompute.inputs.rows import InputRow, ManifestError, Reject, caption_problem, caption_text, has_visible_text, modality_of, safe_id
-from mmcache.precompute.inputs.source_bytes import as_media_errors
-from mmcache.precompute.media.errors import MediaError
+from .file_sources import manifest_batches, read_rows
+from .located import container_key, is_local
+from .registry import InputSource, Located, Member, SourceOptions, SourceRead, SourceUnit, duplicate_reason, file_stem, open_input, register
+from .rows import InputRow, ManifestError, Reject, caption_problem, caption_text, has_visible_text, modality_of, safe_id
+from .source_bytes import as_media_errors
+from ..media.errors import MediaError
 
 MEDIA_COLUMNS = ("image", "video")
 CAPTION_COLUMNS = ("caption", "text")

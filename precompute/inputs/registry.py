@@ -19,8 +19,8 @@ from typing import IO, Any
 
 from mmcache.featstore.retry import protocol_of, remote_filesystem
 from mmcache.featstore.secrets import redact_url
-from mmcache.precompute.inputs.rows import InputRow, Reject
-from mmcache.precompute.inputs.source_bytes import open_local
+from .rows import InputRow, Reject
+from .source_bytes import open_local
 
 
 @dataclass(frozen=True, kw_only=True)

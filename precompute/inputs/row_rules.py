@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmcache.featstore.secrets import redact_url
-from mmcache.precompute.inputs.rows import InputRow, Reject, RowKey, caption_problem, caption_text, has_visible_text, modality_of, safe_id, sample_id_for
-from mmcache.precompute.inputs.source_bytes import OUTSIDE_ROOT, stat_problem, under_root
+from .rows import InputRow, Reject, RowKey, caption_problem, caption_text, has_visible_text, modality_of, safe_id, sample_id_for
+from .source_bytes import OUTSIDE_ROOT, stat_problem, under_root
 
 # A relative path that normpath leaves as it is: no '.' or '..' part, no empty part.
 _PLAIN = re.compile(r"[^/.][^/]*(?:/[^/.][^/]*)*")

@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 from mmcache.featstore.errors import StorageError
 from mmcache.featstore.retry import describe, is_transient, remote_filesystem, with_retries
 from mmcache.featstore.secrets import redact_url
-from mmcache.precompute.media.errors import MediaError
+from ..media.errors import MediaError
 
 DEFAULT_MAX_INPUT_BYTES = 1 << 30  # 1 GiB: any photo or clip; not a disk image by mistake
 OUTSIDE_ROOT = "path resolves outside the input root (a symlink?); set data.allow_outside_root: true to allow it"

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mmcache.featstore.secrets import redact_url
-from mmcache.precompute.inputs.expand import expand_inputs
-from mmcache.precompute.inputs.file_sources import FOLDER
-from mmcache.precompute.inputs.registry import SOURCES, InputSource, Member, SourceOptions, SourceRead, SourceUnit, duplicate_reason
-from mmcache.precompute.inputs.rows import EmptyInputError, InputRow, ManifestError, Reject, RowKey
+from .expand import expand_inputs
+from .file_sources import FOLDER
+from .registry import SOURCES, InputSource, Member, SourceOptions, SourceRead, SourceUnit, duplicate_reason
+from .rows import EmptyInputError, InputRow, ManifestError, Reject, RowKey
 
 __all__ = ["InputSet", "InputStream", "Member", "SourceOptions", "SourceUnit", "open_unit", "read_all", "source_for"]
 

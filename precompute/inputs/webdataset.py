@@ -15,10 +15,10 @@ from typing import Any
 
 from mmcache.featstore.retry import remote_filesystem, with_retries
 from mmcache.featstore.secrets import redact_url
-from mmcache.precompute.inputs.located import read_tar_member
-from mmcache.precompute.inputs.registry import InputSource, Member, SourceOptions, SourceRead, SourceUnit, file_stem, open_input, register
-from mmcache.precompute.inputs.rows import InputRow, ManifestError, Reject, caption_problem, has_visible_text, modality_of, safe_id, sample_id_for
-from mmcache.precompute.inputs.tar_reader import TarFormatError, TarMember, TarReader, plain_name
+from .located import read_tar_member
+from .registry import InputSource, Member, SourceOptions, SourceRead, SourceUnit, file_stem, open_input, register
+from .rows import InputRow, ManifestError, Reject, caption_problem, has_visible_text, modality_of, safe_id, sample_id_for
+from .tar_reader import TarFormatError, TarMember, TarReader, plain_name
 
 
 def read_tar(url: str, options: SourceOptions) -> SourceRead:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from mmcache.featstore.errors import ConfigError
-from mmcache.precompute.media.errors import MediaError
+from .errors import MediaError
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,10 +24,10 @@ if TYPE_CHECKING:
     from PIL import Image
 
 from mmcache.featstore.errors import ConfigError
-from mmcache.precompute.media.clips import FrameSampling, clip_from, select_clips, select_frames
-from mmcache.precompute.media.errors import MediaError
-from mmcache.precompute.media.png_chunks import text_after_pixels
-from mmcache.precompute.media.sizing import bucket_sizes, center_crop_box, crop_and_resize, size_for_aspect
+from .clips import FrameSampling, clip_from, select_clips, select_frames
+from .errors import MediaError
+from .png_chunks import text_after_pixels
+from .sizing import bucket_sizes, center_crop_box, crop_and_resize, size_for_aspect
 
 # Landscape and portrait variants of the usual photo/video aspect ratios (width / height).
 DEFAULT_ASPECT_RATIOS = (1.0, 5 / 4, 4 / 5, 4 / 3, 3 / 4, 3 / 2, 2 / 3, 16 / 9, 9 / 16, 2.0, 0.5, 21 / 9, 9 / 21)

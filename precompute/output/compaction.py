@@ -12,7 +12,7 @@ from typing import Any
 from mmcache import featstore
 from mmcache.featstore import compact
 from mmcache.featstore.rewrite import SMALL_FRACTION, DataCompaction, Group, compact_data, delete_replaced, shard_nbytes
-from mmcache.precompute.config import EncodeConfig
+from ..config import EncodeConfig
 
 
 def shards_wanted(store: featstore.Store, target_bytes: int, workers: int) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 from mmcache import featstore
 from mmcache.featstore.errors import FingerprintMismatchError
 from mmcache.featstore.reader import create_store
-from mmcache.precompute.inputs.rows import Reject
+from ..inputs.rows import Reject
 
 
 def open_existing(url: str, storage_options: dict[str, Any] | None) -> featstore.Store | None:

@@ -1,4 +1,3 @@
-"""What an encode job will do, decided on the client before anything runs: the typed values sent to
-the workers (``specs``), the inputs' first pass (``survey``), the plan and its tasks (``plan``),
-committed samples whose inputs changed (``stale``) and the encoders' fields and estimated bytes
-(``feature_bytes``)."""
+"""What an encode job will do, decided on the client before anything runs: the inputs' first pass
+(``survey``), the plan and its tasks (``plan``), committed samples whose inputs changed
+(``stale``) and the encoders' fields and estimated bytes (``feature_bytes``)."""

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from mmcache.precompute.config import EncodeConfig
-from mmcache.precompute.planning.specs import EncoderSpec
+from ..config import EncodeConfig
+from ..worker.specs import EncoderSpec
 
 # A video's frames when frames.num_frames does not say (a few seconds at a training fps).
 VIDEO_FRAMES_GUESS = 16
@@ -37,7 +37,7 @@ def outline(specs: list[EncoderSpec], config: EncodeConfig) -> FieldsOutline:
     """The outline of ``specs`` from their configs: the encoders are built, never loaded."""
     # Imported here: the encoders import torch, which the client of an external cluster never needs
     # (a worker outlines them there: precompute.runtime.executors.DaskExecutor.resolve_specs).
-    from mmcache.precompute.encoders.base import build_encoder
+    from ..encoders.base import build_encoder
 
     encoders = [build_encoder(spec.name, spec.options) for spec in specs]
     fields = {name: field.modality for encoder in encoders for name, field in encoder.fields().items()}

@@ -17,15 +17,15 @@ from typing import Any
 
 from mmcache import featstore
 from mmcache.featstore.format import EXCLUSIVE_COMMIT_VERSION
-from mmcache.precompute.config import EncodeConfig
-from mmcache.precompute.inputs.located import recorded_rows
-from mmcache.precompute.inputs.registry import SourceUnit
-from mmcache.precompute.inputs.rows import InputRow, Reject
-from mmcache.precompute.inputs.stream import InputStream
-from mmcache.precompute.media.clips import clip_parent
-from mmcache.precompute.planning.specs import EncoderSpec, TaskSettings, TaskSpec
-from mmcache.precompute.planning.survey import GroupKey, RowClassifier, Survey, rejected_sources
-from mmcache.precompute.worker.unit_encode import known_sources
+from ..config import EncodeConfig
+from ..inputs.located import recorded_rows
+from ..inputs.registry import SourceUnit
+from ..inputs.rows import InputRow, Reject
+from ..inputs.stream import InputStream
+from ..media.clips import clip_parent
+from ..worker.specs import EncoderSpec, TaskSettings, TaskSpec
+from .survey import GroupKey, RowClassifier, Survey, rejected_sources
+from ..worker.unit_encode import known_sources
 
 
 @dataclass(kw_only=True)

@@ -13,9 +13,9 @@ from typing import Any
 import pyarrow as pa
 
 from mmcache import featstore
-from mmcache.precompute.inputs.located import read_recorded
-from mmcache.precompute.inputs.rows import InputRow, RowKey
-from mmcache.precompute.media.errors import MediaError
+from ..inputs.located import read_recorded
+from ..inputs.rows import InputRow, RowKey
+from ..media.errors import MediaError
 
 # Inputs hashed per Dask task: enough to amortise a task, few enough to spread over workers.
 HASH_BATCH = 64

@@ -14,11 +14,11 @@ import numpy as np
 
 from mmcache import featstore
 from mmcache.featstore.secrets import redact_url
-from mmcache.precompute.inputs.registry import SourceUnit
-from mmcache.precompute.inputs.rows import EmptyInputError, InputRow, Reject, RowKey
-from mmcache.precompute.inputs.stream import InputStream
-from mmcache.precompute.media.clips import clip_parent, clip_parents
-from mmcache.precompute.planning.stale import StaleCheck
+from ..inputs.registry import SourceUnit
+from ..inputs.rows import EmptyInputError, InputRow, Reject, RowKey
+from ..inputs.stream import InputStream
+from ..media.clips import clip_parent, clip_parents
+from .stale import StaleCheck
 
 _CHUNK = 1 << 18  # hashes looked up at a time: 2 MB of them
 GroupKey = tuple[tuple[str, ...], bool]  # (the configured fields a row lacks, whether its sample is new)

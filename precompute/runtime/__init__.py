@@ -1,5 +1,4 @@
 """Where tasks run and how a job survives what happens to them: the executors (``executors``,
-``placement``, ``local_cluster``, ``devices``) and the fault handling around them: an in-process
-job's crash journal, tasks whose worker died, a job left without workers, the nannies' log, and
-daemon threads for inputs that hang (``crash_journal``, ``worker_deaths``, ``worker_watch``,
-``nanny_log``, ``daemon_pool``)."""
+``placement``, ``local_cluster``, ``devices``) and the faults around them: an in-process job's
+crash journal (``crash_journal``), a job left without workers (``worker_watch``) and the nannies'
+log (``nanny_log``). It runs ``worker/``'s code; ``worker/`` never imports it."""

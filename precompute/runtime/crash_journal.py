@@ -1,6 +1,6 @@
 """A small local record of an in-process encode job (its pid, start time, host and tasks in flight),
 so that the next run on the same store knows when this one died mid-task and runs on worker
-processes instead, where an input that kills its worker becomes a reject (``runtime.worker_deaths``).
+processes instead, where an input that kills its worker becomes a reject (``worker.deaths``).
 Kept in this user's cache on this machine (``$XDG_CACHE_HOME/mmcache/journals``), named by a hash
 of the store's URL, holding no URL or option. Why and how: docs/design/encode.md, "The crash journal"."""
 

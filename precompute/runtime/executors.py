@@ -16,20 +16,20 @@ from pathlib import Path
 from typing import Any
 
 from mmcache.featstore.reader import open_store
-from mmcache.precompute.config import NO_WORKER_TIMEOUT, EncodeConfig, default_cache_dir
-from mmcache.precompute.output.prompts import encode_and_store_prompts
-from mmcache.precompute.planning.feature_bytes import FieldsOutline, outline
-from mmcache.precompute.planning.specs import EncoderSpec, TaskSettings, TaskSpec, encoder_specs, takes_text_only
-from mmcache.precompute.runtime import crash_journal
-from mmcache.precompute.runtime.daemon_pool import DaemonPool
-from mmcache.precompute.runtime.devices import resolve_device, worker_device
-from mmcache.precompute.runtime.local_cluster import _has_bokeh, local_cluster
-from mmcache.precompute.runtime.nanny_log import nanny_log
-from mmcache.precompute.runtime.placement import Placement
-from mmcache.precompute.runtime.worker_deaths import counted_attempt, forget_job
-from mmcache.precompute.runtime.worker_watch import WorkerWatch, local_watch, scheduler_watch
-from mmcache.precompute.worker.encoder_cache import PROCESS_ENCODERS, describe_encoders, loaded_encoders
-from mmcache.precompute.worker.tasks import TaskResult, encode_task
+from ..config import NO_WORKER_TIMEOUT, EncodeConfig, default_cache_dir
+from ..output.prompts import encode_and_store_prompts
+from ..planning.feature_bytes import FieldsOutline, outline
+from ..worker.specs import EncoderSpec, TaskSettings, TaskSpec, encoder_specs, takes_text_only
+from . import crash_journal
+from ..worker.daemon_pool import DaemonPool
+from .devices import resolve_device, worker_device
+from .local_cluster import _has_bokeh, local_cluster
+from .nanny_log import nanny_log
+from .placement import Placement
+from ..worker.deaths import counted_attempt, forget_job
+from .worker_watch import WorkerWatch, local_watch, scheduler_watch
+from ..worker.encoder_cache import PROCESS_ENCODERS, describe_encoders, loaded_encoders
+from ..worker.tasks import TaskResult, encode_task
 
 # A task that Dask gave up on (KilledWorker: its workers died ``allowed-failures`` + 1 times while
 # it was running or queued there) is submitted again this often: it may have been only queued on
@@ -143,7 +143,7 @@ class DaskExecutor:
     def __init__(self, client: Any, placement: Placement, wait_for: int, *, watch: WorkerWatch | None = None,
                  log: Callable[[str], Any] = print) -> None:
         # lazy: worker_plugin imports distributed, only once a Dask client exists
-        from mmcache.precompute.worker.plugin import EncoderPlugin
+        from ..worker.plugin import EncoderPlugin
 
         self.client, self.placement, self.kind = client, placement, placement.kind
         self.notes: list[str] = []  # what the job's log says of where it runs
@@ -156,7 +156,7 @@ class DaskExecutor:
         # A local cluster: all its workers; an external one: at least one (more may join later).
         self.addresses = self.watch.wait_for_workers(wait_for, log)
         self.workers = len(self.addresses)
-        # Names this job's counts of running task attempts on the scheduler (worker_deaths).
+        # Names this job's counts of running task attempts on the scheduler (worker.deaths).
         self.job = uuid.uuid4().hex
         self._submitted: dict[str, int] = {}  # shard -> times submitted before
 
@@ -206,7 +206,7 @@ class DaskExecutor:
         # No placement hints: the scheduler spreads the tasks, and a task whose worker died (an OOM
         # kill) runs on whichever worker is alive, the nanny's restart of it included. A task pinned
         # to the dead worker's address would wait for it forever. A task whose worker died while it
-        # ran comes back unrun, to be split (precompute.runtime.worker_deaths); a task Dask gave up on
+        # ran comes back unrun, to be split (precompute.worker.deaths); a task Dask gave up on
         # (KilledWorker) is submitted again under a new key (``result``).
         tries = self._submitted[task.shard] = self._submitted.get(task.shard, -1) + 1
         return self.watch.track(self.client.submit(
@@ -225,7 +225,7 @@ class DaskExecutor:
 
     def result(self, future: Any, task: TaskSpec) -> TaskResult | None:
         """The task's result, or None when Dask gave up on it after its workers died (KilledWorker):
-        submit it again; its attempts' own counts (worker_deaths) say whether it was to blame."""
+        submit it again; its attempts' own counts (worker.deaths) say whether it was to blame."""
         from distributed.scheduler import KilledWorker
 
         try:
@@ -321,7 +321,7 @@ def _device_here(requested: str) -> str:
 
 def _describe_on_worker(specs, requested, threads):
     # worker_plugin imports distributed: imported where a Dask worker runs, not by every client.
-    from mmcache.precompute.worker.plugin import worker_cache
+    from ..worker.plugin import worker_cache
 
     return describe_encoders(specs, _device_here(requested), threads, worker_cache())
 
@@ -333,7 +333,7 @@ def _specs_on_worker(config, cache_dir):
 
 def _prompts_on_worker(specs, requested, threads, sections, prompts, output_url, storage_options, manifest):
     # lazy: worker_plugin imports distributed; this runs on a Dask worker
-    from mmcache.precompute.worker.plugin import worker_cache
+    from ..worker.plugin import worker_cache
 
     encoders = loaded_encoders(specs, _device_here(requested), threads, worker_cache())
     # The manifest the client just read or wrote: no request to read it again.
@@ -346,7 +346,7 @@ def _prompts_on_worker(specs, requested, threads, sections, prompts, output_url,
 
 def _run_on_worker(task, output_url, storage_options, specs, threads, settings: TaskSettings, known, job: str):
     # lazy: worker_plugin imports distributed; this runs on a Dask worker
-    from mmcache.precompute.worker.plugin import worker_cache
+    from ..worker.plugin import worker_cache
 
     return encode_task(task, store_url=output_url, storage_options=storage_options, specs=specs, device=_device_here(settings.device),
                        threads=threads, settings=settings, known_shards=known, cache=worker_cache(),

@@ -9,9 +9,9 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mmcache.precompute.config import EncodeConfig
-from mmcache.precompute.runtime import crash_journal
-from mmcache.precompute.runtime.devices import resolve_device
+from ..config import EncodeConfig
+from . import crash_journal
+from .devices import resolve_device
 
 
 @dataclass(frozen=True, kw_only=True)

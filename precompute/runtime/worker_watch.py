@@ -12,8 +12,8 @@ from collections.abc import Callable
 from concurrent.futures import CancelledError
 from typing import Any
 
-from mmcache.precompute.runtime.nanny_log import NannyLines
-from mmcache.precompute.runtime.worker_deaths import newest_death
+from .nanny_log import NannyLines
+from ..worker.deaths import newest_death
 
 KEPT = "the shards committed so far are kept, and a re-run encodes only what is left"
 

@@ -11,7 +11,7 @@ import os
 import threading
 from typing import Any
 
-from mmcache.precompute.planning.specs import EncoderSpec
+from .specs import EncoderSpec
 
 # Models load from local folders only, without progress bars or hub look-ups cluttering the
 # job's output. Set in the client (inherited by local workers) and again in every worker.
@@ -47,7 +47,7 @@ class EncoderCache:
     def get(self, specs: list[EncoderSpec], device: str) -> dict[str, Any]:
         """Section -> loaded encoder for ``specs`` on ``device``, loading only what is missing or stale."""
         # lazy: the encoders import torch; importing tasks stays torch-free
-        from mmcache.precompute.encoders.base import build_encoder
+        from ..encoders.base import build_encoder
 
         with self._lock:
             quiet_offline_env()

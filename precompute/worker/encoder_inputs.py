@@ -18,9 +18,9 @@ import numpy as np
 
 from mmcache.featstore.config import from_dict
 from mmcache.featstore.errors import ConfigError
-from mmcache.precompute.media.clips import FrameSampling
-from mmcache.precompute.media.decode import PreparedMedia, ResizeConfig, SizeRule, prepare, prepare_video_clips, prepared_shape
-from mmcache.precompute.media.errors import MediaError
+from ..media.clips import FrameSampling
+from ..media.decode import PreparedMedia, ResizeConfig, SizeRule, prepare, prepare_video_clips, prepared_shape
+from ..media.errors import MediaError
 
 # The provenance columns of a prepared input's geometry (the crop box in the source, the size fed).
 GEOMETRY = ("crop_left", "crop_top", "crop_width", "crop_height", "width", "height")
@@ -67,7 +67,7 @@ def text_input(encoder: Any, caption: str, conversations: Any, modality: str) ->
     if encoder.text_input == "caption":
         return caption
     # Imported here: the encoders import torch, and a caption-only text encoder never gets here.
-    from mmcache.precompute.encoders.base import TextSample
+    from ..encoders.base import TextSample
 
     # A tokenizer checks the image placeholders against the images the sample really has.
     return TextSample(caption=caption, conversations=conversations, images=int(modality in ("image", "video")))
@@ -148,7 +148,7 @@ def text_only_rows_are_samples(encoder_names: Iterable[str], *, unknown_ok: bool
     """Whether a row with text and no media is a sample: only for an LLM's tokenizer (a text
     encoder that takes whole samples); a diffusion model has nothing to learn from a caption
     without its image. ``unknown_ok``: an encoder this install lacks counts as not one."""
-    from mmcache.precompute.encoders.base import encoder_class  # torch: imported only when asked
+    from ..encoders.base import encoder_class  # torch: imported only when asked
 
     for name in encoder_names:
         try:

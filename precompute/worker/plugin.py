@@ -12,7 +12,7 @@ from typing import Any
 
 from distributed import WorkerPlugin, get_worker
 
-from mmcache.precompute.worker.encoder_cache import PROCESS_ENCODERS, EncoderCache
+from .encoder_cache import PROCESS_ENCODERS, EncoderCache
 
 PLUGIN_NAME = "mmcache-encoders"
 

@@ -21,18 +21,18 @@ import numpy as np
 from mmcache.featstore.errors import ShardCommittedError
 from mmcache.featstore.reader import open_store
 from mmcache.featstore.secrets import redact_url
-from mmcache.precompute.inputs.located import read_recorded
-from mmcache.precompute.inputs.rows import InputRow
-from mmcache.precompute.inputs.source_bytes import read_source
-from mmcache.precompute.media.clips import clip_id
-from mmcache.precompute.media.errors import MediaError
-from mmcache.precompute.planning.specs import EncoderSpec, TaskSettings, TaskSpec
-from mmcache.precompute.runtime.daemon_pool import DaemonPool, handed_over, kept_ahead
-from mmcache.precompute.runtime.worker_deaths import Deaths, died_reason, verdict
-from mmcache.precompute.worker.commit_ahead import commit_ahead
-from mmcache.precompute.worker.encoder_cache import EncoderCache, loaded_encoders
-from mmcache.precompute.worker.encoder_inputs import GEOMETRY, encoder_input, prepare_clip_sections, prepare_recorded_clip, size_rule_for, text_input
-from mmcache.precompute.worker.unit_encode import encode_unit
+from ..inputs.located import read_recorded
+from ..inputs.rows import InputRow
+from ..inputs.source_bytes import read_source
+from ..media.clips import clip_id
+from ..media.errors import MediaError
+from .specs import EncoderSpec, TaskSettings, TaskSpec
+from .daemon_pool import DaemonPool, handed_over, kept_ahead
+from .deaths import Deaths, died_reason, verdict
+from .commit_ahead import commit_ahead
+from .encoder_cache import EncoderCache, loaded_encoders
+from .encoder_inputs import GEOMETRY, encoder_input, prepare_clip_sections, prepare_recorded_clip, size_rule_for, text_input
+from .unit_encode import encode_unit
 
 
 @dataclass(kw_only=True)
@@ -69,9 +69,9 @@ def encode_task(
     """Encode one task into one committed shard; idempotent (a committed shard is skipped, and so
     is one another writer commits first). ``known_shards``: the shards the client planned from,
     and the names of its sibling tasks (which hold none of this task's rows). ``attempt``
-    (on a Dask worker: ``runtime.worker_deaths.counted_attempt``) is held while the rows are read and
+    (on a Dask worker: ``worker.deaths.counted_attempt``) is held while the rows are read and
     encoded, and says how often that killed the worker before: then the task is split, or its
-    one row rejected, instead (``runtime.worker_deaths.verdict``)."""
+    one row rejected, instead (``worker.deaths.verdict``)."""
 
     start = time.perf_counter()
     result = TaskResult(shard=task.shard)
@@ -279,7 +279,7 @@ def _encode_isolating(encoder: Any, items: list, why: Callable[[Exception], str]
     """``encoder.encode(items)``; where the batch fails on a bad input (or a NaN output), each
     item again on its own, so only the bad one fails: its reason (``why(error)``) in its place."""
     # lazy: the encoders import torch; importing tasks stays torch-free
-    from mmcache.precompute.encoders.base import EncoderInputError, EncoderOutputError
+    from ..encoders.base import EncoderInputError, EncoderOutputError
 
     try:
         return list(encoder.encode(items))
@@ -317,7 +317,7 @@ def _encode_batch(batch, encoders: dict[str, Any], reject, done: list, primary: 
 
 def _text_failure(exc: Exception) -> str:
     # lazy: the encoders import torch; importing tasks stays torch-free
-    from mmcache.precompute.encoders.base import EncoderOutputError
+    from ..encoders.base import EncoderOutputError
 
     if isinstance(exc, EncoderOutputError):
         return "text encoder produced NaN/inf for the caption"

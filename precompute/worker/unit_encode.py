@@ -14,13 +14,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
-from mmcache.precompute.inputs.registry import Member, SourceUnit, duplicate_reason, file_name
-from mmcache.precompute.inputs.rows import InputRow, Reject
-from mmcache.precompute.inputs.source_bytes import InputFileError, read_failure
-from mmcache.precompute.inputs.stream import open_unit
-from mmcache.precompute.media.clips import clip_parent
-from mmcache.precompute.planning.specs import TaskSettings, TaskSpec
-from mmcache.precompute.runtime.daemon_pool import DaemonPool
+from ..inputs.registry import Member, SourceUnit, duplicate_reason, file_name
+from ..inputs.rows import InputRow, Reject
+from ..inputs.source_bytes import InputFileError, read_failure
+from ..inputs.stream import open_unit
+from ..media.clips import clip_parent
+from .specs import TaskSettings, TaskSpec
+from .daemon_pool import DaemonPool
 
 
 def encode_unit(task: TaskSpec, settings: TaskSettings, result: Any, committed: set[str], *,

@@ -5,6 +5,7 @@
     positions   a dense store by position: sized per shard when a step first touches it
     order       the shard-aware epoch order's window, sized from the cache
     sources     data.sources: several stores as one (StoreMix) and their mixed order
+    manifest    training on a manifest's rows: samples not in the store, encoded live
     balance     token-cost-balanced batches over the data-parallel ranks, micro-batches
     packing     VLM samples packed whole into rows with a block-diagonal causal mask
 """

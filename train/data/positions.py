@@ -10,6 +10,7 @@ by position".
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -17,7 +18,15 @@ from typing import Any
 import numpy as np
 
 from mmcache import featstore
-from mmcache.train.models.registry import on_store
+
+
+def on_store(data: Any, store: Any) -> Any:
+    """``data`` (a family's adapter) sizing samples through ``store`` instead of its own (a view
+    that answers ``shape``/``has_field`` differently: samples encoded live, or one step's samples
+    of a dense store), or None when the adapter does not read shapes through a ``store`` field."""
+    if not dataclasses.is_dataclass(data) or isinstance(data, type) or not hasattr(data, "store"):
+        return None
+    return dataclasses.replace(data, store=store)
 
 
 def by_position(store: Any, data: Any, *, live: Any, manifest: Any, exclude: frozenset[str]) -> bool:

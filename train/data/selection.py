@@ -15,8 +15,8 @@ from pathlib import Path
 
 from mmcache import featstore
 from mmcache.featstore.errors import ConfigError
-from mmcache.train.data.balance import BalanceConfig, CostModel
-from mmcache.train.live.manifest import describe_absent
+from .balance import BalanceConfig, CostModel
+from .manifest import describe_absent
 
 
 @dataclass(kw_only=True)

@@ -23,14 +23,14 @@ import torch
 from mmcache import featstore
 from mmcache.featstore.errors import FingerprintMismatchError
 from mmcache.featstore.rows import PositionIds
-from mmcache.train.failures import cpu_group
-from mmcache.train.data.balance import MicroBatch, imbalance, plan_global_batch
-from mmcache.train.live.manifest import planning_adapter
-from mmcache.train.data.order import EpochOrder, shard_positions
-from mmcache.train.data.packing import SAMPLE_ID
-from mmcache.train.data.positions import StepSizes, by_position
-from mmcache.train.data.selection import MissingSamplesError, StreamOptions, check_counts, select_samples
-from mmcache.train.data.sources import MixOrder, StoreMix
+from ..failures import cpu_group
+from .balance import MicroBatch, imbalance, plan_global_batch
+from .manifest import planning_adapter
+from .order import EpochOrder, shard_positions
+from .packing import SAMPLE_ID
+from .positions import StepSizes, by_position
+from .selection import MissingSamplesError, StreamOptions, check_counts, select_samples
+from .sources import MixOrder, StoreMix
 
 
 @dataclass(kw_only=True)
@@ -129,7 +129,7 @@ class FeatureStream:
     gives each sample's shape (from the index) and micro-batch group. Each sample handed out is a
     dict of its fields plus its id under ``mmcache.train.data.packing.SAMPLE_ID``, for error messages.
     ``live`` (train.live.fields.LiveFields): fields made live are not needed from the cache.
-    ``manifest`` (train.live.manifest.TrainingManifest): the samples to train on, in its order,
+    ``manifest`` (train.data.manifest.TrainingManifest): the samples to train on, in its order,
     some perhaps absent from the store (on_missing live: every field made live)."""
 
     # Per stream position: listed (train.data.selection), or looked up by position (train.data.positions).

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from mmcache import featstore
-from mmcache.train.live.reattach import LiveEncoder, LiveInputError, sample_rows
+from .reattach import LiveEncoder, LiveInputError, sample_rows
 
 # One relative step (ulp at the bottom of a binade) of each stored dtype: storage rounding only.
 # A live encoder runs at the encode's recorded thread count, but it cannot always reproduce the

@@ -25,9 +25,9 @@ from torch import nn
 from mmcache import featstore
 from mmcache.featstore.errors import ConfigError
 from mmcache.featstore.format import dtype_info
-from mmcache.train.live.manifest import has_media
-from mmcache.train.live.reattach import LiveEncoder, LiveInputError, reattach_field, sample_rows
-from mmcache.train.live.sizing import size_ahead
+from ..data.manifest import has_media
+from .reattach import LiveEncoder, LiveInputError, reattach_field, sample_rows
+from .sizing import size_ahead
 
 RAW = "__live_input__:"  # sample-dict key prefix of a train field's prepared encoder input
 
@@ -50,7 +50,7 @@ class LiveFields:
         self.fields = dict(fields)
         # Fields only some samples have by design (a VLM's image features): made live for those only.
         self.optional = set(optional)
-        # data.manifest (train.live.manifest.TrainingManifest): samples the store lacks, every
+        # data.manifest (train.data.manifest.TrainingManifest): samples the store lacks, every
         # field made live from its rows; and the conversations a live tokenizer field needs.
         self.manifest = manifest
         self.planned: dict[tuple[str, str], tuple[int, ...]] = {}  # (absent sample, field) -> its planned shape

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from mmcache.train.encoding import (
+from ..encoding import (
     GEOMETRY,
     MediaError,
     conversations_digest,
@@ -31,7 +31,7 @@ from mmcache.train.encoding import (
     split_recorded,
     text_input,
 )
-from mmcache.train.live.record import LiveInputError, MediaMovedError, ReattachError
+from .record import LiveInputError, MediaMovedError, ReattachError
 
 
 class RecordedInputs:

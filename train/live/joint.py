@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 
 from mmcache import featstore
-from mmcache.train.checkpoint import Extra, full_state_dict
-from mmcache.train.live.drift import check_before_training
-from mmcache.train.live.fields import LiveFields, repeated_blocks
-from mmcache.train.live.record import EXPORT_RECORD
-from mmcache.train.parallel.encoders import apply_encoder_sequence_parallel
-from mmcache.train.parallel.fsdp import apply_fsdp
+from ..checkpoint import Extra, full_state_dict
+from .drift import check_before_training
+from .fields import LiveFields, repeated_blocks
+from .record import EXPORT_RECORD
+from ..parallel.encoders import apply_encoder_sequence_parallel
+from ..parallel.fsdp import apply_fsdp
 
 
 @dataclass(kw_only=True)
@@ -41,7 +41,7 @@ class JointEncoders:
               storage_options: dict[str, Any] | None = None, lr_lambda=None, log=print, optional: list[str] | None = None,
               manifest=None) -> JointEncoders:
         # Nothing is loaded when every field is cached (build still refuses encoders.<field> the run does not read).
-        # manifest: data.manifest (train.live.manifest.TrainingManifest), or None.
+        # manifest: data.manifest (train.data.manifest.TrainingManifest), or None.
         live = LiveFields.build(config, store, read_fields, device=device, storage_options=storage_options, optional=optional or [],
                                 manifest=manifest)
         joint = cls(live=live)

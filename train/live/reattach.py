@@ -21,9 +21,9 @@ import torch
 
 from mmcache import featstore
 from mmcache.featstore.errors import ConfigError
-from mmcache.train.encoding import UnknownEncoderError, build_encoder, quiet_offline_env, torch_dtype, transform_from_record, transform_record
-from mmcache.train.live.inputs import RecordedInputs
-from mmcache.train.live.record import (  # noqa: F401 - the public API of re-attaching is named here (see the module docstring)
+from ..encoding import UnknownEncoderError, build_encoder, quiet_offline_env, torch_dtype, transform_from_record, transform_record
+from .inputs import RecordedInputs
+from .record import (  # noqa: F401 - the public API of re-attaching is named here (see the module docstring)
     EXPORT_RECORD,
     EncoderMismatchError,
     EncoderRecordError,
@@ -33,7 +33,7 @@ from mmcache.train.live.record import (  # noqa: F401 - the public API of re-att
     encoder_record,
     sample_rows,
 )
-from mmcache.train.live.reproduce import pinned_thread, round_through
+from .reproduce import pinned_thread, round_through
 
 
 def reattach_encoder(

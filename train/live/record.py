@@ -42,7 +42,7 @@ def sample_rows(store: featstore.Store, sample_ids: Sequence[str], manifest: Any
     """Each sample's id and recorded metadata (caption, modality, source and geometry columns),
     from the store's per-column lists (built once per store; slicing the index per sample cost
     a pyarrow call per row on the data pipeline's path). With a training manifest
-    (``mmcache.train.live.manifest.TrainingManifest``): samples the store lacks come from its rows, and
+    (``mmcache.train.data.manifest.TrainingManifest``): samples the store lacks come from its rows, and
     store samples get the conversations their tokenizer field was encoded from."""
     if manifest is None:
         return [{"id": sid, **store.meta(sid)} for sid in sample_ids]

@@ -11,14 +11,14 @@ from typing import Any
 
 import torch
 
-from mmcache.train.encoding import DaemonPool
+from ..encoding import DaemonPool
 
 _PINNED: dict[int, Any] = {}
 _PINNED_LOCK = threading.Lock()
 
 
 def pinned_thread(threads: int) -> Any:
-    """A thread (``mmcache.precompute.runtime.daemon_pool.DaemonPool``) whose intra-op thread count is ``threads``, set
+    """A thread (``mmcache.precompute.worker.daemon_pool.DaemonPool``) whose intra-op thread count is ``threads``, set
     once when it starts. Switching the count around each call instead would cost every thread of
     the process: ``torch.set_num_threads`` also empties oneDNN's process-wide primitive cache, so
     the training step's oneDNN kernels are created again after each live encode (measured on the

@@ -19,11 +19,11 @@ from typing import Any
 
 from mmcache import featstore
 from mmcache.featstore.errors import ConfigError
-from mmcache.train.encoding import transform_record
+from ..encoding import transform_record
 from mmcache.featstore.snapshot import snapshot_digest
-from mmcache.train.data.selection import MissingSamplesError
-from mmcache.train.failures import all_gather_json
-from mmcache.train.live.record import LiveInputError, MediaMovedError
+from ..data.selection import MissingSamplesError
+from ..failures import all_gather_json
+from .record import LiveInputError, MediaMovedError
 
 SIZES_FILE = "live_sizes.parquet"
 _KEY = b"mmcache.live_sizes.key"

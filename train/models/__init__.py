@@ -9,7 +9,7 @@ See ``registry.py`` for the contract a family fulfils. Importing this package re
 built-in family (importing ``dit`` / ``vlm`` runs its ``@register_model``).
 """
 
-from mmcache.train.models.registry import (
+from .registry import (
     InputShapeError,
     ModelConfigError,
     ModelFamily,
@@ -20,12 +20,12 @@ from mmcache.train.models.registry import (
     model_names,
     register_model,
 )
-from mmcache.train.objective import LossTerms
-from mmcache.train.models import dit  # noqa: E402,F401  (registers "dit")
-from mmcache.train.models.dit import DiT, DiTConfig
-from mmcache.train.models.dit_data import LatentTextBatch, pad_text
-from mmcache.train.models import vlm  # noqa: E402,F401  (registers "vlm")
-from mmcache.train.models.vlm import VLM, VLMConfig
+from ..objective import LossTerms
+from . import dit  # noqa: E402,F401  (registers "dit")
+from .dit import DiT, DiTConfig
+from .dit_data import LatentTextBatch, pad_text
+from . import vlm  # noqa: E402,F401  (registers "vlm")
+from .vlm import VLM, VLMConfig
 
 __all__ = [
     "DiT",

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from mmcache.train.models.layers import (
+from .layers import (
     AttentionFn,
     CrossAttention,
     Mlp,
@@ -25,9 +25,9 @@ from mmcache.train.models.layers import (
     modulate,
     rope_tables,
 )
-from mmcache.train.models.registry import InputShapeError, ModelConfigError, register_model
-from mmcache.train.models.dit_data import LatentTextData
-from mmcache.train.objective import FlowMatchingConfig, flow_matching_loss, flow_matching_validation_loss
+from .registry import InputShapeError, ModelConfigError, register_model
+from .dit_data import LatentTextData
+from ..objective import FlowMatchingConfig, flow_matching_loss, flow_matching_validation_loss
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

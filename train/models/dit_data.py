@@ -17,7 +17,7 @@ import torch
 from mmcache import featstore
 from mmcache.featstore.latents import latent_normalisation  # noqa: F401 - its home; run_files and sample import it here
 from mmcache.featstore.tensors import as_tensor
-from mmcache.train.models.registry import InputShapeError
+from .registry import InputShapeError
 
 
 @dataclass(kw_only=True)

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from mmcache.train.models.llm import Decoder, DecoderConfig
-from mmcache.train.models.registry import ModelConfigError
+from .llm import Decoder, DecoderConfig
+from .registry import ModelConfigError
 
 SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _TO_HF = [(re.compile(r"^blocks\."), "model.layers."), (re.compile(r"^(embed_tokens|norm)\."), r"model.\1.")]

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmcache.train.models.registry import InputShapeError, ModelConfigError
+from .registry import InputShapeError, ModelConfigError
 
 PackedAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -19,8 +19,8 @@ from torch import nn
 
 from mmcache.featstore.config import from_dict
 from mmcache.featstore.errors import ConfigError
-from mmcache.train.checkpoint import file_sha256
-from mmcache.train.objective import LossTerms
+from ..checkpoint import file_sha256
+from ..objective import LossTerms
 
 
 class ModelConfigError(ConfigError):
@@ -51,15 +51,6 @@ class DataAdapter(Protocol):
     def check_tokens(self, sample_ids: Sequence[str], tokens: Sequence[int]) -> None: ...  # refuse unfit samples
 
     def collate(self, samples: list[dict[str, Any]], device: torch.device, dtype: torch.dtype) -> Any: ...
-
-
-def on_store(data: Any, store: Any) -> Any:
-    """``data`` (a family's adapter) sizing samples through ``store`` instead of its own (a view
-    that answers ``shape``/``has_field`` differently: samples encoded live, or one step's samples
-    of a dense store), or None when the adapter does not read shapes through a ``store`` field."""
-    if not dataclasses.is_dataclass(data) or isinstance(data, type) or not hasattr(data, "store"):
-        return None
-    return dataclasses.replace(data, store=store)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

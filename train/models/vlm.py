@@ -18,13 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmcache.train.live.record import EXPORT_RECORD  # marks a trained encoder's folder
-from mmcache.train.models.hf import decoder_config_from_hf, load_hf_weights, read_hf_config, save_hf
-from mmcache.train.models.llm import Decoder, DecoderConfig
-from mmcache.train.models.registry import InputShapeError, ModelConfigError, register_model
-from mmcache.train.models.vlm_data import PackedVLMData
-from mmcache.train.objective import LossTerms
-from mmcache.train.data.packing import IGNORE, PackedBatch
+from ..live.record import EXPORT_RECORD  # marks a trained encoder's folder
+from .hf import decoder_config_from_hf, load_hf_weights, read_hf_config, save_hf
+from .llm import Decoder, DecoderConfig
+from .registry import InputShapeError, ModelConfigError, register_model
+from .vlm_data import PackedVLMData
+from ..objective import LossTerms
+from ..data.packing import IGNORE, PackedBatch
 
 PARTS = ("projector", "llm")
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from mmcache import featstore
-from mmcache.train.data.packing import SAMPLE_ID, PackedBatch, check_lengths, expand_sample, pack
+from ..data.packing import SAMPLE_ID, PackedBatch, check_lengths, expand_sample, pack
 
 
 @dataclasses.dataclass(kw_only=True)

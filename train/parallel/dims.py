@@ -13,13 +13,13 @@ import importlib
 import importlib.util
 import os
 import warnings
-from typing import ClassVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mmcache.featstore.errors import ConfigError
+from ..config import ParallelConfig
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "ring", "ulysses")
 
@@ -30,19 +30,6 @@ class ParallelDimsError(ConfigError):
 
 class DeviceChoiceError(ConfigError):
     """A device asked for by name (``mmtrain sample --device``) that is not here."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ParallelConfig:
-    """The ``parallel:`` section of a trainer config; the world size comes from the launcher."""
-
-    # The ZeRO stage is the top-level ``zero`` (it shapes FSDP, not the mesh).
-    MOVED_KEYS: ClassVar[dict[str, str]] = {"zero": "the ZeRO stage is the top-level `zero: 2|3`; use --set zero=N"}
-
-    dp_replicate: int = 1
-    dp_shard: int = -1  # -1: whatever the other sizes leave of the world
-    ring: int = 1
-    ulysses: int = 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

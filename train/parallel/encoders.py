@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from mmcache.train.data.balance import greedy
-from mmcache.train.parallel.dims import ParallelMeshes
-from mmcache.train.parallel.sequence.comm import all_gather_rows
+from ..data.balance import greedy
+from .dims import ParallelMeshes
+from .sequence.comm import all_gather_rows
 
 MAX_NDIM = 8  # a feature's dimensions travel in a fixed-width header row
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from mmcache.train.config import TrainConfig
-from mmcache.train.parallel.dims import ParallelMeshes
-from mmcache.train.parallel.fsdp import apply_fsdp
-from mmcache.train.parallel.sequence.install import apply_sequence_parallel
+from ..config import TrainConfig
+from .dims import ParallelMeshes
+from .fsdp import apply_fsdp
+from .sequence.install import apply_sequence_parallel
 
 
 def parallelize(model: torch.nn.Module, meshes: ParallelMeshes, config: TrainConfig) -> torch.nn.Module:

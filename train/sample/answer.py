@@ -19,9 +19,9 @@ import torch
 
 from mmcache import featstore
 from mmcache.featstore.errors import ConfigError
-from mmcache.train.models.llm import KVCache
-from mmcache.train.data.packing import expand_sample, pack
-from mmcache.train.sample.source import reattach_trained
+from ..models.llm import KVCache
+from ..data.packing import expand_sample, pack
+from .source import reattach_trained
 
 
 class AnswerConfigError(ConfigError):

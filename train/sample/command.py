@@ -10,14 +10,14 @@ import torch
 from mmcache import featstore
 from mmcache.featstore.errors import ConfigError
 from mmcache.featstore.prompts import EMPTY_PROMPT, MissingPromptError, read_prompt_file
-from mmcache.train.encoding import load_prompt_file
-from mmcache.train.live.reattach import ReattachError, reattach_encoder
-from mmcache.train.parallel.dims import pick_device
-from mmcache.train.sample.answer import AnswerConfig, AnswerConfigError, answer_vlm
-from mmcache.train.sample.decode import NoDecoderError, load_decoder, no_decoder_message
-from mmcache.train.sample.generate import SampleJob, default_size, generate, latent_shape, parse_size, store_prompt_embeddings
-from mmcache.train.sample.sampler import SamplerConfig, default_guidance
-from mmcache.train.sample.source import load_trained
+from ..encoding import load_prompt_file
+from ..live.reattach import ReattachError, reattach_encoder
+from ..parallel.dims import pick_device
+from .answer import AnswerConfig, AnswerConfigError, answer_vlm
+from .decode import NoDecoderError, load_decoder, no_decoder_message
+from .generate import SampleJob, default_size, generate, latent_shape, parse_size, store_prompt_embeddings
+from .sampler import SamplerConfig, default_guidance
+from .source import load_trained
 
 
 def read_prompts_arg(prompt: tuple[str, ...], prompts_file: str | None) -> list[str]:

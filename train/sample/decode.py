@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from mmcache.featstore.errors import ConfigError, FingerprintMismatchError
-from mmcache.train.encoding import (
+from ..encoding import (
     TINY_PATH,
     TINY_VERSION,
     build_encoder,

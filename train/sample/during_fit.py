@@ -17,12 +17,12 @@ import torch.distributed as dist
 
 from mmcache import featstore
 from mmcache.featstore.errors import ConfigError
-from mmcache.train.data.stream import sample_reads
-from mmcache.train.objective import sample_generators
-from mmcache.train.data.packing import SAMPLE_ID
-from mmcache.train.sample.decode import load_decoder, no_decoder_reason
-from mmcache.train.sample.generate import SampleJob, default_size, generate, latent_shape, parse_size, store_prompt_embeddings
-from mmcache.train.sample.sampler import SamplerConfig, default_guidance
+from ..data.stream import sample_reads
+from ..objective import sample_generators
+from ..data.packing import SAMPLE_ID
+from .decode import load_decoder, no_decoder_reason
+from .generate import SampleJob, default_size, generate, latent_shape, parse_size, store_prompt_embeddings
+from .sampler import SamplerConfig, default_guidance
 
 VALIDATION_SEED = 20_240_601  # fixed: the held-out noise is the same in every run
 

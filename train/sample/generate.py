@@ -16,10 +16,10 @@ import torch
 from mmcache.featstore.errors import ConfigError
 from mmcache.featstore.prompts import EMPTY_PROMPT, MissingPromptError, read_prompts
 from mmcache.featstore.tensors import as_tensor
-from mmcache.train.models.dit_data import latent_normalisation
-from mmcache.train.sample.decode import Decode, to_store_space
-from mmcache.train.sample.output import sample_name, write_frames, write_grid, write_index, write_latents
-from mmcache.train.sample.sampler import SamplerConfig, sample_batch
+from ..models.dit_data import latent_normalisation
+from .decode import Decode, to_store_space
+from .output import sample_name, write_frames, write_grid, write_index, write_latents
+from .sampler import SamplerConfig, sample_batch
 
 
 class SampleSizeError(ConfigError):

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from mmcache.featstore.errors import ConfigError
-from mmcache.train.models.dit_data import pad_text
+from ..models.dit_data import pad_text
 
 
 class SamplerConfigError(ConfigError):

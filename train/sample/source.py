@@ -17,9 +17,9 @@ import torch
 
 from mmcache import featstore
 from mmcache.featstore.errors import ConfigError
-from mmcache.train.checkpoint import DamagedWeightsError, checkpoints, file_sha256, verify_checkpoint
-from mmcache.train.live.reattach import EncoderMismatchError, reattach_encoder
-from mmcache.train.models.registry import EXPORT_FORMAT, ModelFamily, get_model_family
+from ..checkpoint import DamagedWeightsError, checkpoints, file_sha256, verify_checkpoint
+from ..live.reattach import EncoderMismatchError, reattach_encoder
+from ..models.registry import EXPORT_FORMAT, ModelFamily, get_model_family
 
 
 class RunFolderError(ConfigError):

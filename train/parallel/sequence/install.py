@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import torch
 
-from mmcache.train.parallel.dims import ParallelMeshes
-from mmcache.train.parallel.sequence import (
+from ..dims import ParallelMeshes
+from . import (
     SequenceLayout,
     SequenceParallelConfigError,
     gather_sequence,
@@ -22,9 +22,9 @@ from mmcache.train.parallel.sequence import (
     shard_sequence,
     usp_attention,
 )
-from mmcache.train.parallel.sequence.causal_layout import packed_causal_layout
-from mmcache.train.parallel.sequence.document_mask import DocumentMaskPlan
-from mmcache.train.parallel.sequence.usp import build_document_plan
+from .causal_layout import packed_causal_layout
+from .document_mask import DocumentMaskPlan
+from .usp import build_document_plan
 
 DEFAULT_STYLE = "bidirectional"
 

@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from mmcache.featstore.config import from_dict
-from mmcache.precompute.config import TINY_PATH, EncodeConfig, default_cache_dir
-from mmcache.precompute.inputs.registry import SourceUnit
-from mmcache.precompute.inputs.rows import InputRow
-from mmcache.precompute.media.clips import FrameSampling
-from mmcache.precompute.media.decode import ResizeConfig
-from mmcache.precompute.worker.encoder_inputs import text_only_rows_are_samples, transform_record
+from ..config import TINY_PATH, EncodeConfig, default_cache_dir
+from ..inputs.registry import SourceUnit
+from ..inputs.rows import InputRow
+from ..media.clips import FrameSampling
+from ..media.decode import ResizeConfig
+from .encoder_inputs import text_only_rows_are_samples, transform_record
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,7 +50,7 @@ class TaskSpec:
     units: tuple[SourceUnit, ...] = ()
     skip: Mapping[str, tuple[str, str]] = field(default_factory=dict)
     part_size: int = 0  # a unit task's samples per shard: each full part commits as <shard>-pNNNNN, the rest as <shard>
-    deaths: int = 0  # worker deaths of the tasks these rows were split from (precompute.runtime.worker_deaths)
+    deaths: int = 0  # worker deaths of the tasks these rows were split from (precompute.worker.deaths)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,7 +106,7 @@ def encoder_specs(config: EncodeConfig, cache_dir: Path | None = None) -> list[E
     """Config sections -> specs with concrete model folders (``path: tiny`` built on demand)."""
     # Imported here, not at the top: the encoders import torch, which the client of an external
     # cluster (which has a worker resolve the specs) never needs.
-    from mmcache.precompute.encoders.base import encoder_class
+    from ..encoders.base import encoder_class
 
     specs = []
     for section, raw in config.encoder_sections().items():
@@ -115,7 +115,7 @@ def encoder_specs(config: EncodeConfig, cache_dir: Path | None = None) -> list[E
         cls = encoder_class(name)
         if options.get("path") == TINY_PATH:
             # lazy: encoders.tiny imports torch
-            from mmcache.precompute.encoders.tiny import ensure_tiny_models
+            from ..encoders.tiny import ensure_tiny_models
 
             options["path"] = str(ensure_tiny_models((cache_dir or default_cache_dir()) / "tiny", [name])[name])
         elif "path" in options:

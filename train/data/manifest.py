@@ -17,8 +17,8 @@ from typing import Any
 
 from mmcache import featstore
 from mmcache.featstore.errors import ConfigError
-from mmcache.train.encoding import read_inputs, text_only_rows_are_samples
-from mmcache.train.models.registry import on_store
+from ..encoding import read_inputs, text_only_rows_are_samples
+from .positions import on_store
 
 
 class ManifestResumeError(ConfigError):
@@ -129,7 +129,7 @@ class PlannedStore:
         return getattr(self._store, name)
 
     def __contains__(self, sample_id: object) -> bool:
-        manifest = self._live.manifest
+        manifest = self._data.manifest
         return sample_id in self._store or (manifest is not None and sample_id in manifest.rows)
 
     def has_field(self, sample_id: str, field: str) -> bool:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
 
-from mmcache.precompute.planning.specs import TaskSpec
+from .specs import TaskSpec
 
 # The scheduler's task metadata: {root: {job: {shard: {"deaths": n, "host": ..., "pid": ...}}}}.
 METADATA_ROOT = "mmcache-attempts"
