@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import click
 
-from mmcache.featstore.cli import cli, parse_storage_options, storage_options_option
-from mmcache.featstore.config import load_config
-from mmcache.featstore.user_errors import check_output_location
+from ..featstore.cli import cli, parse_storage_options, storage_options_option
+from ..featstore.config import load_config
+from ..featstore.user_errors import check_output_location
 from .config import EncodeConfig
 from .output.prompts import load_prompt_file
 from .runtime.devices import DEVICES

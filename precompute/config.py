@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from mmcache.featstore.cache import parse_size
-from mmcache.featstore.errors import ConfigError
-from mmcache.featstore.rewrite import DEFAULT_GRACE_S
+from ..featstore.cache import parse_size
+from ..featstore.errors import ConfigError
+from ..featstore.rewrite import DEFAULT_GRACE_S
 from .media.clips import FrameSampling
 from .media.decode import ResizeConfig
 

@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from mmcache.featstore.secrets import redact_url
+from ..featstore.secrets import redact_url
 from .config import EncodeConfig
 from .inputs.stream import InputStream
 from .output.store import open_existing

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mmcache import featstore
-from mmcache.featstore import secrets
-from mmcache.featstore.secrets import RedactedOptions
+from .. import featstore
+from ..featstore import secrets
+from ..featstore.secrets import RedactedOptions
 from .config import EncodeConfig
 from .inputs.located import recorded_rows
 from .inputs.registry import SourceOptions

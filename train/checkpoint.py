@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from mmcache.featstore.user_errors import user_message
+from ..featstore.user_errors import user_message
 from .failures import MachineError, all_gather_json, diagnose_write, failed_write, os_error_in
 
 _NAME = re.compile(r"^step-(\d{8})$")

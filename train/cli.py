@@ -11,10 +11,10 @@ from collections.abc import Iterator
 
 import click
 
-from mmcache import featstore
-from mmcache.featstore.cli import parse_storage_options, storage_options_option
-from mmcache.featstore.config import load_config
-from mmcache.featstore.user_errors import UserErrorGroup, check_output_location, debug_option, debug_requested, user_message
+from .. import featstore
+from ..featstore.cli import parse_storage_options, storage_options_option
+from ..featstore.config import load_config
+from ..featstore.user_errors import UserErrorGroup, check_output_location, debug_option, debug_requested, user_message
 from .data.manifest import TrainingManifest
 
 

@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from mmcache.featstore.cache import parse_size
-from mmcache.featstore.errors import ConfigError
+from ..featstore.cache import parse_size
+from ..featstore.errors import ConfigError
 from .data.balance import BalanceConfig
 
 

@@ -8,20 +8,20 @@ reads prompt files as ``--prompts`` does. Both take those pieces from here, so t
 
 from __future__ import annotations
 
-from mmcache.precompute.config import TINY_PATH, default_cache_dir
-from mmcache.precompute.encoders import UnknownEncoderError, build_encoder
-from mmcache.precompute.encoders.base import torch_dtype
-from mmcache.precompute.encoders.tiny import TINY_VERSION
-from mmcache.precompute.inputs.located import read_recorded, split_recorded
-from mmcache.precompute.inputs.manifest import read_inputs
-from mmcache.precompute.inputs.registry import file_name
-from mmcache.precompute.inputs.rows import conversations_digest, modality_of
-from mmcache.precompute.inputs.source_bytes import open_source, read_source
-from mmcache.precompute.media.errors import MediaError
-from mmcache.precompute.output.prompts import load_prompt_file
-from mmcache.precompute.worker.daemon_pool import DaemonPool
-from mmcache.precompute.worker.encoder_cache import quiet_offline_env
-from mmcache.precompute.worker.encoder_inputs import GEOMETRY, planned_input_shape, section_input, size_rule_for, text_input, text_only_rows_are_samples, transform_from_record, transform_record
+from ..precompute.config import TINY_PATH, default_cache_dir
+from ..precompute.encoders import UnknownEncoderError, build_encoder
+from ..precompute.encoders.base import torch_dtype
+from ..precompute.encoders.tiny import TINY_VERSION
+from ..precompute.inputs.located import read_recorded, split_recorded
+from ..precompute.inputs.manifest import read_inputs
+from ..precompute.inputs.registry import file_name
+from ..precompute.inputs.rows import conversations_digest, modality_of
+from ..precompute.inputs.source_bytes import open_source, read_source
+from ..precompute.media.errors import MediaError
+from ..precompute.output.prompts import load_prompt_file
+from ..precompute.worker.daemon_pool import DaemonPool
+from ..precompute.worker.encoder_cache import quiet_offline_env
+from ..precompute.worker.encoder_inputs import GEOMETRY, planned_input_shape, section_input, size_rule_for, text_input, text_only_rows_are_samples, transform_from_record, transform_record
 
 __all__ = [
     "GEOMETRY",

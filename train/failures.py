@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mmcache.featstore.user_errors import user_message
+from ..featstore.user_errors import user_message
 
 PROBE_BYTES = 1 << 20  # a write this large fails on a disk that a checkpoint shard just filled
 

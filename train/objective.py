@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from mmcache.featstore.errors import ConfigError
+from ..featstore.errors import ConfigError
 
 
 class ObjectiveConfigError(ConfigError):

@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from mmcache import featstore
-from mmcache.featstore.config import to_dict
-from mmcache.featstore.errors import ConfigError
+from .. import featstore
+from ..featstore.config import to_dict
+from ..featstore.errors import ConfigError
 from .checkpoint import latest_checkpoint
 from .config import TrainConfig
-from mmcache.featstore.snapshot import snapshot_digest
+from ..featstore.snapshot import snapshot_digest
 from .data.stream import check_fingerprints, open_features, run_fields
 from .data.manifest import TrainingManifest
 from .data.manifest import check_resume as check_manifest_resume

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from mmcache.featstore.errors import ConfigError
+from ..featstore.errors import ConfigError
 from .data.stream import broadcast_json
 
 LOCK_NAME = ".mmtrain.lock"

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mmcache.featstore.snapshot import snapshot_digest
+from ..featstore.snapshot import snapshot_digest
 from .data.stream import FeatureStream
 from .models.dit_data import latent_normalisation
 from .parallel.fsdp import local_state_bytes

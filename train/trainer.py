@@ -19,11 +19,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mmcache.featstore.errors import ConfigError
+from ..featstore.errors import ConfigError
 from .checkpoint import export_safetensors, load_checkpoint, resume_hint, save_checkpoint
 from .config import TrainConfig
 from .failures import stopped_by_machine
-from mmcache.featstore.snapshot import snapshot_digest
+from ..featstore.snapshot import snapshot_digest
 from .data.stream import FeatureStream, StreamOptions
 from .run_dir import claim_run_dir
 from .live.dropout import CaptionDropout

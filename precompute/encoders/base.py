@@ -18,9 +18,9 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from mmcache.featstore.config import from_dict
-from mmcache.featstore.errors import ConfigError
-from mmcache.featstore.tensors import tensor_to_numpy
+from ...featstore.config import from_dict
+from ...featstore.errors import ConfigError
+from ...featstore.tensors import tensor_to_numpy
 from ..media.decode import SizeRule
 
 FINGERPRINT_VERSION = 1

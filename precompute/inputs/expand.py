@@ -9,9 +9,9 @@ import posixpath
 import re
 from typing import Any
 
-from mmcache.featstore.errors import ConfigError
-from mmcache.featstore.retry import remote_filesystem, with_retries
-from mmcache.featstore.secrets import redact_url
+from ...featstore.errors import ConfigError
+from ...featstore.retry import remote_filesystem, with_retries
+from ...featstore.secrets import redact_url
 
 _BRACE = re.compile(r"\{([^{}]*)\}")
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")

@@ -14,8 +14,8 @@ import posixpath
 from collections.abc import Iterator
 from typing import Any
 
-from mmcache.featstore.retry import protocol_of, remote_filesystem, with_retries
-from mmcache.featstore.secrets import redact_url
+from ...featstore.retry import protocol_of, remote_filesystem, with_retries
+from ...featstore.secrets import redact_url
 from .manifest import csv_records, jsonl_records, read_inputs
 from .registry import InputSource, SourceOptions, SourceRead, open_input, register
 from .row_rules import record_rows, stream_rules

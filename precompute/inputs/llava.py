@@ -13,8 +13,8 @@ import json
 import posixpath
 from typing import Any
 
-from mmcache.featstore.retry import protocol_of, remote_filesystem, with_retries
-from mmcache.featstore.secrets import redact_url
+from ...featstore.retry import protocol_of, remote_filesystem, with_retries
+from ...featstore.secrets import redact_url
 from .manifest import rows_from_records
 from .registry import InputSource, SourceOptions, SourceRead, register
 from .rows import ManifestError

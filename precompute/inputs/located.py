@@ -17,8 +17,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from mmcache.featstore.retry import protocol_of, remote_filesystem, with_retries
-from mmcache.featstore.secrets import redact_url
+from ...featstore.retry import protocol_of, remote_filesystem, with_retries
+from ...featstore.secrets import redact_url
 from .registry import SOURCES, InputSource, Located, SourceUnit, file_name, open_input
 from .rows import InputRow
 from .source_bytes import DEFAULT_MAX_INPUT_BYTES, OUTSIDE_ROOT, as_media_errors, open_local, read_source, under_root

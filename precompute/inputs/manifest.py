@@ -14,11 +14,11 @@ import posixpath
 from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
-from mmcache.featstore.errors import FeatstoreError, NotAStoreError
-from mmcache.featstore.format import MANIFEST_KEY, parse_root_group
-from mmcache.featstore.index import read_parquet
-from mmcache.featstore.retry import protocol_of, remote_filesystem, with_retries
-from mmcache.featstore.secrets import redact_url
+from ...featstore.errors import FeatstoreError, NotAStoreError
+from ...featstore.format import MANIFEST_KEY, parse_root_group
+from ...featstore.index import read_parquet
+from ...featstore.retry import protocol_of, remote_filesystem, with_retries
+from ...featstore.secrets import redact_url
 from .row_rules import _LOCAL_PROTOCOLS, WALK_PROBLEM, _rows, _Rules, local_file_problem
 from .rows import EmptyInputError, InputRow, ManifestError, Reject
 from .source_bytes import DEFAULT_MAX_INPUT_BYTES, InputFileError, read_local_file, under_root

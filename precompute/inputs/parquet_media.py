@@ -12,8 +12,8 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
-from mmcache.featstore.retry import protocol_of, remote_filesystem, with_retries
-from mmcache.featstore.secrets import redact_url
+from ...featstore.retry import protocol_of, remote_filesystem, with_retries
+from ...featstore.secrets import redact_url
 from .file_sources import manifest_batches, read_rows
 from .located import container_key, is_local
 from .registry import InputSource, Located, Member, SourceOptions, SourceRead, SourceUnit, duplicate_reason, file_stem, open_input, register

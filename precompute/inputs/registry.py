@@ -17,8 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from mmcache.featstore.retry import protocol_of, remote_filesystem
-from mmcache.featstore.secrets import redact_url
+from ...featstore.retry import protocol_of, remote_filesystem
+from ...featstore.secrets import redact_url
 from .rows import InputRow, Reject
 from .source_bytes import open_local
 

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from mmcache.featstore.secrets import redact_url
+from ...featstore.secrets import redact_url
 from .rows import InputRow, Reject, RowKey, caption_problem, caption_text, has_visible_text, modality_of, safe_id, sample_id_for
 from .source_bytes import OUTSIDE_ROOT, stat_problem, under_root
 

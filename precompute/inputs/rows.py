@@ -12,8 +12,8 @@ import unicodedata
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from mmcache.featstore.errors import ConfigError, SchemaError
-from mmcache.featstore.format import check_name
+from ...featstore.errors import ConfigError, SchemaError
+from ...featstore.format import check_name
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 VIDEO_SUFFIXES = {".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v"}

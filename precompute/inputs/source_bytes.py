@@ -14,9 +14,9 @@ import stat
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
-from mmcache.featstore.errors import StorageError
-from mmcache.featstore.retry import describe, is_transient, remote_filesystem, with_retries
-from mmcache.featstore.secrets import redact_url
+from ...featstore.errors import StorageError
+from ...featstore.retry import describe, is_transient, remote_filesystem, with_retries
+from ...featstore.secrets import redact_url
 from ..media.errors import MediaError
 
 DEFAULT_MAX_INPUT_BYTES = 1 << 30  # 1 GiB: any photo or clip; not a disk image by mistake

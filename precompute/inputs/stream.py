@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmcache.featstore.secrets import redact_url
+from ...featstore.secrets import redact_url
 from .expand import expand_inputs
 from .file_sources import FOLDER
 from .registry import SOURCES, InputSource, Member, SourceOptions, SourceRead, SourceUnit, duplicate_reason

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmcache.featstore.retry import remote_filesystem, with_retries
-from mmcache.featstore.secrets import redact_url
+from ...featstore.retry import remote_filesystem, with_retries
+from ...featstore.secrets import redact_url
 from .located import read_tar_member
 from .registry import InputSource, Member, SourceOptions, SourceRead, SourceUnit, file_stem, open_input, register
 from .rows import InputRow, ManifestError, Reject, caption_problem, has_visible_text, modality_of, safe_id, sample_id_for

@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from mmcache.featstore.errors import ConfigError
+from ...featstore.errors import ConfigError
 from .errors import MediaError
 
 

@@ -23,7 +23,7 @@ import numpy as np
 if TYPE_CHECKING:
     from PIL import Image
 
-from mmcache.featstore.errors import ConfigError
+from ...featstore.errors import ConfigError
 from .clips import FrameSampling, clip_from, select_clips, select_frames
 from .errors import MediaError
 from .png_chunks import text_after_pixels

@@ -9,9 +9,9 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mmcache import featstore
-from mmcache.featstore import compact
-from mmcache.featstore.rewrite import SMALL_FRACTION, DataCompaction, Group, compact_data, delete_replaced, shard_nbytes
+from ... import featstore
+from ...featstore import compact
+from ...featstore.rewrite import SMALL_FRACTION, DataCompaction, Group, compact_data, delete_replaced, shard_nbytes
 from ..config import EncodeConfig
 
 

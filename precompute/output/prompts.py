@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from mmcache.featstore.prompts import EMPTY_PROMPT, PromptFileError, part_key, read_prompt_file, write_prompts
+from ...featstore.prompts import EMPTY_PROMPT, PromptFileError, part_key, read_prompt_file, write_prompts
 
 
 def load_prompt_file(path: str) -> list[str]:

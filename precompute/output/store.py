@@ -11,9 +11,9 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from mmcache import featstore
-from mmcache.featstore.errors import FingerprintMismatchError
-from mmcache.featstore.reader import create_store
+from ... import featstore
+from ...featstore.errors import FingerprintMismatchError
+from ...featstore.reader import create_store
 from ..inputs.rows import Reject
 
 

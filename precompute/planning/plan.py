@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from mmcache import featstore
-from mmcache.featstore.format import EXCLUSIVE_COMMIT_VERSION
+from ... import featstore
+from ...featstore.format import EXCLUSIVE_COMMIT_VERSION
 from ..config import EncodeConfig
 from ..inputs.located import recorded_rows
 from ..inputs.registry import SourceUnit

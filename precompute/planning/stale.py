@@ -12,7 +12,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from mmcache import featstore
+from ... import featstore
 from ..inputs.located import read_recorded
 from ..inputs.rows import InputRow, RowKey
 from ..media.errors import MediaError

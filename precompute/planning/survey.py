@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from mmcache import featstore
-from mmcache.featstore.secrets import redact_url
+from ... import featstore
+from ...featstore.secrets import redact_url
 from ..inputs.registry import SourceUnit
 from ..inputs.rows import EmptyInputError, InputRow, Reject, RowKey
 from ..inputs.stream import InputStream

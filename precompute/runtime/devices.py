@@ -8,7 +8,7 @@ import importlib
 import importlib.util
 import warnings
 
-from mmcache.featstore.errors import ConfigError
+from ...featstore.errors import ConfigError
 
 
 def npu_count() -> int:

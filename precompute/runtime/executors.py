@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from mmcache.featstore.reader import open_store
+from ...featstore.reader import open_store
 from ..config import NO_WORKER_TIMEOUT, EncodeConfig, default_cache_dir
 from ..output.prompts import encode_and_store_prompts
 from ..planning.feature_bytes import FieldsOutline, outline

@@ -16,8 +16,8 @@ from typing import Any, BinaryIO, Literal
 
 import numpy as np
 
-from mmcache.featstore.config import from_dict
-from mmcache.featstore.errors import ConfigError
+from ...featstore.config import from_dict
+from ...featstore.errors import ConfigError
 from ..media.clips import FrameSampling
 from ..media.decode import PreparedMedia, ResizeConfig, SizeRule, prepare, prepare_video_clips, prepared_shape
 from ..media.errors import MediaError

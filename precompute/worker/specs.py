@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mmcache.featstore.config import from_dict
+from ...featstore.config import from_dict
 from ..config import TINY_PATH, EncodeConfig, default_cache_dir
 from ..inputs.registry import SourceUnit
 from ..inputs.rows import InputRow

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from mmcache.featstore.errors import ShardCommittedError
-from mmcache.featstore.reader import open_store
-from mmcache.featstore.secrets import redact_url
+from ...featstore.errors import ShardCommittedError
+from ...featstore.reader import open_store
+from ...featstore.secrets import redact_url
 from ..inputs.located import read_recorded
 from ..inputs.rows import InputRow
 from ..inputs.source_bytes import read_source

@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import Literal
 
-from mmcache.featstore.errors import ConfigError
+from ...featstore.errors import ConfigError
 
 
 class BalanceError(ValueError):

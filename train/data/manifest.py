@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mmcache import featstore
-from mmcache.featstore.errors import ConfigError
+from ... import featstore
+from ...featstore.errors import ConfigError
 from ..encoding import read_inputs, text_only_rows_are_samples
 from .positions import on_store
 

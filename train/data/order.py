@@ -15,10 +15,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mmcache import featstore
-from mmcache.featstore.cache import LOW_WATER
-from mmcache.featstore.errors import ConfigError
-from mmcache.featstore.order import EpochOrder, shard_positions  # noqa: F401 - their home is featstore.order (the dataset uses them too)
+from ... import featstore
+from ...featstore.cache import LOW_WATER
+from ...featstore.errors import ConfigError
+from ...featstore.order import EpochOrder, shard_positions  # noqa: F401 - their home is featstore.order (the dataset uses them too)
 
 
 def shard_read_bytes(store: featstore.Store, fields: Sequence[str]) -> list[int]:

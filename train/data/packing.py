@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmcache.featstore.tensors import as_tensor  # numpy bfloat16 -> torch without a float32 copy
+from ...featstore.tensors import as_tensor  # numpy bfloat16 -> torch without a float32 copy
 
 IGNORE = -100
 SAMPLE_ID = "@id"  # key of the sample id in a sample dict (never a field name: fields are [a-z0-9_])

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from mmcache import featstore
+from ... import featstore
 
 
 def on_store(data: Any, store: Any) -> Any:

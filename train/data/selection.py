@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mmcache import featstore
-from mmcache.featstore.errors import ConfigError
+from ... import featstore
+from ...featstore.errors import ConfigError
 from .balance import BalanceConfig, CostModel
 from .manifest import describe_absent
 

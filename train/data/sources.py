@@ -19,10 +19,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from mmcache import featstore
-from mmcache.featstore.errors import ConfigError
-from mmcache.featstore.mixing import apportion, mixed_order
-from mmcache.featstore.order import EpochOrder
+from ... import featstore
+from ...featstore.errors import ConfigError
+from ...featstore.mixing import apportion, mixed_order
+from ...featstore.order import EpochOrder
 
 SEP = ":"  # between the source number and the source's own sample id
 

@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmcache import featstore
-from mmcache.featstore.errors import FingerprintMismatchError
-from mmcache.featstore.rows import PositionIds
+from ... import featstore
+from ...featstore.errors import FingerprintMismatchError
+from ...featstore.rows import PositionIds
 from ..failures import cpu_group
 from .balance import MicroBatch, imbalance, plan_global_batch
 from .manifest import planning_adapter

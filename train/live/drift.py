@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from mmcache import featstore
+from ... import featstore
 from .reattach import LiveEncoder, LiveInputError, sample_rows
 
 # One relative step (ulp at the bottom of a binade) of each stored dtype: storage rounding only.

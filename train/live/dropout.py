@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mmcache import featstore
-from mmcache.featstore.errors import ConfigError
+from ... import featstore
+from ...featstore.errors import ConfigError
 
 _STREAM = 0xCA9  # keeps these draws apart from any other use of (seed, step, position)
 

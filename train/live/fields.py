@@ -22,9 +22,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmcache import featstore
-from mmcache.featstore.errors import ConfigError
-from mmcache.featstore.format import dtype_info
+from ... import featstore
+from ...featstore.errors import ConfigError
+from ...featstore.format import dtype_info
 from ..data.manifest import has_media
 from .reattach import LiveEncoder, LiveInputError, reattach_field, sample_rows
 from .sizing import size_ahead

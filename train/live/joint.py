@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mmcache import featstore
+from ... import featstore
 from ..checkpoint import Extra, full_state_dict
 from .drift import check_before_training
 from .fields import LiveFields, repeated_blocks

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmcache import featstore
-from mmcache.featstore.errors import ConfigError
+from ... import featstore
+from ...featstore.errors import ConfigError
 from ..encoding import UnknownEncoderError, build_encoder, quiet_offline_env, torch_dtype, transform_from_record, transform_record
 from .inputs import RecordedInputs
 from .record import (  # noqa: F401 - the public API of re-attaching is named here (see the module docstring)

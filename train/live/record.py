@@ -11,8 +11,8 @@ import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mmcache import featstore
-from mmcache.featstore.errors import ConfigError, FingerprintMismatchError
+from ... import featstore
+from ...featstore.errors import ConfigError, FingerprintMismatchError
 
 # Written into an exported (finetuned) encoder folder: the cache it was trained from is stale for it.
 EXPORT_RECORD = "mmcache_export.json"

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mmcache import featstore
-from mmcache.featstore.errors import ConfigError
+from ... import featstore
+from ...featstore.errors import ConfigError
 from ..encoding import transform_record
-from mmcache.featstore.snapshot import snapshot_digest
+from ...featstore.snapshot import snapshot_digest
 from ..data.selection import MissingSamplesError
 from ..failures import all_gather_json
 from .record import LiveInputError, MediaMovedError

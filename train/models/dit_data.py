@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmcache import featstore
-from mmcache.featstore.latents import latent_normalisation  # noqa: F401 - its home; run_files and sample import it here
-from mmcache.featstore.tensors import as_tensor
+from ... import featstore
+from ...featstore.latents import latent_normalisation  # noqa: F401 - its home; run_files and sample import it here
+from ...featstore.tensors import as_tensor
 from .registry import InputShapeError
 
 

@@ -17,8 +17,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from mmcache.featstore.config import from_dict
-from mmcache.featstore.errors import ConfigError
+from ...featstore.config import from_dict
+from ...featstore.errors import ConfigError
 from ..checkpoint import file_sha256
 from ..objective import LossTerms
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mmcache import featstore
+from ... import featstore
 from ..data.packing import SAMPLE_ID, PackedBatch, check_lengths, expand_sample, pack
 
 

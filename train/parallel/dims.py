@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from mmcache.featstore.errors import ConfigError
+from ...featstore.errors import ConfigError
 from ..config import ParallelConfig
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "ring", "ulysses")

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from mmcache.featstore.errors import ConfigError
+from ...featstore.errors import ConfigError
 
 
 class FSDPConfigError(ConfigError):

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmcache import featstore
-from mmcache.featstore.errors import ConfigError
+from ... import featstore
+from ...featstore.errors import ConfigError
 from ..models.llm import KVCache
 from ..data.packing import expand_sample, pack
 from .source import reattach_trained

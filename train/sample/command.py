@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from mmcache import featstore
-from mmcache.featstore.errors import ConfigError
-from mmcache.featstore.prompts import EMPTY_PROMPT, MissingPromptError, read_prompt_file
+from ... import featstore
+from ...featstore.errors import ConfigError
+from ...featstore.prompts import EMPTY_PROMPT, MissingPromptError, read_prompt_file
 from ..encoding import load_prompt_file
 from ..live.reattach import ReattachError, reattach_encoder
 from ..parallel.dims import pick_device

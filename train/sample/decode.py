@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmcache.featstore.errors import ConfigError, FingerprintMismatchError
+from ...featstore.errors import ConfigError, FingerprintMismatchError
 from ..encoding import (
     TINY_PATH,
     TINY_VERSION,

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmcache.featstore.errors import ConfigError
-from mmcache.featstore.prompts import EMPTY_PROMPT, MissingPromptError, read_prompts
-from mmcache.featstore.tensors import as_tensor
+from ...featstore.errors import ConfigError
+from ...featstore.prompts import EMPTY_PROMPT, MissingPromptError, read_prompts
+from ...featstore.tensors import as_tensor
 from ..models.dit_data import latent_normalisation
 from .decode import Decode, to_store_space
 from .output import sample_name, write_frames, write_grid, write_index, write_latents

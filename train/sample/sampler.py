@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from mmcache.featstore.errors import ConfigError
+from ...featstore.errors import ConfigError
 from ..models.dit_data import pad_text
 
 

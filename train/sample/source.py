@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from mmcache import featstore
-from mmcache.featstore.errors import ConfigError
+from ... import featstore
+from ...featstore.errors import ConfigError
 from ..checkpoint import DamagedWeightsError, checkpoints, file_sha256, verify_checkpoint
 from ..live.reattach import EncoderMismatchError, reattach_encoder
 from ..models.registry import EXPORT_FORMAT, ModelFamily, get_model_family
