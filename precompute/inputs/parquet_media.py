@@ -16,7 +16,7 @@ from ...featstore.retry import protocol_of, remote_filesystem, with_retries
 from ...featstore.secrets import redact_url
 from .file_sources import manifest_batches, read_rows
 from .located import container_key, is_local
-from .registry import InputSource, Located, Member, SourceOptions, SourceRead, SourceUnit, duplicate_reason, file_stem, open_input, register
+from .registry import InputSource, Located, Member, SourceOptions, SourceRead, SourceUnit, duplicate_reason, file_stem, member_or_reject, open_input, register
 from .rows import InputRow, ManifestError, Reject, caption_problem, caption_text, has_visible_text, modality_of, safe_id
 from .source_bytes import as_media_errors
 from ..media.errors import MediaError
@@ -101,21 +101,59 @@ def _footer(fs: Any, path: str, pq: Any) -> Any:
 
 
 def stream_parquet(unit: SourceUnit, storage_options: dict[str, Any] | None, max_bytes: int) -> Iterator[Member]:
-    """The rows of the unit's row groups, read column by column on the worker."""
+    """The rows of the unit's row groups, read column by column on the worker. A row group that
+    cannot be decoded (corrupt pages, a bad footer entry) makes its unread rows rejects, and the
+    next one is read; a failed read of the file itself fails the task (it is retried)."""
     import pyarrow.parquet as pq
 
     columns = dict(unit.columns)
     with open_input(unit.uri, storage_options) as fh:
+        watched = ReadWatch(fh)
         # No Arrow thread (pre-buffering and threaded decoding start native pools nobody joins,
         # which can abort the process at exit: featstore.index.parquet_file); this may run in the
         # client itself under the in-process executor.
-        parquet = pq.ParquetFile(fh, pre_buffer=False)
+        parquet = pq.ParquetFile(watched, pre_buffer=False)
         number, seen, earlier = unit.first_row, set[str](), dict(unit.duplicates)
-        for batch in parquet.iter_batches(row_groups=list(unit.row_groups), columns=list(dict.fromkeys(columns.values())),
-                                          batch_size=64, use_threads=False):
-            for record in batch.to_pylist():
-                yield _member(unit, columns, record, number, seen, earlier, max_bytes)
-                number += 1
+        for group in unit.row_groups:
+            end = number + parquet.metadata.row_group(group).num_rows
+            try:
+                for batch in parquet.iter_batches(row_groups=[group], columns=list(dict.fromkeys(columns.values())),
+                                                  batch_size=64, use_threads=False):
+                    for record in batch.to_pylist():
+                        yield member_or_reject(f"{unit.shown}#{number}", lambda: _member(unit, columns, record, number, seen, earlier, max_bytes))
+                        number += 1
+            except Exception as exc:
+                if watched.failed:
+                    raise  # the bytes did not arrive: not the file's fault
+                reason = f"row group {group} cannot be decoded ({type(exc).__name__}: {str(exc)[:200]})"
+                for lost in range(number, end):
+                    yield Member(reject=Reject(source=f"{unit.shown}#{lost}", reason=reason))
+                number = end
+
+
+class ReadWatch:
+    """A file handle that remembers whether a read or seek of it failed: what tells a file that
+    could not be read (a network fault, retried) from bytes that could not be decoded (a reject)."""
+
+    def __init__(self, fh: Any) -> None:
+        self._fh = fh
+        self.failed = False
+
+    def read(self, *args: Any) -> bytes:
+        return self._watched(self._fh.read, *args)
+
+    def seek(self, *args: Any) -> int:
+        return self._watched(self._fh.seek, *args)
+
+    def _watched(self, call: Any, *args: Any) -> Any:
+        try:
+            return call(*args)
+        except BaseException:
+            self.failed = True
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fh, name)
 
 
 def _member(unit: SourceUnit, columns: dict[str, str], record: dict[str, Any], number: int, seen: set[str],

@@ -9,6 +9,7 @@ chain of ``if``. More: docs/design/encode.md, "The input-source registry"."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import posixpath
 import re
@@ -21,6 +22,8 @@ from ...featstore.retry import protocol_of, remote_filesystem
 from ...featstore.secrets import redact_url
 from .rows import InputRow, Reject
 from .source_bytes import open_local
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +68,18 @@ class Member:
     row: InputRow | None = None
     data: bytes | None = field(default=None, repr=False)
     reject: Reject | None = None
+
+
+def member_or_reject(source: str, build: Callable[[], Member]) -> Member:
+    """``build()``: one member made into a sample from bytes already read; or, when those bytes
+    make it fail in any way (JSON nested past the stack, a name that is no text, a bug a file
+    finds), a reject that says why. The unit of failure is the member, never its whole input:
+    no list of expected exceptions can name everything a hostile file may raise."""
+    try:
+        return build()
+    except Exception as exc:
+        log.debug("%s: not a sample", source, exc_info=True)
+        return Member(reject=Reject(source=source, reason=f"cannot be read as a sample ({type(exc).__name__}: {str(exc)[:200]})"))
 
 
 @dataclass(frozen=True, kw_only=True)

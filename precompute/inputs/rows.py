@@ -96,6 +96,31 @@ class Reject:
     reason: str
     sample_id: str | None = None
 
+    def __post_init__(self) -> None:
+        # Names read from data may hold bytes that are not UTF-8 (kept as surrogates): a reject
+        # shows them escaped, so it can always be written and printed.
+        for name in ("source", "reason"):
+            object.__setattr__(self, name, printable(getattr(self, name)))
+
+
+def printable(text: str) -> str:
+    """``text`` with any undecodable byte (a surrogate ``surrogateescape`` made) as ``\\xNN``."""
+    if text.isascii():
+        return text
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate that no undecodable byte made (JSON's "\\ud800")
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def utf8_problem(text: str, what: str) -> str | None:
+    """Why ``text`` (a name read as bytes, undecodable ones kept as surrogates) is not UTF-8, or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"{what} {printable(text)!r} is not UTF-8; rename it"
+    return None
+
 
 def modality_of(path: str) -> str | None:
     if "://" in path:

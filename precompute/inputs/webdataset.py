@@ -16,8 +16,8 @@ from typing import Any
 from ...featstore.retry import remote_filesystem, with_retries
 from ...featstore.secrets import redact_url
 from .located import read_tar_member
-from .registry import InputSource, Member, SourceOptions, SourceRead, SourceUnit, file_stem, open_input, register
-from .rows import InputRow, ManifestError, Reject, caption_problem, has_visible_text, modality_of, safe_id, sample_id_for
+from .registry import InputSource, Member, SourceOptions, SourceRead, SourceUnit, file_stem, member_or_reject, open_input, register
+from .rows import InputRow, ManifestError, Reject, caption_problem, has_visible_text, modality_of, printable, safe_id, sample_id_for, utf8_problem
 from .tar_reader import TarFormatError, TarMember, TarReader, plain_name
 
 
@@ -101,8 +101,15 @@ def _member_problem(member: TarMember, name: str, max_bytes: int) -> str | None:
 
 def _sample(unit: SourceUnit, group: _Group, finished: set[str]) -> Member:
     """A key's members -> a sample, or a reject with the first reason it cannot be one."""
-    sample_id = unit.id_prefix + sample_id_for(group.key)  # the key's '/' -> ':', an odd key gets a hash
+    return member_or_reject(printable(f"{unit.shown}#{group.key}"), lambda: _sample_of(unit, group, finished))
+
+
+def _sample_of(unit: SourceUnit, group: _Group, finished: set[str]) -> Member:
     source = f"{unit.shown}#{group.key}"
+    if (bad_name := utf8_problem(group.key, "member name")) is not None:
+        finished.add(group.key)
+        return Member(reject=Reject(source=source, reason=bad_name))
+    sample_id = unit.id_prefix + sample_id_for(group.key)  # the key's '/' -> ':', an odd key gets a hash
     problem = group.problem
     if group.key in finished:
         problem = f"key {group.key!r} appears again later in the tar (a sample's members must be adjacent)"
@@ -136,8 +143,8 @@ def _caption(group: _Group, caption_key: str) -> tuple[str, str | None]:
         return "", None
     try:
         record = json.loads(group.parts["json"][1])
-    except ValueError as exc:
-        return "", f"sidecar {group.parts['json'][0]!r} is not valid JSON ({exc})"
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than Python's stack
+        return "", f"sidecar {group.parts['json'][0]!r} is not valid JSON ({str(exc)[:200]})"
     value = record.get(caption_key) if isinstance(record, dict) else None
     if value is not None and not isinstance(value, str):
         return "", f"{caption_key!r} of {group.parts['json'][0]!r} is not text but {type(value).__name__}"

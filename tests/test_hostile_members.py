@@ -1,0 +1,96 @@
+"""One hostile member never costs its input: a tar sidecar nested deeper than Python's stack, a
+tar member whose name is not UTF-8, a Parquet row group whose bytes are corrupt. Each is a
+reject with its reason, the rest of the tar or file is encoded, and a re-run adds nothing.
+Real tars and Parquet files built here, a real in-process `mmcache encode`."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from mmcache import featstore
+from mmcache.featstore.config import load_config
+from mmcache.precompute.config import EncodeConfig
+from mmcache.precompute.inputs.registry import SourceOptions
+from mmcache.precompute.inputs.stream import open_unit, read_all
+from mmcache.precompute.pipeline import run_encode
+from tests.input_data import add_member, png, write_media_parquet
+
+pytest.importorskip("PIL")
+
+DEEP = 200_000  # far past the interpreter's recursion limit
+
+
+def hostile_tar(path: Path) -> list[str]:
+    """Good samples around a sidecar nested DEEP levels and a member named in latin-1."""
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT, encoding="latin-1") as archive:
+        add_member(archive, "good1.png", png(1))
+        add_member(archive, "good1.txt", b"a first picture")
+        add_member(archive, "deep.png", png(2))
+        add_member(archive, "deep.json", b"[" * DEEP + b"]" * DEEP)
+        add_member(archive, "caf\xe9.png", png(3))  # written as the byte 0xe9: no UTF-8
+        add_member(archive, "caf\xe9.txt", b"a cafe")
+        add_member(archive, "good2.png", png(4))
+        add_member(archive, "good2.txt", b"a second picture")
+    return ["good1", "good2"]
+
+
+def corrupt_parquet(path: Path) -> None:
+    """Three row groups of 4 rows; the middle one's page headers XORed (pyarrow: an OSError)."""
+    import pyarrow.parquet as pq
+
+    write_media_parquet(path, [png(10 + n) for n in range(12)], [f"caption {n}" for n in range(12)], row_group_size=4)
+    data = bytearray(path.read_bytes())
+    group = pq.ParquetFile(path).metadata.row_group(1)
+    for column in range(group.num_columns):
+        start = group.column(column).data_page_offset
+        for at in range(start, start + 24):
+            data[at] ^= 0xA5
+    path.write_bytes(bytes(data))
+
+
+def members(path: Path) -> tuple[list[str], dict[str, str]]:
+    rows, rejects = [], {}
+    for unit in read_all(str(path), SourceOptions()).units:
+        for member in open_unit(unit, None, 1 << 30):
+            if member.row is not None:
+                rows.append(member.row.sample_id)
+            else:
+                rejects[member.reject.source.rsplit("#", 1)[-1]] = member.reject.reason
+    return rows, rejects
+
+
+def test_a_hostile_tar_member_is_one_reject_and_its_tar_mates_are_read(tmp_path):
+    hostile_tar(tmp_path / "shard.tar")
+    rows, rejects = members(tmp_path / "shard.tar")
+    assert rows == ["shard:good1", "shard:good2"]
+    assert set(rejects) == {"deep", "caf\\xe9"}, rejects
+    assert "not valid JSON" in rejects["deep"] and "recursion" in rejects["deep"]
+    assert "is not UTF-8" in rejects["caf\\xe9"]
+
+
+def test_a_corrupt_row_group_rejects_its_rows_and_the_other_groups_are_read(tmp_path):
+    corrupt_parquet(tmp_path / "train.parquet")
+    rows, rejects = members(tmp_path / "train.parquet")
+    assert rows == [f"train:{n}" for n in (0, 1, 2, 3, 8, 9, 10, 11)]
+    assert sorted(rejects, key=int) == ["4", "5", "6", "7"]
+    assert all(reason.startswith("row group 1 cannot be decoded (") for reason in rejects.values()), rejects
+
+
+def test_an_encode_of_hostile_inputs_commits_every_good_sample_and_a_rerun_adds_nothing(tmp_path):
+    hostile_tar(tmp_path / "shard.tar")
+    corrupt_parquet(tmp_path / "train.parquet")
+    inputs, out = [str(tmp_path / "shard.tar"), str(tmp_path / "train.parquet")], str(tmp_path / "store")
+    config = load_config(EncodeConfig, "tiny", "encode", [])
+    summary = run_encode(config, inputs, out, log=lambda *_: None, progress=False)
+    store = featstore.open(out)
+    good = {"shard:good1", "shard:good2"} | {f"train:{n}" for n in (0, 1, 2, 3, 8, 9, 10, 11)}
+    assert set(store.sample_ids()) == good and summary.samples_written == len(good)
+    reasons = {row["source"].rsplit("#", 1)[-1]: row["reason"] for row in store.rejects.to_pylist()}
+    assert {"deep", "caf\\xe9", "4", "5", "6", "7"} <= set(reasons), reasons
+    json.dumps(reasons)  # every reason is text that can be shown
+    again = run_encode(config, inputs, out, log=lambda *_: None, progress=False)
+    assert again.samples_written == 0 and set(featstore.open(out).sample_ids()) == good
