@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ import numpy as np
 
 from .appendable import create_store
 from .errors import ConfigError, FeatstoreError
+from .local_storage import under_root
 from .tensors import as_array
 from .writer import StoreWriter
 
@@ -83,7 +85,10 @@ def mindspeed_items(root: Path) -> Iterator[Item]:
     for number, line in enumerate(index.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        row = json.loads(line)
+        row, problem = _jsonl_row(line, number)
+        if problem is not None:
+            yield Item(f"data.jsonl:{number}", (), {"problem": problem})
+            continue
         files = [v for v in row.values() if isinstance(v, str) and v.endswith((".pt", ".safetensors"))]
         meta = {k: v for k, v in row.items() if isinstance(v, (str, int, float, bool)) and v not in files}
         if len(files) != 1:
@@ -91,6 +96,17 @@ def mindspeed_items(root: Path) -> Iterator[Item]:
             continue
         path = root / files[0]
         yield Item(Path(files[0]).stem, (path,), meta)
+
+
+def _jsonl_row(line: str, number: int) -> tuple[dict[str, Any], str | None]:
+    """(the object on line ``number`` of a data.jsonl, why it is not one)."""
+    try:
+        row = json.loads(line)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than Python's stack
+        return {}, f"line {number} of data.jsonl is not JSON ({str(exc)[:120]})"
+    if not isinstance(row, dict):
+        return {}, f"line {number} of data.jsonl is {type(row).__name__}, not an object"
+    return row, None
 
 
 def load_tensors(path: Path) -> dict[str, Any]:
@@ -137,16 +153,26 @@ def pick(tensors: dict[str, Any], fields: dict[str, str]) -> dict[str, np.ndarra
     return out
 
 
-def read_item(item: Item, fields: dict[str, str]) -> dict[str, np.ndarray]:
+def read_item(item: Item, fields: dict[str, str], real_root: str) -> dict[str, np.ndarray]:
+    """The fields of one item. Its files must resolve inside the cache folder (``real_root``,
+    resolved): a row naming ``../secret.pt``, an absolute path or a link out is a reject."""
     if "problem" in item.meta:
         raise ValueError(item.meta["problem"])
     tensors: dict[str, Any] = {}
     for path in item.files:
+        if not under_root(os.path.realpath(path), real_root):
+            raise ValueError(f"{path} resolves outside the cache folder {real_root} (an absolute path, '..' or a link); not read")
         try:
             tensors.update(load_tensors(path))
         except Exception as exc:  # noqa: BLE001 - any unreadable file is that sample's reject, with the reason
-            raise ValueError(f"{path.name} does not load: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}") from None
+            raise ValueError(f"{path.name} does not load: {_load_failure(exc)}") from None
     return pick(tensors, fields)
+
+
+def _load_failure(exc: Exception) -> str:
+    if type(exc).__name__ == "UnpicklingError":  # torch.load(weights_only=True) refused: its advice to turn that off is not ours to give
+        return "it holds pickled objects other than tensors; only plain tensors are read (no code from a file runs)"
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
 
 
 def import_cache(root: str | Path, url: str, *, layout_name: str, fields: dict[str, str],
@@ -160,13 +186,14 @@ def import_cache(root: str | Path, url: str, *, layout_name: str, fields: dict[s
     root = Path(root)
     if not root.is_dir():
         raise ConfigError(f"{root} is not a folder of cached features")
+    real_root = os.path.realpath(root)
     report, writer = ImportReport(), None
     early_rejects: list[dict[str, str]] = []  # rejects met before the first sample made the store
     try:
         for item in LAYOUTS[layout_name](root):
             source = ", ".join(str(p) for p in item.files) or item.id
             try:
-                arrays = read_item(item, fields)
+                arrays = read_item(item, fields, real_root)
                 if writer is None:
                     writer = _writer(url, arrays, fields, layout_name, root, storage_options)
                     for reject in early_rejects:

@@ -24,6 +24,12 @@ from .errors import CorruptionError
 from .storage import Storage, check_key
 
 
+def under_root(path: str, root: str | None) -> bool:
+    """Whether the resolved ``path`` is ``root`` or lies under it: the one containment check for
+    every path that comes from data (an encode's media, an import's feature files)."""
+    return root is not None and (path == root or path.startswith(root.rstrip("/") + "/"))
+
+
 class LocalStorage(Storage):
     # Readers keep shard objects open across reads; cap the number so a store with many shards
     # does not exhaust file descriptors.

@@ -212,7 +212,7 @@ def test_debug_shows_the_traceback(tmp_path):
     for result in (run_as_user(["-m", "mmcache.precompute.cli", "--debug", *args[2:]]), run_as_user(args, env={"MMCACHE_DEBUG": "1"})):
         assert result.returncode == 1 and "Traceback" in result.stderr and "ConfigError" in result.stderr, result.stderr
     # A bug (not a user error) keeps its traceback without --debug.
-    result = run_as_user(["-c", "from featstore.cli import cli\n@cli.command()\ndef boom():\n    raise ValueError('a bug')\ncli(['boom'])"])
+    result = run_as_user(["-c", "from mmcache.featstore.cli import cli\n@cli.command()\ndef boom():\n    raise ValueError('a bug')\ncli(['boom'])"])
     assert result.returncode == 1 and "Traceback" in result.stderr and "ValueError: a bug" in result.stderr
 
 

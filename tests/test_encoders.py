@@ -102,7 +102,7 @@ def test_tiny_models_are_the_same_bytes_in_every_process(tiny, tmp_path):
     import subprocess
     import sys
 
-    code = f"from precompute.encoders.tiny import ensure_tiny_models; ensure_tiny_models({str(tmp_path / 'again')!r})"
+    code = f"from mmcache.precompute.encoders.tiny import ensure_tiny_models; ensure_tiny_models({str(tmp_path / 'again')!r})"
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, cwd=Path(__file__).resolve().parents[1])
     for name, path in tiny.items():
         files = sorted(p.name for p in path.iterdir())

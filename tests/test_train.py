@@ -256,8 +256,8 @@ def test_one_process_group_leaves_the_environment_alone():
     port chosen (and raced for) and no RANK/MASTER_* written into os.environ."""
     probe = (
         "import os, torch, torch.distributed as dist\n"
-        "from train.trainer import init_distributed\n"
-        "from train.parallel.dims import ParallelDims\n"
+        "from mmcache.train.trainer import init_distributed\n"
+        "from mmcache.train.parallel.dims import ParallelDims\n"
         "before = dict(os.environ)\n"
         "init_distributed()\n"
         "t = torch.ones(2); dist.all_reduce(t)\n"

@@ -21,7 +21,8 @@ from ...featstore.retry import protocol_of, remote_filesystem, with_retries
 from ...featstore.secrets import redact_url
 from .registry import SOURCES, InputSource, Located, SourceUnit, file_name, open_input
 from .rows import InputRow
-from .source_bytes import DEFAULT_MAX_INPUT_BYTES, OUTSIDE_ROOT, as_media_errors, open_local, read_source, under_root
+from ...featstore.local_storage import under_root
+from .source_bytes import DEFAULT_MAX_INPUT_BYTES, OUTSIDE_ROOT, as_media_errors, open_local, read_source
 from .tar_reader import BLOCK, STREAM_ERRORS, TarFormatError, TarReader, decompressed, plain_name
 from ..media.clips import clip_parent
 from ..media.errors import MediaError

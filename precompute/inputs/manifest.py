@@ -21,7 +21,8 @@ from ...featstore.retry import protocol_of, remote_filesystem, with_retries
 from ...featstore.secrets import redact_url
 from .row_rules import _LOCAL_PROTOCOLS, WALK_PROBLEM, _rows, _Rules, local_file_problem
 from .rows import EmptyInputError, InputRow, ManifestError, Reject
-from .source_bytes import DEFAULT_MAX_INPUT_BYTES, InputFileError, read_local_file, under_root
+from ...featstore.local_storage import under_root
+from .source_bytes import DEFAULT_MAX_INPUT_BYTES, InputFileError, read_local_file
 
 MAX_CAPTION_BYTES = 1 << 20
 _MANIFEST_BYTES = 64 << 20  # a store manifest read to tell a store folder from media (see _is_store)

@@ -18,7 +18,8 @@ from typing import Any
 
 from ...featstore.secrets import redact_url
 from .rows import InputRow, Reject, RowKey, caption_problem, caption_text, has_visible_text, modality_of, safe_id, sample_id_for
-from .source_bytes import OUTSIDE_ROOT, stat_problem, under_root
+from ...featstore.local_storage import under_root
+from .source_bytes import OUTSIDE_ROOT, stat_problem
 
 # A relative path that normpath leaves as it is: no '.' or '..' part, no empty part.
 _PLAIN = re.compile(r"[^/.][^/]*(?:/[^/.][^/]*)*")

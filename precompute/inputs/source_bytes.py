@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 from ...featstore.errors import StorageError
+from ...featstore.local_storage import under_root
 from ...featstore.retry import describe, is_transient, remote_filesystem, with_retries
 from ...featstore.secrets import redact_url
 from ..media.errors import MediaError
@@ -109,11 +110,6 @@ def as_media_errors(shown: str, local: bool) -> Iterator[None]:
         if not local:
             raise
         raise MediaError(f"cannot stat the file ({exc.strerror})", shown) from None
-
-
-def under_root(path: str, root: str | None) -> bool:
-    """Whether the resolved ``path`` is ``root`` or lies under it."""
-    return root is not None and (path == root or path.startswith(root.rstrip("/") + "/"))
 
 
 def read_failure(exc: FileNotFoundError, shown: str) -> None:

@@ -125,3 +125,26 @@ def test_live_and_train_modes_refuse_imported_fields_with_the_reason(tmp_path):
     import_cache(root, str(tmp_path / "st"), layout_name="finetrainers", fields={"latent": "latents"})
     with pytest.raises(EncoderRecordError, match=r"imported from a finetrainers cache .*encoders\.latent\.mode: cached"):
         encoder_record(featstore.open(str(tmp_path / "st")), "latent", {"encoder": "taef2", "path": "x"})
+
+
+def test_an_import_reads_nothing_outside_its_folder_and_a_bad_line_is_a_reject(tmp_path):
+    root, outside = tmp_path / "ms", tmp_path / "outside"
+    (root / "features").mkdir(parents=True)
+    outside.mkdir()
+    secret = {"video_latent": torch.ones(4, 2, 2, 2)}
+    torch.save(secret, outside / "secret.pt")
+    torch.save({"video_latent": torch.zeros(4, 2, 2, 2)}, root / "features" / "good.pt")
+    (root / "features" / "link.pt").symlink_to(outside / "secret.pt")
+    (root / "features" / "evil.pt").write_bytes(pickle.dumps({"video_latent": RunsCode(str(tmp_path / "ran"))}))
+    lines = [json.dumps({"file": "features/good.pt"}), json.dumps({"file": "../outside/secret.pt"}),
+             json.dumps({"file": str(outside / "secret.pt")}), json.dumps({"file": "features/link.pt"}),
+             json.dumps({"file": "features/evil.pt"}), "{not json", "[" * 100_000 + "]" * 100_000, json.dumps(["a", "list"])]
+    (root / "data.jsonl").write_text("\n".join(lines) + "\n")
+    report = import_cache(root, str(tmp_path / "st"), layout_name="mindspeed", fields={"latent": "video_latent"})
+    assert (report.imported, report.rejected) == (1, 7) and not (tmp_path / "ran").exists()
+    store = featstore.open(str(tmp_path / "st"))
+    assert store.sample_ids() == ["good"] and float(store.read("good", format="torch")["latent"].abs().sum()) == 0
+    reasons = [r["reason"] for r in store.rejects.to_pylist()]
+    assert sum("resolves outside the cache folder" in r for r in reasons) == 3, reasons
+    assert any("pickled objects other than tensors" in r and "weights_only" not in r for r in reasons), reasons
+    assert sum("of data.jsonl is not JSON" in r for r in reasons) == 2 and any("is list, not an object" in r for r in reasons), reasons
