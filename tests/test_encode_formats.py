@@ -318,10 +318,26 @@ def test_llava_json_for_a_vlm(tmp_path, cluster):
     summary = encode([str(path)], out, cluster, preset="tiny-vlm")
     store = featstore.open(out)
     assert summary.samples_written == 5 and sorted(store.sample_ids()) == ["000000000", "000000001", "000000002", "000000003", "chat"]
-    assert {r["id"]: r["reason"] for r in store.rejects.to_pylist()} == {"gone": "missing file"}
+    reasons = {r["id"]: r["reason"] for r in store.rejects.to_pylist()}
+    assert list(reasons) == ["gone"] and reasons["gone"].startswith(f"missing file: no {tmp_path / 'images' / 'missing.png'} (")
+    assert "data.media_root" in reasons["gone"]
     rows = by_id(store)
     assert rows["chat"]["modality"] == "text" and rows["000000001"]["source_path"] == "images/00000/000000001.png"
     assert rows["000000001"]["conversations_sha256"]
+
+
+def test_llava_pretrain_as_it_ships_finds_its_images_folder(tmp_path, cluster):
+    # blip_laion_cc_sbu_558k.json beside images/, rows naming "00000/000000000.png": no setting needed.
+    path = write_llava(tmp_path, 3)
+    records = [{**r, "image": r["image"].removeprefix("images/")} for r in json.loads(path.read_text())]
+    records.append({**records[0], "id": "gone", "image": "00000/missing.png"})
+    path.write_text(json.dumps(records))
+    out = str(tmp_path / "store")
+    summary = encode([str(path)], out, cluster, preset="tiny-vlm")
+    store = featstore.open(out)
+    assert summary.samples_written == 3 and sorted(store.sample_ids()) == ["000000000", "000000001", "000000002"]
+    (reject,) = store.rejects.to_pylist()
+    assert reject["id"] == "gone" and f"no {tmp_path / 'images' / '00000' / 'missing.png'}" in reject["reason"]
 
 
 def _committed_shards(store: Path) -> int:

@@ -182,6 +182,12 @@ def test_llava_rows_resolve_from_the_json_folder_or_media_root(tmp_path):
     assert rebased.rows[0].uri == str(tmp_path / "other" / "images" / "00000" / "000000000.png")
 
 
+def test_a_llava_array_nested_past_the_stack_is_one_error(tmp_path):
+    (tmp_path / "deep.json").write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(ManifestError, match="is not valid JSON .*a LLaVA input is one JSON array"):
+        read_all(str(tmp_path / "deep.json"), SourceOptions())
+
+
 def test_several_inputs_merge_and_empty_is_judged_once(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()

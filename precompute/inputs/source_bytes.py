@@ -32,6 +32,10 @@ class InputFileError(ValueError):
         self.reason = reason
 
 
+# What a user reads beside a media file that is not where its row says: where it was looked for, and what moves that.
+MISSING_HINT = "a relative path is looked up beside its manifest or JSON; set data.media_root if the media lie elsewhere"
+
+
 def read_source(uri: str, storage_options: dict[str, Any] | None = None, max_bytes: int | None = None, root: str | None = None) -> bytes:
     """A source file's bytes, at most ``max_bytes`` (``data.max_input_bytes``), checked before
     anything decodes them. A local file must be a regular file (never a FIFO or a device: see
@@ -53,7 +57,7 @@ def read_source(uri: str, storage_options: dict[str, Any] | None = None, max_byt
     local = protocol in (None, "file", "local")
     if local and root is not None and not under_root(os.path.realpath(path), root):
         raise MediaError(OUTSIDE_ROOT, shown)
-    with as_media_errors(shown, local):
+    with as_media_errors(shown, local, missing=f"missing file: no {shown} ({MISSING_HINT})"):
         data = read_local_file(path, limit) if local else with_retries(fetch, shown, "read")
     if len(data) > limit:
         raise MediaError(f"file is larger than data.max_input_bytes ({limit:,} bytes); raise the limit to encode it", shown)
@@ -94,7 +98,7 @@ _HEADER_BLOCK = 1 << 16
 
 
 @contextlib.contextmanager
-def as_media_errors(shown: str, local: bool) -> Iterator[None]:
+def as_media_errors(shown: str, local: bool, missing: str = "missing file") -> Iterator[None]:
     """A file that must not or cannot be read, as the MediaError a task rejects it with (an
     object store's other errors are left to fail the task: they may be transient)."""
     try:
@@ -103,7 +107,7 @@ def as_media_errors(shown: str, local: bool) -> Iterator[None]:
         raise MediaError(exc.reason, shown) from None
     except FileNotFoundError as exc:
         read_failure(exc, shown)
-        raise MediaError("missing file", shown) from None
+        raise MediaError(missing, shown) from None
     except IsADirectoryError:
         raise MediaError("is a directory, not a file", shown) from None
     except OSError as exc:
