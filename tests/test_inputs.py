@@ -161,6 +161,19 @@ def test_jsonl_error_names_the_real_line(root):
         read_inputs(str(root / "m.jsonl"))
 
 
+def test_json_nested_past_the_stack_is_one_line_or_a_reject(root):
+    deep = "[" * 200_000 + "]" * 200_000
+    good = json.dumps({"path": "good.png", "caption": "a caption"})
+    (root / "m.jsonl").write_text("\n".join([good, good.replace("a caption", "b"), '{"path": "x.png", "caption": ' + deep + "}"]) + "\n")
+    with pytest.raises(ManifestError, match=r"line 3: JSON nested deeper"):
+        read_inputs(str(root / "m.jsonl"))
+    # A conversations cell of a CSV manifest is that row's reject; the other rows are read.
+    (root / "m.csv").write_text(f"path,caption,id,conversations\ngood.png,a caption,a,\ngood.png,again,b,{deep}\n")
+    rows, rejects = read_inputs(str(root / "m.csv"), allow_text_only=True)
+    assert [r.sample_id for r in rows] == ["a"] and [r.sample_id for r in rejects] == ["b"]
+    assert "conversations is not valid JSON" in rejects[0].reason
+
+
 def test_empty_inputs_are_errors_unless_allowed(tmp_path):
     folder = tmp_path / "empty"
     folder.mkdir()

@@ -99,7 +99,7 @@ def _jsonl_batches(text: io.TextIOBase, shown: str) -> Iterator[list[dict]]:
         filled = [line for line in lines if line.strip()]
         try:
             records = json.loads("[" + ",".join(filled) + "]")
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # parsed line by line below: the bad line is named
             records = None
         if records is None or len(records) != len(filled) or not all(isinstance(r, dict) for r in records):
             records = list(jsonl_records(lines, shown, first=first))

@@ -125,6 +125,8 @@ def jsonl_records(lines: Iterable[str], input_url: str, first: int = 1) -> Itera
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ManifestError(f"input {input_url!r}, line {number}: not valid JSON ({exc.msg} at column {exc.colno}); fix that line") from None
+        except RecursionError:
+            raise ManifestError(f"input {input_url!r}, line {number}: JSON nested deeper than Python's parser can read; fix that line") from None
         if not isinstance(record, dict):
             raise ManifestError(f"input {input_url!r}, line {number}: expected an object with path and caption, got {type(record).__name__}")
         yield record
@@ -136,6 +138,9 @@ def _csv_records(text: str, input_url: str) -> list[dict[str, Any]]:
 
 def csv_records(text: IO[str], input_url: str) -> Iterator[dict[str, Any]]:
     """The rows of a CSV manifest (opened with ``newline=""``), as they are read."""
+    # A cell is bounded by the manifest's own size limit, not by csv's 128 KiB default: a long
+    # caption or conversation is judged (and cut) by the caption rules, never a whole-job error.
+    csv.field_size_limit(max(csv.field_size_limit(), (1 << 31) - 1))
     reader = csv.DictReader(text)
     try:
         yield from reader

@@ -190,8 +190,8 @@ def _conversations(value: Any) -> tuple[tuple[tuple[str, str], ...] | None, str 
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except ValueError as exc:
-            return None, f"conversations is not valid JSON ({exc})"
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than Python's stack
+            return None, f"conversations is not valid JSON ({str(exc)[:200]})"
     if not isinstance(value, list) or not value:
         return None, "conversations must be a non-empty list of {from, value} turns"
     turns = []
