@@ -14,7 +14,7 @@ from typing import Any
 from . import format as fmt
 from . import manifest as manifests
 from .backends import open_storage
-from .errors import NotAStoreError, SchemaError
+from .errors import NotAStoreError, SchemaError, StoreExistsError
 from .index import index_parts, parse_index_part, read_parts
 from .storage import Storage
 from .store import Store
@@ -130,20 +130,32 @@ def create_store(
     # One listing tells both whether a store is there and whether the place is empty.
     present = storage.list_dir("")
     if fmt.MANIFEST_KEY in present:
-        store = AppendableStore(storage, fmt.parse_root_group(storage.read(fmt.MANIFEST_KEY), storage.url))
-        if not exist_ok:
-            raise SchemaError(f"{storage.url} already holds a feature store; open it with featstore.append() to add to it")
-        _check_same_fields(store, specs)
-        return store
-    if present:
+        return _existing(storage, specs, exist_ok)
+    if [name for name in present if not _being_created(name)]:
         raise NotAStoreError(f"{storage.url} exists and is not empty, and is not a feature store; choose a new location")
     manifest = fmt.make_manifest(specs, dict(attrs or {}))
-    # The shards group first, the root group (which makes it a store) last.
+    # The shards group first, the root group (which makes it a store) last, created only if absent:
+    # of two jobs creating one store at once, one creates it and the other opens it.
     storage.write_atomic(f"{fmt.SHARDS_DIR}/zarr.json", fmt.group_json())
-    storage.write_atomic(fmt.MANIFEST_KEY, fmt.root_group_json(manifest))
+    if not storage.write_new(fmt.MANIFEST_KEY, fmt.root_group_json(manifest)):
+        return _existing(storage, specs, exist_ok)
     # Nothing to read back: the place was empty a moment ago, so there are no declarations and no
     # index parts (a writer racing on the new store is caught by its writers' commit checks).
     return AppendableStore(storage, manifest, load_index=False, merge_declarations=False)
+
+
+def _being_created(name: str) -> bool:
+    """What another creator of this store may have written so far: its shards group, or the
+    temporary file of its root group (local storage publishes a file by renaming it)."""
+    return name == fmt.SHARDS_DIR or name.startswith(f".{fmt.MANIFEST_KEY}.tmp-")
+
+
+def _existing(storage: Any, specs: dict[str, fmt.FieldSpec], exist_ok: bool) -> AppendableStore:
+    store = AppendableStore(storage, fmt.parse_root_group(storage.read(fmt.MANIFEST_KEY), storage.url))
+    if not exist_ok:
+        raise StoreExistsError(f"{storage.url} already holds a feature store; open it with featstore.append() to add to it")
+    _check_same_fields(store, specs)
+    return store
 
 
 def _check_same_fields(store: Store, specs: dict[str, fmt.FieldSpec]) -> None:

@@ -102,8 +102,11 @@ def echo_info(summary: dict[str, Any]) -> None:
     if len(inputs) > 10:
         click.echo(f"input          ... and {len(inputs) - 10:,} more input(s)")
     click.echo(f"rejected       {summary['num_rejected']:,}")
-    for reason, count in summary["rejects_by_reason"].items():
+    reasons = list(summary["rejects_by_reason"].items())
+    for reason, count in reasons[:10]:  # a reason naming its file is one line per reject: the commonest ten
         click.echo(f"  {count:6,}  {reason}")
+    if len(reasons) > 10:
+        click.echo(f"  ... and {len(reasons) - 10:,} more reason(s): `mmcache info --json` lists them all")
 
 
 @cli.command("import")

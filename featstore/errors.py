@@ -26,6 +26,10 @@ class MissingFieldError(SchemaError, KeyError):
     __str__ = ValueError.__str__  # KeyError would quote the message
 
 
+class StoreExistsError(SchemaError):
+    """A store was to be created where one is already (another job may have just made it)."""
+
+
 class DuplicateSampleError(FeatstoreError):
     """A sample id is already in the store or in the shard being written."""
 

@@ -53,15 +53,17 @@ class EncodeSummary:
     seconds: float
     startup_seconds: float
     stale: int = 0  # committed samples whose input changed since (reported, not re-encoded)
+    samples_by_others: int = 0  # another writer (a second job on this store) committed them first
     executor: str = ""  # where the tasks ran: threads | processes | scheduler (precompute.runtime.executors)
 
     def line(self) -> str:
         rate = self.samples_written / self.seconds if self.seconds > 0 else 0.0
         changed = f" ({self.stale} of them changed since: see the warning)" if self.stale else ""
+        others = f", {self.samples_by_others} committed meanwhile by another writer (kept theirs)" if self.samples_by_others else ""
         return (
             f"encoded {self.samples_written} sample(s) in {self.tasks - self.tasks_skipped} task(s) "
             f"({rate:.1f} samples/s; start-up {self.startup_seconds:.1f}s), {self.rejected} rejected, "
-            f"{self.samples_skipped} already in the store{changed} -> {self.store_url}"
+            f"{self.samples_skipped} already in the store{changed}{others} -> {self.store_url}"
         )
 
 
@@ -216,6 +218,7 @@ class Executed:
     tasks_skipped: int = 0  # committed already (an earlier try, a concurrent run of the same plan)
     samples_written: int = 0
     rejected: int = 0  # by the manifest reader and by the tasks
+    samples_by_others: int = 0  # encoded here, but another writer committed them first: theirs kept
 
 
 # Tasks in flight per worker: one running, one queued behind it (no idle gap between tasks), one
@@ -249,6 +252,7 @@ def execute(plan: EncodePlan, executor: Executor, *, progress: bool | None = Non
         executed.tasks_skipped += result.skipped
         executed.samples_written += result.samples
         executed.rejected += result.rejected
+        executed.samples_by_others += result.dropped
         meter.update(result.samples + result.rejected + result.dropped, result.rejected, task.units, result.members)
         executed.tasks += flight.refill(completed)
     meter.close()

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ... import featstore
-from ...featstore.errors import FingerprintMismatchError
+from ...featstore.errors import FingerprintMismatchError, StoreExistsError
 from ...featstore.reader import create_store
 from ..inputs.rows import Reject
 
@@ -31,7 +31,10 @@ def open_or_create(url: str, fields: dict[str, Any], storage_options: dict[str, 
     against them (fail closed). Configured fields it lacks are added to it, so a new encoder (or a
     changed one under a new field name) extends a store in place."""
     if store is None:
-        return create_store(url, fields, storage_options=storage_options, attrs={"transform": transform})
+        try:
+            return create_store(url, fields, storage_options=storage_options, attrs={"transform": transform})
+        except StoreExistsError:  # another job made it since this one looked: checked like any store there
+            store = featstore.open(url, storage_options, mode="a")
     if store.attrs.get("transform") != json.loads(json.dumps(transform)):
         raise FingerprintMismatchError(
             f"{store.url} was encoded with other preprocessing (resize/frames/size_multiple: {store.attrs.get('transform')}); "

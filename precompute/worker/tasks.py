@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ...featstore.errors import ShardCommittedError
+from ...featstore.errors import DuplicateSampleError, ShardCommittedError
 from ...featstore.reader import open_store
 from ...featstore.secrets import redact_url
 from ..inputs.located import read_recorded
@@ -122,9 +122,14 @@ def _write_shard(task: TaskSpec, store: Any, done: list, result: TaskResult, com
     # a retried task could collide with.
     for row, reason in result.rejects:
         writer.reject(row.source, reason, id=row.sample_id)
+    late = 0
     for row, arrays, meta in done:
-        if arrays is not None:
+        if arrays is None:
+            continue
+        try:
             writer.add(row.sample_id, arrays, meta)
+        except DuplicateSampleError:  # another job on this store committed it after this one planned: theirs is kept
+            late += 1
     # The worker may start its next task while this one commits (precompute.worker.commit_ahead).
     with commit_ahead(writer.pending_bytes, commit_ahead_bytes):
         try:
@@ -134,8 +139,8 @@ def _write_shard(task: TaskSpec, store: Any, done: list, result: TaskResult, com
             # concurrent run of the same plan committed it first: theirs is kept, ours discarded.
             result.skipped = True
             return
-    result.samples = sum(1 for _, arrays, _ in done if arrays is not None) - len(writer.dropped)
-    result.dropped = len(writer.dropped)
+    result.dropped = len(writer.dropped) + late
+    result.samples = sum(1 for _, arrays, _ in done if arrays is not None) - result.dropped
 
 
 def _encode_rows(task: TaskSpec, store, specs, device, threads, settings: TaskSettings, result: TaskResult,
