@@ -13,6 +13,11 @@ from ..featstore.rewrite import DEFAULT_GRACE_S
 from .media.clips import FrameSampling
 from .media.decode import ResizeConfig
 
+# data.max_caption_chars' default: far past what any text encoder keeps (512 T5 tokens are a few
+# thousand characters), so a real prompt is never cut, while a 100 MB caption costs a tokenizer no
+# more than this (a tokenizer holds several times its text's size before it truncates).
+MAX_CAPTION_CHARS = 65_536
+
 # `path: tiny` in a preset means "the tiny random-weight model of this encoder", built once into
 # this cache (see precompute.encoders.tiny) and then loaded through from_pretrained like any other.
 TINY_PATH = "tiny"
@@ -38,6 +43,9 @@ class DataConfig:
     # holds the picture several times over (measured: 0.5 GB peak for a 64 Mpx PNG, 8-bit RGB or
     # 16-bit grey), on each of a worker's decode threads, while such a PNG can be 150 KB on disk.
     max_pixels: int = 64_000_000
+    # Captions and conversation turns are cut to this many characters before tokenizing (the cut
+    # recorded in the sample's meta as text_cut_at_chars): memory stays flat however long a caption is.
+    max_caption_chars: int = MAX_CAPTION_CHARS
     retry_rejects: bool = False       # a re-run normally skips inputs already rejected
     # A re-run reports committed samples whose caption changed; with this it also re-reads their
     # files and reports those whose bytes changed (a full read of every committed input).
@@ -54,6 +62,8 @@ class DataConfig:
         self.max_input_bytes = parse_size(self.max_input_bytes, "data.max_input_bytes")
         if self.max_pixels < 1:
             raise ConfigError(f"data.max_pixels must be >= 1, got {self.max_pixels}")
+        if self.max_caption_chars < 1:
+            raise ConfigError(f"data.max_caption_chars must be >= 1, got {self.max_caption_chars}")
 
 
 @dataclass(kw_only=True)

@@ -94,3 +94,20 @@ def test_an_encode_of_hostile_inputs_commits_every_good_sample_and_a_rerun_adds_
     json.dumps(reasons)  # every reason is text that can be shown
     again = run_encode(config, inputs, out, log=lambda *_: None, progress=False)
     assert again.samples_written == 0 and set(featstore.open(out).sample_ids()) == good
+
+
+def test_a_caption_longer_than_the_limit_is_cut_before_tokenizing_and_the_cut_recorded(tmp_path):
+    from mmcache.precompute.config import MAX_CAPTION_CHARS
+
+    (tmp_path / "media").mkdir()
+    (tmp_path / "media" / "a.png").write_bytes(png(1))
+    long = ("a very long caption " * 4000)[: MAX_CAPTION_CHARS + 5000]
+    rows = [{"path": "media/a.png", "caption": long, "id": "long"}, {"path": "media/a.png", "caption": long[:MAX_CAPTION_CHARS], "id": "cut"}]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = str(tmp_path / "store")
+    run_encode(load_config(EncodeConfig, "tiny", "encode", []), [str(tmp_path / "m.jsonl")], out, log=lambda *_: None, progress=False)
+    store = featstore.open(out)
+    assert store.meta("long")["text_cut_at_chars"] == MAX_CAPTION_CHARS and "text_cut_at_chars" not in store.meta("cut")
+    assert store.meta("long")["caption"] == long  # stored whole
+    text = next(name for name, spec in store.fields.items() if spec.meta.get("section") == "text")
+    assert (store.read("long")[text] == store.read("cut")[text]).all()

@@ -18,6 +18,7 @@ import numpy as np
 
 from ...featstore.config import from_dict
 from ...featstore.errors import ConfigError
+from ..config import MAX_CAPTION_CHARS
 from ..media.clips import FrameSampling
 from ..media.decode import PreparedMedia, ResizeConfig, SizeRule, prepare, prepare_video_clips, prepared_shape
 from ..media.errors import MediaError
@@ -62,13 +63,17 @@ def encoder_input(section: str, modality: str, pixels: np.ndarray) -> np.ndarray
     return pixels
 
 
-def text_input(encoder: Any, caption: str, conversations: Any, modality: str) -> Any:
-    """A sample's text as the text encoder takes it: the caption, or a ``TextSample``."""
+def text_input(encoder: Any, caption: str, conversations: Any, modality: str, max_chars: int = MAX_CAPTION_CHARS) -> Any:
+    """A sample's text as the text encoder takes it: the caption, or a ``TextSample``; the caption
+    and each turn cut to ``max_chars`` characters first (the encoder truncates to its tokens after)."""
+    caption = caption[:max_chars]
     if encoder.text_input == "caption":
         return caption
     # Imported here: the encoders import torch, and a caption-only text encoder never gets here.
     from ..encoders.base import TextSample
 
+    if conversations is not None:
+        conversations = tuple((who, text[:max_chars]) for who, text in conversations)
     # A tokenizer checks the image placeholders against the images the sample really has.
     return TextSample(caption=caption, conversations=conversations, images=int(modality in ("image", "video")))
 

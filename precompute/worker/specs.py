@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ...featstore.config import from_dict
-from ..config import TINY_PATH, EncodeConfig, default_cache_dir
+from ..config import MAX_CAPTION_CHARS, TINY_PATH, EncodeConfig, default_cache_dir
 from ..inputs.registry import SourceUnit
 from ..inputs.rows import InputRow
 from ..media.clips import FrameSampling
@@ -68,6 +68,7 @@ class TaskSettings:
     task_timeout: float | None = None  # seconds to read and decode one input; None: no limit
     max_input_bytes: int | None = None
     max_pixels: int | None = None  # an image (or video frame) larger is rejected from its header
+    max_caption_chars: int = MAX_CAPTION_CHARS  # data.max_caption_chars: text cut to this before tokenizing
     commit_ahead_bytes: int = 0
     media_column: str | None = None  # data.media_column: a committed Parquet row's media are read again from it
     # The store's manifest the client planned with: tasks open the store from it (no request).
@@ -79,7 +80,8 @@ class TaskSettings:
             resize=config.resize, frames=config.frames, size_multiple=config.size_multiple,
             batch_size=config.run.batch_size, decode_threads=config.run.decode_threads, device=config.device,
             input_storage_options=input_storage_options, task_timeout=config.run.task_timeout,
-            max_input_bytes=config.data.max_input_bytes, max_pixels=config.data.max_pixels, commit_ahead_bytes=int(config.run.commit_ahead_bytes),
+            max_input_bytes=config.data.max_input_bytes, max_pixels=config.data.max_pixels,
+            max_caption_chars=config.data.max_caption_chars, commit_ahead_bytes=int(config.run.commit_ahead_bytes),
             media_column=config.data.media_column,
         )
 

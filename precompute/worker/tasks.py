@@ -181,7 +181,7 @@ def _encode_rows(task: TaskSpec, store, specs, device, threads, settings: TaskSe
             _encode_batch(batch, encoders, reject, done, primary)
     finally:
         pool.shutdown()
-    _encode_text(done, encoders.get("text"), settings.batch_size, reject)
+    _encode_text(done, encoders.get("text"), settings.batch_size, reject, settings.max_caption_chars)
     return done
 
 
@@ -329,10 +329,13 @@ def _text_failure(exc: Exception) -> str:
     return f"text encoder rejected input: {exc}"
 
 
-def _encode_text(done: list, encoder: Any, batch_size: int, reject) -> None:
+def _encode_text(done: list, encoder: Any, batch_size: int, reject, max_chars: int) -> None:
     if encoder is None or not done:
         return
-    items = [text_input(encoder, row.caption, row.conversations, row.modality) for row, _, _ in done]
+    items = [text_input(encoder, row.caption, row.conversations, row.modality, max_chars) for row, _, _ in done]
+    for row, _, meta in done:  # the cut is recorded with the sample; its caption is stored whole
+        if len(row.caption) > max_chars or any(len(text) > max_chars for _, text in row.conversations or ()):
+            meta["text_cut_at_chars"] = max_chars
     # Identical texts are encoded once for the whole task, not once per batch.
     distinct = list(dict.fromkeys(items))
     encoded: dict[Any, dict[str, np.ndarray] | str] = {}
