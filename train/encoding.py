@@ -17,7 +17,7 @@ from ..precompute.inputs.manifest import read_inputs
 from ..precompute.inputs.registry import file_name
 from ..precompute.inputs.rows import conversations_digest, modality_of
 from ..precompute.inputs.source_bytes import open_source, read_source
-from ..precompute.media.errors import MediaError
+from ..precompute.media.errors import MediaError, MissingMediaError
 from ..precompute.output.prompts import load_prompt_file
 from ..precompute.worker.daemon_pool import DaemonPool
 from ..precompute.worker.encoder_cache import quiet_offline_env
@@ -29,6 +29,7 @@ __all__ = [
     "TINY_VERSION",
     "DaemonPool",
     "MediaError",
+    "MissingMediaError",
     "UnknownEncoderError",
     "build_encoder",
     "conversations_digest",

@@ -18,7 +18,7 @@ from ...featstore.errors import StorageError
 from ...featstore.local_storage import under_root
 from ...featstore.retry import describe, is_transient, remote_filesystem, with_retries
 from ...featstore.secrets import redact_url
-from ..media.errors import MediaError
+from ..media.errors import MediaError, MissingMediaError
 
 DEFAULT_MAX_INPUT_BYTES = 1 << 30  # 1 GiB: any photo or clip; not a disk image by mistake
 OUTSIDE_ROOT = "path resolves outside the input root (a symlink?); set data.allow_outside_root: true to allow it"
@@ -107,7 +107,7 @@ def as_media_errors(shown: str, local: bool, missing: str = "missing file") -> I
         raise MediaError(exc.reason, shown) from None
     except FileNotFoundError as exc:
         read_failure(exc, shown)
-        raise MediaError(missing, shown) from None
+        raise MissingMediaError(missing, shown) from None
     except IsADirectoryError:
         raise MediaError("is a directory, not a file", shown) from None
     except OSError as exc:

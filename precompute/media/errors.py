@@ -13,3 +13,8 @@ class MediaError(ValueError):
         super().__init__(f"{uri}: {reason}" if uri else reason)
         self.reason = reason
         self.uri = uri
+
+
+class MissingMediaError(MediaError):
+    """The source file is not there: a trainer re-reading media tells a user where to point
+    ``--media`` instead of only saying that it is unreadable."""

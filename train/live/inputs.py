@@ -19,6 +19,7 @@ import numpy as np
 from ..encoding import (
     GEOMETRY,
     MediaError,
+    MissingMediaError,
     conversations_digest,
     file_name,
     modality_of,
@@ -209,9 +210,9 @@ class RecordedInputs:
 def _unreadable(row: Mapping[str, Any], url: str, exc: MediaError) -> ReattachError:
     """What a sample's unreadable source raises: moved media say where to point --media."""
     sid = row.get("id")
-    if exc.reason == "missing file" and row.get("from_manifest"):
+    if isinstance(exc, MissingMediaError) and row.get("from_manifest"):
         return MediaMovedError(f"sample {sid!r}: its source {row.get('source_path')} in data.manifest is missing ({url})")
-    if exc.reason == "missing file":
+    if isinstance(exc, MissingMediaError):
         root = _recorded_root(row)
         return MediaMovedError(
             f"sample {sid!r}: its source {url} is missing (recorded {row.get('source_uri')}); if the media moved, pass "
