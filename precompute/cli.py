@@ -4,6 +4,8 @@ Heavy imports (torch, dask, encoders) happen inside the commands that need them,
 
 from __future__ import annotations
 
+import signal
+
 import click
 
 from ..featstore.cli import cli, parse_storage_options, storage_options_option
@@ -12,6 +14,7 @@ from ..featstore.user_errors import check_output_location
 from .config import EncodeConfig
 from .output.prompts import load_prompt_file
 from .runtime.devices import DEVICES
+from .runtime.interrupt import Interrupted, raising_on_signals
 
 
 @cli.command()
@@ -34,6 +37,18 @@ from .runtime.devices import DEVICES
 def encode(config_name, input_urls, output_url, workers, scheduler, device, overrides, storage_options, input_storage_options, progress, allow_empty,
            dry_run, prompts_file) -> None:
     """Run frozen encoders over INPUT once and write their features to the store at OUTPUT."""
+    try:
+        with raising_on_signals():
+            _encode(config_name, input_urls, output_url, workers, scheduler, device, overrides, storage_options, input_storage_options,
+                    progress, allow_empty, dry_run, prompts_file)
+    except (KeyboardInterrupt, Interrupted) as exc:
+        stopped = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
+        click.echo(stopped.line(), err=True)
+        raise click.exceptions.Exit(stopped.exit_code) from None
+
+
+def _encode(config_name, input_urls, output_url, workers, scheduler, device, overrides, storage_options, input_storage_options, progress,
+            allow_empty, dry_run, prompts_file) -> None:
     if workers is not None and scheduler:
         raise click.UsageError("--workers and --scheduler exclude each other")
     if dry_run and scheduler:

@@ -34,6 +34,7 @@ from .planning.stale import stale_samples
 from .planning.survey import Survey, survey
 from .progress import UNREAD_UNIT_SAMPLES, ProgressMeter, SampleTotal
 from .runtime.executors import DaskExecutor, ThreadExecutor, connect, open_executor
+from .runtime.interrupt import Interrupted, StopRequest, stop_on_signals
 from .runtime.local_cluster import preserved_environ
 from .runtime.placement import Placement, choose_placement
 from .worker.deaths import split_task
@@ -231,17 +232,35 @@ def execute(plan: EncodePlan, executor: Executor, *, progress: bool | None = Non
     """Run ``plan`` on ``executor``: record the input readers' rejects, then keep
     ``IN_FLIGHT_PER_WORKER`` tasks per worker running (each commits its shard), taking the next
     from the plan as one finishes. A task whose worker died running it comes back unrun, and runs
-    again as two halves (precompute.worker.deaths). Duplicate ids found meanwhile are recorded last."""
+    again as two halves (precompute.worker.deaths). Duplicate ids found meanwhile are recorded last.
+    Ctrl-C or SIGTERM: no task is submitted after it, the running ones commit what they have
+    encoded, and ``Interrupted`` says how much that is (precompute.runtime.interrupt)."""
     commit_plan_rejects(plan.store, plan.plan_rejects)
     total = SampleTotal(plan.samples, plan.units)
     meter = ProgressMeter(total, enabled=sys.stderr.isatty() if progress is None else progress)
+    executed = Executed(tasks=0, rejected=len(plan.plan_rejects))
+    with stop_on_signals(executor.stop) as stop:
+        _run_tasks(plan, executor, executed, meter, stop, log)
+    meter.close()
+    if stop.signum is not None:
+        raise Interrupted(stop.signum, f"stopped at a sample boundary with {executed.samples_written} sample(s) of this run committed")
+    commit_plan_rejects(plan.store, plan.duplicate_rejects)
+    executed.rejected += len(plan.duplicate_rejects)
+    return executed
+
+
+def _run_tasks(plan: EncodePlan, executor: Executor, executed: Executed, meter: ProgressMeter, stop: StopRequest,
+               log: Callable[[str], Any]) -> None:
+    """``execute``'s loop: the plan's tasks, a few per worker in flight, until they are done (or,
+    once ``stop`` has a signal, until the running ones are)."""
     flight = _Flight(plan, executor)
     completed = executor.as_completed([])
-    executed = Executed(tasks=0, rejected=len(plan.plan_rejects))
     executed.tasks += flight.refill(completed)
     for future in completed:
         task = flight.running.pop(future)
         result = executor.result(future, task)  # a task's summary (its rejects stay in its shard)
+        if stop.signum is not None and (result is None or result.died):
+            continue  # stopping: a task whose worker died is left to the re-run
         if result is None or result.died:
             again = [task] if result is None else split_task(task, result.died)
             executed.tasks += len(again) - 1
@@ -254,11 +273,8 @@ def execute(plan: EncodePlan, executor: Executor, *, progress: bool | None = Non
         executed.rejected += result.rejected
         executed.samples_by_others += result.dropped
         meter.update(result.samples + result.rejected + result.dropped, result.rejected, task.units, result.members)
-        executed.tasks += flight.refill(completed)
-    meter.close()
-    commit_plan_rejects(plan.store, plan.duplicate_rejects)
-    executed.rejected += len(plan.duplicate_rejects)
-    return executed
+        if stop.signum is None:
+            executed.tasks += flight.refill(completed)
 
 
 class _Flight:

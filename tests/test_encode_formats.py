@@ -365,6 +365,7 @@ def _rerun_completes(cmd: list[str], out: Path, partial: int, total: int) -> lis
     assert rerun.returncode == 0, rerun.stderr
     written = int(re.search(r"encoded (\d+) sample", rerun.stdout).group(1))
     assert written == total - partial, rerun.stdout  # committed parts are not encoded again
+    assert f" {partial} already in the store" in rerun.stdout, rerun.stdout  # and counted as there
     assert subprocess.run([str(Path(sys.executable).parent / "mmcache"), "verify", str(out)], capture_output=True).returncode == 0
     return featstore.open(str(out)).index.column("id").to_pylist()
 

@@ -80,7 +80,7 @@ def plan_encode(config: EncodeConfig, *, inputs: InputStream, survey: Survey, st
                       samples=survey.todo + refilled + sum(u.estimated_samples for t in units for u in t.units),
                       units=[u for t in units for u in t.units],
                       plan_rejects=[r for r in survey.rejects if r.source not in rejected_before],
-                      samples_skipped=survey.skipped, notes=notes)
+                      samples_skipped=survey.skipped + unit_samples_committed(inputs.units, store, inputs.ids_of), notes=notes)
     groups = _RowGroups(store, fields, config, survey, per_task, salt, plan.duplicate_rejects, rejected_before, unit_skips)
     if survey.unframed:
         plan.notes.append(f"warning: {survey.unframed} committed clip sample(s) lack one of the fields {list(fields)} and record "
@@ -276,6 +276,29 @@ def unit_tasks(units: list[SourceUnit], store: featstore.Store, config: EncodeCo
         skip = next(iter(maps.values())) if len(maps) == 1 else collections.ChainMap(*maps.values())
         tasks.append(TaskSpec(shard=name, rows=[], fields=fields, units=tuple(group), skip=skip, part_size=part_size))
     return tasks, skips
+
+
+def unit_samples_committed(units: list[SourceUnit], store: featstore.Store, ids_of: dict[tuple[str, tuple[int, ...]], list[str]] | None) -> int:
+    """The samples of ``units`` (tars, Parquet row groups) the store holds before this job: what
+    the line of a re-run counts as already in the store, as it counts a manifest's rows (a
+    unit's rows are read by its task, not by the plan). Counted in the index's id column at once,
+    by id prefix (a tar's stem: its clips' ids too), or by the ids the client read (a Parquet
+    ``id`` column)."""
+    if not units or not len(store):
+        return 0
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    ids = store.index.column("id")
+    prefixes = {unit.id_prefix.rstrip(":") for unit in units if unit.id_prefix}
+    named = [i for unit in units if not unit.id_prefix for i in (ids_of or {}).get((unit.shown, unit.row_groups), ())]
+    count = 0
+    if prefixes:
+        heads = pc.list_element(pc.split_pattern(ids, ":", max_splits=1), 0)
+        count += pc.sum(pc.is_in(heads, value_set=pa.array(sorted(prefixes)))).as_py() or 0
+    if named:
+        count += pc.sum(pc.is_in(ids, value_set=pa.array(named))).as_py() or 0
+    return count
 
 
 def _pending_ids(units: list[SourceUnit], ids_of: dict[tuple[str, tuple[int, ...]], list[str]]) -> Callable[[str], bool]:

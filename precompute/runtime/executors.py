@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import threading
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -29,6 +30,7 @@ from .placement import Placement
 from ..worker.deaths import counted_attempt, forget_job
 from .worker_watch import WorkerWatch, local_watch, scheduler_watch
 from ..worker.encoder_cache import PROCESS_ENCODERS, describe_encoders, loaded_encoders
+from ..worker import stopping
 from ..worker.tasks import TaskResult, encode_task
 
 # A task that Dask gave up on (KilledWorker: its workers died ``allowed-failures`` + 1 times while
@@ -82,6 +84,11 @@ class ThreadExecutor:
         self.device = worker_device(placement.device_type, placement.device_count, 0)
         self.client = ThreadClient(placement.workers)
         self.workers = placement.workers
+        self.job = uuid.uuid4().hex  # what worker.stopping knows this job's tasks by
+
+    def stop(self) -> None:
+        """The running tasks stop at their next sample boundary (worker.stopping)."""
+        stopping.stop(self.job)
 
     def load_encoders(self, specs: list[EncoderSpec], requested: str) -> Future:
         """Loads in the background (the caller opens the store meanwhile); -> {fields, loaded}."""
@@ -104,6 +111,7 @@ class ThreadExecutor:
         return self.client.submit(
             _journaled, self.journal.running(task.shard), task, store_url=output_url, storage_options=storage_options, specs=specs,
             device=self.device, threads=self.placement.threads, settings=settings, known_shards=known, cache=PROCESS_ENCODERS, retries=3,
+            job=self.job,
         )
 
     def as_completed(self, futures: list) -> _Completion:
@@ -159,6 +167,20 @@ class DaskExecutor:
         # Names this job's counts of running task attempts on the scheduler (worker.deaths).
         self.job = uuid.uuid4().hex
         self._submitted: dict[str, int] = {}  # shard -> times submitted before
+
+    def stop(self) -> None:
+        """Every worker's running tasks of this job stop at their next sample boundary
+        (worker.stopping). Told from a thread of its own: this is called by a signal handler,
+        which must not wait on the client's event loop."""
+
+        def tell() -> None:
+            try:
+                self.client.run(stopping.stop, self.job)
+            except Exception as exc:  # noqa: BLE001 - said; the running tasks then finish whole instead
+                warnings.warn(f"could not tell the workers to stop ({type(exc).__name__}: {exc}); their running tasks finish whole",
+                              RuntimeWarning, stacklevel=1)
+
+        threading.Thread(target=tell, name="stop-workers", daemon=True).start()
 
     def resolve_specs(self, config: EncodeConfig) -> tuple[list[EncoderSpec], bool, FieldsOutline]:
         """(the encoders' specs, whether text-only rows are samples: ``takes_text_only``, their
@@ -350,4 +372,4 @@ def _run_on_worker(task, output_url, storage_options, specs, threads, settings: 
 
     return encode_task(task, store_url=output_url, storage_options=storage_options, specs=specs, device=_device_here(settings.device),
                        threads=threads, settings=settings, known_shards=known, cache=worker_cache(),
-                       attempt=counted_attempt(job, task.shard))
+                       attempt=counted_attempt(job, task.shard), job=job)

@@ -20,6 +20,10 @@ WORKER_CONFIG = {
     "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
     "distributed.worker.profile.enabled": False,
 }
+# Ctrl-C reaches a local cluster's workers too (one process group), yet the client stops the job:
+# they ignore it (worker.preload). Added to the preloads configured, not in their place.
+PRELOAD = "mmcache.precompute.worker.preload"
+
 # A worker process killed while the local cluster starts (before it registered: the OOM killer, a
 # user's kill) fails its nanny's start, which LocalCluster(n_workers=N) turns into "Nanny failed to
 # start." for the whole cluster. Such a worker is started again under its name (so on its device),
@@ -70,7 +74,8 @@ def local_cluster(workers: int, *, processes: bool = True, dashboard: bool = Fal
         # port 8787, and warns ("Port 8787 is already in use") when another cluster holds it: a
         # free loopback port instead, so no warning reaches a user who asked for no dashboard.
         http = {"dashboard": dashboard, "dashboard_address": ":0" if dashboard else "127.0.0.1:0"}
-        with dask.config.set(WORKER_CONFIG):
+        preloads = [*(dask.config.get("distributed.worker.preload", None) or []), PRELOAD]
+        with dask.config.set({**WORKER_CONFIG, "distributed.worker.preload": preloads}):
             # The scheduler alone first: its workers start below, where one killed meanwhile is retried.
             cluster = LocalCluster(n_workers=0, threads_per_worker=1, processes=processes,
                                    dashboard_address=None, scheduler_kwargs=http, silence_logs=40)

@@ -32,6 +32,7 @@ from .deaths import Deaths, died_reason, verdict
 from .commit_ahead import commit_ahead
 from .encoder_cache import EncoderCache, loaded_encoders
 from .encoder_inputs import GEOMETRY, encoder_input, prepare_clip_sections, prepare_recorded_clip, size_rule_for, text_input
+from .stopping import halt_of
 from .unit_encode import encode_unit
 
 
@@ -43,6 +44,7 @@ class TaskResult:
     dropped: int = 0  # encoded, but another writer had committed them meanwhile: left out
     members: int = 0  # a unit's members read, whatever came of them (precompute.progress sizes unread tars by it)
     skipped: bool = False
+    stopped: bool = False  # its job was stopped (Ctrl-C): it committed only what it had encoded
     seconds: float = 0.0
     died: int = 0  # not run: its earlier attempts' worker died this often; the client splits it
     poisoned: list = field(default_factory=list)  # [source, reason] of inputs rejected because their worker died decoding them
@@ -65,16 +67,19 @@ def encode_task(
     known_shards: list[str] | None = None,
     cache: EncoderCache | None = None,
     attempt: contextlib.AbstractContextManager[Deaths] | None = None,
+    job: str | None = None,
 ) -> TaskResult:
     """Encode one task into one committed shard; idempotent (a committed shard is skipped, and so
     is one another writer commits first). ``known_shards``: the shards the client planned from,
     and the names of its sibling tasks (which hold none of this task's rows). ``attempt``
     (on a Dask worker: ``worker.deaths.counted_attempt``) is held while the rows are read and
     encoded, and says how often that killed the worker before: then the task is split, or its
-    one row rejected, instead (``worker.deaths.verdict``)."""
+    one row rejected, instead (``worker.deaths.verdict``). Once ``job`` is stopped
+    (``worker.stopping``), the task ends at its next sample boundary and commits what it has."""
 
     start = time.perf_counter()
     result = TaskResult(shard=task.shard)
+    halt = halt_of(job)
     # The client planned disjoint tasks from its snapshot; a task only adds one shard. It opens
     # the store from the manifest the client planned with (no request).
     store = open_store(store_url, storage_options, mode="a", load_index=False, manifest=settings.store_manifest)
@@ -89,7 +94,7 @@ def encode_task(
         if task.units:
             # Tars or Parquet row groups: their parts commit as they are read, so a worker death
             # re-runs the task from its last committed part (Dask's retries); it is not split by rows.
-            encode_unit(task, settings, result, set(known_shards or ()),
+            encode_unit(task, settings, result, set(known_shards or ()), halt=halt,
                         encode_rows=lambda sub, part, given: _encode_rows(sub, store, specs, device, threads, settings, part, cache, given),
                         write_shard=lambda sub, done, part, ahead: _write_shard(sub, store, done, part, ahead))
         else:
@@ -98,8 +103,9 @@ def encode_task(
                 if action == "split":
                     return replace(result, died=deaths.count)
                 done = _rejected_as_poison(task, result, died_reason(deaths.exit)) if action == "reject" else \
-                    _encode_rows(task, store, specs, device, threads, settings, result, cache)
-            _write_shard(task, store, done, result, settings.commit_ahead_bytes)
+                    _encode_rows(task, store, specs, device, threads, settings, result, cache, halt=halt)
+            if done or result.rejects or not result.stopped:  # a task stopped before its first sample leaves no empty shard
+                _write_shard(task, store, done, result, settings.commit_ahead_bytes)
         if not result.skipped:  # a shard another writer committed first took this task no time
             result.seconds = time.perf_counter() - start
         return result.summary()
@@ -144,8 +150,10 @@ def _write_shard(task: TaskSpec, store: Any, done: list, result: TaskResult, com
 
 
 def _encode_rows(task: TaskSpec, store, specs, device, threads, settings: TaskSettings, result: TaskResult,
-                 cache: EncoderCache | None = None, given: Iterable[tuple[InputRow, bytes | None]] | None = None) -> list:
-    """(row, arrays or None, meta) for each row that was not rejected; rejects go to ``result``."""
+                 cache: EncoderCache | None = None, given: Iterable[tuple[InputRow, bytes | None]] | None = None,
+                 halt: Callable[[], bool] = lambda: False) -> list:
+    """(row, arrays or None, meta) for each row that was not rejected; rejects go to ``result``.
+    Once ``halt()`` says so, the rows not yet in a batch are left (``result.stopped``): a re-run plans them."""
     configured = loaded_encoders(specs, device, threads, cache)
     # Only the encoders of the fields this task writes run (a field added to committed samples).
     encoders = {section: encoder for section, encoder in configured.items() if set(encoder.fields()) & set(task.fields)}
@@ -178,6 +186,9 @@ def _encode_rows(task: TaskSpec, store, specs, device, threads, settings: TaskSe
         ahead = 2 * settings.batch_size + settings.decode_threads
         futures = handed_over(submitted, "read-unit", ahead) if given is not None else kept_ahead(submitted, ahead)
         for batch in _bucketed(futures, settings.batch_size, reject, MediaError, timeout):
+            if halt():
+                result.stopped = True
+                break
             _encode_batch(batch, encoders, reject, done, primary)
     finally:
         pool.shutdown()

@@ -25,13 +25,15 @@ from .daemon_pool import DaemonPool
 
 def encode_unit(task: TaskSpec, settings: TaskSettings, result: Any, committed: set[str], *,
                 encode_rows: Callable[[TaskSpec, Any, Iterator[tuple[InputRow, bytes | None]]], list],
-                write_shard: Callable[[TaskSpec, list, Any, int], None]) -> None:
+                write_shard: Callable[[TaskSpec, list, Any, int], None], halt: Callable[[], bool] = lambda: False) -> None:
     """The samples of the task's tars (or row groups), read once front to back, one unit after
     another, and decoded as they arrive, committed in parts of ``task.part_size`` members: each part a later member follows as
     ``<shard>-pNNNNN``, the last one (full or not) as ``<shard>``, which marks the unit done.
     Parts an earlier run committed are read past, not encoded. ``encode_rows(sub, part, rows)``
     and ``write_shard(sub, done, part, commit_ahead_bytes)`` are the task's own steps
-    (precompute.worker.tasks); ``result`` gets every part's counts."""
+    (precompute.worker.tasks); ``result`` gets every part's counts. Once ``halt()`` says so, the
+    task ends before its next part (``result.stopped``): the unit is not done, and a re-run reads
+    past the parts committed."""
     assert task.units
     parts = _UnitParts(task, settings, result, write_shard)
     members = _Pushback(_counted(_opened(task.units, settings), result))
@@ -41,6 +43,9 @@ def encode_unit(task: TaskSpec, settings: TaskSettings, result: Any, committed: 
             name = f"{task.shard}-p{index:05d}"
             if name in committed:  # then a member followed it in that run, and follows it now
                 parts.pass_over(members)
+            elif halt():
+                result.stopped = True
+                return
             else:
                 part = type(result)(shard=name)
                 sub = replace(task, shard=name, rows=[], units=())
