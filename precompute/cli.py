@@ -4,7 +4,7 @@ Heavy imports (torch, dask, encoders) happen inside the commands that need them,
 
 from __future__ import annotations
 
-import signal
+import sys
 
 import click
 
@@ -37,18 +37,6 @@ from .runtime.interrupt import Interrupted, raising_on_signals
 def encode(config_name, input_urls, output_url, workers, scheduler, device, overrides, storage_options, input_storage_options, progress, allow_empty,
            dry_run, prompts_file) -> None:
     """Run frozen encoders over INPUT once and write their features to the store at OUTPUT."""
-    try:
-        with raising_on_signals():
-            _encode(config_name, input_urls, output_url, workers, scheduler, device, overrides, storage_options, input_storage_options,
-                    progress, allow_empty, dry_run, prompts_file)
-    except (KeyboardInterrupt, Interrupted) as exc:
-        stopped = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
-        click.echo(stopped.line(), err=True)
-        raise click.exceptions.Exit(stopped.exit_code) from None
-
-
-def _encode(config_name, input_urls, output_url, workers, scheduler, device, overrides, storage_options, input_storage_options, progress,
-            allow_empty, dry_run, prompts_file) -> None:
     if workers is not None and scheduler:
         raise click.UsageError("--workers and --scheduler exclude each other")
     if dry_run and scheduler:
@@ -83,7 +71,14 @@ def _encode(config_name, input_urls, output_url, workers, scheduler, device, ove
 
 
 def main() -> None:
-    cli()
+    """Every command: Ctrl-C or SIGTERM ends it with one line and exit 130 / 143 (``encode`` first
+    stops its tasks at a sample boundary: precompute.runtime.interrupt), never a traceback."""
+    try:
+        with raising_on_signals():
+            cli()
+    except Interrupted as stopped:
+        click.echo(stopped.line(), err=True)
+        sys.exit(stopped.exit_code)
 
 
 if __name__ == "__main__":

@@ -243,7 +243,8 @@ def execute(plan: EncodePlan, executor: Executor, *, progress: bool | None = Non
         _run_tasks(plan, executor, executed, meter, stop, log)
     meter.close()
     if stop.signum is not None:
-        raise Interrupted(stop.signum, f"stopped at a sample boundary with {executed.samples_written} sample(s) of this run committed")
+        raise Interrupted(stop.signum, f"stopped at a sample boundary with {executed.samples_written} sample(s) of this run committed",
+                          "run the same command again to encode the rest (committed samples are not encoded again)")
     commit_plan_rejects(plan.store, plan.duplicate_rejects)
     executed.rejected += len(plan.duplicate_rejects)
     return executed

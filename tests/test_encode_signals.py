@@ -63,3 +63,24 @@ def test_a_signal_stops_the_job_at_a_sample_boundary_and_the_rerun_does_the_rest
     ids = Counter(featstore.open(str(store)).sample_ids())
     assert len(ids) == 120 and set(ids.values()) == {1}
     assert subprocess.run([MMCACHE, "verify", str(store)], capture_output=True).returncode == 0
+
+
+def test_a_signal_before_any_task_ran_is_one_line_too(tmp_path):
+    """SIGTERM while the job waits for a worker of an external cluster (none ever joins): one
+    line and exit 143, where it used to end the process unseen (no line, exit -15)."""
+    from distributed import LocalCluster
+
+    manifest = make_dataset(tmp_path / "data", num_images=2, num_videos=0)
+    with LocalCluster(n_workers=0, processes=False, protocol="tcp", host="127.0.0.1", dashboard_address=None) as bare:
+        job = subprocess.Popen(command(manifest, tmp_path / "store", "--scheduler", bare.scheduler_address), stderr=subprocess.PIPE,
+                               stdout=subprocess.DEVNULL, text=True)
+        assert job.stderr is not None
+        assert job.stderr.readline().startswith("waiting up to")  # the job is waiting for a worker now
+        job.send_signal(signal.SIGTERM)
+        stderr = job.stderr.read()
+        job.wait(timeout=120)
+    assert job.returncode == 143, stderr
+    assert stderr.strip().splitlines() == [
+        "terminated (SIGTERM): stopped before it was done (each write is committed whole or not at all: what was committed stays); "
+        "run the same command again to finish"
+    ]

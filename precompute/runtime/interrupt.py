@@ -21,8 +21,8 @@ class Interrupted(BaseException):
     """The job was stopped by a signal (a BaseException, like KeyboardInterrupt: no ``except
     Exception`` on the way out may take it for a failure of its own)."""
 
-    def __init__(self, signum: int, done: str = "") -> None:
-        self.signum, self.done = signum, done
+    def __init__(self, signum: int, done: str = "", then: str = "") -> None:
+        self.signum, self.done, self.then = signum, done, then
         super().__init__(self.line())
 
     @property
@@ -31,8 +31,8 @@ class Interrupted(BaseException):
 
     def line(self) -> str:
         what = NAMES.get(signal.Signals(self.signum), f"stopped by signal {self.signum}")
-        done = self.done or "stopped before the job was done (every commit is atomic: what was committed stays)"
-        return f"{what}: {done}; run the same command again to encode the rest (committed samples are not encoded again)"
+        done = self.done or "stopped before it was done (each write is committed whole or not at all: what was committed stays)"
+        return f"{what}: {done}; {self.then or 'run the same command again to finish'}"
 
 
 class StopRequest:
