@@ -164,7 +164,7 @@ def copy(src, dst, storage_options, src_storage_options, dst_storage_options, wo
     """Copy the store at SRC to DST (any two URLs). Parallel, checked against the store's
     checksums, committed shard by shard (a reader of DST never sees half a shard); run it again
     after an interruption and it copies only what is missing. DST must be new or an earlier copy
-    of SRC, unless --merge."""
+    of SRC, unless --merge, and lie neither inside SRC nor around it."""
     both = parse_storage_options(storage_options)
     src_options = parse_storage_options(src_storage_options) or both
     dst_options = parse_storage_options(dst_storage_options) or both

@@ -91,6 +91,8 @@ def copy_store(
     source's shards are added, without the samples the destination already holds.
     ``progress(shards_done, shards_total, bytes_copied)`` is called after each shard."""
     t0 = time.perf_counter()
+    if nested := _nested(src, dst):
+        raise SchemaError(nested)
     source = open_store(src, src_options)  # strict: a damaged index part fails the copy at once
     dest = open_storage(dst, dst_options)
     try:
@@ -108,7 +110,8 @@ def copy_store(
             if not dest.write_new(key, raw):
                 raise SchemaError(f"{dest.url}/{key} was written with other content meanwhile; run the copy again")
         report = None if progress is None else lambda done, copied: progress(done + skipped, len(source.shards), copied)
-        counts = _copy_shards(source.storage, dest, todo, workers, _ByteBudget(max_inflight_bytes), report)
+        ndims = {name: spec.ndim for name, spec in source.fields.items()}
+        counts = _copy_shards(source.storage, dest, todo, workers, _ByteBudget(max_inflight_bytes), report, ndims)
         return CopySummary(
             src=source.url, dst=dest.url, shards=len(source.shards), shards_copied=len(todo), shards_skipped=skipped,
             seconds=time.perf_counter() - t0, samples_dropped=dropped, prompts_copied=len(prompts), prompts_dropped=prompts_dropped, **counts,
@@ -116,6 +119,27 @@ def copy_store(
     finally:
         source.close()
         dest.close()
+
+
+def _nested(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> str:
+    """Why a copy from ``src`` to ``dst`` would read or write itself, if one lies inside the other
+    ('' if neither): on one file system, by path (local ones resolved: a link or '..' cannot hide it)."""
+    import fsspec
+
+    (src_protocol, src_path), (dst_protocol, dst_path) = (fsspec.core.split_protocol(os.fspath(url)) for url in (src, dst))
+    local = {None, "file", "local"}
+    if src_protocol in local and dst_protocol in local:
+        src_path, dst_path = os.path.realpath(src_path), os.path.realpath(dst_path)
+    elif src_protocol != dst_protocol:
+        return ""
+    a, b = src_path.rstrip("/") + "/", dst_path.rstrip("/") + "/"
+    if a == b:
+        return f"the source {os.fspath(src)} and the destination {os.fspath(dst)} are the same location: there is nothing to copy"
+    if b.startswith(a):
+        return f"the destination {os.fspath(dst)} is inside the source {os.fspath(src)}: the copy would be written into the store it copies; copy to a location outside it"
+    if a.startswith(b):
+        return f"the source {os.fspath(src)} is inside the destination {os.fspath(dst)}: copy to a location that does not hold it"
+    return ""
 
 
 def _plan_shards(source: Store, dest: Storage, at_dest: dict[str, str], held: set[tuple[str, str]]) -> tuple[list[tuple[Any, set[str]]], int, int]:
@@ -142,7 +166,7 @@ def _plan_shards(source: Store, dest: Storage, at_dest: dict[str, str], held: se
 
 
 def _copy_shards(src: Storage, dest: Storage, todo: list[tuple[Any, set[str]]], workers: int, budget: _ByteBudget,
-                 progress: Callable[[int, int], None] | None) -> dict[str, int]:
+                 progress: Callable[[int, int], None] | None, ndims: dict[str, int | None]) -> dict[str, int]:
     """Copy each shard's objects (``workers`` at a time, within ``budget`` bytes in flight), then
     commit it at the destination, in order; ``progress(shards_done, bytes_copied)`` after each."""
     counts = {"objects_copied": 0, "objects_kept": 0, "bytes_copied": 0}
@@ -162,7 +186,7 @@ def _copy_shards(src: Storage, dest: Storage, todo: list[tuple[Any, set[str]]], 
             for done, (info, drop, futures) in enumerate(plan, 1):
                 for future in futures:
                     future.result()
-                _commit_shard(src, dest, info, drop)
+                _commit_shard(src, dest, info, drop, ndims)
                 if progress:
                     progress(done, counts["bytes_copied"])
         except BaseException:
@@ -268,11 +292,11 @@ def _copy_object(src: Storage, dest: Storage, key: str, expected: dict[str, int]
         budget.release(nbytes)
 
 
-def _commit_shard(src: Storage, dest: Storage, info: Any, drop: set[str]) -> None:
+def _commit_shard(src: Storage, dest: Storage, info: Any, drop: set[str], ndims: dict[str, int | None]) -> None:
     raw = src.read(info.index_key)
     table, _ = parse_index_part(raw, info.name, info.index_key, src.url, fmt.parse_index_part_name(info.index_key.rsplit("/", 1)[-1])[1])
-    if outside := row_outside_data(table, info):
-        raise CorruptionError(f"{src.url}/{info.index_key}: {outside} points outside the data of shard {info.name!r}: the source is damaged, run `mmcache verify {src.url}`")
+    if wrong := row_outside_data(table, info, ndims):
+        raise CorruptionError(f"{src.url}/{info.index_key}: {wrong}: the source is damaged, run `mmcache verify {src.url}`")
     key = info.index_key
     if drop:  # --merge: the same objects, an index part without the rows the destination holds
         raw, key = rewritten_part(raw, info, drop, info.name), fmt.index_part_key(info.name)

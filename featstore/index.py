@@ -224,19 +224,25 @@ def shard_info(info: dict[str, Any], name: str, key: str, nbytes: int) -> ShardI
                      recorded_first_id(info, key))
 
 
-def row_outside_data(table: pa.Table, info: ShardInfo) -> str | None:
-    """The first sample of an index part whose extent (``<field>.offset`` + the product of
-    ``<field>.shape``) lies outside the data its commit record gives that field, or None. Readers
-    bound each read where they compute it; a copy, which reads no sample, checks here so that
-    it never publishes rows that point outside their data."""
+def row_outside_data(table: pa.Table, info: ShardInfo, ndims: Mapping[str, int | None] | None = None) -> str | None:
+    """What is wrong with the first sample of an index part whose extent (``<field>.offset`` + the
+    product of ``<field>.shape``) lies outside the data its commit record gives that field, or
+    whose shape has not the field's dimensions (``ndims``: the manifest's), or None. Readers
+    bound each read where they compute it; a copy, which reads no sample, checks here so that it
+    never publishes rows that verify would refuse."""
     ids = table.column("id").to_pylist()
     for name, layout in info.layouts.items():
         if f"{name}.offset" not in table.column_names:
             continue
+        ndim = (ndims or {}).get(name)
         extents = zip(table.column(f"{name}.offset").to_pylist(), table.column(f"{name}.shape").to_pylist(), strict=True)
         for sample_id, (offset, shape) in zip(ids, extents, strict=True):
-            if offset is not None and not (0 <= offset and all(d >= 0 for d in shape) and offset + math.prod(shape) <= layout.elements):
-                return f"sample {sample_id!r} field {name!r}"
+            if offset is None:
+                continue
+            if not (0 <= offset and all(d >= 0 for d in shape) and offset + math.prod(shape) <= layout.elements):
+                return f"sample {sample_id!r} field {name!r} points outside the data of shard {info.name!r}"
+            if ndim is not None and len(shape) != ndim:
+                return f"sample {sample_id!r} field {name!r} has a shape of {len(shape)} dimension(s), the field {ndim}"
     return None
 
 

@@ -311,3 +311,30 @@ def test_a_hostile_store_on_s3_is_refused_before_any_use(tmp_path, s3_bucket, ca
     report = verify_store(featstore.open(remote, strict=False))
     assert not report.ok and any("index" in p for p in report.problems)
     assert not (tmp_path / "copy" / "outside").exists()
+
+
+def test_a_row_of_other_dimensions_is_refused_by_copy_as_by_verify(tmp_path):
+    url = _store(tmp_path)
+
+    def forty_dims(table: pa.Table) -> pa.Table:  # the same 6 elements, as 40 dimensions
+        shapes = pa.array([[6] + [1] * 39, [1, 3]], pa.list_(pa.int64()))
+        return table.set_column(table.column_names.index("x.shape"), "x.shape", shapes.cast(table.schema.field("x.shape").type))
+
+    _rewrite(url, rows=forty_dims)
+    report = verify_store(featstore.open(str(url), strict=False))
+    assert not report.ok and any("does not have 2 dimensions" in p for p in report.problems), report.problems
+    with pytest.raises(CorruptionError, match="sample 'a' field 'x' has a shape of 40 dimension\\(s\\), the field 2"):
+        copy_store(str(url), str(tmp_path / "copy"))
+    assert not any((tmp_path / "copy" / fmt.INDEX_DIR).glob("*.parquet"))  # nothing committed at the destination
+
+
+def test_a_copy_into_or_around_its_source_is_refused(tmp_path):
+    url = _store(tmp_path)
+    (tmp_path / "link").symlink_to(url)
+    before = sorted(p.relative_to(url) for p in url.rglob("*"))
+    for src, dst, says in [(url, url / "inner", "is inside the source"), (tmp_path / "link", url / "x" / "..", "are the same location"),
+                           (url, tmp_path / "link" / "copy", "is inside the source"), (url, tmp_path, "is inside the destination")]:
+        with pytest.raises(featstore.SchemaError, match=says):
+            copy_store(str(src), str(dst))
+    assert sorted(p.relative_to(url) for p in url.rglob("*")) == before  # nothing written into the source
+    assert copy_store(str(url), str(tmp_path / "elsewhere")).shards_copied == 1
