@@ -111,3 +111,18 @@ def test_a_caption_longer_than_the_limit_is_cut_before_tokenizing_and_the_cut_re
     assert store.meta("long")["caption"] == long  # stored whole
     text = next(name for name, spec in store.fields.items() if spec.meta.get("section") == "text")
     assert (store.read("long")[text] == store.read("cut")[text]).all()
+
+
+def test_a_folder_caption_that_is_not_utf8_is_a_reject_as_in_a_tar(tmp_path):
+    """A same-stem .txt of UTF-16 (Notepad's "Unicode": ``ff fe``) was stored as text full of
+    replacement characters; a tar or JSONL with the same bytes rejects it. Now the folder does too,
+    with the reason, and its UTF-8 neighbours (a byte-order mark allowed) are read."""
+    folder = tmp_path / "media"
+    folder.mkdir()
+    for name, caption in [("a", "a red cube".encode("utf-16")), ("b", "\ufeffa blue cube".encode()), ("c", b"a green cube")]:
+        (folder / f"{name}.png").write_bytes(png(ord(name)))
+        (folder / f"{name}.txt").write_bytes(caption)
+    stream = read_all(str(folder), SourceOptions())
+    assert {row.sample_id: row.caption for row in stream.rows} == {"b.png": "a blue cube", "c.png": "a green cube"}
+    (reject,) = stream.rejects
+    assert reject.reason.startswith("caption file a.txt: it is not UTF-8 (invalid start byte at byte 0; it is UTF-16 (its byte-order mark)); save it as UTF-8"), reject

@@ -20,7 +20,7 @@ from ...featstore.index import read_parquet
 from ...featstore.retry import protocol_of, remote_filesystem, with_retries
 from ...featstore.secrets import redact_url
 from .row_rules import _LOCAL_PROTOCOLS, WALK_PROBLEM, _rows, _Rules, local_file_problem
-from .rows import EmptyInputError, InputRow, ManifestError, Reject
+from .rows import EmptyInputError, InputRow, ManifestError, Reject, caption_of_bytes
 from ...featstore.local_storage import under_root
 from .source_bytes import DEFAULT_MAX_INPUT_BYTES, InputFileError, read_local_file
 
@@ -203,7 +203,9 @@ def _local_caption(path: str, rules: _Rules) -> dict[str, str]:
     problem = local_file_problem(path, _Rules(**{**rules.__dict__, "max_input_bytes": MAX_CAPTION_BYTES}))
     if problem is None:
         try:
-            return {"caption": read_local_file(path, MAX_CAPTION_BYTES).decode("utf-8-sig", errors="replace").strip()}
+            caption, problem = caption_of_bytes(read_local_file(path, MAX_CAPTION_BYTES), "it")
+            if problem is None:
+                return {"caption": caption}
         except InputFileError as exc:
             problem = exc.reason
         except OSError as exc:
@@ -224,6 +226,7 @@ def _folder_records(fs: Any, root: str) -> list[dict[str, Any]]:
         if file.lower().endswith(".txt") or posixpath.basename(file).startswith("."):
             continue
         caption_file = texts.get(posixpath.splitext(file)[0])
-        caption = fs.cat_file(caption_file).decode("utf-8-sig", errors="replace").strip() if caption_file else ""
-        records.append({"path": posixpath.relpath(file, root), "caption": caption})
+        caption, problem = caption_of_bytes(fs.cat_file(caption_file), "it") if caption_file else ("", None)
+        records.append({"path": posixpath.relpath(file, root), "caption": caption,
+                        **({WALK_PROBLEM: f"caption file {posixpath.basename(caption_file)}: {problem}"} if problem else {})})
     return records

@@ -113,6 +113,18 @@ def printable(text: str) -> str:
         return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def caption_of_bytes(raw: bytes, what: str) -> tuple[str, str | None]:
+    """(the caption in ``raw``, stripped; or why it is not usable text) for a caption file or
+    member: UTF-8, a byte-order mark allowed. Other bytes are a reject everywhere, never text
+    with replacement characters in place of what the file said (a UTF-16 file is named as such:
+    Windows' Notepad saves "Unicode" so)."""
+    try:
+        return raw.decode("utf-8-sig").strip(), None
+    except UnicodeDecodeError as exc:
+        utf16 = "; it is UTF-16 (its byte-order mark)" if raw[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+        return "", f"{what} is not UTF-8 ({exc.reason} at byte {exc.start}{utf16}); save it as UTF-8"
+
+
 def utf8_problem(text: str, what: str) -> str | None:
     """Why ``text`` (a name read as bytes, undecodable ones kept as surrogates) is not UTF-8, or None."""
     try:

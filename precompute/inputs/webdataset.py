@@ -17,7 +17,7 @@ from ...featstore.retry import remote_filesystem, with_retries
 from ...featstore.secrets import redact_url
 from .located import read_tar_member
 from .registry import InputSource, Member, SourceOptions, SourceRead, SourceUnit, file_stem, member_or_reject, open_input, register
-from .rows import InputRow, ManifestError, Reject, caption_problem, has_visible_text, modality_of, printable, safe_id, sample_id_for, utf8_problem
+from .rows import InputRow, ManifestError, Reject, caption_of_bytes, caption_problem, has_visible_text, modality_of, printable, safe_id, sample_id_for, utf8_problem
 from .tar_reader import TarFormatError, TarMember, TarReader, plain_name
 
 
@@ -135,10 +135,7 @@ def _sample_of(unit: SourceUnit, group: _Group, finished: set[str]) -> Member:
 def _caption(group: _Group, caption_key: str) -> tuple[str, str | None]:
     """(caption, why there is none usable): the .txt member, else ``caption_key`` of the .json."""
     if "txt" in group.parts:
-        try:
-            return group.parts["txt"][1].decode("utf-8-sig").strip(), None
-        except UnicodeDecodeError as exc:
-            return "", f"caption member {group.parts['txt'][0]!r} is not UTF-8 ({exc.reason} at byte {exc.start})"
+        return caption_of_bytes(group.parts["txt"][1], f"caption member {group.parts['txt'][0]!r}")
     if "json" not in group.parts:
         return "", None
     try:
