@@ -165,6 +165,7 @@ def copy(src, dst, storage_options, src_storage_options, dst_storage_options, wo
     checksums, committed shard by shard (a reader of DST never sees half a shard); run it again
     after an interruption and it copies only what is missing. DST must be new or an earlier copy
     of SRC, unless --merge, and lie neither inside SRC nor around it."""
+    check_output_location(dst, "DST")
     both = parse_storage_options(storage_options)
     src_options = parse_storage_options(src_storage_options) or both
     dst_options = parse_storage_options(dst_storage_options) or both

@@ -91,6 +91,9 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, where: str = "") -> T:
     moved = [f"{_join(where, k)} is not a setting: {hints[k]}" for k in unknown if k in hints]
     if moved:
         raise ConfigError("; ".join(moved))
+    if not where and len(everywhere := _unknown_keys(cls, data, where)) > 1:
+        # All of them at once, at every level: not one per try of a long command line.
+        raise ConfigError(f"unknown key(s): {'; '.join(everywhere)}")
     if unknown:
         raise ConfigError(
             f"unknown key(s) {', '.join(_join(where, k) for k in unknown)}; "
@@ -102,6 +105,31 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, where: str = "") -> T:
         return cls(**kwargs)
     except TypeError as exc:  # a required field without a value
         raise ConfigError(f"{where or cls.__name__}: {exc}") from None
+
+
+def _unknown_keys(cls: Any, data: dict[str, Any], where: str) -> list[str]:
+    """The unknown keys of ``data`` for ``cls`` and, where a value is a section of its own (a
+    nested dataclass), of that section, each level's with the keys known there."""
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    moved = getattr(cls, "MOVED_KEYS", {})  # told apart by from_dict, with their hints
+    unknown = sorted(set(data) - fields - set(moved))
+    found = [f"{', '.join(_join(where, k) for k in unknown)} (known {'in ' + where if where else 'at the top'}: "
+             f"{', '.join(sorted(fields))})"] if unknown else []
+    hints = typing.get_type_hints(cls)
+    for name, value in data.items():
+        if name in fields and isinstance(value, dict) and (section := _section_of(hints[name])) is not None:
+            found += _unknown_keys(section, value, _join(where, name))
+    return found
+
+
+def _section_of(hint: Any) -> Any:
+    """The dataclass a setting's type is (``X`` or ``X | None``), or None."""
+    if dataclasses.is_dataclass(hint):
+        return hint
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        sections = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]
+        return sections[0] if len(sections) == 1 else None
+    return None
 
 
 def to_dict(config: Any) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import tempfile
 from typing import Any
 
 import click
@@ -93,3 +94,10 @@ def check_output_location(path: str, option: str) -> None:
     if not os.access(probe, os.W_OK | os.X_OK):
         why = "a read-only file system" if os.statvfs(probe).f_flag & os.ST_RDONLY else "permission denied"
         raise click.ClickException(f"{option} {path}: {probe} is not writable ({why}); choose a location you can write to")
+    # What access() allows, a file system may still refuse (/proc, /sys: root may "write" there,
+    # yet nothing can be made): a folder made and removed at once tells.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".mmcache-probe-", dir=probe))
+    except OSError as exc:
+        raise click.ClickException(f"{option} {path}: nothing can be created in {probe} ({exc.strerror}: a virtual file system?); "
+                                   "choose a location you can write to") from None

@@ -98,6 +98,16 @@ def test_output_is_a_file(tmp_path, store):
     one_line_error(fit("--features", store, "--out", str(afile / "run")), "is a file, so no folder can be made there")
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="no /proc on this system")
+def test_an_output_where_nothing_can_be_made_says_so(tmp_path, store):
+    """/proc: access() allows root to write there, yet no folder can be made; it said the store
+    there was damaged."""
+    for result, option in [(CliRunner().invoke(mmcache, ["encode", "--config", "tiny", "--input", str(tmp_path), "--output", "/proc/x"]), "--output"),
+                           (CliRunner().invoke(mmcache, ["copy", store, "/proc/x"]), "DST"), (fit("--features", store, "--out", "/proc/x"), "--out")]:
+        line = one_line_error(result, f"{option} /proc/x: ")
+        assert "nothing can be created in /proc" in line or "/proc is not writable" in line, line
+
+
 def test_bad_encoder_option_fails_before_any_worker(tmp_path):
     make_dataset(tmp_path / "data", num_images=1, num_videos=0)
     manifest = next((tmp_path / "data").glob("*.jsonl"))
@@ -219,3 +229,11 @@ def test_debug_shows_the_traceback(tmp_path):
 def test_info_json_still_works(store):
     result = CliRunner().invoke(mmcache, ["info", store, "--json"])
     assert result.exit_code == 0 and json.loads(result.output)["num_samples"] == 8
+
+
+def test_unknown_keys_at_every_level_are_named_at_once(tmp_path):
+    """Each with the keys known at its level, in one line: not one per try of a long command."""
+    result = CliRunner().invoke(mmcache, ["encode", "--config", "tiny", "--set", "bogus=1", "--set", "data.nope=2", "--set", "run.yy=3",
+                                          "--input", str(tmp_path / "m.jsonl"), "--output", str(tmp_path / "o")])
+    one_line_error(result, "unknown key(s): bogus (known at the top: data, device,", "; data.nope (known in data: allow_empty,",
+                   "; run.yy (known in run: batch_size,")
