@@ -151,7 +151,7 @@ def _parse_parts(parts_raw: bytes, digest: str, marker: str, url: str, rows: Cal
     where = f"{url}/{key}"
     try:
         listing = parquet_file(parts_raw)
-        doc = json.loads((listing.metadata.metadata or {})[CHECKPOINT_METADATA_KEY])
+        doc = fmt.store_json((listing.metadata.metadata or {})[CHECKPOINT_METADATA_KEY])
         if doc.get("checkpoint_version", 0) > CHECKPOINT_VERSION:
             raise FormatVersionError(f"{where} was written by a newer mmcache (checkpoint version {doc['checkpoint_version']}); upgrade mmcache")
         described = listing.read(columns=list(_PART_COLUMNS[:-1]), use_threads=False)
@@ -256,7 +256,7 @@ def _marker_seal(raw: bytes) -> tuple[str, int, str | None] | None:
     older compactor's marker (or one that is not this format's: the checkpoint is then read and
     checked whole)."""
     try:
-        doc = json.loads(raw)
+        doc = fmt.store_json(raw)
         sha, size, ids = doc["parts_sha256"], doc["rows_nbytes"], doc.get("ids_sha256")
     except (ValueError, KeyError, TypeError, AttributeError):
         return None

@@ -296,9 +296,19 @@ def root_group_json(manifest: dict[str, Any]) -> bytes:
     return _dumps({"zarr_format": 3, "node_type": "group", "attributes": doc})
 
 
+def store_json(raw: bytes | str) -> Any:
+    """``json.loads`` for JSON a store holds (a manifest, a commit record, a declaration): a
+    document nested deeper than Python's stack, as a hostile store may hold, is a ValueError like
+    any other bad JSON, which every reader already turns into its one line, not a RecursionError."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("JSON nested deeper than mmcache reads") from None
+
+
 def parse_root_group(raw: bytes, where: str) -> dict[str, Any]:
     try:
-        doc = json.loads(raw)
+        doc = store_json(raw)
         manifest = doc["attributes"]["mmcache"]
         name, version = manifest["format"], manifest["format_version"]
     except (ValueError, KeyError, TypeError):

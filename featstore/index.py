@@ -9,7 +9,6 @@ thread of Arrow's is ever started (see ``parquet_file``).
 from __future__ import annotations
 
 import io
-import json
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -106,7 +105,7 @@ class RecordMapping(Mapping[str, Any]):
     def _decoded(self) -> dict[str, Any]:
         if self._data is None:
             # (Each of a shard's two mappings decodes the record once, when first used.)
-            doc = json.loads(self._record(self._row))[self._part]
+            doc = fmt.store_json(self._record(self._row))[self._part]
             self._data = {f: fmt.ChunkLayout(v["elements"], v["chunk_elements"], v["num_chunks"]) for f, v in doc.items()} if self._part == "fields" else doc
         return self._data
 
@@ -115,7 +114,7 @@ class RecordMapping(Mapping[str, Any]):
 
     def record(self) -> dict[str, Any]:
         """The whole commit record, decoded (not kept)."""
-        return json.loads(self._record(self._row))
+        return fmt.store_json(self._record(self._row))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys if self._keys is not None else self._decoded())
@@ -147,7 +146,7 @@ def recorded_shard_info(name: str, key: str, nbytes: int, num_samples: int, num_
 
 def _json(text: str, key: str) -> dict[str, Any]:
     try:
-        doc = json.loads(text)
+        doc = fmt.store_json(text)
     except ValueError as exc:
         raise CorruptionError(f"{key}: a commit record that is not JSON ({exc})") from None
     if not isinstance(doc, dict):
@@ -190,7 +189,7 @@ def parse_index_part_record(raw: bytes, name: str, key: str, url: str, crc: int 
         # The sealed CRC is in the Parquet footer's key/value metadata; the Arrow schema stored
         # beside it still holds the placeholder.
         sealed = (parquet.metadata.metadata or {})[fmt.COMMIT_CRC_METADATA_KEY] if crc is None else None
-        info = json.loads(metadata[fmt.COMMIT_METADATA_KEY])
+        info = fmt.store_json(metadata[fmt.COMMIT_METADATA_KEY])
     except (pa.ArrowException, KeyError, OSError, ValueError) as exc:
         raise CorruptionError(f"{where}: index part of shard {name!r} is not a valid index part ({exc})") from None
     if sealed is not None and not fmt.index_part_seal_ok(raw, sealed):

@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from . import format as fmt
-from .errors import SchemaError
+from .errors import CorruptionError, SchemaError
 from .storage import Storage
 
 _PUBLISH_TRIES = 20
@@ -25,8 +25,18 @@ def _read_declarations(storage: Storage) -> list[tuple[str, str, dict[str, Any]]
         kind, _, rest = entry.partition(".")
         name = rest.removesuffix(".json")
         if kind in ("field", "ndim", "version") and rest.endswith(".json"):
-            out.append((kind, name, json.loads(storage.read(f"{fmt.DECLARATIONS_DIR}/{entry}"))))
+            out.append((kind, name, _declaration(storage, f"{fmt.DECLARATIONS_DIR}/{entry}")))
     return out
+
+
+def _declaration(storage: Storage, key: str) -> dict[str, Any]:
+    try:
+        doc = fmt.store_json(storage.read(key))
+    except ValueError as exc:
+        raise CorruptionError(f"{storage.url}/{key}: a manifest declaration that is not JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise CorruptionError(f"{storage.url}/{key}: a manifest declaration that is not a JSON object")
+    return doc
 
 
 def merged(storage: Storage, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -49,7 +59,7 @@ def declare(storage: Storage, kind: str, name: str, doc: dict[str, Any]) -> dict
     raw = json.dumps(doc, sort_keys=True).encode()
     if storage.write_new(key, raw):
         return doc
-    return json.loads(storage.read(key))
+    return _declaration(storage, key)
 
 
 def declare_field(storage: Storage, name: str, spec: dict[str, Any]) -> None:

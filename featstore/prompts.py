@@ -129,7 +129,7 @@ def read_part(raw: bytes, key: str, where: str) -> PromptPart:
     field, digest, _ = parsed
     try:
         table = read_parquet(raw)
-        info = json.loads((table.schema.metadata or {}).get(METADATA_KEY, b"{}"))
+        info = fmt.store_json((table.schema.metadata or {}).get(METADATA_KEY, b"{}"))
         columns = [table.column(c).to_pylist() for c in ("prompt", "dtype", "shape", "data", "crc32c")]
     except (pa.ArrowException, KeyError, ValueError, OSError) as exc:
         raise CorruptionError(f"{where}/{key}: not a readable prompt-embedding object ({exc})") from None

@@ -12,7 +12,6 @@ moves or changes, so a reader that opened the store before keeps reading it.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -39,7 +38,7 @@ def rewritten_part(raw: bytes, info: ShardInfo, drop_ids: set[str], name: str) -
     """Index part ``raw`` of ``info`` without the rows of ``drop_ids``, as version-3 shard ``name``
     over the same objects (its data directory and rejects named in the record)."""
     table = read_parquet(raw)
-    record = json.loads(table.schema.metadata[fmt.COMMIT_METADATA_KEY])
+    record = fmt.store_json(table.schema.metadata[fmt.COMMIT_METADATA_KEY])
     kept = table.filter(pc.invert(pc.is_in(table.column("id"), pa.array(sorted(drop_ids), pa.string()))))
     record.update(
         format_version=fmt.EXCLUSIVE_COMMIT_VERSION, shard=name, num_samples=kept.num_rows,

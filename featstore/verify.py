@@ -9,7 +9,6 @@ name, its field against the manifest). Problems name the shard, object or sample
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from collections.abc import Callable
@@ -193,7 +192,7 @@ def check_checkpoints(storage: Storage, problems: list[str], notes: list[str]) -
                 continue
             table, record = parsed[entry]  # type: ignore[misc]
             compared += 1
-            why = ("its commit record differs" if json.loads(part.record) != record
+            why = ("its commit record differs" if fmt.store_json(part.record) != record
                    else f"its first id {part.info.first_id!r} is not the record's (an epoch order would visit the shard elsewhere)"
                    if part.info.first_id not in (IN_RECORD, record.get("first_id"))
                    else _rows_differ(checkpoint.table.slice(part.start, part.info.num_samples), table, part.info.name))
@@ -321,7 +320,7 @@ def _verify_shard(store: Store, name: str, info: Any, report: VerifyReport) -> N
 
 def _check_array_metadata(raw: bytes, spec: fmt.FieldSpec, layout: fmt.ChunkLayout, where: str, report: VerifyReport) -> None:
     try:
-        doc = json.loads(raw)
+        doc = fmt.store_json(raw)
         shape, dtype = doc["shape"], doc["data_type"]
     except (ValueError, KeyError, TypeError):
         report.problems.append(f"{where}: zarr.json is not valid zarr array metadata")

@@ -231,6 +231,10 @@ def _hostile_checkpoint(url: Path, column: str, value: str) -> None:
         path.unlink()
 
 
+def _deep_json(depth: int = 200_000) -> bytes:
+    return b'{"a":' * depth + b"1" + b"}" * depth
+
+
 HOSTILE_STORES = {
     "checkpoint: data dir ../": lambda root, url: _hostile_checkpoint(url, "data", "../outside"),
     "checkpoint: rejects absolute": lambda root, url: _hostile_checkpoint(url, "rejects", "/etc/passwd"),
@@ -245,6 +249,9 @@ HOSTILE_STORES = {
     "link: rejects": lambda root, url: _linked_outside(root, next((url / fmt.REJECTS_DIR).iterdir())),
     "link: manifest": lambda root, url: _linked_outside(root, url / fmt.MANIFEST_KEY),
     "absurd shape": lambda root, url: _rewrite(url, rows=_rows("x.shape", [[1 << 62, 1 << 62], [1, 3]])),
+    # JSON nested past Python's stack: a RecursionError (a traceback) where bad JSON is one line.
+    "nested: manifest": lambda root, url: (url / fmt.MANIFEST_KEY).write_bytes(_deep_json()),
+    "nested: declaration": lambda root, url: next((url / fmt.DECLARATIONS_DIR).iterdir()).write_bytes(_deep_json()),
     "absurd offset": lambda root, url: _rewrite(url, rows=_rows("x.offset", [1 << 62, 6])),
 }
 
