@@ -181,3 +181,19 @@ def test_karmarkar_karp_keeps_only_non_empty_subsets_and_splits_as_the_textbook_
     parts = karmarkar_karp(costs, 1000)
     assert sorted(i for part in parts for i in part) == list(range(2000))
     assert imbalance(costs, parts) <= imbalance(costs, greedy(costs, 1000))
+
+
+def test_past_the_differencing_budget_the_plan_is_as_even_and_still_a_partition():
+    """200 samples a rank over 100 ranks: past DIFFERENCING_BUDGET the heaviest samples are
+    differenced and the rest placed longest-first; every sample is placed once, the same on
+    every call, and the loads at least as even as greedy's alone."""
+    from mmcache.train.data.balance import DIFFERENCING_BUDGET
+
+    ranks = 100
+    rng = random.Random(3)
+    costs = [rng.lognormvariate(0, 0.5) for _ in range(200 * ranks)]
+    assert len(costs) > DIFFERENCING_BUDGET // ranks  # the case past the budget
+    parts = karmarkar_karp(costs, ranks)
+    assert sorted(i for p in parts for i in p) == list(range(len(costs))) and parts == karmarkar_karp(costs, ranks)
+    spread = [max(loads) - min(loads) for loads in ([sum(costs[i] for i in p) for p in plan] for plan in (parts, greedy(costs, ranks)))]
+    assert spread[0] <= spread[1] and spread[0] < min(costs), spread  # no rank off by as much as the smallest sample

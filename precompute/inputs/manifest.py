@@ -145,7 +145,8 @@ def csv_records(text: IO[str], input_url: str) -> Iterator[dict[str, Any]]:
     try:
         yield from reader
     except csv.Error as exc:
-        raise ManifestError(f"input {input_url!r}, line {reader.line_num}: not valid CSV ({exc}); fix that line") from None
+        # line_num counts the lines read whole: the one that failed is the next.
+        raise ManifestError(f"input {input_url!r}, line {reader.line_num + 1}: not valid CSV ({exc}); fix that line") from None
 
 
 def _local_folder_records(rules: _Rules, rejects: list[Reject]) -> list[dict[str, Any]]:

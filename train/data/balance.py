@@ -71,12 +71,28 @@ def greedy(costs: Sequence[float], num_ranks: int) -> list[list[int]]:
     lower rank, so zero-cost samples still spread out)."""
     values = _check(costs, num_ranks)
     parts: list[list[int]] = [[] for _ in range(num_ranks)]
-    heap = [(0.0, 0, rank) for rank in range(num_ranks)]
-    for index in _heaviest_first(values):
+    _place_longest_first(values, _heaviest_first(values), parts)
+    return [sorted(p) for p in parts]
+
+
+def _place_longest_first(values: list[float], order: list[int], parts: list[list[int]]) -> None:
+    """Each sample of ``order`` (heaviest first) to the least-loaded of ``parts`` (ties: fewer
+    samples, then lower rank), the parts' loads counted from what they hold already."""
+    heap = [(sum(values[i] for i in part), len(part), rank) for rank, part in enumerate(parts)]
+    heapq.heapify(heap)
+    for index in order:
         load, count, rank = heapq.heappop(heap)
         parts[rank].append(index)
         heapq.heappush(heap, (load + values[index], count + 1, rank))
-    return [sorted(p) for p in parts]
+
+
+# Differencing costs what the two partitions merged hold, up to one subset per rank: about
+# samples x ranks subset operations once they fill (16,000 samples over 1,000 ranks: ~0.9 s a
+# step, measured by benchmarks/balance_bench.py). Past this many, the heaviest samples (at least
+# one a rank) are differenced and the rest placed longest-first on the least-loaded rank: with
+# many samples a rank, the small ones last, that is as even as differencing them too (same
+# benchmark), at O(samples log ranks).
+DIFFERENCING_BUDGET = 1_500_000
 
 
 def karmarkar_karp(costs: Sequence[float], num_ranks: int) -> list[list[int]]:
@@ -89,16 +105,29 @@ def karmarkar_karp(costs: Sequence[float], num_ranks: int) -> list[list[int]]:
 
     A partition keeps only its non-empty subsets (the empty ones are implied): a merge costs
     what the two hold, not N, so 2,000 samples over 1,000 ranks take milliseconds, not seconds
-    and hundreds of MB of empty subsets.
+    and hundreds of MB of empty subsets. Past ``DIFFERENCING_BUDGET``, only the heaviest samples
+    are differenced; the rest go longest-first to the least-loaded rank.
     """
     values = _check(costs, num_ranks)
     if not values:
         return [[] for _ in range(num_ranks)]
+    order = _heaviest_first(values)
+    head = max(num_ranks, DIFFERENCING_BUDGET // num_ranks)
+    parts = _differenced(values, order[:head], num_ranks)
+    if len(order) > head:
+        _place_longest_first(values, order[head:], parts)
+        parts = [sorted(p) for p in parts]
+    # Rank order: by smallest index (empty parts last), so the plan reads the same everywhere.
+    return sorted(parts, key=lambda p: (not p, p[0] if p else 0))
+
+
+def _differenced(values: list[float], order: list[int], num_ranks: int) -> list[list[int]]:
+    """The samples of ``order`` (heaviest first) in ``num_ranks`` parts by largest differencing."""
     # A subset is (-load, -count, its smallest index, indices): tuples that sort heaviest first,
     # ties by more samples, then by smallest index. A partition: its non-empty subsets, sorted.
     heap: list[tuple[float, int, list[tuple[float, int, int, list[int]]]]] = []
-    for order, index in enumerate(_heaviest_first(values)):
-        heap.append((-values[index], order, [(-values[index], -1, index, [index])]))
+    for at, index in enumerate(order):
+        heap.append((-values[index], at, [(-values[index], -1, index, [index])]))
     heapq.heapify(heap)
     sequence = len(heap)
     while len(heap) > 1:
@@ -108,9 +137,7 @@ def karmarkar_karp(costs: Sequence[float], num_ranks: int) -> list[list[int]]:
         lightest = -merged[-1][0] if len(merged) == num_ranks else 0.0
         heapq.heappush(heap, (merged[0][0] + lightest, sequence, merged))
         sequence += 1
-    parts = [sorted(subset[3]) for subset in heap[0][2]] + [[] for _ in range(num_ranks - len(heap[0][2]))]
-    # Rank order: by smallest index (empty parts last), so the plan reads the same everywhere.
-    return sorted(parts, key=lambda p: (not p, p[0] if p else 0))
+    return [sorted(subset[3]) for subset in heap[0][2]] + [[] for _ in range(num_ranks - len(heap[0][2]))]
 
 
 def _merged(first: list[tuple[float, int, int, list[int]]], second: list[tuple[float, int, int, list[int]]],
