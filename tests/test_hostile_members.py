@@ -108,9 +108,11 @@ def test_a_caption_longer_than_the_limit_is_cut_before_tokenizing_and_the_cut_re
     run_encode(load_config(EncodeConfig, "tiny", "encode", []), [str(tmp_path / "m.jsonl")], out, log=lambda *_: None, progress=False)
     store = featstore.open(out)
     assert store.meta("long")["text_cut_at_chars"] == MAX_CAPTION_CHARS and "text_cut_at_chars" not in store.meta("cut")
-    assert store.meta("long")["caption"] == long  # stored whole
+    assert store.meta("long")["caption"] == long[:MAX_CAPTION_CHARS] and store.meta("long")["caption_chars"] == len(long)
     text = next(name for name, spec in store.fields.items() if spec.meta.get("section") == "text")
     assert (store.read("long")[text] == store.read("cut")[text]).all()
+    again = run_encode(load_config(EncodeConfig, "tiny", "encode", []), [str(tmp_path / "m.jsonl")], out, log=lambda *_: None, progress=False)
+    assert again.samples_written == 0 and again.stale == 0  # the stored cut is no "caption changed"
 
 
 def test_a_folder_caption_that_is_not_utf8_is_a_reject_as_in_a_tar(tmp_path):

@@ -175,11 +175,17 @@ def plan_tasks(rows: list[InputRow], specs_digest: str, per_task: int, fields: l
     for start in range(0, len(rows), per_task):
         chunk = rows[start : start + per_task]
         # Conversations only where present, so the names of caption-only tasks stay as they were.
-        rows_body = [(r.sample_id, r.uri, r.caption, *([r.conversations] if r.conversations else [])) for r in chunk]
+        rows_body = [(r.sample_id, r.uri, _named_by(r.caption), *([r.conversations] if r.conversations else [])) for r in chunk]
         body = json.dumps([specs_digest, fields, rows_body] + ([salt] if salt else []))
         name = f"t-{hashlib.sha256(body.encode()).hexdigest()[:24]}"
         tasks.append(TaskSpec(shard=name, rows=chunk, fields=fields, new_samples=new_samples))
     return tasks
+
+
+def _named_by(caption: str) -> str:
+    """A caption as a task's name takes it: itself (the names of earlier runs' tasks), or, past
+    4 KiB, its digest, so that naming the tasks of a 20 MB caption holds no copies of it."""
+    return caption if len(caption) <= 4096 else "sha256:" + hashlib.sha256(caption.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def committed_unit_tasks(units: list[SourceUnit], store: featstore.Store, fields: dict[str, Any], config: EncodeConfig, *,

@@ -43,11 +43,12 @@ class StaleCheck:
             return
         if self._columns is None:
             index = store.index
-            wanted = ("caption", "conversations_sha256", "content_hash") if self.check_content else ("caption", "conversations_sha256")
+            wanted = ("caption", "text_cut_at_chars", "conversations_sha256") + (("content_hash",) if self.check_content else ())
             self._columns = {name: index.column(name) for name in wanted if name in index.column_names}
         at = pa.array([store.row(row.sample_id) for row in committed], pa.int64())
         recorded = {name: column.take(at).to_pylist() for name, column in self._columns.items()}
         captions, turns = recorded.get("caption"), recorded.get("conversations_sha256")
+        cuts = recorded.get("text_cut_at_chars") or [None] * len(committed)  # a caption stored cut: compared as cut
         hashes = recorded.get("content_hash")
         for i, row in enumerate(committed):
             recorded_turns = turns[i] if turns is not None else None
@@ -55,7 +56,7 @@ class StaleCheck:
                 # Only rows committed with turns record their hash (older shards record none, and
                 # a caption row none): a row whose turns were added later is not told apart.
                 self.stale[row.sample_id] = "conversations changed" if row.conversations is not None else "conversations removed"
-            elif captions is not None and captions[i] is not None and captions[i] != row.caption:
+            elif captions is not None and captions[i] is not None and captions[i] != (row.caption[: cuts[i]] if cuts[i] else row.caption):
                 self.stale[row.sample_id] = "caption changed"
             elif self.check_content and hashes is not None and hashes[i]:  # text-only samples record no content hash
                 self.todo.append((row.sample_id, row.uri, hashes[i], row.offset, row.size))  # type: ignore[union-attr]

@@ -344,9 +344,12 @@ def _encode_text(done: list, encoder: Any, batch_size: int, reject, max_chars: i
     if encoder is None or not done:
         return
     items = [text_input(encoder, row.caption, row.conversations, row.modality, max_chars) for row, _, _ in done]
-    for row, _, meta in done:  # the cut is recorded with the sample; its caption is stored whole
+    for row, _, meta in done:
         if len(row.caption) > max_chars or any(len(text) > max_chars for _, text in row.conversations or ()):
-            meta["text_cut_at_chars"] = max_chars
+            # The caption stored is the one encoded, with the cut and the caption's length: a
+            # 20 MB caption would otherwise sit whole in the index every reader loads, and in every
+            # copy the index's writing and compaction make of it (benchmarks/caption_rss_bench.py).
+            meta.update(caption=row.caption[:max_chars], caption_chars=len(row.caption), text_cut_at_chars=max_chars)
     # Identical texts are encoded once for the whole task, not once per batch.
     distinct = list(dict.fromkeys(items))
     encoded: dict[Any, dict[str, np.ndarray] | str] = {}
