@@ -117,7 +117,8 @@ def echo_info(summary: dict[str, Any]) -> None:
               help="Override a setting: layout=musubi, fields.latent='latents_*', fields.text='t5_*'.")
 @storage_options_option
 def import_(src: str, dst: str, config_name: str | None, overrides: tuple[str, ...], storage_options: str | None) -> None:
-    """Bring a per-sample cache (SimpleTuner, finetrainers, musubi-tuner, MindSpeed-MM) at SRC into a new store at DST."""
+    """Bring a per-sample cache (SimpleTuner, finetrainers, musubi-tuner, MindSpeed-MM) at SRC into a new store at DST
+    (run again after an interruption, it imports only what is left)."""
     from .config import load_config
     from .importer import ImportConfig, import_cache  # lazy: its loaders import torch
 
@@ -126,6 +127,7 @@ def import_(src: str, dst: str, config_name: str | None, overrides: tuple[str, .
     report = import_cache(src, dst, layout_name=config.layout, fields=config.fields,
                           storage_options=parse_storage_options(storage_options), log=lambda line: click.echo(line, err=True))
     click.echo(f"imported {report.imported} sample(s) into {redact(dst)}, {report.rejected} rejected"
+               + (f", {report.already} imported or rejected by an earlier run" if report.already else "")
                + "".join(f"\n  {count:6,}  {reason}" for reason, count in report.reasons.items()))
 
 

@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 
 from .appendable import create_store
-from .errors import ConfigError, FeatstoreError
+from .errors import ConfigError, FeatstoreError, NotAStoreError, StoreExistsError
 from .local_storage import under_root
+from .reader import open_store
 from .tensors import as_array
 from .writer import StoreWriter
 
@@ -138,6 +139,7 @@ def load_tensors(path: Path) -> dict[str, Any]:
 class ImportReport:
     imported: int = 0
     rejected: int = 0
+    already: int = 0  # items an earlier run of this import committed or rejected (a resume)
     reasons: dict[str, int] = field(default_factory=dict)
 
 
@@ -178,7 +180,9 @@ def _load_failure(exc: Exception) -> str:
 def import_cache(root: str | Path, url: str, *, layout_name: str, fields: dict[str, str],
                  storage_options: dict[str, Any] | None = None, log: Callable[[str], None] = lambda line: None) -> ImportReport:
     """Every sample of the cache at ``root`` (in layout ``layout_name``) into the store at ``url``,
-    created with the dtypes of the first sample that loads; rejects for the rest, with reasons."""
+    created with the dtypes of the first sample that loads; rejects for the rest, with reasons.
+    Into a store an earlier run of this import made (killed part way: its shards commit as they
+    fill), only the items it has not committed or rejected are read."""
     if layout_name not in LAYOUTS:
         raise ConfigError(f"layout {layout_name!r} is not one of {sorted(LAYOUTS)}; set layout to one of them")
     if not fields:
@@ -187,11 +191,15 @@ def import_cache(root: str | Path, url: str, *, layout_name: str, fields: dict[s
     if not root.is_dir():
         raise ConfigError(f"{root} is not a folder of cached features")
     real_root = os.path.realpath(root)
-    report, writer = ImportReport(), None
+    report = ImportReport()
     early_rejects: list[dict[str, str]] = []  # rejects met before the first sample made the store
+    writer, done = _resumed(url, layout_name, fields, storage_options)
     try:
         for item in LAYOUTS[layout_name](root):
             source = ", ".join(str(p) for p in item.files) or item.id
+            if sample_id(item.id) in done or source in done:
+                report.already += 1
+                continue
             try:
                 arrays = read_item(item, fields, real_root)
                 if writer is None:
@@ -210,6 +218,8 @@ def import_cache(root: str | Path, url: str, *, layout_name: str, fields: dict[s
                 short = reason.split(";")[0][:80]
                 report.reasons[short] = report.reasons.get(short, 0) + 1
                 log(f"reject {source}: {reason}")
+        if writer is None and report.already:
+            return report
         if writer is None:
             raise ConfigError(f"no sample of {root} ({layout_name} layout) could be imported ({report.rejected} rejected): "
                               f"first reasons: {list(report.reasons)[:3]}")
@@ -219,6 +229,26 @@ def import_cache(root: str | Path, url: str, *, layout_name: str, fields: dict[s
             writer.abort()
         raise
     return report
+
+
+def _resumed(url: str, layout_name: str, fields: dict[str, str], storage_options: dict[str, Any] | None) -> tuple[StoreWriter | None, set[str]]:
+    """(a writer, the ids committed and sources rejected) of the store at ``url`` if an earlier run
+    of this import (this layout, these fields) made it; (None, empty) where there is no store yet.
+    Another store is refused: importing into it would mix two datasets under one fingerprint."""
+    try:
+        store = open_store(url, storage_options, mode="a")
+    except NotAStoreError:
+        return None, set()
+    made_by = {name: spec.meta.get("fingerprint", {}) for name, spec in store.fields.items()}
+    if set(made_by) != set(fields) or any(f.get("imported", {}).get("layout") != layout_name or f.get("tensor") != fields[name]
+                                          for name, f in made_by.items()):
+        store.close()
+        raise StoreExistsError(f"{url} already holds a feature store that is not this import (layout {layout_name}, fields "
+                               f"{fields}): import into a new location, or with the settings it was made with")
+    done = set(store.sample_ids())
+    if store.num_rejected():
+        done.update(store.rejects.column("source").to_pylist())
+    return store.writer(), done
 
 
 def _writer(url: str, arrays: dict[str, np.ndarray], fields: dict[str, str], layout_name: str, root: Path,

@@ -148,3 +148,28 @@ def test_an_import_reads_nothing_outside_its_folder_and_a_bad_line_is_a_reject(t
     assert sum("resolves outside the cache folder" in r for r in reasons) == 3, reasons
     assert any("pickled objects other than tensors" in r and "weights_only" not in r for r in reasons), reasons
     assert sum("of data.jsonl is not JSON" in r for r in reasons) == 2 and any("is list, not an object" in r for r in reasons), reasons
+
+
+def test_an_import_run_again_imports_only_what_is_left_and_refuses_another_store(tmp_path):
+    """A killed import leaves the shards it committed; run again, it was refused ("already holds a
+    feature store"). Now it reads only the items not committed or rejected; a store that is not
+    this import (another layout or fields) is still refused."""
+    from mmcache.featstore.errors import StoreExistsError
+
+    root = tmp_path / "vae"
+    root.mkdir()
+    for i in range(4):
+        torch.save(torch.full((2, 3), float(i)), root / f"img{i}.pt")
+    (root / "broken.pt").write_bytes(b"not a torch file")
+    out = str(tmp_path / "st")
+    first = import_cache(root, out, layout_name="simpletuner", fields={"latent": "tensor"})
+    assert (first.imported, first.rejected, first.already) == (4, 1, 0)
+    for i in range(4, 6):  # the cache grew (or the first run was killed before these)
+        torch.save(torch.full((2, 3), float(i)), root / f"img{i}.pt")
+    again = import_cache(root, out, layout_name="simpletuner", fields={"latent": "tensor"})
+    assert (again.imported, again.rejected, again.already) == (2, 0, 5)
+    store = featstore.open(out)
+    assert sorted(store.sample_ids()) == [f"img{i}" for i in range(6)] and store.num_rejected() == 1
+    assert float(store.read("img5")["latent"][0, 0]) == 5.0
+    with pytest.raises(StoreExistsError, match="not this import"):
+        import_cache(root, out, layout_name="simpletuner", fields={"latent": "other"})
