@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import queue
 import shutil
 import signal
@@ -310,12 +311,14 @@ def test_workers_that_die_at_every_restart_end_the_job_in_bounded_time_with_one_
         proc.kill()
     assert proc.returncode == 1 and mark.exists(), stderr
     assert time.time() - mark.stat().st_mtime >= SHORT_BOUND, "the job ended before the bound"
-    assert [line for line in stderr.splitlines() if line.strip()] == [
-        "Error: every Dask worker of the local cluster died and none was running again for 3s (run.no_worker_timeout); "
-        "the last worker process ended: exited with status 7: is the machine out of memory, or does a worker fail as it "
-        "starts? Free some memory, or encode with fewer --workers; the shards committed so far are kept, and a re-run "
-        "encodes only what is left",
-    ], stderr
+    (line,) = [line for line in stderr.splitlines() if line.strip()]
+    # Which death is the newest, a worker's SIGKILL at its first task or a restart's exit 7, is the
+    # machine's to order (under load a restart may not even reach its exit before the bound).
+    assert re.fullmatch(
+        r"Error: every Dask worker of the local cluster died and none was running again for 3s \(run.no_worker_timeout\); "
+        r"the last worker process ended: (exited with status 7|killed, signal 9): is the machine out of memory, or does a "
+        r"worker fail as it starts\? Free some memory, or encode with fewer --workers; the shards committed so far are kept, "
+        r"and a re-run encodes only what is left", line), stderr
 
 
 def test_an_external_scheduler_without_workers_says_so_then_fails_in_bounded_time(media, tmp_path):
