@@ -11,7 +11,7 @@ Each measurement is a fresh child process running ``run_encode`` on the in-proce
 ``mmcache.*`` imported from the tree measured (``--base`` checked out in a temporary worktree, or
 this checkout), the two trees alternating. A re-run used to read its inputs three times (the
 survey, the check of committed rows against the store's record, the pass that makes tasks); after,
-once. Printed: the best of --repeat of each, and after/before.
+once. Printed: the best of --repeat of each (with how often the manifest was opened), and after/before.
 """
 
 from __future__ import annotations
@@ -73,12 +73,16 @@ def child(manifest: str, store: str) -> dict:
     from mmcache.precompute.pipeline import run_encode
 
     config = load_config(EncodeConfig, "tiny", "encode", [])
+    opened = [0]  # how often the manifest is opened: the re-run's reads of its input
+    target = os.path.realpath(manifest)
+    sys.addaudithook(lambda event, args: opened.__setitem__(0, opened[0] + 1)
+                     if event == "open" and isinstance(args[0], str) and os.path.realpath(args[0]) == target else None)
     t0, c0 = time.perf_counter(), time.process_time()
     summary = run_encode(config, manifest, store, progress=False, log=lambda *_: None)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     assert summary.samples_written == 0 and summary.rejected == 0 and summary.stale == 0, summary
     return {"seconds": seconds, "cpu": cpu, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "skipped": summary.samples_skipped, "code": os.path.realpath(featstore.__file__)}
+            "skipped": summary.samples_skipped, "reads": opened[0], "code": os.path.realpath(featstore.__file__)}
 
 
 def main() -> None:
@@ -92,7 +96,7 @@ def main() -> None:
         print(json.dumps(child(*args.child)))
         return
     with before_and_after(args.base) as trees, tempfile.TemporaryDirectory(prefix="rerun-bench-") as tmp:
-        print(f"{'rows':>8} {'tree':>6} {'wall s':>7} {'CPU s':>6} {'peak MB':>8}")
+        print(f"{'rows':>8} {'tree':>6} {'wall s':>7} {'CPU s':>6} {'peak MB':>8} {'reads':>5}")
         for rows in args.rows:
             manifest = write_manifest(Path(tmp), rows)
             store = Path(tmp) / f"store_{rows}"
@@ -105,7 +109,7 @@ def main() -> None:
                     runs[label].append(got)
             best = {label: min(got, key=lambda r: r["seconds"]) for label, got in runs.items()}
             for label, r in best.items():
-                print(f"{rows:>8} {label:>6} {r['seconds']:>7.2f} {r['cpu']:>6.2f} {r['peak_mb']:>8.0f}", flush=True)
+                print(f"{rows:>8} {label:>6} {r['seconds']:>7.2f} {r['cpu']:>6.2f} {r['peak_mb']:>8.0f} {r['reads']:>5}", flush=True)
             b, a = best["before"], best["after"]
             print(f"{rows:>8} after/before: wall {a['seconds'] / b['seconds']:.2f}x, CPU {a['cpu'] / b['cpu']:.2f}x, "
                   f"peak RSS {a['peak_mb'] / b['peak_mb']:.2f}x", flush=True)
