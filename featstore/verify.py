@@ -102,7 +102,7 @@ def verify_store(store: Store, progress: Callable[[str], None] | None = None) ->
     except FileNotFoundError:
         report.problems.append(f"{fmt.SHARDS_DIR}/zarr.json is missing")
     # An open takes the rows of most parts from an index checkpoint: it must agree with them.
-    check_checkpoints(store.storage, report.problems, report.warnings)
+    check_checkpoints(store.storage, report.problems, report.warnings, present=store.__contains__)
     _verify_prompts(store, report)
     committed = {info.data_root.rsplit("/", 1)[-1] for info in store.shards.values() if info.num_samples}
     committed |= check_replaced(store, report)  # checked against the snapshot; not leftovers
@@ -148,12 +148,15 @@ def _verify_prompts(store: Store, report: VerifyReport) -> None:
                 report.warnings.append(f"{key}: its embedding of {shown} differs from the one in {first[0]}, which readers take")
 
 
-def check_checkpoints(storage: Storage, problems: list[str], notes: list[str]) -> int:
+def check_checkpoints(storage: Storage, problems: list[str], notes: list[str], present: Callable[[str], bool] | None = None) -> int:
     """``mmcache verify``: every checkpoint listed must be intact, and agree with each index part
     it covers that is still listed as it was (commit record and rows; the part's own CRC-32C is
-    checked too, since readers no longer read it). Returns the number of parts compared."""
+    checked too, since readers no longer read it). A part it covers that is gone while samples of
+    it are in no other (``present``: the store's) lost committed samples: a problem. Returns the
+    number of parts compared."""
     listing = list_index(storage)
     parsed: dict[str, tuple[pa.Table, dict[str, Any]] | None] = {}
+    gone: set[str] = set()
     compared = 0
     published = {digest for _, digest, _ in checkpoints.markers(listing)}
     for name in storage.list_dir(checkpoints.CHECKPOINT_DIR):
@@ -175,6 +178,9 @@ def check_checkpoints(storage: Storage, problems: list[str], notes: list[str]) -
             problems.append(f"index checkpoint {checkpoint.key}: {why}; readers may count its samples wrong. "
                             f"Run `mmcache compact --rebuild {storage.url}` to replace it from the parts")
         for entry, part in checkpoint.parts.items():
+            if entry not in listing and present is not None and entry not in gone:
+                gone.add(entry)
+                _lost(checkpoint, entry, part, present, problems)
             if listing.get(entry) != part.listed:
                 continue  # deleted or rewritten since: readers read the part itself, not these rows
             key = f"{fmt.INDEX_DIR}/{entry}"
@@ -200,6 +206,16 @@ def check_checkpoints(storage: Storage, problems: list[str], notes: list[str]) -
                 problems.append(f"index checkpoint {checkpoint.key} disagrees with {key}: {why}; readers would use the checkpoint's rows. "
                                 f"Run `mmcache compact --rebuild {storage.url}` to replace it from the parts")
     return compared
+
+
+def _lost(checkpoint: checkpoints.Checkpoint, entry: str, part: Any, present: Callable[[str], bool], problems: list[str]) -> None:
+    """A problem when samples a checkpoint records of a part that is gone are in no part now (a
+    compaction's replaced parts and repair's uncommitted ones hold samples found elsewhere)."""
+    lost = [i for i in checkpoint.table.slice(part.start, part.info.num_samples).column("id").to_pylist() if not present(i)]
+    if lost:
+        problems.append(f"{len(lost)} committed sample(s) of shard {part.info.name!r} (e.g. {lost[0]!r}), recorded by index checkpoint "
+                        f"{checkpoint.key}, are in no index part: its part {fmt.INDEX_DIR}/{entry} was deleted, and readers no longer "
+                        "see them. Restore that object, or encode those inputs again (a re-run encodes what the store lacks)")
 
 
 def _summaries_differ(storage: Storage, checkpoint: checkpoints.Checkpoint, digest: str, marker: str) -> str:

@@ -323,3 +323,25 @@ def test_s3_open_reads_a_constant_number_of_objects(s3_server, s3_bucket):
     assert few == many, counts                          # with a checkpoint: the same at any shard count
     assert many_parts[0] - few_parts[0] == 9, counts    # without: one read per index part
     assert few[1] <= 3, counts                          # listings: index/ and declarations/ (constant)
+
+
+def test_verify_fails_on_committed_samples_a_deleted_part_took_away_and_not_on_a_repair(tmp_path):
+    """verify said OK (a warning of data without an index part) when a part was deleted and its
+    committed samples vanished. A checkpoint records them: now the loss is a problem, while the
+    parts repair deletes (their samples are in other parts) are none."""
+    url = str(tmp_path / "store")
+    build(url)
+    compact_store(featstore.open(url).storage)
+    assert CliRunner().invoke(cli, ["repair", url]).exit_code == 0
+    assert verify_store(featstore.open(url, strict=False)).ok  # repair's deleted parts lost nothing
+    store = featstore.open(url)
+    name, info = next((n, i) for n, i in store.shards.items() if i.num_samples and n.startswith("b-"))
+    before = set(store.sample_ids())
+    store.storage.delete(info.index_key)
+    after = featstore.open(url, strict=False)
+    lost = sorted(before - set(after.sample_ids()))
+    report = verify_store(after)
+    assert lost and not report.ok, report.problems
+    (problem,) = [p for p in report.problems if "are in no index part" in p]
+    # Named by the part the checkpoint recorded them in (repair's rewrite of it is the one deleted here).
+    assert problem.startswith(f"{len(lost)} committed sample(s) of shard 'b-") and f"(e.g. {lost[0]!r})" in problem, problem
