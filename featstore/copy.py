@@ -20,7 +20,7 @@ from . import checksums
 from . import format as fmt
 from . import manifest as manifests
 from .errors import CorruptionError, NotAStoreError, SchemaError
-from .index import index_parts, parse_index_part, row_outside_data
+from .index import index_parts, parse_index_part, row_problem
 from .prompts import list_parts, part_bytes, read_part
 from .reader import open_store
 from .store import Store
@@ -295,7 +295,7 @@ def _copy_object(src: Storage, dest: Storage, key: str, expected: dict[str, int]
 def _commit_shard(src: Storage, dest: Storage, info: Any, drop: set[str], ndims: dict[str, int | None]) -> None:
     raw = src.read(info.index_key)
     table, _ = parse_index_part(raw, info.name, info.index_key, src.url, fmt.parse_index_part_name(info.index_key.rsplit("/", 1)[-1])[1])
-    if wrong := row_outside_data(table, info, ndims):
+    if wrong := row_problem(table, info, ndims):
         raise CorruptionError(f"{src.url}/{info.index_key}: {wrong}: the source is damaged, run `mmcache verify {src.url}`")
     key = info.index_key
     if drop:  # --merge: the same objects, an index part without the rows the destination holds

@@ -193,11 +193,11 @@ def import_cache(root: str | Path, url: str, *, layout_name: str, fields: dict[s
     real_root = os.path.realpath(root)
     report = ImportReport()
     early_rejects: list[dict[str, str]] = []  # rejects met before the first sample made the store
-    writer, done = _resumed(url, layout_name, fields, storage_options)
+    writer, committed, rejected = _resumed(url, layout_name, fields, storage_options)
     try:
         for item in LAYOUTS[layout_name](root):
             source = ", ".join(str(p) for p in item.files) or item.id
-            if sample_id(item.id) in done or source in done:
+            if sample_id(item.id) in committed or source in rejected:
                 report.already += 1
                 continue
             try:
@@ -218,8 +218,6 @@ def import_cache(root: str | Path, url: str, *, layout_name: str, fields: dict[s
                 short = reason.split(";")[0][:80]
                 report.reasons[short] = report.reasons.get(short, 0) + 1
                 log(f"reject {source}: {reason}")
-        if writer is None and report.already:
-            return report
         if writer is None:
             raise ConfigError(f"no sample of {root} ({layout_name} layout) could be imported ({report.rejected} rejected): "
                               f"first reasons: {list(report.reasons)[:3]}")
@@ -231,24 +229,23 @@ def import_cache(root: str | Path, url: str, *, layout_name: str, fields: dict[s
     return report
 
 
-def _resumed(url: str, layout_name: str, fields: dict[str, str], storage_options: dict[str, Any] | None) -> tuple[StoreWriter | None, set[str]]:
-    """(a writer, the ids committed and sources rejected) of the store at ``url`` if an earlier run
-    of this import (this layout, these fields) made it; (None, empty) where there is no store yet.
+def _resumed(url: str, layout_name: str, fields: dict[str, str],
+             storage_options: dict[str, Any] | None) -> tuple[StoreWriter | None, set[str], set[str]]:
+    """(a writer, the ids committed, the sources rejected) of the store at ``url`` if an earlier
+    run of this import (this layout, these fields) made it; (None, empty, empty) without a store.
     Another store is refused: importing into it would mix two datasets under one fingerprint."""
     try:
         store = open_store(url, storage_options, mode="a")
     except NotAStoreError:
-        return None, set()
+        return None, set(), set()
     made_by = {name: spec.meta.get("fingerprint", {}) for name, spec in store.fields.items()}
     if set(made_by) != set(fields) or any(f.get("imported", {}).get("layout") != layout_name or f.get("tensor") != fields[name]
                                           for name, f in made_by.items()):
         store.close()
         raise StoreExistsError(f"{url} already holds a feature store that is not this import (layout {layout_name}, fields "
                                f"{fields}): import into a new location, or with the settings it was made with")
-    done = set(store.sample_ids())
-    if store.num_rejected():
-        done.update(store.rejects.column("source").to_pylist())
-    return store.writer(), done
+    rejected = set(store.rejects.column("source").to_pylist()) if store.num_rejected() else set()
+    return store.writer(), set(store.sample_ids()), rejected
 
 
 def _writer(url: str, arrays: dict[str, np.ndarray], fields: dict[str, str], layout_name: str, root: Path,

@@ -223,7 +223,7 @@ def shard_info(info: dict[str, Any], name: str, key: str, nbytes: int) -> ShardI
                      recorded_first_id(info, key))
 
 
-def row_outside_data(table: pa.Table, info: ShardInfo, ndims: Mapping[str, int | None] | None = None) -> str | None:
+def row_problem(table: pa.Table, info: ShardInfo, ndims: Mapping[str, int | None] | None = None) -> str | None:
     """What is wrong with the first sample of an index part whose extent (``<field>.offset`` + the
     product of ``<field>.shape``) lies outside the data its commit record gives that field, or
     whose shape has not the field's dimensions (``ndims``: the manifest's), or None. Readers

@@ -148,7 +148,7 @@ def _verify_prompts(store: Store, report: VerifyReport) -> None:
                 report.warnings.append(f"{key}: its embedding of {shown} differs from the one in {first[0]}, which readers take")
 
 
-def check_checkpoints(storage: Storage, problems: list[str], notes: list[str], present: Callable[[str], bool] | None = None) -> int:
+def check_checkpoints(storage: Storage, problems: list[str], notes: list[str], present: Callable[[str], bool]) -> int:
     """``mmcache verify``: every checkpoint listed must be intact, and agree with each index part
     it covers that is still listed as it was (commit record and rows; the part's own CRC-32C is
     checked too, since readers no longer read it). A part it covers that is gone while samples of
@@ -178,7 +178,7 @@ def check_checkpoints(storage: Storage, problems: list[str], notes: list[str], p
             problems.append(f"index checkpoint {checkpoint.key}: {why}; readers may count its samples wrong. "
                             f"Run `mmcache compact --rebuild {storage.url}` to replace it from the parts")
         for entry, part in checkpoint.parts.items():
-            if entry not in listing and present is not None and entry not in gone:
+            if entry not in listing and entry not in gone:
                 gone.add(entry)
                 _lost(checkpoint, entry, part, present, problems)
             if listing.get(entry) != part.listed:

@@ -113,6 +113,10 @@ def test_a_caption_longer_than_the_limit_is_cut_before_tokenizing_and_the_cut_re
     assert (store.read("long")[text] == store.read("cut")[text]).all()
     again = run_encode(load_config(EncodeConfig, "tiny", "encode", []), [str(tmp_path / "m.jsonl")], out, log=lambda *_: None, progress=False)
     assert again.samples_written == 0 and again.stale == 0  # the stored cut is no "caption changed"
+    # Without a text encoder the caption is stored as cut all the same (nothing reads past the cut).
+    pixels_only = str(tmp_path / "pixels-only")
+    run_encode(load_config(EncodeConfig, "tiny", "encode", ["text=null"]), [str(tmp_path / "m.jsonl")], pixels_only, log=lambda *_: None, progress=False)
+    assert featstore.open(pixels_only).meta("long")["caption"] == long[:MAX_CAPTION_CHARS]
 
 
 def test_a_folder_caption_that_is_not_utf8_is_a_reject_as_in_a_tar(tmp_path):

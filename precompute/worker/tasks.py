@@ -189,7 +189,7 @@ def _encode_rows(task: TaskSpec, store, specs, device, threads, settings: TaskSe
             if halt():
                 result.stopped = True
                 break
-            _encode_batch(batch, encoders, reject, done, primary)
+            _encode_batch(batch, encoders, reject, done, primary, settings.max_caption_chars)
     finally:
         pool.shutdown()
     _encode_text(done, encoders.get("text"), settings.batch_size, reject, settings.max_caption_chars)
@@ -263,12 +263,17 @@ def _bucketed(futures, batch_size: int, reject, media_error, timeout: float | No
 _TILES = ("tiles", "tile_rows", "tile_cols")
 
 
-def _meta(row: InputRow, prepared: dict[str, Any] | None, primary: str | None) -> dict[str, Any]:
+def _meta(row: InputRow, prepared: dict[str, Any] | None, primary: str | None, max_chars: int) -> dict[str, Any]:
     """Caption and provenance of one sample: the primary visual encoder's input geometry under the
     plain names, any other's prefixed with its section ("vit_width", ...)."""
     # source_path: the path as the manifest wrote it (relative to the input root unless a URL), so
     # a live encoder finds the media under another root (``--media ROOT``) after they moved.
-    meta: dict[str, Any] = {"caption": row.caption, "modality": row.modality, "source_path": row.source}
+    meta: dict[str, Any] = {"caption": row.caption[:max_chars], "modality": row.modality, "source_path": row.source}
+    if len(row.caption) > max_chars or any(len(text) > max_chars for _, text in row.conversations or ()):
+        # Stored as the text encoder takes it (``text_input`` cuts alike), with the cut and the
+        # caption's length, with a text encoder or without: a 20 MB caption would otherwise sit
+        # whole in the index every reader loads (benchmarks/caption_rss_bench.py).
+        meta.update(caption_chars=len(row.caption), text_cut_at_chars=max_chars)
     if row.conversations is not None:  # so a re-run can tell edited turns (precompute.planning.stale)
         meta["conversations_sha256"] = row.conversations_sha256
     if row.metadata is not None:  # a WebDataset sample's .json sidecar, as written
@@ -310,7 +315,7 @@ def _encode_isolating(encoder: Any, items: list, why: Callable[[Exception], str]
     return out
 
 
-def _encode_batch(batch, encoders: dict[str, Any], reject, done: list, primary: str | None) -> None:
+def _encode_batch(batch, encoders: dict[str, Any], reject, done: list, primary: str | None, max_chars: int) -> None:
     outputs: list[dict[str, Any]] = [{} for _ in batch]
     for section in ("vae", "vit"):
         encoder = encoders.get(section)
@@ -328,7 +333,7 @@ def _encode_batch(batch, encoders: dict[str, Any], reject, done: list, primary: 
     for (row, prepared), out in zip(batch, outputs, strict=True):
         if "__rejected__" in out:
             continue
-        done.append((row, out, _meta(row, prepared, primary)))
+        done.append((row, out, _meta(row, prepared, primary, max_chars)))
 
 
 def _text_failure(exc: Exception) -> str:
@@ -344,12 +349,6 @@ def _encode_text(done: list, encoder: Any, batch_size: int, reject, max_chars: i
     if encoder is None or not done:
         return
     items = [text_input(encoder, row.caption, row.conversations, row.modality, max_chars) for row, _, _ in done]
-    for row, _, meta in done:
-        if len(row.caption) > max_chars or any(len(text) > max_chars for _, text in row.conversations or ()):
-            # The caption stored is the one encoded, with the cut and the caption's length: a
-            # 20 MB caption would otherwise sit whole in the index every reader loads, and in every
-            # copy the index's writing and compaction make of it (benchmarks/caption_rss_bench.py).
-            meta.update(caption=row.caption[:max_chars], caption_chars=len(row.caption), text_cut_at_chars=max_chars)
     # Identical texts are encoded once for the whole task, not once per batch.
     distinct = list(dict.fromkeys(items))
     encoded: dict[Any, dict[str, np.ndarray] | str] = {}

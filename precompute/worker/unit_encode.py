@@ -32,8 +32,8 @@ def encode_unit(task: TaskSpec, settings: TaskSettings, result: Any, committed: 
     Parts an earlier run committed are read past, not encoded. ``encode_rows(sub, part, rows)``
     and ``write_shard(sub, done, part, commit_ahead_bytes)`` are the task's own steps
     (precompute.worker.tasks); ``result`` gets every part's counts. Once ``halt()`` says so, the
-    task ends before its next part (``result.stopped``): the unit is not done, and a re-run reads
-    past the parts committed."""
+    task ends before its next part: the unit is not done, and a re-run reads past the parts
+    committed."""
     assert task.units
     parts = _UnitParts(task, settings, result, write_shard)
     members = _Pushback(_counted(_opened(task.units, settings), result))
@@ -43,8 +43,7 @@ def encode_unit(task: TaskSpec, settings: TaskSettings, result: Any, committed: 
             name = f"{task.shard}-p{index:05d}"
             if name in committed:  # then a member followed it in that run, and follows it now
                 parts.pass_over(members)
-            elif halt():
-                result.stopped = True
+            elif halt():  # the unit is not done: a re-run reads past the parts committed
                 return
             else:
                 part = type(result)(shard=name)

@@ -92,7 +92,7 @@ def _place_longest_first(values: list[float], order: list[int], parts: list[list
 # one a rank) are differenced and the rest placed longest-first on the least-loaded rank: with
 # many samples a rank, the small ones last, that is as even as differencing them too (same
 # benchmark), at O(samples log ranks).
-DIFFERENCING_BUDGET = 1_500_000
+DIFFERENCING_BUDGET = 1_000_000
 
 
 def karmarkar_karp(costs: Sequence[float], num_ranks: int) -> list[list[int]]:
