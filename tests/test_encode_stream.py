@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 from click.testing import CliRunner
@@ -22,6 +24,7 @@ from mmcache.precompute.demo_data import make_dataset
 from mmcache.precompute.dry_run import dry_run
 from mmcache.precompute.inputs import file_sources as files
 from mmcache.precompute.pipeline import run_encode
+from mmcache.precompute.runtime import devices
 from mmcache.precompute.inputs.source_bytes import OUTSIDE_ROOT
 from mmcache.precompute.worker.encoder_cache import PROCESS_ENCODERS
 from tests.test_encode import write_manifest
@@ -60,6 +63,24 @@ def test_dry_run_prints_the_plan_a_run_then_follows_and_loads_and_writes_nothing
     assert sorted(r["reason"].split(" ")[0] for r in store.rejects.to_pylist()) == ["duplicate", "empty"]
     again = dry_run(_tiny(), str(manifest), str(out))
     assert (again.survey.todo, again.survey.skipped, again.survey.duplicates, again.tasks) == (0, 6, 1, 0)
+
+
+def test_a_dry_run_plans_without_importing_torch(tmp_path):
+    """A dry run needs the encoders' configs, not their models: on a host without a GPU driver it
+    imports no torch (~1 s of a ~1.4 s plan). The tiny models are built first (that needs torch)."""
+    manifest = make_dataset(tmp_path / "data", num_images=2, num_videos=0)
+    dry_run(_tiny(), str(manifest), str(tmp_path / "out"))  # builds the tiny models if absent
+    probe = (
+        "import sys\nfrom mmcache.precompute.cli import main\n"
+        f"sys.argv = ['mmcache', 'encode', '--config', 'tiny', '--input', {str(manifest)!r}, '--output', {str(tmp_path / 'out')!r}, '--dry-run']\n"
+        "try:\n    main()\nexcept SystemExit as end:\n    assert end.code == 0, end.code\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    shown = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0, shown.stderr
+    assert "to encode: 2 sample(s)" in shown.stdout
+    expected = any(os.path.exists(p) for p in devices._CUDA_DRIVER_PATHS) or sys.platform != "linux"
+    assert f"torch imported: {expected}" in shown.stdout
 
 
 def test_local_files_are_checked_by_the_task_that_reads_them(tmp_path):

@@ -13,15 +13,17 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
-import torch
 
 from ...featstore.config import from_dict
 from ...featstore.errors import ConfigError
 from ...featstore.tensors import tensor_to_numpy
 from ..media.decode import SizeRule
+
+if TYPE_CHECKING:  # torch is imported where a model is built or run: planning needs none of it
+    import torch
 
 FINGERPRINT_VERSION = 1
 Modality = Literal["image", "video", "text"]
@@ -157,6 +159,8 @@ class Encoder(ABC):
     # -- loading and encoding -----------------------------------------------------------------
     def load(self, device: str | torch.device = "cpu") -> None:
         """Load weights onto ``device`` once; the weight hash is taken here, before any dtype cast."""
+        import torch
+
         self.device = torch.device(device)
         self._weights_sha256 = self._load(self.device)
 
@@ -176,6 +180,8 @@ class Encoder(ABC):
 
     def trainable_module(self) -> torch.nn.Module:
         """The module whose parameters a joint finetune may train (loaded, frozen by default)."""
+        import torch
+
         self.require_loaded()
         model = getattr(self, "model", None)
         if not isinstance(model, torch.nn.Module):
@@ -236,6 +242,8 @@ def canonical_json(value: Any) -> str:
 
 def sha256_state_dict(state_dict: Mapping[str, torch.Tensor]) -> str:
     """Hash every tensor's name, dtype, shape and bytes in sorted key order."""
+    import torch
+
     digest = hashlib.sha256()
     for key in sorted(state_dict):
         tensor = state_dict[key].detach().to("cpu").contiguous()
@@ -256,6 +264,8 @@ def architecture_config(config: Mapping[str, Any], ignore: Iterable[str] = ()) -
 
 
 def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
     return getattr(torch, _check_dtype_name(name, "dtype"))
 
 
@@ -266,6 +276,8 @@ def to_numpy(tensor: torch.Tensor, dtype: str) -> np.ndarray:
 
 
 def check_finite(values: torch.Tensor, what: str) -> None:
+    import torch
+
     if not bool(torch.isfinite(values).all()):
         raise EncoderOutputError(f"{what} contains NaN or inf (float16 overflow? use dtype/compute_dtype bfloat16 or float32)")
 

@@ -1,7 +1,7 @@
 """TAESD-F2: the tiny (1.3 M-parameter) autoencoder distilled from the FLUX.2 VAE.
 
-The published checkpoints are state dicts of plain ``nn.Sequential`` stacks, so the layer order
-below is fixed by the keys (``N.conv.0.weight`` is layer N's first conv): change an index and
+The published checkpoints are state dicts of plain ``nn.Sequential`` stacks (``taef2_net``), so the layer order
+there is fixed by the keys (``N.conv.0.weight`` is layer N's first conv): change an index and
 ``load_state_dict(strict=True)`` fails rather than loading something subtly different.
 Images go in as RGB in [0, 1]; latents have 32 channels at 1/8 resolution. Videos are encoded
 frame by frame.
@@ -11,15 +11,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import torch
-from torch import nn
 
 from .base import EncoderConfigError, FieldSpec, register, sha256_json, sha256_state_dict
 from .visual import VisualEncoder
 from ..media.decode import SizeRule
+
+if TYPE_CHECKING:  # torch is imported where a model is built or run: planning needs none of it
+    import torch
+    from torch import nn
 
 LATENT_CHANNELS = 32
 WIDTH = 64  # feature channels of every hidden layer
@@ -28,69 +30,24 @@ ENCODER_FILE = "taef2_encoder.pth"
 DECODER_FILE = "taef2_decoder.pth"
 
 
-def _conv(n_in: int, n_out: int, **kwargs: Any) -> nn.Conv2d:
-    return nn.Conv2d(n_in, n_out, 3, padding=1, **kwargs)
-
-
-class SoftClamp(nn.Module):
-    """3·tanh(x/3): keeps decoder inputs in about [-3, 3] without a hard edge."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(x / 3) * 3
-
-
-class Block(nn.Module):
-    """Residual block: relu(conv(x) + x), with an optional widening 1x1 "pool" branch added first."""
-
-    def __init__(self, channels: int = WIDTH, *, pool: bool = False):
-        super().__init__()
-        self.conv = nn.Sequential(_conv(channels, channels), nn.ReLU(), _conv(channels, channels), nn.ReLU(), _conv(channels, channels))
-        self.pool = (
-            nn.Sequential(
-                nn.Conv2d(channels, POOL_WIDTH, 1, bias=False),
-                nn.GroupNorm(4, POOL_WIDTH),
-                nn.ReLU(),
-                nn.Conv2d(POOL_WIDTH, channels, 1, bias=False),
-            )
-            if pool
-            else None
-        )
-        self.fuse = nn.ReLU()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.pool is not None:
-            x = x + self.pool(x)
-        return self.fuse(self.conv(x) + x)
-
-
 def build_taef2_encoder() -> nn.Sequential:
-    """RGB [0,1] N x 3 x H x W -> latents N x 32 x H/8 x W/8."""
-    down = lambda: _conv(WIDTH, WIDTH, stride=2, bias=False)  # noqa: E731
-    return nn.Sequential(
-        _conv(3, WIDTH), Block(),  # 0, 1
-        down(), Block(), Block(), Block(),  # 2-5
-        down(), Block(), Block(), Block(),  # 6-9
-        down(), Block(pool=True), Block(pool=True), Block(pool=True),  # 10-13
-        _conv(WIDTH, LATENT_CHANNELS),  # 14
-    )
+    """RGB [0,1] N x 3 x H x W -> latents N x 32 x H/8 x W/8 (random weights)."""
+    from .taef2_net import encoder_stack
+
+    return encoder_stack(LATENT_CHANNELS, WIDTH, POOL_WIDTH)
 
 
 def build_taef2_decoder() -> nn.Sequential:
-    """Latents N x 32 x h x w -> RGB N x 3 x 8h x 8w, roughly in [0, 1]."""
-    up = lambda: nn.Upsample(scale_factor=2, mode="nearest")  # noqa: E731
-    up_conv = lambda: _conv(WIDTH, WIDTH, bias=False)  # noqa: E731
-    return nn.Sequential(
-        SoftClamp(), _conv(LATENT_CHANNELS, WIDTH), nn.ReLU(),  # 0-2
-        Block(pool=True), Block(pool=True), Block(pool=True),  # 3-5
-        up(), up_conv(), Block(), Block(), Block(),  # 6-10
-        up(), up_conv(), Block(), Block(), Block(),  # 11-15
-        up(), up_conv(), Block(),  # 16-18
-        _conv(WIDTH, 3),  # 19
-    )
+    """Latents N x 32 x h x w -> RGB N x 3 x 8h x 8w, roughly in [0, 1] (random weights)."""
+    from .taef2_net import decoder_stack
+
+    return decoder_stack(LATENT_CHANNELS, WIDTH, POOL_WIDTH)
 
 
 def load_taef2_weights(module: nn.Module, file: Path) -> str:
     """Load a TAESD-F2 state dict strictly into ``module``; return its sha256 (as stored, fp16)."""
+    import torch
+
     if not file.is_file():
         raise EncoderConfigError(f"TAESD-F2 weights not found: {file} (set path to the folder holding {file.name})")
     state = torch.load(file, map_location="cpu", weights_only=True)  # never unpickle code
@@ -155,6 +112,8 @@ class TAEF2Encoder(VisualEncoder):
     def save_pretrained(self, out_dir: str, state_dict=None) -> None:
         """The encoder's state dict as ``taef2_encoder.pth`` (the published format, read back with
         ``weights_only=True``), beside the decoder and licence files of the source folder."""
+        import torch
+
         import shutil
 
         state = {k: v.detach().cpu().contiguous() for k, v in (state_dict or self.trainable_module().state_dict()).items()}
@@ -166,6 +125,8 @@ class TAEF2Encoder(VisualEncoder):
     def decode(self, latents: np.ndarray | torch.Tensor) -> np.ndarray:
         """One sample's latents -> float32 RGB in [0, 1], channels last: C x h x w -> H x W x 3,
         C x T x h x w -> T x H x W x 3. Loads the decoder from the same folder on first use."""
+        import torch
+
         self.require_loaded()
         if self._decoder is None:
             self._decoder = load_taef2_decoder(self.config.path, self.device).to(self.compute_dtype)

@@ -14,10 +14,9 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import torch
 
 from .base import (
     Encoder,
@@ -33,6 +32,9 @@ from .base import (
     to_numpy,
     torch_dtype,
 )
+
+if TYPE_CHECKING:  # torch is imported where a model is built or run: planning needs none of it
+    import torch
 
 # Captions are padded to a multiple of this many tokens of their own length (see the module doc):
 # few distinct lengths per batch, so few forward passes, and little padding.
@@ -133,6 +135,8 @@ class T5FamilyEncoder(Encoder):
         return digest
 
     def encode(self, batch: Sequence[str]) -> list[dict[str, np.ndarray]]:
+        import torch
+
         self.require_loaded()
         for i, caption in enumerate(batch):
             if not isinstance(caption, str):
@@ -172,6 +176,8 @@ class T5FamilyEncoder(Encoder):
 
     def _forward(self, ids: list[list[int]], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Token ids padded to ``length`` on the tokenizer's padding side -> (hidden states, mask)."""
+        import torch
+
         input_ids = torch.full((len(ids), length), self.tokenizer.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(ids), length), dtype=torch.long)
         left = self.tokenizer.padding_side == "left"

@@ -18,8 +18,6 @@ import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-import torch
-
 TINY_VERSION = 2  # bump when a tiny config changes, so stale folders are not reused
 SEED = 0
 # Words from a fixed syllable set: enough variety for a small Unigram vocabulary.
@@ -187,6 +185,8 @@ TINY_BUILDERS: dict[str, Callable[[Path], None]] = {
 
 def build_tiny_model(name: str, out_dir: str | Path, seed: int = SEED) -> Path:
     """Build and save one tiny model into ``out_dir`` (which must not exist yet)."""
+    import torch
+
     if name not in TINY_BUILDERS:
         raise ValueError(f"no tiny model {name!r}; known: {', '.join(TINY_BUILDERS)}")
     out = Path(out_dir)

@@ -13,13 +13,14 @@ import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from .base import EncoderConfigError, FieldSpec, architecture_config, register, sha256_json, sha256_state_dict
 from .visual import VisualEncoder
 from ..media.decode import SizeRule
+
+if TYPE_CHECKING:  # torch is imported where a model is built or run: planning needs none of it
+    import torch
 
 
 @dataclass(kw_only=True)

@@ -14,10 +14,9 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import torch
 
 from .base import (
     EncoderConfigError,
@@ -34,6 +33,9 @@ from .base import (
 )
 from .visual import VisualEncoder
 from ..media.decode import PreparedMedia, SizeRule, TilingConfig
+
+if TYPE_CHECKING:  # torch is imported where a model is built or run: planning needs none of it
+    import torch
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -133,6 +135,8 @@ class ViTEncoder(VisualEncoder):
         return self._mean_std
 
     def normalize(self, x01: torch.Tensor) -> torch.Tensor:
+        import torch
+
         mean, std = self.mean_std()
         shape = (1, 3, 1, 1)
         return (x01 - torch.tensor(mean, dtype=x01.dtype, device=x01.device).view(shape)) / torch.tensor(std, dtype=x01.dtype, device=x01.device).view(shape)
@@ -188,6 +192,8 @@ class ViTEncoder(VisualEncoder):
     def encode(self, batch: Sequence[PreparedMedia | np.ndarray]) -> list[dict[str, np.ndarray]]:
         """With tiling, every tile of every item goes through the model in one flat stack (items
         with different tile counts batch together), then each item gets its own T x P x D."""
+        import torch
+
         if self.config.tiling is None:
             return super().encode(batch)
         self.require_loaded()
@@ -200,6 +206,8 @@ class ViTEncoder(VisualEncoder):
 
     def features(self, batch: Sequence[PreparedMedia | np.ndarray]) -> list[dict[str, torch.Tensor]]:
         """``encode``'s forward passes in the compute dtype, differentiable (tiles: one flat stack)."""
+        import torch
+
         if self.config.tiling is None:
             return super().features(batch)
         self.require_loaded()

@@ -9,13 +9,15 @@ of images (N x 3 x H x W) and/or videos (N x 3 x T x H x W).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from .base import Encoder, EncoderInputError, check_finite, dtype_bytes, to_numpy, torch_dtype
 from ..media.decode import PreparedMedia
+
+if TYPE_CHECKING:  # torch is imported where a model is built or run: planning needs none of it
+    import torch
 
 
 class VisualEncoder(Encoder):
@@ -75,6 +77,8 @@ class VisualEncoder(Encoder):
 
     # -- batching -----------------------------------------------------------------------------
     def encode(self, batch: Sequence[PreparedMedia | np.ndarray]) -> list[dict[str, np.ndarray]]:
+        import torch
+
         self.require_loaded()
         results: list[dict[str, np.ndarray] | None] = [None] * len(batch)
         with torch.inference_mode():
@@ -98,6 +102,8 @@ class VisualEncoder(Encoder):
 
     def _grouped(self, batch: Sequence[PreparedMedia | np.ndarray]):
         """(batch positions, stacked features) per group of equally shaped items."""
+        import torch
+
         arrays = [self._checked_pixels(item, i) for i, item in enumerate(batch)]
         groups: dict[tuple[int, ...], list[int]] = {}
         for i, pixels in enumerate(arrays):
@@ -107,6 +113,8 @@ class VisualEncoder(Encoder):
 
     def _encode_group(self, pixels: torch.Tensor) -> torch.Tensor:
         """uint8 N x H x W x 3 or N x T x H x W x 3 -> features (N first)."""
+        import torch
+
         if pixels.ndim == 4:
             return self._run_frames(pixels)
         n, t = pixels.shape[:2]
@@ -117,6 +125,8 @@ class VisualEncoder(Encoder):
         return torch.cat(outputs)
 
     def _run_frames(self, frames: torch.Tensor) -> torch.Tensor:
+        import torch
+
         outputs = []
         for start in range(0, frames.shape[0], self.micro_batch):
             outputs.append(self.encode_images(self._to_input(frames[start : start + self.micro_batch])))

@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
+import sys
 import warnings
 
 from ...featstore.errors import ConfigError
+
+
+# What a Linux host with an NVIDIA driver has: its proc entry, the first device node, and WSL's GPU.
+_CUDA_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg")
 
 
 def npu_count() -> int:
@@ -31,6 +37,10 @@ def npu_count() -> int:
 
 
 def cuda_count() -> int:
+    # No NVIDIA driver, no CUDA device: a Linux host without one answers here, without the ~1 s
+    # of importing torch (a dry run, a client that only plans, must stay quick).
+    if sys.platform == "linux" and not any(os.path.exists(p) for p in _CUDA_DRIVER_PATHS):
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
