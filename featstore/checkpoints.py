@@ -13,12 +13,13 @@ import json
 import re
 import threading
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.ipc as ipc
 
 from . import format as fmt
 from .errors import CorruptionError, FormatVersionError
@@ -27,7 +28,9 @@ from .storage import Storage
 
 CHECKPOINT_DIR = "checkpoints"
 CHECKPOINT_METADATA_KEY = b"mmcache.checkpoint"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2  # 2: the parts object is Arrow IPC (.parts.arrow); 1: Parquet (.parts.parquet), still read
+PARTS_ARROW, PARTS_PARQUET = ".parts.arrow", ".parts.parquet"
+_ARROW_MAGIC = b"ARROW1"
 KEEP = 2             # checkpoints kept: the newest, and the one before for readers that listed it
 MAX_TRIES = 3        # damaged or pruned checkpoints a reader tries before it reads every part
 _MARKER = re.compile(r"^_checkpoint\.(\d{10})\.([0-9a-f]{32})\.json$")
@@ -46,9 +49,38 @@ def parse_marker(name: str) -> tuple[int, str] | None:
     return (int(match.group(1)), match.group(2)) if match else None
 
 
-def checkpoint_keys(digest: str) -> tuple[str, str]:
-    """The (parts, rows) objects of checkpoint ``digest``."""
-    return f"{CHECKPOINT_DIR}/{digest}.parts.parquet", f"{CHECKPOINT_DIR}/{digest}.rows.parquet"
+def checkpoint_keys(digest: str, parts: str = PARTS_ARROW) -> tuple[str, str]:
+    """The (parts, rows) objects of checkpoint ``digest``; ``parts``: the parts object's suffix
+    (``PARTS_PARQUET`` for a checkpoint of version 1)."""
+    return f"{CHECKPOINT_DIR}/{digest}{parts}", f"{CHECKPOINT_DIR}/{digest}.rows.parquet"
+
+
+def object_keys(digest: str) -> list[str]:
+    """Every object checkpoint ``digest`` may have, in either version: what pruning deletes."""
+    return [f"{CHECKPOINT_DIR}/{digest}{PARTS_PARQUET}", *checkpoint_keys(digest), ids_key(digest)]
+
+
+def parts_object(described: pa.Table, doc: dict[str, Any]) -> bytes:
+    """A checkpoint's parts object: an Arrow IPC file of one uncompressed batch, ``doc`` in its
+    schema metadata. Every open reads it: IPC is taken as it lies (~40 us for 50 parts, where the
+    same table as Parquet took ~240 us to decode), and uncompressed needs no Arrow thread."""
+    sink = pa.BufferOutputStream()
+    table = described.replace_schema_metadata({CHECKPOINT_METADATA_KEY: json.dumps(doc).encode()}).combine_chunks()
+    with ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table, max_chunksize=max(1, table.num_rows))
+    return sink.getvalue().to_pybytes()
+
+
+def read_parts_object(raw: bytes, columns: Sequence[str] | None = None) -> tuple[pa.Table, dict[bytes, bytes], list[str]]:
+    """A parts object (Arrow IPC since checkpoint version 2; Parquet before), read without any
+    thread: its table (``columns`` of it), its metadata, and the names of all its columns."""
+    if raw[:6] != _ARROW_MAGIC:
+        listing = parquet_file(raw)
+        wanted = None if columns is None else list(columns)
+        return listing.read(columns=wanted, use_threads=False), listing.metadata.metadata or {}, listing.schema_arrow.names
+    reader = ipc.open_file(pa.py_buffer(raw), options=ipc.IpcReadOptions(use_threads=False))
+    table = reader.read_all()
+    return (table.select(list(columns)) if columns is not None else table), reader.schema.metadata or {}, table.column_names
 
 
 def ids_key(digest: str) -> str:
@@ -71,7 +103,7 @@ class _Records:
     def __call__(self, row: int) -> str:
         with self._lock:  # readers of one store may first touch its shards from several threads
             if self._texts is None:
-                self._texts = read_parquet(self._raw, ["record"]).column("record").to_pylist()
+                self._texts = read_parts_object(self._raw, ["record"])[0].column("record").to_pylist()
         return self._texts[row]
 
 
@@ -106,7 +138,7 @@ class Checkpoint:
         self.parts = parts              # entry -> part, in table order
         self.nbytes = nbytes
         self.samples = samples          # distinct sample ids among its rows (None: an older compactor's)
-        self.first_ids_copied = True    # its parts' first ids copied out of their records (not: an older compactor's)
+        self.current = True    # written as this version writes it (an older compactor's: no first ids copied out, or Parquet parts)
         self._rows, self._table = rows, None
         self._ids = ids
         self._lock = threading.Lock()
@@ -150,25 +182,25 @@ def _parse_parts(parts_raw: bytes, digest: str, marker: str, url: str, rows: Cal
     key = f"{CHECKPOINT_DIR}/{digest}"
     where = f"{url}/{key}"
     try:
-        listing = parquet_file(parts_raw)
-        doc = fmt.store_json((listing.metadata.metadata or {})[CHECKPOINT_METADATA_KEY])
+        described, metadata, names = read_parts_object(parts_raw, _PART_COLUMNS[:-1])
+        doc = fmt.store_json(metadata[CHECKPOINT_METADATA_KEY])
         if doc.get("checkpoint_version", 0) > CHECKPOINT_VERSION:
             raise FormatVersionError(f"{where} was written by a newer mmcache (checkpoint version {doc['checkpoint_version']}); upgrade mmcache")
-        described = listing.read(columns=list(_PART_COLUMNS[:-1]), use_threads=False)
+        if names != list(_PART_COLUMNS):
+            raise ValueError(f"columns {names}")
         columns = [described.column(name).to_pylist() for name in _PART_COLUMNS[:-1]]
-        if listing.schema_arrow.names != list(_PART_COLUMNS):
-            raise ValueError(f"columns {listing.schema_arrow.names}")
     except (pa.ArrowException, KeyError, OSError, TypeError, ValueError) as exc:
         if isinstance(exc, FormatVersionError):
             raise
         raise CorruptionError(f"{where}: not a valid index checkpoint ({exc})") from None
     parts, start, index, records = {}, 0, fmt.INDEX_DIR, _Records(parts_raw)
     first_ids = _first_ids(doc, len(columns[0]), where)
+    checked = _names_valid(dict(zip(_PART_COLUMNS, columns)))  # else each row is checked, and the first bad one named
     for row, (entry, name, listed, nbytes, num_samples, num_rejected, committed_at, data_root, rejects_key, fields) in enumerate(zip(*columns, strict=True)):
-        if not (isinstance(entry, str) and (parsed := fmt.parse_index_part_name(entry)) and parsed[0] == name):
+        if not (checked or (isinstance(entry, str) and (parsed := fmt.parse_index_part_name(entry)) and parsed[0] == name)):
             raise CorruptionError(f"{where}: covers {entry!r}, not the index part of shard {name!r}")  # a name from the store, checked
         info = recorded_shard_info(name, f"{index}/{entry}", nbytes, num_samples, num_rejected, committed_at, data_root, rejects_key, fields, records, row,
-                                   first_ids[row])
+                                   first_ids[row], checked=checked)
         parts[entry] = CoveredPart(entry, listed, info, start, records, row)
         start += num_samples
     if doc.get("rows") != start:
@@ -182,8 +214,41 @@ def _parse_parts(parts_raw: bytes, digest: str, marker: str, url: str, rows: Cal
         return got
 
     checkpoint = Checkpoint(key, marker, parts, nbytes, samples if type(samples) is int else None, table, ids)
-    checkpoint.first_ids_copied = "first_ids" in doc
+    checkpoint.current = "first_ids" in doc and parts_raw[:6] == _ARROW_MAGIC
     return checkpoint
+
+
+def _names_valid(columns: dict[str, list[Any]]) -> bool:
+    """Whether every covered part's names are this format's (what ``parse_index_part_name`` and
+    ``recorded_names_problem`` check per row), each column checked by one match of its lines
+    joined: an open checks every part a checkpoint covers, and row by row that was ~2 us of
+    each. False (a name is wrong, or a store of versions 1-2, whose part names carry a CRC)
+    leaves the checks to each row, which name the first bad one."""
+    shards = columns["shard"]
+    if columns["entry"] != [f"{name}.parquet" if type(name) is str else None for name in shards]:
+        return False
+    fields = [f for names in columns["fields"] for f in (names if type(names) is list else [None])]
+    return all(_all_lines_match(values, pattern) for values, pattern in (
+        (shards, _LINES["shard"]), (columns["data"], _LINES["data"]), (columns["rejects"], _LINES["rejects"]), (fields, _LINES["field"])))
+
+
+def _all_lines_match(values: list[Any], pattern: re.Pattern[str]) -> bool:
+    if not all(type(v) is str for v in values):
+        return False
+    joined = "".join(f"{v}\n" for v in values)
+    # A value holding a line break would make two lines: the count tells.
+    return joined.count("\n") == len(values) and ".." not in joined and pattern.fullmatch(joined) is not None
+
+
+def _line_patterns() -> dict[str, re.Pattern[str]]:
+    """format.recorded_name_patterns for lines joined: one name a line, every line matching (a
+    shard name, also not ending like a version-2 part name's CRC)."""
+    bare = {name: pattern.removeprefix("^").removesuffix("$") for name, pattern in fmt.recorded_name_patterns().items()}
+    bare["shard"] = f"(?![^\n]*{bare.pop('crc_suffix')}\n){bare['shard']}"
+    return {name: re.compile(f"(?:{pattern}\n)*") for name, pattern in bare.items()}
+
+
+_LINES = _line_patterns()
 
 
 def _first_ids(doc: dict[str, Any], parts: int, where: str) -> list[str | None]:
@@ -207,13 +272,19 @@ def _parse_rows(rows_raw: bytes, where: str) -> pa.Table:
 def read_checkpoint(storage: Storage, digest: str, marker: str) -> Checkpoint:
     """Checkpoint ``digest``, read (both objects at once from an object store) and checked;
     FileNotFoundError when it was pruned."""
-    keys = checkpoint_keys(digest)
-    if storage.is_remote:
-        with ThreadPoolExecutor(2, thread_name_prefix="featstore-checkpoint") as pool:
-            parts_raw, rows_raw = pool.map(storage.read, keys)
-    else:
-        parts_raw, rows_raw = (storage.read(k) for k in keys)
+    try:
+        parts_raw, rows_raw = _read_both(storage, checkpoint_keys(digest))
+    except FileNotFoundError:  # version 1's parts object (or pruned: then this fails the same way)
+        parts_raw, rows_raw = _read_both(storage, checkpoint_keys(digest, PARTS_PARQUET))
     return parse_checkpoint(parts_raw, rows_raw, digest, marker, storage.url)
+
+
+def _read_both(storage: Storage, keys: tuple[str, str]) -> tuple[bytes, bytes]:
+    if not storage.is_remote:
+        return storage.read(keys[0]), storage.read(keys[1])
+    with ThreadPoolExecutor(2, thread_name_prefix="featstore-checkpoint") as pool:
+        parts_raw, rows_raw = pool.map(storage.read, keys)
+    return parts_raw, rows_raw
 
 
 def open_checkpoint(storage: Storage, digest: str, marker: str) -> Checkpoint:
@@ -224,7 +295,7 @@ def open_checkpoint(storage: Storage, digest: str, marker: str) -> Checkpoint:
     seal = _marker_seal(storage.read(f"{fmt.INDEX_DIR}/{marker}")) if marker else None
     if seal is None:
         return read_checkpoint(storage, digest, marker)
-    parts_key, rows_key = checkpoint_keys(digest)
+    parts_key, rows_key = checkpoint_keys(digest, seal[3])
     where = f"{storage.url}/{CHECKPOINT_DIR}/{digest}"
     parts_raw = storage.read(parts_key)
     if hashlib.sha256(parts_raw).hexdigest() != seal[0] or storage.size(rows_key) != seal[1]:
@@ -246,23 +317,45 @@ def open_checkpoint(storage: Storage, digest: str, marker: str) -> Checkpoint:
 
 
 def marker_doc(parts: int, rows: int, parts_raw: bytes, rows_raw: bytes, ids_raw: bytes) -> bytes:
-    """A marker's content: counts, and what lets a reader trust the parts and ids objects alone."""
-    return json.dumps({"parts": parts, "rows": rows, "parts_sha256": hashlib.sha256(parts_raw).hexdigest(), "rows_nbytes": len(rows_raw),
-                       "ids_sha256": hashlib.sha256(ids_raw).hexdigest()}).encode()
+    """A marker's content: counts, which parts object, and what lets a reader trust the parts and
+    ids objects alone."""
+    return json.dumps({"parts": parts, "rows": rows, "parts_object": PARTS_ARROW, "parts_sha256": hashlib.sha256(parts_raw).hexdigest(),
+                       "rows_nbytes": len(rows_raw), "ids_sha256": hashlib.sha256(ids_raw).hexdigest()}).encode()
 
 
-def _marker_seal(raw: bytes) -> tuple[str, int, str | None] | None:
-    """(parts SHA-256, rows size, ids SHA-256 or None) from a marker's content; None for an
-    older compactor's marker (or one that is not this format's: the checkpoint is then read and
-    checked whole)."""
+def marker_problem(storage: Storage, checkpoint: Checkpoint, digest: str, marker: str) -> str:
+    """Why a marker's content is not what a compactor writes for its checkpoint ('' when it is):
+    a checkpoint of this version's must have exactly ``marker_doc``'s; an older compactor's
+    marker (which records less) must agree in what it records."""
+    raw = storage.read(f"{fmt.INDEX_DIR}/{marker}")
+    seal = _marker_seal(raw)
+    if seal is None and not checkpoint.current:
+        return ""
+    try:
+        parts_raw, rows_raw = _read_both(storage, checkpoint_keys(digest, seal[3] if seal else PARTS_ARROW))
+        ids_raw = storage.read(ids_key(digest)) if seal is None or seal[2] is not None else None
+    except FileNotFoundError as exc:
+        return f"it names objects that are not there ({exc})"
+    if checkpoint.current:
+        expected = marker_doc(len(checkpoint.parts), checkpoint.table.num_rows, parts_raw, rows_raw, ids_raw or b"")
+        return "" if raw == expected else "its content is not what its compactor wrote (altered or damaged)"
+    assert seal is not None
+    ids_ok = ids_raw is None or hashlib.sha256(ids_raw).hexdigest() == seal[2]
+    return "" if (hashlib.sha256(parts_raw).hexdigest(), len(rows_raw)) == seal[:2] and ids_ok else "it does not describe its checkpoint's objects"
+
+
+def _marker_seal(raw: bytes) -> tuple[str, int, str | None, str] | None:
+    """(parts SHA-256, rows size, ids SHA-256 or None, the parts object's suffix) from a marker's
+    content; None for an older compactor's marker (or one that is not this format's: the
+    checkpoint is then read and checked whole)."""
     try:
         doc = fmt.store_json(raw)
-        sha, size, ids = doc["parts_sha256"], doc["rows_nbytes"], doc.get("ids_sha256")
+        sha, size, ids, parts = doc["parts_sha256"], doc["rows_nbytes"], doc.get("ids_sha256"), doc.get("parts_object")
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
     if not (isinstance(sha, str) and type(size) is int):
         return None
-    return sha, size, ids if isinstance(ids, str) else None
+    return sha, size, ids if isinstance(ids, str) else None, PARTS_ARROW if parts == PARTS_ARROW else PARTS_PARQUET
 
 
 def find_checkpoint(storage: Storage, listing: dict[str, str], problems: list[str] | None = None, *, lazy: bool = False) -> Checkpoint | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,7 +19,6 @@ from . import checksums
 from . import format as fmt
 from .checkpoints import (
     CHECKPOINT_DIR,
-    CHECKPOINT_METADATA_KEY,
     CHECKPOINT_VERSION,
     KEEP,
     Checkpoint,
@@ -29,6 +29,8 @@ from .checkpoints import (
     marker_name,
     marker_doc,
     markers,
+    object_keys,
+    parts_object,
     read_checkpoint,
 )
 from .errors import CorruptionError, FeatstoreError, FormatVersionError
@@ -76,7 +78,7 @@ def compact_store(storage: Storage, *, keep: int = KEEP, rebuild: bool = False) 
     summary.new_parts = sum(1 for entry, _ in gathered.order if entry not in gathered.covered)
     summary.parts, summary.rows = len(gathered.order), gathered.table.num_rows
     # (An older compactor's checkpoint is written again, with the first ids an order reads.)
-    if old is not None and not summary.new_parts and len(gathered.covered) == len(old.parts) and old.first_ids_copied:
+    if old is not None and not summary.new_parts and len(gathered.covered) == len(old.parts) and old.current:
         summary.key, summary.nbytes = old.key, old.nbytes  # nothing committed or deleted since
     else:
         records = gathered.records
@@ -99,7 +101,7 @@ def compact_store(storage: Storage, *, keep: int = KEEP, rebuild: bool = False) 
         doc = {"checkpoint_version": CHECKPOINT_VERSION, "format_version": fmt.FORMAT_VERSION, "rows": gathered.table.num_rows, "samples": samples,
                # Copied out of the records (an order asks for every shard's: no record is decoded then).
                "first_ids": [first_id_of(info) for _, info in gathered.order]}
-        parts_raw = parquet_bytes(described, {CHECKPOINT_METADATA_KEY: json.dumps(doc).encode()})
+        parts_raw = parts_object(described, doc)
         rows_raw = parquet_bytes(gathered.table.replace_schema_metadata(None), {})
         digest = digest_of(parts_raw, rows_raw)
         ids_raw = np.unique(id_hashes(gathered.table.column("id"))).astype("<u8").tobytes()
@@ -134,12 +136,13 @@ def _prune(storage: Storage, current: str, keep: int, everything: bool = False) 
             continue
         checkpoint = None if everything else _healthy(storage, digest, marker)
         above = mine is not None and parts >= mine[0]
-        stale = above and checkpoint is not None and _covers_gone(checkpoint, listing)
+        # An older version's checkpoint of as many parts as ours (ours rewrote it) is of no use.
+        stale = above and checkpoint is not None and (_covers_gone(checkpoint, listing) or _older_of_as_many(checkpoint, parts, mine))
         if checkpoint is not None and not stale and (kept < keep or above):
             kept += 1
             continue  # a recent one readers may have listed, or a concurrent compactor's
         storage.delete(f"{fmt.INDEX_DIR}/{marker}")
-        for obj in (*checkpoint_keys(digest), ids_key(digest)):
+        for obj in object_keys(digest):
             storage.delete(obj)
         pruned.append(key)
     return pruned
@@ -154,6 +157,10 @@ def _healthy(storage: Storage, digest: str, marker: str) -> Checkpoint | bool | 
         return True
     except (FileNotFoundError, CorruptionError):
         return None
+
+
+def _older_of_as_many(checkpoint: Checkpoint | bool, parts: int, mine: tuple[int, str, str] | None) -> bool:
+    return isinstance(checkpoint, Checkpoint) and not checkpoint.current and mine is not None and parts == mine[0]
 
 
 def _covers_gone(checkpoint: Checkpoint | bool, listing: dict[str, str]) -> bool:
@@ -182,18 +189,34 @@ def after_commit(storage: Storage, shard: str, every: int, commits: int) -> None
     compact_when(storage, every, f"after shard {shard!r}")
 
 
-# A finished write job (``mmcache encode``) checkpoints an index of at least this many parts not
-# covered yet, so that its readers open from the shard table (a couple of objects, about a
-# millisecond locally) instead of one read per part; below it, reading the parts costs as little.
-AFTER_JOB = 8
+# A writer's close and an encode job's end checkpoint the index when that is cheap next to what
+# they wrote, so that whatever a writer closes opens from the shard table: a checkpoint is
+# rewritten whole, so one of many parts waits until the uncovered parts are this share of it
+# (meanwhile an open reads those parts itself, and writers compact every DEFAULT_COMPACT_EVERY).
+CLOSE_SHARE = 8
 
 
 def compact_when(storage: Storage, uncovered: int, when: str) -> None:
-    """Compact the index if at least ``uncovered`` parts are not covered by a checkpoint. The
-    commits are done whatever this does: a failure is a warning, not an error."""
+    """Compact the index if at least ``uncovered`` parts are not covered by a checkpoint."""
+    _compact_if(storage, lambda listing: uncovered_parts(listing) >= uncovered, when)
+
+
+def compact_at_close(storage: Storage, when: str) -> None:
+    """Checkpoint the index at a writer's close if any part is not covered and that is cheap
+    (``CLOSE_SHARE``)."""
+    def cheap(listing: dict[str, str]) -> bool:
+        found, uncovered = markers(listing), uncovered_parts(listing)
+        return uncovered > 0 and uncovered * CLOSE_SHARE >= (found[0][0] if found else 0)
+
+    _compact_if(storage, cheap, when)
+
+
+def _compact_if(storage: Storage, wanted: Callable[[dict[str, str]], bool], when: str) -> None:
+    """Compact the index if ``wanted(listing)``. The commits are done whatever this does: a
+    failure is a warning, not an error."""
     try:
-        if uncovered_parts(list_index(storage)) >= uncovered:
+        if wanted(list_index(storage)):
             compact_store(storage)
     except (FeatstoreError, OSError) as exc:
         warnings.warn(f"{storage.url}: automatic index compaction {when} failed ({exc}); every shard is committed, "
-                      f"and `mmcache compact {storage.url}` can be run at any time", CheckpointWarning, stacklevel=3)
+                      f"and `mmcache compact {storage.url}` can be run at any time", CheckpointWarning, stacklevel=4)

@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from . import checksums
+from . import checksums, compact
 from . import format as fmt
 from . import manifest as manifests
 from .errors import CorruptionError, NotAStoreError, SchemaError
@@ -112,6 +112,8 @@ def copy_store(
         report = None if progress is None else lambda done, copied: progress(done + skipped, len(source.shards), copied)
         ndims = {name: spec.ndim for name, spec in source.fields.items()}
         counts = _copy_shards(source.storage, dest, todo, workers, _ByteBudget(max_inflight_bytes), report, ndims)
+        if todo:  # its own checkpoint (the source's records fingerprints of the source's listing)
+            compact.compact_at_close(dest, "at the end of the copy")
         return CopySummary(
             src=source.url, dst=dest.url, shards=len(source.shards), shards_copied=len(todo), shards_skipped=skipped,
             seconds=time.perf_counter() - t0, samples_dropped=dropped, prompts_copied=len(prompts), prompts_dropped=prompts_dropped, **counts,

@@ -242,6 +242,13 @@ def recorded_names_problem(shard: str, data_root: Any, rejects_key: Any, fields:
     return f"shard {shard!r} holds a field named {bad!r}, not a field name" if bad is not None else None
 
 
+def recorded_name_patterns() -> dict[str, str]:
+    """The patterns of ``parse_index_part_name`` and ``recorded_names_problem``, anchored, for a
+    check of many names at once (a checkpoint's parts: featstore.checkpoints); also valid RE2."""
+    return {"shard": _INDEX_PART.pattern.replace(r"\.parquet$", "$"), "crc_suffix": _CRC_SUFFIX.pattern,
+            "data": f"^{_DATA_ROOT.pattern}$", "rejects": f"^{_REJECTS_KEY.pattern}$", "field": _SAFE_FIELD.pattern}
+
+
 @functools.lru_cache(maxsize=256)
 def _bad_field_name(names: tuple[str, ...]) -> str | None:
     return next((f for f in names if not _SAFE_FIELD.fullmatch(f)), None)

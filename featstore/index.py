@@ -131,11 +131,12 @@ class RecordMapping(Mapping[str, Any]):
 
 def recorded_shard_info(name: str, key: str, nbytes: int, num_samples: int, num_rejected: int, committed_at: float,
                         data_root: str, rejects_key: str, fields: Sequence[str], record: Callable[[int], str], row: int,
-                        first_id: str | None = IN_RECORD) -> ShardInfo:
+                        first_id: str | None = IN_RECORD, *, checked: bool = False) -> ShardInfo:
     """A ``ShardInfo`` from a checkpoint: the scalars as given, layouts and objects decoded from
     the commit record's JSON (``record(row)``) when first read, and the first id from the record
-    too unless the checkpoint copied it out."""
-    if why := fmt.recorded_names_problem(name, data_root, rejects_key, fields):
+    too unless the checkpoint copied it out. ``checked``: the names were checked already (for
+    every part at once)."""
+    if not checked and (why := fmt.recorded_names_problem(name, data_root, rejects_key, fields)):
         raise CorruptionError(f"{key}: {why}")
     # Only a rewrite's record is decoded at the open: other names carry no "replaces".
     replaces = fmt.replaced_shards(name, _json(record(row), key).get("replaces"), key) if fmt.is_rewrite_name(name) else ()

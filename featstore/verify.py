@@ -174,6 +174,9 @@ def check_checkpoints(storage: Storage, problems: list[str], notes: list[str], p
         except CorruptionError as exc:
             problems.append(f"{exc}; readers ignore it and read the index parts instead; `mmcache compact` replaces it")
             continue
+        if why := checkpoints.marker_problem(storage, checkpoint, digest, marker):
+            problems.append(f"{fmt.INDEX_DIR}/{marker}: {why}; readers may skip its checkpoint or read it whole. "
+                            f"Run `mmcache compact --rebuild {storage.url}` to replace it from the parts")
         if why := _summaries_differ(storage, checkpoint, digest, marker):
             problems.append(f"index checkpoint {checkpoint.key}: {why}; readers may count its samples wrong. "
                             f"Run `mmcache compact --rebuild {storage.url}` to replace it from the parts")

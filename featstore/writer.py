@@ -61,7 +61,7 @@ class StoreWriter:
     """
 
     def __init__(self, store: Store, *, shard_bytes: int = DEFAULT_SHARD_BYTES, shard_prefix: str | None = None, fields: list[str] | None = None,
-                 compact_every: int = DEFAULT_COMPACT_EVERY, allow_nonfinite: bool | Collection[str] = False) -> None:
+                 compact_every: int = DEFAULT_COMPACT_EVERY, allow_nonfinite: bool | Collection[str] = False, checkpoint_at_close: bool = True) -> None:
         self._store = store
         self._storage: Storage = store.storage
         # fields: the store's fields this writer's shards hold (default all). A subset adds fields
@@ -74,6 +74,10 @@ class StoreWriter:
         self.shard_bytes = shard_bytes
         # Index checkpoints (featstore.compact) once this many commits are not covered; 0: never.
         self.compact_every = compact_every
+        # And one at close, where cheap (featstore.compact.compact_at_close), so that what this
+        # writer leaves opens from it; off for writers of one shard among many (an encode's
+        # tasks: the job checkpoints at its end).
+        self.checkpoint_at_close = checkpoint_at_close and compact_every > 0
         # Float fields that may hold NaN or infinity (True: all); others refuse such a sample.
         self.allow_nonfinite = set(self.fields) if allow_nonfinite is True else set(allow_nonfinite or ())
         self.shard_prefix = fmt.check_name("shard prefix", shard_prefix or uuid.uuid4().hex[:12])
@@ -293,6 +297,8 @@ class StoreWriter:
             if self._pending or self._rejects:
                 self.commit()
             self._closed = True
+            if self.committed and self.checkpoint_at_close:
+                compact.compact_at_close(self._storage, "at a writer's close")
 
     def abort(self) -> None:
         """Drop what is pending; committed shards stay."""

@@ -23,7 +23,7 @@ def shards_wanted(store: featstore.Store, target_bytes: int, workers: int) -> in
 
 # Fewer small shards than this are left as they are: opening or reading a store of a few more
 # shards costs next to nothing, and a small job (or one re-run of a few rows) should not pay a
-# rewrite of everything it wrote (the index checkpoint waits for as many, compact.AFTER_JOB).
+# rewrite of everything it wrote (its index checkpoint costs little: compact.compact_at_close).
 MIN_SMALL_SHARDS = 8
 
 
@@ -47,9 +47,9 @@ def on_executor(executor: Any) -> Callable[[Callable[[Group], str | None], Seque
 
 def compact_after_job(config: EncodeConfig, store: featstore.Store, storage_options: dict[str, Any] | None, *,
                       executor: Any, workers: int, tasks_done: int, samples_written: int, log: Callable[[str], Any]) -> None:
-    """Compact the data, where it has too many small shards, and then the index (as the job
-    always did: when it committed ``compact.AFTER_JOB`` shards or more). ``store`` is the snapshot
-    the job planned from."""
+    """Compact the data, where it has too many small shards, and then the index (as a writer's
+    close does: where cheap, compact.compact_at_close). ``store`` is the snapshot the job planned
+    from."""
     changed = False
     # At most this many small shards now (a small one holds at most samples_per_task rows; a tar's
     # task commits one per part): below MIN_SMALL_SHARDS, with nothing replaced, no request is made.
@@ -60,10 +60,10 @@ def compact_after_job(config: EncodeConfig, store: featstore.Store, storage_opti
     except Exception as exc:  # noqa: BLE001 - whatever it was (a worker lost, a full disk), every shard is committed: said, not raised
         log(f"warning: data compaction at the end of the job failed ({type(exc).__name__}: {exc}); every shard is committed, "
             f"and `mmcache compact {store.url}` can be run at any time")
-    if tasks_done >= compact.AFTER_JOB or changed:
+    if tasks_done or changed:
         # Its readers (every rank of every run) then open from a checkpoint, not part by part;
-        # a job of a few shards costs no listing for it.
-        compact.compact_when(store.storage, compact.AFTER_JOB if not changed else 1, "at the end of the job")
+        # a job that committed nothing costs no listing for it.
+        compact.compact_at_close(store.storage, "at the end of the job")
 
 
 def _compact_data(config: EncodeConfig, url: str, storage_options: dict[str, Any] | None, *, executor: Any, workers: int,

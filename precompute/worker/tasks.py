@@ -123,7 +123,7 @@ def _rejected_as_poison(task: TaskSpec, result: TaskResult, reason: str) -> list
 
 def _write_shard(task: TaskSpec, store: Any, done: list, result: TaskResult, commit_ahead_bytes: int) -> None:
     """The task's samples and rejects committed as its one shard (``result`` says what came of it)."""
-    writer = store.writer(shard_prefix=task.shard[:60], shard_bytes=1 << 62, fields=task.fields)
+    writer = store.writer(shard_prefix=task.shard[:60], shard_bytes=1 << 62, fields=task.fields, checkpoint_at_close=False)
     # One task is one shard, whatever its size: an automatic mid-task commit would get a name
     # a retried task could collide with.
     for row, reason in result.rejects:

@@ -54,6 +54,18 @@ def ragged_samples(n: int, seed: int = 0) -> list[tuple[str, dict[str, np.ndarra
 FIELDS = {"latent": {"dtype": "bfloat16", "ndim": 4}, "text": {"dtype": "float16", "ndim": 2}}
 
 
+def committed_files(root: str, under: str = "") -> dict[str, bytes]:
+    """Every file of a local store, by path, without its index checkpoints: those are derived
+    from the parts (and from the fingerprints of their listing), and each copy writes its own."""
+    from pathlib import Path
+
+    from mmcache.featstore import checkpoints
+
+    base = Path(root)
+    return {str(p.relative_to(base)): p.read_bytes() for p in sorted((base / under).rglob("*"))
+            if p.is_file() and p.parts[len(base.parts)] != checkpoints.CHECKPOINT_DIR and not checkpoints.parse_marker(p.name)}
+
+
 def assert_same(a: np.ndarray, b: np.ndarray) -> None:
     assert a.dtype == b.dtype and a.shape == b.shape
     # Compare bits, so NaNs and signed zeros count as equal only when identical.

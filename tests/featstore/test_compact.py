@@ -14,6 +14,7 @@ import json
 import fsspec
 import numpy as np
 import pyarrow as pa
+import pyarrow.ipc  # noqa: F401 - pa.ipc
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
@@ -203,10 +204,10 @@ def test_verify_catches_a_checkpoint_that_disagrees_with_the_parts(url):
     column = good.table.column("text.crc32c").to_pylist()
     column[0] = (column[0] or 0) ^ 1
     bad_rows = good.table.set_column(good.table.column_names.index("text.crc32c"), "text.crc32c", pa.array(column, pa.uint32()))
-    parts_raw = store.storage.read(f"{good.key}.parts.parquet")
+    parts_raw = store.storage.read(f"{good.key}{checkpoints.PARTS_ARROW}")
     rows_raw = parquet_bytes(bad_rows, {})
     digest = checkpoints.digest_of(parts_raw, rows_raw)
-    store.storage.write_new(f"{checkpoints.CHECKPOINT_DIR}/{digest}.parts.parquet", parts_raw)
+    store.storage.write_new(f"{checkpoints.CHECKPOINT_DIR}/{digest}{checkpoints.PARTS_ARROW}", parts_raw)
     store.storage.write_new(f"{checkpoints.CHECKPOINT_DIR}/{digest}.rows.parquet", rows_raw)
     store.storage.write_new(f"{fmt.INDEX_DIR}/{checkpoints.marker_name(len(good.parts) + 1, digest)}", b"{}")
     assert featstore.open(url).checkpoint == f"{checkpoints.CHECKPOINT_DIR}/{digest}"
@@ -262,18 +263,20 @@ def test_writers_compact_every_k_commits(tmp_path):
     store = featstore.open(url)
     assert store.checkpoint is not None and store.checkpoint_covered == 12
     assert len(checkpoints.markers(list_index(store.storage))) <= checkpoints.KEEP  # older ones pruned
-    # The default (64) leaves a small store as it was: nothing but its parts.
+    # The default (64) writes none while the writer commits; its close checkpoints what it left.
     other = str(tmp_path / "small")
     with featstore.create(other, fields=FIELDS) as writer:
         for sid, arrays, meta in samples:
             writer.add(sid, arrays, meta)
             writer.commit()
-    assert featstore.open(other).checkpoint is None and _checkpoint_objects(other) == []
+        assert featstore.open(other).checkpoint is None and _checkpoint_objects(other) == []
+    closed = featstore.open(other)
+    assert closed.checkpoint is not None and closed.checkpoint_covered == len(closed.shards) == 12
 
 
 def test_plain_pyarrow_readers_keep_working(tmp_path):
-    """The FORMAT.md recipe globs index/*.parquet: the markers do not match it, and the
-    checkpoint is plain Parquet too."""
+    """The FORMAT.md recipe globs index/*.parquet: the markers do not match it; the checkpoint's
+    rows are plain Parquet, its parts plain Arrow IPC."""
     url = str(tmp_path / "store")
     build(url)
     store = featstore.open(url)
@@ -284,7 +287,7 @@ def test_plain_pyarrow_readers_keep_working(tmp_path):
     for part in parts:
         json.loads(pq.read_table(part).schema.metadata[b"mmcache.commit"])
     rows = pq.read_table(f"{root}/{summary.key}.rows.parquet")
-    described = pq.read_table(f"{root}/{summary.key}.parts.parquet")
+    described = pa.ipc.open_file(pa.py_buffer(fs.cat_file(f"{root}/{summary.key}.parts.arrow"))).read_all()
     assert rows.num_rows == len(store.index) and sorted(described.column("shard").to_pylist()) == sorted(store.shards)
 
 

@@ -13,7 +13,7 @@ from mmcache import featstore
 import mmcache.featstore.copy as copy_module
 from mmcache.featstore.cli import cli
 from mmcache.featstore.verify import verify_store
-from tests.featstore.conformance import FIELDS, assert_same, ragged_samples
+from tests.featstore.conformance import FIELDS, assert_same, committed_files, ragged_samples
 
 
 @pytest.fixture
@@ -24,11 +24,6 @@ def local_store(tmp_path) -> str:
             writer.add(sample_id, arrays, meta)
         writer.reject("in/bad.png", "truncated image")
     return url
-
-
-def files(root: str) -> dict[str, bytes]:
-    base = Path(root)
-    return {str(p.relative_to(base)): p.read_bytes() for p in sorted(base.rglob("*")) if p.is_file()}
 
 
 def run(*args: str):
@@ -42,8 +37,9 @@ def test_local_to_s3_to_local_is_identical(local_store, s3_bucket, tmp_path):
     assert first.exit_code == 0, first.output
     assert "copied" in first.output and "verified: " in first.output
     assert run("copy", remote, back).exit_code == 0
-    assert files(back) == files(local_store)  # every object, byte for byte
+    assert committed_files(back) == committed_files(local_store)  # every object, byte for byte
     store = featstore.open(remote)
+    assert store.checkpoint is not None and store.checkpoint_covered == len(store.shards)  # a copy opens from its own
     for sample_id, arrays, _ in ragged_samples(30)[::5]:
         assert_same(store.read(sample_id)["latent"], arrays["latent"])
     again = run("copy", local_store, remote)

@@ -211,22 +211,23 @@ def _hostile_checkpoint(url: Path, column: str, value: str) -> None:
     for every part, re-hashed under a new digest so that it is the one readers take."""
     from mmcache.featstore import checkpoints
     from mmcache.featstore.compact import compact_store
-    from mmcache.featstore.index import parquet_bytes, parquet_file
     from mmcache.featstore.backends import open_storage
 
     compact_store(open_storage(str(url)))
     (marker,) = [p for p in (url / fmt.INDEX_DIR).iterdir() if checkpoints.parse_marker(p.name)]
     parts, digest = checkpoints.parse_marker(marker.name)
-    old = [url / key for key in checkpoints.checkpoint_keys(digest)]
-    listing = parquet_file(old[0].read_bytes())
-    table = listing.read()
+    old = [url / key for key in checkpoints.object_keys(digest) if (url / key).exists()]
+    table, metadata, _ = checkpoints.read_parts_object((url / checkpoints.checkpoint_keys(digest)[0]).read_bytes())
     table = table.set_column(table.column_names.index(column), column, pa.array([value] * table.num_rows, pa.string()))
-    footer = {checkpoints.CHECKPOINT_METADATA_KEY: listing.metadata.metadata[checkpoints.CHECKPOINT_METADATA_KEY]}
-    raw = (parquet_bytes(table.replace_schema_metadata(None), footer), old[1].read_bytes())
+    doc = json.loads(metadata[checkpoints.CHECKPOINT_METADATA_KEY])
+    raw = (checkpoints.parts_object(table.replace_schema_metadata(None), doc), (url / checkpoints.checkpoint_keys(digest)[1]).read_bytes())
     new_digest = checkpoints.digest_of(*raw)
-    for key, data in zip(checkpoints.checkpoint_keys(new_digest), raw, strict=True):
+    ids = (url / checkpoints.ids_key(digest)).read_bytes()
+    for key, data in zip((*checkpoints.checkpoint_keys(new_digest), checkpoints.ids_key(new_digest)), (*raw, ids), strict=True):
         (url / key).write_bytes(data)
-    (url / fmt.INDEX_DIR / checkpoints.marker_name(parts, new_digest)).write_bytes(marker.read_bytes())
+    # A marker that vouches for it, as its compactor would write: what refuses it is the name.
+    rows = json.loads(marker.read_bytes())["rows"]
+    (url / fmt.INDEX_DIR / checkpoints.marker_name(parts, new_digest)).write_bytes(checkpoints.marker_doc(parts, rows, *raw, ids))
     for path in (marker, *old):
         path.unlink()
 

@@ -16,7 +16,7 @@ from mmcache import featstore
 from mmcache.featstore.cli import cli
 from mmcache.featstore.prompts import PROMPTS_DIR, read_part, read_prompts, write_prompts
 from mmcache.featstore.verify import verify_store
-from tests.featstore.conformance import ragged_samples
+from tests.featstore.conformance import committed_files, ragged_samples
 
 # The conformance fields, the text field with an encoder fingerprint (prompt objects need one).
 FIELDS = {"latent": {"dtype": "bfloat16", "ndim": 4}, "text": {"dtype": "float16", "ndim": 2, "meta": {"fingerprint": {"digest": "enc0001"}}}}
@@ -57,7 +57,7 @@ def test_copied_byte_for_byte_through_s3_and_verified(tmp_path, s3_bucket):
     assert first.exit_code == 0, first.output
     assert "2 prompt-embedding object(s)" in first.output
     assert run("copy", remote, back).exit_code == 0
-    assert files(back) == files(src)  # prompts/ included, every object byte for byte
+    assert committed_files(back) == committed_files(src)  # prompts/ included, every object byte for byte
     assert same_arrays(read_prompts(featstore.open(remote), "text"), read_prompts(featstore.open(src), "text"))
     again = run("copy", src, remote)
     assert again.exit_code == 0 and "prompt-embedding" not in again.output  # nothing left to copy
