@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -115,16 +115,17 @@ def compact_store(storage: Storage, *, keep: int = KEEP, rebuild: bool = False) 
         read_checkpoint(storage, digest, "")
         storage.write_new(f"{fmt.INDEX_DIR}/{marker_name(len(gathered.order), digest)}", marker_doc(len(gathered.order), gathered.table.num_rows, parts_raw, rows_raw, ids_raw))
         summary.key, summary.nbytes, summary.written = f"{CHECKPOINT_DIR}/{digest}", len(parts_raw) + len(rows_raw), True
-    summary.pruned = _prune(storage, summary.key, keep, everything=rebuild)
+    summary.pruned = _prune(storage, summary.key, keep, everything=rebuild, replaced=set(gathered.replaced))
     return summary
 
 
-def _prune(storage: Storage, current: str, keep: int, everything: bool = False) -> list[str]:
+def _prune(storage: Storage, current: str, keep: int, everything: bool = False, replaced: Collection[str] = ()) -> list[str]:
     """Delete checkpoints less complete than ``current`` beyond the ``keep`` newest, any whose
     objects are damaged or gone, and any that would rank above ``current`` but cover parts no
-    longer listed as they were (deleted after a data compaction replaced them, or by repair):
-    readers would pick it and use little of it. Marker first: a reader that listed it and then
-    finds the objects gone takes the next checkpoint, or reads the parts."""
+    longer listed as they were (deleted after a data compaction replaced them, or by repair) or
+    shards a data compaction replaced (``replaced``: still listed within its grace): readers
+    would pick it and use little of it. Marker first: a reader that listed it and then finds the
+    objects gone takes the next checkpoint, or reads the parts."""
     listing = list_index(storage)
     found = markers(listing)
     mine = next((m for m in found if f"{CHECKPOINT_DIR}/{m[1]}" == current), None)
@@ -137,7 +138,8 @@ def _prune(storage: Storage, current: str, keep: int, everything: bool = False) 
         checkpoint = None if everything else _healthy(storage, digest, marker)
         above = mine is not None and parts >= mine[0]
         # An older version's checkpoint of as many parts as ours (ours rewrote it) is of no use.
-        stale = above and checkpoint is not None and (_covers_gone(checkpoint, listing) or _older_of_as_many(checkpoint, parts, mine))
+        stale = above and checkpoint is not None and (_covers_gone(checkpoint, listing) or _older_of_as_many(checkpoint, parts, mine)
+                                                      or _covers_replaced(checkpoint, replaced))
         if checkpoint is not None and not stale and (kept < keep or above):
             kept += 1
             continue  # a recent one readers may have listed, or a concurrent compactor's
@@ -161,6 +163,10 @@ def _healthy(storage: Storage, digest: str, marker: str) -> Checkpoint | bool | 
 
 def _older_of_as_many(checkpoint: Checkpoint | bool, parts: int, mine: tuple[int, str, str] | None) -> bool:
     return isinstance(checkpoint, Checkpoint) and not checkpoint.current and mine is not None and parts == mine[0]
+
+
+def _covers_replaced(checkpoint: Checkpoint | bool, replaced: Collection[str]) -> bool:
+    return bool(replaced) and not isinstance(checkpoint, bool) and any(part.info.name in replaced for part in checkpoint.parts.values())
 
 
 def _covers_gone(checkpoint: Checkpoint | bool, listing: dict[str, str]) -> bool:

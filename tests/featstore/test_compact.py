@@ -348,3 +348,47 @@ def test_verify_fails_on_committed_samples_a_deleted_part_took_away_and_not_on_a
     (problem,) = [p for p in report.problems if "are in no index part" in p]
     # Named by the part the checkpoint recorded them in (repair's rewrite of it is the one deleted here).
     assert problem.startswith(f"{len(lost)} committed sample(s) of shard 'b-") and f"(e.g. {lost[0]!r})" in problem, problem
+
+
+def _closed_by(url: str, writers: int, per_writer: int = 6) -> None:
+    """``writers`` writers at once (threads, each committing a shard every 2 samples), each closed
+    as users close them: the default settings."""
+    import threading
+
+    samples = ragged_samples(writers * per_writer, seed=4)
+    featstore.create(url, fields=FIELDS).close()  # the store, and no shard yet
+
+    def write(k: int) -> None:
+        with featstore.append(url) as writer:
+            for i, (sid, arrays, meta) in enumerate(samples[k::writers]):
+                writer.add(sid, arrays, meta)
+                if i % 2:
+                    writer.commit()
+
+    threads = [threading.Thread(target=write, args=(k,)) for k in range(writers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def test_what_writers_close_opens_from_a_checkpoint_and_reads_as_from_its_parts(tmp_path):
+    """A store closed by one writer, by two at once, and after `mmcache compact` opens from a
+    checkpoint covering every part, and reads the same samples as one opened from its parts; a
+    covered part deleted is a failure of `mmcache verify`, not a warning."""
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    _closed_by(one, 1)
+    _closed_by(two, 2)
+    compacted = str(tmp_path / "compacted")
+    _closed_by(compacted, 2)
+    assert CliRunner().invoke(cli, ["compact", compacted]).exit_code == 0
+    for url in (one, two, compacted):
+        store = featstore.open(url)
+        assert store.checkpoint is not None and store.checkpoint_covered == len(store.shards) and len(store) == 6 * (1 + (url != one))
+        assert view(store) == without_checkpoints(url)
+        compact_store(store.storage)  # the markers back
+    store = featstore.open(one)
+    name, info = next(iter(store.shards.items()))
+    store.storage.delete(info.index_key)
+    result = CliRunner().invoke(cli, ["verify", one])
+    assert result.exit_code == 1 and f"of shard {name!r}" in result.output and "are in no index part" in result.output, result.output
