@@ -19,14 +19,36 @@ from .storage import Storage
 _PUBLISH_TRIES = 20
 
 
-def _read_declarations(storage: Storage) -> list[tuple[str, str, dict[str, Any]]]:
+def _read_declarations(storage: Storage, manifest: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """The declarations not yet in effect in ``manifest``, read: one its name shows folded in
+    already (a field it has, an ndim it has fixed, a version it has reached) changes nothing."""
     out = []
     for entry in storage.list_dir(fmt.DECLARATIONS_DIR):
         kind, _, rest = entry.partition(".")
         name = rest.removesuffix(".json")
-        if kind in ("field", "ndim", "version") and rest.endswith(".json"):
+        if kind in ("field", "ndim", "version") and rest.endswith(".json") and not _in_effect(manifest, kind, name):
             out.append((kind, name, _declaration(storage, f"{fmt.DECLARATIONS_DIR}/{entry}")))
     return out
+
+
+def declaration_problems(storage: Storage) -> list[str]:
+    """Every declaration read and checked (``mmcache verify``: an open skips those in effect)."""
+    problems = []
+    for entry in storage.list_dir(fmt.DECLARATIONS_DIR):
+        try:
+            _declaration(storage, f"{fmt.DECLARATIONS_DIR}/{entry}")
+        except CorruptionError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def _in_effect(manifest: dict[str, Any], kind: str, name: str) -> bool:
+    fields = manifest["fields"]
+    if kind == "field":
+        return name in fields
+    if kind == "ndim":
+        return name in fields and fields[name].get("ndim") is not None
+    return name.isdigit() and int(name) <= manifest["format_version"]
 
 
 def _declaration(storage: Storage, key: str) -> dict[str, Any]:
@@ -42,7 +64,7 @@ def _declaration(storage: Storage, key: str) -> dict[str, Any]:
 def merged(storage: Storage, manifest: dict[str, Any]) -> dict[str, Any]:
     """``manifest`` with every declaration folded in (fields first, then ndims and versions)."""
     out = copy.deepcopy(manifest)
-    declarations = sorted(_read_declarations(storage), key=lambda d: d[0] != "field")
+    declarations = sorted(_read_declarations(storage, manifest), key=lambda d: d[0] != "field")
     for kind, name, doc in declarations:
         if kind == "field":
             out["fields"].setdefault(name, doc)

@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 from . import checksums
 from . import checkpoints
 from . import format as fmt
+from . import manifest as manifests
 from .errors import CorruptionError, FormatVersionError
 from .idhash import id_hashes
 from .index import IN_RECORD, list_index, parse_index_part_record
@@ -101,6 +102,7 @@ def verify_store(store: Store, progress: Callable[[str], None] | None = None) ->
             report.problems.append(f"{fmt.SHARDS_DIR}/zarr.json is not the group metadata mmcache writes (corrupted?)")
     except FileNotFoundError:
         report.problems.append(f"{fmt.SHARDS_DIR}/zarr.json is missing")
+    report.problems.extend(manifests.declaration_problems(store.storage))  # an open reads only those not yet in effect
     # An open takes the rows of most parts from an index checkpoint: it must agree with them.
     check_checkpoints(store.storage, report.problems, report.warnings, present=store.__contains__)
     _verify_prompts(store, report)
