@@ -316,11 +316,11 @@ def open_checkpoint(storage: Storage, digest: str, marker: str) -> Checkpoint:
     return _parse_parts(parts_raw, digest, marker, storage.url, rows, len(parts_raw) + seal[1], ids if seal[2] is not None else None)
 
 
-def marker_doc(parts: int, rows: int, parts_raw: bytes, rows_raw: bytes, ids_raw: bytes) -> bytes:
+def marker_doc(parts: int, rows: int, parts_raw: bytes, rows_raw: bytes, ids_raw: bytes | None) -> bytes:
     """A marker's content: counts, which parts object, and what lets a reader trust the parts and
     ids objects alone."""
     return json.dumps({"parts": parts, "rows": rows, "parts_object": PARTS_ARROW, "parts_sha256": hashlib.sha256(parts_raw).hexdigest(),
-                       "rows_nbytes": len(rows_raw), "ids_sha256": hashlib.sha256(ids_raw).hexdigest()}).encode()
+                       "rows_nbytes": len(rows_raw), "ids_sha256": None if ids_raw is None else hashlib.sha256(ids_raw).hexdigest()}).encode()
 
 
 def marker_problem(storage: Storage, checkpoint: Checkpoint, digest: str, marker: str) -> str:
@@ -333,11 +333,11 @@ def marker_problem(storage: Storage, checkpoint: Checkpoint, digest: str, marker
         return ""
     try:
         parts_raw, rows_raw = _read_both(storage, checkpoint_keys(digest, seal[3] if seal else PARTS_ARROW))
-        ids_raw = storage.read(ids_key(digest)) if seal is None or seal[2] is not None else None
+        ids_raw = storage.read(ids_key(digest)) if seal is not None and seal[2] is not None else None
     except FileNotFoundError as exc:
         return f"it names objects that are not there ({exc})"
     if checkpoint.current:
-        expected = marker_doc(len(checkpoint.parts), checkpoint.table.num_rows, parts_raw, rows_raw, ids_raw or b"")
+        expected = marker_doc(len(checkpoint.parts), checkpoint.table.num_rows, parts_raw, rows_raw, ids_raw)
         return "" if raw == expected else "its content is not what its compactor wrote (altered or damaged)"
     assert seal is not None
     ids_ok = ids_raw is None or hashlib.sha256(ids_raw).hexdigest() == seal[2]

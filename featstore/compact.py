@@ -104,9 +104,11 @@ def compact_store(storage: Storage, *, keep: int = KEEP, rebuild: bool = False) 
         parts_raw = parts_object(described, doc)
         rows_raw = parquet_bytes(gathered.table.replace_schema_metadata(None), {})
         digest = digest_of(parts_raw, rows_raw)
-        ids_raw = np.unique(id_hashes(gathered.table.column("id"))).astype("<u8").tobytes()
+        # No ids, no ids object: an empty object is one some S3 servers never answer the PUT of.
+        ids_raw = np.unique(id_hashes(gathered.table.column("id"))).astype("<u8").tobytes() if gathered.table.num_rows else None
+        objects = [(key, raw) for key, raw in zip((*checkpoint_keys(digest), ids_key(digest)), (parts_raw, rows_raw, ids_raw), strict=True) if raw is not None]
         # Content-named: a concurrent compactor of the same parts writes the very same bytes.
-        for key, raw in zip((*checkpoint_keys(digest), ids_key(digest)), (parts_raw, rows_raw, ids_raw), strict=True):
+        for key, raw in objects:
             if not storage.write_new(key, raw):
                 # Other bytes under a name that is the hash of these: a damaged copy. Writing the
                 # right ones over it is what anyone would write there.

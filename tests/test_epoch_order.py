@@ -184,15 +184,13 @@ def test_two_encodes_whose_shards_committed_in_other_orders_train_alike(tmp_path
 def _older_checkpoint_sequence(store) -> list[str]:
     """The shard sequence read through ``store``'s index checkpoint as an older mmcache wrote it:
     without the first ids copied out of the commit records (each read from its record instead)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
 
-    from mmcache.featstore.checkpoints import CHECKPOINT_METADATA_KEY, _parse_parts, checkpoint_keys, markers
+    from mmcache.featstore.checkpoints import CHECKPOINT_METADATA_KEY, _parse_parts, checkpoint_keys, markers, read_parts_object
     from mmcache.featstore.index import IN_RECORD, list_index, parquet_bytes
 
     (_, digest, marker), *_ = markers(list_index(store.storage))
-    listing = pq.ParquetFile(pa.BufferReader(store.storage.read(checkpoint_keys(digest)[0])))
-    parts, doc = listing.read(), json.loads(listing.metadata.metadata[CHECKPOINT_METADATA_KEY])
+    parts, metadata, _ = read_parts_object(store.storage.read(checkpoint_keys(digest)[0]))
+    doc = json.loads(metadata[CHECKPOINT_METADATA_KEY])
     assert len(doc.pop("first_ids")) == len(store.shards)
     older = parquet_bytes(parts.replace_schema_metadata(None), {CHECKPOINT_METADATA_KEY: json.dumps(doc).encode()})
     checkpoint = _parse_parts(older, digest, marker, store.url, lambda: None, len(older))
