@@ -47,6 +47,7 @@ DEFAULT_COMPACT_EVERY = 64
 @dataclass
 class CompactSummary:
     key: str | None = None        # the checkpoint now in effect (None: the store has no parts)
+    marker: str = ""              # its marker's name under index/
     parts: int = 0                # index parts it covers
     new_parts: int = 0            # of which read from their index parts this time
     rows: int = 0
@@ -64,13 +65,13 @@ class CompactSummary:
         return f"{what}: {self.parts} index part(s) ({self.new_parts} new), {self.rows} row(s), {self.nbytes} bytes{extra}{bad}"
 
 
-def compact_store(storage: Storage, *, keep: int = KEEP, rebuild: bool = False) -> CompactSummary:
+def compact_store(storage: Storage, *, keep: int = KEEP, rebuild: bool = False, listing: dict[str, str] | None = None) -> CompactSummary:
     """Write a checkpoint covering every index part committed now (reading only those the newest
     checkpoint lacks), publish it, and prune older checkpoints. Safe beside readers, writers and
     other compactors: it creates objects only if absent and deletes only checkpoints.
     ``rebuild``: read every part, ignoring the existing checkpoints, and then delete all of them
     (for one that ``mmcache verify`` found disagreeing with the parts)."""
-    gathered = gather_parts(storage, strict=False, use_checkpoint=not rebuild, checkpoint_problems=[])
+    gathered = gather_parts(storage, strict=False, use_checkpoint=not rebuild, checkpoint_problems=[], listing=listing)
     summary = CompactSummary(damaged=gathered.damaged)
     if not gathered.order:
         return summary
@@ -79,7 +80,7 @@ def compact_store(storage: Storage, *, keep: int = KEEP, rebuild: bool = False) 
     summary.parts, summary.rows = len(gathered.order), gathered.table.num_rows
     # (An older compactor's checkpoint is written again, with the first ids an order reads.)
     if old is not None and not summary.new_parts and len(gathered.covered) == len(old.parts) and old.current:
-        summary.key, summary.nbytes = old.key, old.nbytes  # nothing committed or deleted since
+        summary.key, summary.nbytes, summary.marker = old.key, old.nbytes, old.marker  # nothing committed or deleted since
     else:
         records = gathered.records
         described = pa.table({
@@ -115,20 +116,23 @@ def compact_store(storage: Storage, *, keep: int = KEEP, rebuild: bool = False) 
                 storage.write_atomic(key, raw)
         # Trusted only once read back whole and matching its name; only then is it published.
         read_checkpoint(storage, digest, "")
-        storage.write_new(f"{fmt.INDEX_DIR}/{marker_name(len(gathered.order), digest)}", marker_doc(len(gathered.order), gathered.table.num_rows, parts_raw, rows_raw, ids_raw))
+        summary.marker = marker_name(len(gathered.order), digest)
+        storage.write_new(f"{fmt.INDEX_DIR}/{summary.marker}", marker_doc(len(gathered.order), gathered.table.num_rows, parts_raw, rows_raw, ids_raw))
         summary.key, summary.nbytes, summary.written = f"{CHECKPOINT_DIR}/{digest}", len(parts_raw) + len(rows_raw), True
-    summary.pruned = _prune(storage, summary.key, keep, everything=rebuild, replaced=set(gathered.replaced))
+    # The listing it gathered from, and its own marker: a marker written since is a concurrent
+    # compactor's, and its own prune's.
+    listed = {**gathered.listing, **({summary.marker: ""} if summary.marker else {})}
+    summary.pruned = _prune(storage, summary.key, keep, listed, everything=rebuild, replaced=set(gathered.replaced))
     return summary
 
 
-def _prune(storage: Storage, current: str, keep: int, everything: bool = False, replaced: Collection[str] = ()) -> list[str]:
+def _prune(storage: Storage, current: str, keep: int, listing: dict[str, str], everything: bool = False, replaced: Collection[str] = ()) -> list[str]:
     """Delete checkpoints less complete than ``current`` beyond the ``keep`` newest, any whose
     objects are damaged or gone, and any that would rank above ``current`` but cover parts no
     longer listed as they were (deleted after a data compaction replaced them, or by repair) or
     shards a data compaction replaced (``replaced``: still listed within its grace): readers
     would pick it and use little of it. Marker first: a reader that listed it and then finds the
     objects gone takes the next checkpoint, or reads the parts."""
-    listing = list_index(storage)
     found = markers(listing)
     mine = next((m for m in found if f"{CHECKPOINT_DIR}/{m[1]}" == current), None)
     pruned, kept = [], 0
@@ -223,8 +227,8 @@ def _compact_if(storage: Storage, wanted: Callable[[dict[str, str]], bool], when
     """Compact the index if ``wanted(listing)``. The commits are done whatever this does: a
     failure is a warning, not an error."""
     try:
-        if wanted(list_index(storage)):
-            compact_store(storage)
+        if wanted(listing := list_index(storage)):
+            compact_store(storage, listing=listing)
     except (FeatstoreError, OSError) as exc:
         warnings.warn(f"{storage.url}: automatic index compaction {when} failed ({exc}); every shard is committed, "
                       f"and `mmcache compact {storage.url}` can be run at any time", CheckpointWarning, stacklevel=4)

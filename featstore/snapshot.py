@@ -118,13 +118,16 @@ def _read_whole(storage: Storage, entries: list[str]) -> dict[str, pa.Table]:
 
 
 def gather_parts(storage: Storage, *, strict: bool, list_parts: bool = True, only: Sequence[str] | None = None,
-                 use_checkpoint: bool = True, checkpoint_problems: list[str] | None = None, lazy: bool = False) -> GatheredParts:
+                 use_checkpoint: bool = True, checkpoint_problems: list[str] | None = None, lazy: bool = False,
+                 listing: dict[str, str] | None = None) -> GatheredParts:
     """List ``index/`` once and gather the committed parts (``only`` those shards, if given): the
     rows of those a checkpoint covers from it (one read), the others from their own parts. A part
     is taken from the checkpoint only while it is listed with the fingerprint the checkpoint
     recorded, so the result is exactly what reading every listed part gives. ``lazy``: the
-    checkpoint's rows are read when ``table`` is first used."""
-    listing = list_index(storage) if list_parts else {}
+    checkpoint's rows are read when ``table`` is first used. ``listing``: one the caller took of
+    ``index/`` just now (``list_index``), to not take it twice."""
+    if listing is None:
+        listing = list_index(storage) if list_parts else {}
     wanted = None if only is None else set(only)
     checkpoint = find_checkpoint(storage, listing, checkpoint_problems, lazy=lazy) if use_checkpoint and listing else None
     covered = {} if checkpoint is None else {
