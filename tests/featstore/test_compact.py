@@ -392,3 +392,45 @@ def test_what_writers_close_opens_from_a_checkpoint_and_reads_as_from_its_parts(
     store.storage.delete(info.index_key)
     result = CliRunner().invoke(cli, ["verify", one])
     assert result.exit_code == 1 and f"of shard {name!r}" in result.output and "are in no index part" in result.output, result.output
+
+
+def _as_version_1(url: str) -> str:
+    """The store's checkpoint rewritten as mmcache wrote checkpoints before version 2: its parts
+    object Parquet (the same table and document, version 1), its marker recording the parts
+    object's SHA-256 and no parts_object. Returns its key."""
+    import hashlib
+
+    from mmcache.featstore.backends import open_storage
+
+    storage = open_storage(url)
+    (parts, digest, marker), = checkpoints.markers(list_index(storage))
+    table, metadata, _ = checkpoints.read_parts_object(storage.read(checkpoints.checkpoint_keys(digest)[0]))
+    doc = {**json.loads(metadata[checkpoints.CHECKPOINT_METADATA_KEY]), "checkpoint_version": 1}
+    parts_raw = parquet_bytes(table.replace_schema_metadata(None), {checkpoints.CHECKPOINT_METADATA_KEY: json.dumps(doc).encode()})
+    rows_raw, ids_raw = storage.read(checkpoints.checkpoint_keys(digest)[1]), storage.read(checkpoints.ids_key(digest))
+    old = checkpoints.digest_of(parts_raw, rows_raw)
+    for key, raw in zip((*checkpoints.checkpoint_keys(old, checkpoints.PARTS_PARQUET), checkpoints.ids_key(old)), (parts_raw, rows_raw, ids_raw), strict=True):
+        storage.write_new(key, raw)
+    seal = {"parts": parts, "rows": doc["rows"], "parts_sha256": hashlib.sha256(parts_raw).hexdigest(), "rows_nbytes": len(rows_raw),
+            "ids_sha256": hashlib.sha256(ids_raw).hexdigest()}
+    storage.write_new(f"{fmt.INDEX_DIR}/{checkpoints.marker_name(parts, old)}", json.dumps(seal).encode())
+    storage.delete(f"{fmt.INDEX_DIR}/{marker}")
+    for key in checkpoints.object_keys(digest):
+        storage.delete(key)
+    return f"{checkpoints.CHECKPOINT_DIR}/{old}"
+
+
+def test_a_version_1_checkpoint_is_read_and_rewritten_as_version_2(tmp_path):
+    url = str(tmp_path / "store")
+    _closed_by(url, 2)
+    expected = without_checkpoints(url)
+    compact_store(featstore.open(url).storage)
+    older = _as_version_1(url)
+    store = featstore.open(url)
+    assert store.checkpoint == older and store.checkpoint_covered == len(store.shards) and view(store) == expected
+    assert verify_store(store).ok
+    summary = compact_store(store.storage)  # nothing new, but an older version's: written again
+    assert summary.written and older in summary.pruned
+    now = featstore.open(url)
+    assert now.checkpoint == summary.key and now.checkpoint_covered == len(now.shards) and view(now) == expected
+    assert _checkpoint_objects(url) == sorted(f"{summary.key}{suffix}" for suffix in (checkpoints.PARTS_ARROW, ".rows.parquet", ".ids.u64"))
