@@ -229,27 +229,33 @@ def _names_valid(columns: dict[str, list[Any]]) -> bool:
     if columns["entry"] != [f"{name}.parquet" if type(name) is str else None for name in shards]:
         return False
     fields = [f for names in columns["fields"] for f in (names if type(names) is list else [None])]
-    return all(_all_lines_match(values, pattern) for values, pattern in (
-        (shards, _LINES["shard"]), (columns["data"], _LINES["data"]), (columns["rejects"], _LINES["rejects"]), (fields, _LINES["field"])))
+    texts = {}
+    for name, values in (("shard", shards), ("data", columns["data"]), ("rejects", columns["rejects"]), ("field", fields)):
+        if (text := _lines(values)) is None:
+            return False
+        texts[name] = text
+    return _CRC_LINE.search(texts["shard"]) is None and all(_LINES[name].fullmatch(text) is not None for name, text in texts.items())
 
 
-def _all_lines_match(values: list[Any], pattern: re.Pattern[str]) -> bool:
-    if not all(type(v) is str for v in values):
-        return False
-    joined = "".join(f"{v}\n" for v in values)
-    # A value holding a line break would make two lines: the count tells.
-    return joined.count("\n") == len(values) and ".." not in joined and pattern.fullmatch(joined) is not None
+def _lines(values: list[Any]) -> str | None:
+    """``values`` one a line (each ended by a line break), or None where one is not a string,
+    holds a line break or ``..``."""
+    try:
+        text = "\n".join(values) + "\n" if values else ""
+    except TypeError:
+        return None
+    return text if text.count("\n") == len(values) and ".." not in text else None
 
 
 def _line_patterns() -> dict[str, re.Pattern[str]]:
-    """format.recorded_name_patterns for lines joined: one name a line, every line matching (a
-    shard name, also not ending like a version-2 part name's CRC)."""
+    """format.recorded_name_patterns for lines joined: one name a line, every line matching."""
     bare = {name: pattern.removeprefix("^").removesuffix("$") for name, pattern in fmt.recorded_name_patterns().items()}
-    bare["shard"] = f"(?![^\n]*{bare.pop('crc_suffix')}\n){bare['shard']}"
-    return {name: re.compile(f"(?:{pattern}\n)*") for name, pattern in bare.items()}
+    return {name: re.compile(f"(?:{pattern}\n)*") for name, pattern in bare.items() if name != "crc_suffix"}
 
 
 _LINES = _line_patterns()
+# A shard name ending like a version-2 part name's CRC, on one of the joined lines.
+_CRC_LINE = re.compile(fmt.recorded_name_patterns()["crc_suffix"].removesuffix("$") + "\n")
 
 
 def _first_ids(doc: dict[str, Any], parts: int, where: str) -> list[str | None]:
