@@ -161,7 +161,10 @@ def compact_data(store: Store, config: DataCompaction, storage_options: dict[str
             summary.lost_races += 1
         else:
             summary.written.append(name)
-    summary.deleted = delete_replaced(store.storage, config.grace_s)
+    # Nothing replaced before this pass, nothing past a grace: its own replaced shards are not
+    # (a listing and a read saved, each a request on an object store), unless the grace is 0.
+    if store.replaced or config.grace_s <= 0:
+        summary.deleted = delete_replaced(store.storage, config.grace_s)
     return summary
 
 
