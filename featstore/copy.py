@@ -112,7 +112,7 @@ def copy_store(
         report = None if progress is None else lambda done, copied: progress(done + skipped, len(source.shards), copied)
         ndims = {name: spec.ndim for name, spec in source.fields.items()}
         counts = _copy_shards(source.storage, dest, todo, workers, _ByteBudget(max_inflight_bytes), report, ndims)
-        if todo:  # its own checkpoint (the source's records fingerprints of the source's listing)
+        if todo:  # a checkpoint of its own: the source's records fingerprints of the source's listing, not of this one
             compact.compact_at_close(dest, "at the end of the copy")
         return CopySummary(
             src=source.url, dst=dest.url, shards=len(source.shards), shards_copied=len(todo), shards_skipped=skipped,

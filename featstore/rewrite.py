@@ -122,7 +122,7 @@ def rewrite_group(url: str, storage_options: dict[str, Any] | None, group: Group
     target = open_store(url, storage_options, mode="a", load_index=False, manifest=source.manifest)
     fields = sorted(source.shards[group.shards[0]].layouts)
     try:
-        writer = target.writer(shard_bytes=1 << 62, fields=fields or None, compact_every=0, allow_nonfinite=True, checkpoint_at_close=False)
+        writer = target.writer(shard_bytes=1 << 62, fields=fields or None, compact_every=0, allow_nonfinite=True)
         meta_columns = source.meta_columns
         for name in group.shards:
             _copy_shard(source, writer, name, meta_columns)
