@@ -164,7 +164,8 @@ _PART_COLUMNS = ("entry", "shard", "listed", "index_nbytes", "num_samples", "num
 
 def markers(listing: Iterable[str]) -> list[tuple[int, str, str]]:
     """(parts, digest, marker name) of the checkpoints in a listing, the most complete first."""
-    found = [(*parsed, name) for name in listing if (parsed := parse_marker(name))]
+    # (The prefix first: an open asks this of every name under index/, and few are markers.)
+    found = [(*parsed, name) for name in listing if name.startswith("_checkpoint.") and (parsed := parse_marker(name))]
     return sorted(found, key=lambda m: (-m[0], m[1]))
 
 

@@ -8,6 +8,7 @@ docs/design/store.md, "Two-level index").
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -27,8 +28,10 @@ class ShardTable:
         self.gathered = gathered
         self._fields = fields  # the store's fields now (added fields reach rows loaded after)
         self.shards: dict[str, ShardInfo] = {info.name: info for _, info in gathered.order}
-        self.starts = np.cumsum([0] + [info.num_samples for info in self.shards.values()], dtype=np.int64)
-        self.rows: dict[str, range] = {name: range(int(a), int(b)) for name, a, b in zip(self.shards, self.starts[:-1], self.starts[1:])}
+        # (Python ints first: every open builds this, and NumPy's per-element costs dominate here.)
+        starts = list(accumulate((info.num_samples for info in self.shards.values()), initial=0))
+        self.starts = np.array(starts, dtype=np.int64)
+        self.rows: dict[str, range] = {name: range(a, b) for name, a, b in zip(self.shards, starts, starts[1:])}
         self.loaded = LoadedRows(self._load)
 
     def _load(self, number: int) -> ShardRows:
